@@ -1,0 +1,77 @@
+"""The one helper that runs a function on N gloo ranks inside pytest.
+
+    results = spawn(4, fn, arg1, arg2)   # fn(arg1, arg2) runs on every rank; returns [result_rank0, ...]
+
+Each rank is a fresh process (spawn), has OMP_NUM_THREADS=1, a gloo process group on a free
+localhost port (RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the repository on
+sys.path. A failing rank's traceback is raised in the test; a hang ends at `timeout`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, queue, init_group):
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        WANDB_MODE="disabled",
+    )
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        queue.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world_size: int, fn, *args, timeout: float = 600, init_group: bool = True):
+    """Run fn(*args) on `world_size` ranks; return the list of per-rank results (rank order)."""
+    assert 1 <= world_size <= 8, "tests keep world sizes at 8 or fewer"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, init_group))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
