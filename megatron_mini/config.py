@@ -51,6 +51,7 @@ class DataConfig:
     vocab_size: int = 8192
     val_fraction: float = 0.02      # fraction of documents held out for validation
     tokenizer_sample_chars: int = 12_000_000  # text fed to sentencepiece training
+    tokenizer_seed: int = 1234      # seeds the sample of text chunks the tokenizer is trained on
     num_workers: int = 2
 
 
@@ -80,7 +81,7 @@ class PrecisionConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"            # online | offline | disabled ("offline" unless an API key is set)
+    mode: str = "auto"               # auto (online with an API key, else offline) | online | offline | disabled
     project: str = "megatron_mini"
     group: Optional[str] = None
     name: Optional[str] = None
@@ -173,3 +174,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     if cfg.kernels not in ("auto", "triton", "torch"):
         raise ConfigError(f"kernels={cfg.kernels!r}: choose auto, triton or torch.")
     return dp
+
+
+def register_configs() -> None:
+    """Store TrainConfig in Hydra's ConfigStore as "base_config" (the schema conf/config.yaml starts from)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=TrainConfig)

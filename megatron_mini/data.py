@@ -1,0 +1,478 @@
+"""Data: corpus -> sentencepiece tokenizer -> indexed token dataset -> packed, shuffled GPT samples.
+
+Files in DataConfig.dir, each written atomically (tmp file + os.replace):
+  tokenizer.model  sentencepiece BPE; tokenizer.json records what it was trained on (for caching)
+  tokens.bin       every document's tokens followed by EOS, back to back (uint16 if the vocab fits, else int32)
+  tokens.idx       header <8s magic, u32 version, u8 dtype code, 3 pad bytes, u64 num_docs>, then
+                   int64 sizes[num_docs] (tokens per document, EOS included), int64 offsets[num_docs] (in tokens)
+  meta.json        tokenizer sha256, vocab size, documents, tokens, source, python version, corpus sha256, dtype
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import platform
+import random
+import shlex
+import struct
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from megatron_mini.config import ConfigError, DataConfig
+
+_MAGIC = b"MMINIIDX"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIB3xQ")
+_DTYPES = {1: np.uint16, 2: np.int32}
+_CHUNK_CHARS = 2000          # tokenizer training "sentences" are multi-line chunks, so newlines are learned
+_BATCH_CHARS = 1 << 18       # characters per encoding task sent to a worker
+_TOKENIZER_SETTINGS = 1      # bump when the training options below change: cached tokenizers are retrained
+
+
+class DataError(ConfigError):
+    """Missing, corrupt or mismatched data: one line naming the file, the problem and the rebuild command."""
+
+    def __init__(self, what: object, problem: str, rebuild: str | None = "make data"):
+        self.what, self.problem = str(what), " ".join(problem.split())
+        super().__init__(f"{self.what}: {self.problem}" + (f"; rebuild it with: {rebuild}" if rebuild else ""))
+
+    def with_rebuild(self, rebuild: str) -> "DataError":
+        return DataError(self.what, self.problem, rebuild)
+
+
+def rebuild_command(cfg: DataConfig, vocab_size: int | None = None) -> str:
+    """`make data`, or prepare_data.py with the data.* values that differ from the defaults."""
+    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": vocab_size or cfg.vocab_size,
+              "tokenizer_sample_chars": cfg.tokenizer_sample_chars, "tokenizer_seed": cfg.tokenizer_seed}
+    args = [f"data.{k}={shlex.quote(str(v))}" for k, v in values.items() if v != getattr(DataConfig, k)]
+    return "python tools/prepare_data.py " + " ".join(args) if args else "make data"
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+
+def read_corpus(source: str) -> tuple[list[str], dict]:
+    """Documents of `source` in a fixed order, empty ones dropped, and their description
+    {source, python, corpus_sha256, num_docs}. source: "stdlib" (the interpreter's standard library,
+    one document per .py file, site-/dist-packages excluded), a directory of .txt files, or a .jsonl
+    file with a "text" field per line."""
+    if source == "stdlib":
+        docs = [_read_text(p) for p in _stdlib_files()]
+    elif Path(source).is_dir():
+        docs = [_read_text(p) for p in sorted(Path(source).rglob("*.txt"))]
+    elif Path(source).is_file() and source.endswith(".jsonl"):
+        docs = _read_jsonl(Path(source))
+    else:
+        raise DataError(f"data.source={source}", "not found; use 'stdlib', a directory of .txt files "
+                        "or a .jsonl file with a \"text\" field per line", rebuild=None)
+    docs = [d for d in docs if d]
+    if not docs:
+        raise DataError(f"data.source={source}", "no non-empty documents", rebuild=None)
+    digest = hashlib.sha256()
+    for d in docs:
+        b = d.encode()
+        digest.update(len(b).to_bytes(8, "little") + b)
+    return docs, {"source": _source_id(source), "python": platform.python_version(),
+                  "corpus_sha256": digest.hexdigest(), "num_docs": len(docs)}
+
+
+def _source_id(source: str) -> str:
+    return source if source == "stdlib" else str(Path(source).resolve())
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def _read_text(path) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    text = json.loads(line)["text"]
+                except (ValueError, KeyError, TypeError):
+                    text = None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}", "expected a JSON object with a \"text\" string", None)
+                docs.append(text)
+    return docs
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """A sentencepiece model file: encode(str) -> list[int] (no EOS), decode(list[int]) -> str.
+    Attributes: path, sha256 (of the file), vocab_size, eos_id."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(self.path, "missing")
+        data = self.path.read_bytes()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except RuntimeError:
+            raise DataError(self.path, "not a valid sentencepiece model") from None
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+def train_tokenizer(docs: list[str], vocab_size: int, sample_chars: int, seed: int, path) -> None:
+    """Train a byte-fallback BPE on about `sample_chars` characters of seeded-shuffled multi-line chunks
+    of `docs`: identity normalisation, whitespace kept (runs of spaces are pieces), digits split,
+    "\\n" and "\\t" always in the vocabulary; id 0 = <unk>, 1 = EOS, no BOS/PAD. The same inputs give
+    the same model file on any machine (with the same sentencepiece version)."""
+    chunks = [c for d in docs for c in _chunks(d)]
+    random.Random(seed).shuffle(chunks)
+    sample, total = [], 0
+    for c in chunks:
+        if total >= sample_chars:
+            break
+        sample.append(c)
+        total += len(c)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+            required_chars="\n\t", character_coverage=0.9999, max_sentence_length=4 * _CHUNK_CHARS + 16,
+            unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=1, minloglevel=2)  # 1 thread: reproducible
+    except RuntimeError as e:
+        raise DataError(path, f"could not train a {vocab_size}-token tokenizer on {total:,} characters ({e})",
+                        rebuild=None) from None
+    _atomic_write(path, model.getvalue())
+
+
+def _chunks(doc: str) -> list[str]:
+    """`doc` cut at line ends into pieces of at most _CHUNK_CHARS characters (overlong lines are split)."""
+    out, cur = [], ""
+    for line in doc.splitlines(keepends=True):
+        for i in range(0, len(line), _CHUNK_CHARS):
+            piece = line[i:i + _CHUNK_CHARS]
+            if len(cur) + len(piece) > _CHUNK_CHARS:
+                out.append(cur)
+                cur = ""
+            cur += piece
+    return out + [cur] if cur else out
+
+
+# ------------------------------------------------------------------------------------- indexed dataset
+
+class IndexedDataset:
+    """Memory-mapped `<prefix>.bin` + `<prefix>.idx`. len() = documents; sizes, offsets: int64 [docs] in tokens;
+    tokens: the flat memmap; doc(i) -> tokens of document i (EOS included); span(start, n) -> n tokens of
+    the concatenation of all documents from token `start` (one slice, across document boundaries)."""
+
+    def __init__(self, prefix):
+        self.idx_path, self.bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+        for p in (self.idx_path, self.bin_path):
+            if not p.is_file():
+                raise DataError(p, "missing")
+        with open(self.idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise DataError(self.idx_path, "truncated header")
+        magic, version, code, n = _HEADER.unpack(head)
+        if magic != _MAGIC:
+            raise DataError(self.idx_path, f"bad magic {magic!r}, expected {_MAGIC!r}")
+        if version != _VERSION or code not in _DTYPES:
+            raise DataError(self.idx_path, f"format version {version} / dtype code {code} not supported "
+                            f"(expected version {_VERSION}, dtype codes {sorted(_DTYPES)})")
+        if n == 0 or self.idx_path.stat().st_size != _HEADER.size + 16 * n:
+            raise DataError(self.idx_path, f"{self.idx_path.stat().st_size} bytes, inconsistent with its header "
+                            f"({n} documents): truncated or corrupt")
+        arrays = np.fromfile(self.idx_path, np.int64, offset=_HEADER.size).reshape(2, n)
+        self.sizes, self.offsets = arrays[0], arrays[1]
+        if self.sizes.min() < 1 or self.offsets[0] != 0 or (np.diff(self.offsets) != self.sizes[:-1]).any():
+            raise DataError(self.idx_path, "document sizes and offsets are inconsistent: corrupt")
+        self.dtype = np.dtype(_DTYPES[code])
+        self.num_tokens = int(self.offsets[-1] + self.sizes[-1])
+        expected = self.num_tokens * self.dtype.itemsize
+        if self.bin_path.stat().st_size != expected:
+            raise DataError(self.bin_path, f"{self.bin_path.stat().st_size} bytes, but {self.idx_path.name} "
+                            f"describes {self.num_tokens} {self.dtype} tokens ({expected} bytes): truncated or stale")
+        self.tokens = np.memmap(self.bin_path, self.dtype, "r")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+
+    def span(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start:start + length]
+
+
+def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
+    """Write an iterable of token arrays (one per document, EOS included) as <prefix>.bin/.idx.
+    Returns (documents, tokens)."""
+    code = {np.dtype(v): k for k, v in _DTYPES.items()}[np.dtype(dtype)]
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    tmp = bin_path.with_name(f"{bin_path.name}.tmp{os.getpid()}")
+    sizes = []
+    with open(tmp, "wb") as f:
+        for arr in docs:
+            f.write(np.asarray(arr, dtype).tobytes())
+            sizes.append(len(arr))
+    sizes = np.array(sizes, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    os.replace(tmp, bin_path)
+    _atomic_write(idx_path, _HEADER.pack(_MAGIC, _VERSION, code, len(sizes)) + sizes.tobytes() + offsets.tobytes())
+    return len(sizes), int(sizes.sum())
+
+
+_worker: dict = {}   # this process's encoder state, set by _init_worker (in each pool worker, or in-process)
+
+
+def _init_worker(model_path: str, dtype) -> None:
+    _worker.update(sp=spm.SentencePieceProcessor(model_file=model_path), dtype=dtype)
+
+
+def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+    sp = _worker["sp"]
+    return [np.array(ids + [sp.eos_id()], _worker["dtype"]) for ids in sp.encode(texts, num_threads=1)]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every token id fits, else int32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+def encode_corpus(docs: list[str], tokenizer: Tokenizer, prefix, num_workers: int) -> tuple[int, int]:
+    """Encode `docs` (EOS appended to each) with `num_workers` processes into <prefix>.bin/.idx,
+    showing a progress bar and printing tokens/s. Returns (documents, tokens)."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    batches, chars = [[]], 0
+    for d in docs:
+        if chars >= _BATCH_CHARS:
+            batches, chars = batches + [[]], 0
+        batches[-1].append(d)
+        chars += len(d)
+    progress, t0, done = _Progress(len(docs)), time.time(), [0, 0]
+
+    def track(results):
+        for arrays in results:
+            for a in arrays:
+                done[0], done[1] = done[0] + 1, done[1] + len(a)
+                yield a
+            progress(*done)
+
+    init = (str(tokenizer.path), dtype)
+    if num_workers > 1:
+        with multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, init) as pool:
+            n_docs, n_tokens = write_indexed(prefix, track(pool.imap(_encode_batch, batches)), dtype)
+    else:
+        _init_worker(*init)
+        n_docs, n_tokens = write_indexed(prefix, track(map(_encode_batch, batches)), dtype)
+    progress(*done, final=True)
+    dt = time.time() - t0
+    print(f"encoded {n_docs:,} documents, {n_tokens:,} tokens in {dt:.1f} s ({n_tokens / dt:,.0f} tokens/s, "
+          f"{num_workers} workers) -> {prefix}.bin ({np.dtype(dtype)})")
+    return n_docs, n_tokens
+
+
+class _Progress:
+    """A one-line progress bar on stderr (redrawn on a terminal, only the final line otherwise)."""
+
+    def __init__(self, total: int):
+        self.total, self.t0, self.last = total, time.time(), 0.0
+
+    def __call__(self, docs: int, tokens: int, final: bool = False) -> None:
+        now = time.time()
+        if not final and (now - self.last < 0.2 or not sys.stderr.isatty()):
+            return
+        self.last, frac = now, docs / self.total
+        sys.stdout.flush()
+        sys.stderr.write(f"\rencode [{'#' * int(30 * frac):<30}] {frac:4.0%} {docs}/{self.total} docs "
+                         f"{tokens / max(now - self.t0, 1e-9) / 1e6:.2f}M tokens/s" + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------ preparation
+
+def prepare(cfg: DataConfig) -> dict:
+    """corpus -> tokenizer -> tokens.bin/.idx + meta.json in cfg.dir; a step whose output exists and matches
+    (corpus hash, vocab size, tokenizer sha256) is skipped. Returns the contents of meta.json."""
+    t0, out = time.time(), Path(cfg.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    docs, info = read_corpus(cfg.source)
+    print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
+          f"(python {info['python']}, sha256 {info['corpus_sha256'][:12]})")
+    tok_path = out / "tokenizer.model"
+    trained_on = {"vocab_size": cfg.vocab_size, "sample_chars": cfg.tokenizer_sample_chars,
+                  "seed": cfg.tokenizer_seed, "corpus_sha256": info["corpus_sha256"], "settings": _TOKENIZER_SETTINGS}
+    try:
+        tok = Tokenizer(tok_path)
+        cached = _read_json(out / "tokenizer.json") == {**trained_on, "sha256": tok.sha256}
+    except DataError:
+        cached = False
+    if cached:
+        print(f"tokenizer: cached {tok_path}")
+    else:
+        t = time.time()
+        train_tokenizer(docs, cfg.vocab_size, cfg.tokenizer_sample_chars, cfg.tokenizer_seed, tok_path)
+        tok = Tokenizer(tok_path)
+        _atomic_write(out / "tokenizer.json", json.dumps({**trained_on, "sha256": tok.sha256}, indent=1).encode())
+        print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
+    try:
+        meta = _open_checked(out, tok)[1]
+        cached = (meta.get("corpus_sha256"), meta.get("source")) == (info["corpus_sha256"], info["source"])
+    except DataError:
+        cached = False
+    if cached:
+        print(f"tokens: cached {out / 'tokens.bin'} ({meta['num_tokens']:,} tokens)")
+    else:
+        n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers)
+        meta = {**info, "num_docs": n_docs, "num_tokens": n_tokens, "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size))}
+        _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+    print(f"data ready in {out} ({time.time() - t0:.1f} s)")
+    return meta
+
+
+def _open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
+    """The dataset in `out`, checked against its meta.json and the tokenizer that must have encoded it."""
+    meta = _read_json(out / "meta.json")
+    if not isinstance(meta, dict):
+        raise DataError(out / "meta.json", "missing or not valid JSON")
+    ds = IndexedDataset(out / "tokens")
+    if meta.get("tokenizer_sha256") != tok.sha256:
+        raise DataError(ds.bin_path, f"encoded with another tokenizer (sha256 {str(meta.get('tokenizer_sha256'))[:12]} "
+                        f"in meta.json, {tok.path} has {tok.sha256[:12]})")
+    if (meta.get("num_docs"), meta.get("num_tokens")) != (len(ds), ds.num_tokens):
+        raise DataError(out / "meta.json", f"says {meta.get('num_docs')} documents / {meta.get('num_tokens')} tokens, "
+                        f"{ds.idx_path.name} has {len(ds)} / {ds.num_tokens}")
+    return ds, meta
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _atomic_write(path, data: bytes) -> None:
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------- samples and batches
+
+def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) sorted document ids: round(val_fraction * num_docs) documents (at least 1, at most all
+    but one) drawn by seed go to validation."""
+    if num_docs < 2 or not 0 < val_fraction < 1:
+        raise ValueError(f"cannot hold out val_fraction={val_fraction} of {num_docs} documents")
+    n_val = min(max(1, round(val_fraction * num_docs)), num_docs - 1)
+    perm = np.random.default_rng(seed).permutation(num_docs)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+class GPTDataset:
+    """Packed samples over documents `doc_ids` of `indexed`, concatenated in that order (EOS separates them).
+    Sample k is tokens [k*seq_len, k*seq_len + seq_len + 1) of the concatenation: consecutive samples share
+    one token (as in Megatron), so each token but the first is a target exactly once per epoch.
+    len() = samples per epoch; dataset[i] for any i >= 0 is sample perm_e[i % len] of epoch e = i // len,
+    where perm_e is a permutation seeded by (seed, e). Returns np.int64 [seq_len + 1]."""
+
+    def __init__(self, indexed: IndexedDataset, doc_ids, seq_len: int, seed: int):
+        ids = np.asarray(doc_ids, np.int64)
+        # runs of consecutive documents are contiguous in tokens.bin: each run is one segment
+        first = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
+        last = np.concatenate([first[1:] - 1, [len(ids) - 1]])
+        self._seg_start = indexed.offsets[ids[first]]
+        seg_len = indexed.offsets[ids[last]] + indexed.sizes[ids[last]] - self._seg_start
+        self._seg_cum = np.concatenate([[0], np.cumsum(seg_len)])
+        self.indexed, self.seq_len, self.seed = indexed, seq_len, seed
+        self.num_docs, self.num_tokens = len(ids), int(self._seg_cum[-1])
+        self._len = (self.num_tokens - 1) // seq_len
+        if self._len < 1:
+            raise ValueError(f"{len(ids)} documents hold {self.num_tokens} tokens, fewer than one sample of "
+                             f"seq_len + 1 = {seq_len + 1}")
+        self._perm_epoch, self._perm = -1, None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            raise IndexError(f"sample index {i} < 0")
+        epoch, k = divmod(int(i), self._len)
+        if epoch != self._perm_epoch:
+            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self._len)
+        start = int(self._perm[k]) * self.seq_len
+        end, seg = start + self.seq_len + 1, int(np.searchsorted(self._seg_cum, start, side="right")) - 1
+        parts = []
+        while start < end:
+            take = min(end, int(self._seg_cum[seg + 1])) - start
+            parts.append(self.indexed.span(int(self._seg_start[seg]) + start - int(self._seg_cum[seg]), take))
+            start, seg = start + take, seg + 1
+        return np.concatenate(parts).astype(np.int64)
+
+
+def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp_rank: int, dp: int):
+    """This DP rank's share of the global batch that starts at sample `consumed_samples`: global position j
+    is dataset[consumed_samples + j]; rank d takes positions [d*gbs/dp, (d+1)*gbs/dp) in order, as
+    microbatches of mbs. Returns torch.LongTensor [gbs / (dp*mbs), mbs, seq_len + 1]."""
+    import torch  # here, so the data tools and their worker processes do not pay for importing torch
+
+    if gbs % (dp * mbs):
+        raise ValueError(f"gbs={gbs} is not divisible by dp x mbs = {dp} x {mbs}")
+    per_rank = gbs // dp
+    first = consumed_samples + dp_rank * per_rank
+    rows = np.stack([dataset[first + j] for j in range(per_rank)])
+    return torch.from_numpy(rows).view(per_rank // mbs, mbs, rows.shape[1])
+
+
+def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
+                  vocab_size: int) -> tuple[GPTDataset, GPTDataset, Tokenizer]:
+    """Open cfg.dir (built by prepare(); nothing is rebuilt here), check it against cfg and the model's
+    vocab_size, split documents (cfg.val_fraction, by seed) and return (train, val, tokenizer).
+    Any problem raises a one-line DataError naming the file and the command that rebuilds it."""
+    out = Path(cfg.dir)
+    try:
+        tok = Tokenizer(out / "tokenizer.model")
+        for name, want in (("model.vocab_size", vocab_size), ("data.vocab_size", cfg.vocab_size)):
+            if tok.vocab_size != want:
+                raise DataError(tok.path, f"has {tok.vocab_size} tokens, but {name}={want} "
+                                f"(either set {name}={tok.vocab_size} or rebuild)")
+        ds, meta = _open_checked(out, tok)
+        if meta.get("source") != _source_id(cfg.source):
+            raise DataError(out / "meta.json", f"built from {meta.get('source')}, but data.source={cfg.source}")
+    except DataError as e:
+        raise e.with_rebuild(rebuild_command(cfg, vocab_size)) from None
+    try:
+        train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
+        return GPTDataset(ds, train_ids, seq_len, seed), GPTDataset(ds, val_ids, seq_len, seed + 1), tok
+    except ValueError as e:
+        raise DataError(ds.bin_path, f"{e}; use a larger corpus, a larger data.val_fraction or a shorter sequence",
+                        rebuild=None) from None

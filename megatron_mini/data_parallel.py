@@ -1,0 +1,147 @@
+"""Data parallelism: flat parameter/main-grad buffers, bucketed gradient reduction over DP.
+
+One `GradBuffer` per model chunk. Its parameters become views of one flat buffer in the
+model dtype, and each gets `main_grad`, a view of one flat fp32 buffer that microbatch
+gradients are accumulated into (BLOOM's BF16Optimizer; `.grad` never persists). The
+buffer is cut into buckets, in reverse forward order so backward fills them front to back.
+On the last microbatch a bucket is reduced over DP as soon as all its gradients are in
+(async, overlapping the rest of backward): an all-reduce, or with ZeRO-1 a reduce-scatter
+that leaves this rank the sum for its 1/dp shard of every bucket. Buckets are padded to a
+multiple of dp. With pp > 1 the tied word embedding has a bucket of its own, so its shards
+line up between the first and last stage for the embedding-group sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .mesh import ParallelMesh
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int                        # padded end: (end - start) % dp == 0
+    params: list = field(default_factory=list)
+    pending: int = 0
+    work: object = None
+    shard_out: torch.Tensor | None = None
+
+    def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        n = (self.end - self.start) // dp
+        return self.start + dp_rank * n, self.start + (dp_rank + 1) * n
+
+
+class GradBuffer:
+    def __init__(self, named_params: list, mesh: ParallelMesh, dtype: torch.dtype, zero: bool,
+                 bucket_numel: int = 4_000_000):
+        self.mesh, self.zero, self.dp = mesh, zero, mesh.dp
+        named_params = list(reversed(named_params))
+        tied = [(n, p) for n, p in named_params if n == WORD_EMBEDDING and mesh.pp > 1]
+        rest = [(n, p) for n, p in named_params if not (n == WORD_EMBEDDING and mesh.pp > 1)]
+        groups, current, size = [], [], 0
+        for n, p in rest:
+            current.append((n, p))
+            size += p.numel()
+            if size >= bucket_numel:
+                groups.append(current)
+                current, size = [], 0
+        groups += [g for g in (current, tied) if g]
+
+        self.buckets, self.names, self.offsets, offset = [], {}, {}, 0
+        for group in groups:
+            bucket = Bucket(offset, offset)
+            for n, p in group:
+                self.names[p], self.offsets[p] = n, offset
+                offset += p.numel()
+                bucket.params.append(p)
+            bucket.end = offset = offset + (-(offset - bucket.start)) % self.dp
+            self.buckets.append(bucket)
+        device = named_params[0][1].device
+        self.params_flat = torch.zeros(offset, dtype=dtype, device=device)
+        self.grads_flat = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.bucket_of = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                lo = self.offsets[p]
+                view = self.params_flat[lo:lo + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                p.main_grad = self.grads_flat[lo:lo + p.numel()].view(p.shape)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+                self.bucket_of[p] = bucket
+        self.overlap = False
+
+    @property
+    def params(self) -> list:
+        return list(self.names)
+
+    def valid_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The part of `bucket` whose reduced gradient this rank holds after the DP sync."""
+        return bucket.shard(self.mesh.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
+
+    # -- accumulation and overlapped reduction
+    def _on_grad(self, p: nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.overlap:
+            bucket = self.bucket_of[p]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch(bucket)
+
+    def start_last_microbatch(self) -> None:
+        """Call before the chunk's last backward: buckets reduce as soon as they are complete."""
+        self.overlap = True
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = self.grads_flat[bucket.start:bucket.end]
+        if self.zero:
+            bucket.shard_out = torch.empty_like(grads[: grads.numel() // self.dp])
+            bucket.work = comm.reduce_scatter_into(bucket.shard_out, grads, self.mesh.dp_group, async_op=True)
+        else:
+            bucket.work = comm.all_reduce(grads, self.mesh.dp_group, async_op=True)
+        bucket.work = bucket.work or "done"
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what was not launched yet and wait for every bucket."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work != "done":
+                bucket.work.wait()
+            if self.zero and self.dp > 1:
+                lo, hi = self.valid_range(bucket)
+                self.grads_flat[lo:hi].copy_(bucket.shard_out)
+            bucket.work, bucket.shard_out = None, None
+        self.overlap = False
+
+    def zero_grad(self) -> None:
+        self.grads_flat.zero_()
+
+    def all_gather_params(self) -> None:
+        """ZeRO-1: every rank updated its shard of each bucket; share the updated weights over DP."""
+        if not self.zero or self.dp == 1:
+            return
+        handles = []
+        for bucket in self.buckets:
+            lo, hi = self.valid_range(bucket)
+            out = self.params_flat[bucket.start:bucket.end]
+            handles.append(comm.all_gather_into(out, self.params_flat[lo:hi].clone(), self.mesh.dp_group, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def segments(self, lo: int, hi: int):
+        """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""
+        for p, name in self.names.items():
+            a, b = self.offsets[p], self.offsets[p] + p.numel()
+            if a < hi and b > lo:
+                yield p, name, max(a, lo), min(b, hi)

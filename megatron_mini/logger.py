@@ -1,0 +1,138 @@
+"""Metrics logging for one rank: a crash-safe `metrics.jsonl` in the run directory, mirrored to wandb.
+
+Every `log()` appends one JSON line (flushed at once) and, when wandb is on, calls `wandb.log`.
+wandb is imported only when it is used, and any wandb failure prints one warning and leaves
+`metrics.jsonl` as the record of the run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import netrc
+import os
+import re
+import sys
+from urllib.parse import urlsplit
+
+from megatron_mini.config import ConfigError, WandbConfig
+
+MODES = ("auto", "online", "offline", "disabled")
+
+
+def resolve_mode(mode: str) -> str:
+    """Turn a WandbConfig.mode into online | offline | disabled.
+
+    "auto" follows $WANDB_MODE when it is set, else "online" when an API key is configured
+    ($WANDB_API_KEY, or a netrc entry for the wandb host), else "offline".
+    """
+    if mode not in MODES:
+        raise ConfigError(f"wandb.mode={mode!r}: choose one of {', '.join(MODES)}.")
+    if mode != "auto":
+        return mode
+    env_mode = os.environ.get("WANDB_MODE")
+    if env_mode in ("online", "offline", "disabled"):
+        return env_mode
+    return "online" if _has_api_key() else "offline"
+
+
+def _has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def run_id(run_dir: str, name: str) -> str:
+    """A wandb run id that is the same every time this run directory is (re)started under `name`."""
+    digest = hashlib.sha1(f"{os.path.realpath(run_dir)}|{name}".encode()).hexdigest()[:10]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:40]}-{digest}"
+
+
+def _plain(value):
+    """A tensor / numpy scalar / number as a plain int or float (strings pass through)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    return value if isinstance(value, (int, str)) else float(value)
+
+
+class RunLogger:
+    """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
+
+    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
+        self.mode = resolve_mode(wandb_cfg.mode)
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self._run = None
+        self._file = None
+        self._wandb_path = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if self.mode == "disabled":
+            return
+        name = wandb_cfg.name or os.path.basename(os.path.normpath(run_dir))
+        try:
+            import wandb
+
+            self._run = wandb.init(
+                project=wandb_cfg.project, group=wandb_cfg.group, name=name, config=config,
+                dir=run_dir, mode=self.mode, id=run_id(run_dir, name), resume="allow",
+            )
+            self._wandb_path = os.path.abspath(self._run.settings.sync_dir)
+        except Exception as e:  # wandb must never stop training
+            self._wandb_failed("init", e)
+
+    @property
+    def wandb_path(self) -> str | None:
+        """The local wandb run directory (what `wandb sync` takes), or None when wandb is off or failed to start."""
+        return self._wandb_path
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Record `metrics` at `step`: one line in metrics.jsonl, one wandb.log call."""
+        if not self.enabled:
+            return
+        data = {key: _plain(value) for key, value in metrics.items()}
+        self._file.write(json.dumps({"step": int(step), **data}) + "\n")
+        self._file.flush()
+        if self._run is not None:
+            try:
+                self._run.log(data, step=int(step))
+            except Exception as e:
+                self._wandb_failed("log", e)
+
+    def summary(self, values: dict) -> None:
+        """Final values of the run: into wandb.summary and `{run_dir}/summary.json`."""
+        if not self.enabled:
+            return
+        data = {key: _plain(value) for key, value in values.items()}
+        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+        if self._run is not None:
+            try:
+                self._run.summary.update(data)
+            except Exception as e:
+                self._wandb_failed("summary", e)
+
+    def finish(self) -> None:
+        """Close metrics.jsonl, finish the wandb run and wait until its files are on disk (safe to call twice)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._run is not None:
+            try:
+                import wandb
+
+                self._run.finish()
+                wandb.teardown()  # run.finish() can return before the .wandb file is fully written
+            except Exception as e:
+                self._wandb_failed("finish", e)
+            self._run = None
+
+    def _wandb_failed(self, what: str, error: Exception) -> None:
+        print(f"warning: wandb {what} failed ({type(error).__name__}: {error}); "
+              f"continuing with {self.run_dir}/metrics.jsonl only", file=sys.stderr, flush=True)
+        self._run = None

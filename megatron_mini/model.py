@@ -1,0 +1,258 @@
+"""GPT-2 as a list of layers: [Embedding, Block_1 .. Block_L, Head].
+
+Learned positions, pre-LayerNorm blocks, causal self-attention, GELU(tanh) MLP of width 4h,
+biases, LayerNorm eps 1e-5, tied input/output embeddings. Activations are `[s, b, h]`
+(`[s/tp, b, h]` between layers with sequence parallelism). A pipeline stage runs a
+contiguous slice of the layer list (`GPTChunk`); tensor parallelism lives inside the layers.
+Every parameter has a global name (`embedding.word_embeddings.weight`, `blocks.3.attn.qkv.weight`,
+`head.ln_f.bias`, ...) from which its full initial value is derived, whatever the layout.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import TrainConfig
+from .mesh import ParallelMesh
+from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RNGTracker, RowParallelLinear,
+                              VocabParallelEmbedding, column_parallel_linear, full_shape, init_full,
+                              new_param, shard, vocab_parallel_cross_entropy)
+
+
+def use_triton(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.kernels == "triton" or (cfg.kernels == "auto" and device.type == "cuda")
+
+
+def layer_norm(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """LayerNorm over h whose parameters are marked for the sequence-parallel gradient sum."""
+    h, eps = cfg.model.hidden_size, cfg.model.ln_eps
+    if use_triton(cfg, device):
+        from kernels.layernorm import FusedLayerNorm
+        ln = FusedLayerNorm(h, eps=eps, device=device)
+    else:
+        ln = nn.LayerNorm(h, eps=eps, device=device)
+    ln.weight.spec = ParamSpec("ones", sequence_parallel=cfg.sp, no_weight_decay=True)
+    ln.bias.spec = ParamSpec("zeros", sequence_parallel=cfg.sp, no_weight_decay=True)
+    return ln
+
+
+def recomputed(fn, rng: RNGTracker, *args):
+    """Run fn(*args) under activation checkpointing, replaying the same dropout masks in backward."""
+    saved = rng.get_states()
+    calls = [0]
+
+    def replay(*a):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*a)
+        current = rng.get_states()
+        rng.set_states(saved)
+        try:
+            return fn(*a)
+        finally:
+            rng.set_states(current)
+
+    return checkpoint(replay, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+class Layer(nn.Module):
+    """A pipeline unit; its parameters' global names are `prefix.local_name`."""
+    prefix = ""
+
+    def global_name(self, local: str) -> str:
+        return f"{self.prefix}.{local}"
+
+
+class Embedding(Layer):
+    """ids [b, s] -> word + position embeddings [s(/tp), b, h]."""
+    prefix = "embedding"
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+        super().__init__()
+        m = cfg.model
+        self.tp_group, self.sp, self.rng = mesh.tp_group, cfg.sp, rng
+        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, mesh.tp_group,
+                                                      sequence_parallel=cfg.sp, std=m.init_std, device=device)
+        self.position_embeddings = new_param((m.seq_len, m.hidden_size),
+                                             ParamSpec("normal", 0.01, sequence_parallel=cfg.sp), device=device)
+        self.dropout = nn.Dropout(m.dropout)
+
+    def forward(self, ids):
+        x = self.word_embeddings(ids.t())
+        s = x.shape[0]
+        first = self.tp_group.rank * s if self.sp else 0
+        x = x + self.position_embeddings[first:first + s].unsqueeze(1)
+        if self.sp:
+            with self.rng.fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split over TP: QKV column-parallel, output row-parallel."""
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+        super().__init__()
+        m = cfg.model
+        h, tp = m.hidden_size, mesh.tp
+        self.heads, self.head_dim = m.num_heads // tp, h // m.num_heads
+        self.rng, self.attn_dropout = rng, m.dropout
+        self.selective_recompute = cfg.recompute == "selective"
+        self.triton = use_triton(cfg, device)
+        self.qkv = ColumnParallelLinear(h, 3 * h, mesh.tp_group, sequence_parallel=cfg.sp, std=m.init_std,
+                                        tp_groups=3, device=device)
+        self.proj = RowParallelLinear(h, h, mesh.tp_group, sequence_parallel=cfg.sp,
+                                      std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
+
+    def core(self, q, k, v):
+        """softmax(q k^T / sqrt(d) + causal mask) v on [b, heads, s, d]."""
+        drop = self.attn_dropout if self.training else 0.0
+        if self.triton:
+            from kernels.softmax import scaled_masked_softmax
+            p = scaled_masked_softmax(q @ k.transpose(-1, -2), 1.0 / math.sqrt(self.head_dim), causal=True)
+            with self.rng.fork():
+                return F.dropout(p, drop) @ v
+        with self.rng.fork():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+
+    def forward(self, x):
+        qkv = self.qkv(x)                                        # [s, b, 3 * heads * d] (local heads)
+        s, b = qkv.shape[:2]
+        q, k, v = (t.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3) for t in qkv.chunk(3, dim=-1))
+        if self.selective_recompute and self.training:
+            y = recomputed(self.core, self.rng, q, k, v)
+        else:
+            y = self.core(q, k, v)                               # [b, heads, s, d]
+        y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel, h -> 4h/tp), GELU(tanh), fc2 (row-parallel, 4h/tp -> h)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, device):
+        super().__init__()
+        m = cfg.model
+        self.fc1 = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh.tp_group, sequence_parallel=cfg.sp,
+                                        std=m.init_std, device=device)
+        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh.tp_group, sequence_parallel=cfg.sp,
+                                     std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(Layer):
+    """x + attn(ln1(x)), then + mlp(ln2(x)); residual dropout from the stream of its region."""
+
+    def __init__(self, index: int, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+        super().__init__()
+        self.prefix = f"blocks.{index}"
+        self.sp, self.rng, self.full_recompute = cfg.sp, rng, cfg.recompute == "full"
+        self.ln1 = layer_norm(cfg, device)
+        self.attn = Attention(cfg, mesh, rng, device)
+        self.ln2 = layer_norm(cfg, device)
+        self.mlp = MLP(cfg, mesh, device)
+        self.dropout = nn.Dropout(cfg.model.dropout)
+
+    def _residual_dropout(self, y):
+        if self.sp:
+            with self.rng.fork():
+                return self.dropout(y)
+        return self.dropout(y)
+
+    def _forward(self, x):
+        x = x + self._residual_dropout(self.attn(self.ln1(x)))
+        return x + self._residual_dropout(self.mlp(self.ln2(x)))
+
+    def forward(self, x):
+        if self.full_recompute and self.training:
+            return recomputed(self._forward, self.rng, x)
+        return self._forward(x)
+
+
+class Head(Layer):
+    """Final LayerNorm, logits with the (tied) word embedding, vocab-parallel cross-entropy.
+
+    Returns the sum of the per-token losses (fp32 scalar); the caller normalises.
+    `word_embeddings` is the embedding's own Parameter when both live on this rank, else a
+    copy with the same global name, kept identical by the embedding-group gradient sum.
+    """
+    prefix = "head"
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, word_embeddings: nn.Parameter | None, device):
+        super().__init__()
+        m = cfg.model
+        self.tp_group, self.sp, self.vocab_size = mesh.tp_group, cfg.sp, m.vocab_size
+        self.ln_f = layer_norm(cfg, device)
+        if word_embeddings is None:
+            word_embeddings = new_param((m.padded_vocab_size // mesh.tp, m.hidden_size),
+                                        ParamSpec("normal", m.init_std, tp_dim=0, tied=mesh.pp > 1), device=device)
+        self.word_embeddings = word_embeddings
+
+    def global_name(self, local: str) -> str:
+        return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
+
+    def forward(self, x, labels):
+        logits = column_parallel_linear(self.ln_f(x), self.word_embeddings, None, self.tp_group, self.sp)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size).sum()
+
+
+class GPTChunk(nn.Module):
+    """A contiguous slice of the layer list, run by one (virtual) pipeline stage."""
+
+    def __init__(self, layers: list):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.has_embedding = isinstance(layers[0], Embedding)
+        self.has_head = isinstance(layers[-1], Head)
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = layer(x, labels) if isinstance(layer, Head) else layer(x)
+        return x
+
+    def named_global_parameters(self):
+        """(global name, parameter) for every parameter, the shared word embedding once."""
+        seen = set()
+        for layer in self.layers:
+            for local, p in layer.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield layer.global_name(local), p
+
+
+def build_chunks(cfg: TrainConfig, mesh: ParallelMesh, stage_layers: list, rng: RNGTracker,
+                 device: torch.device) -> list:
+    """Build this rank's model chunks. `stage_layers[c]` = (first, last+1) indices into the
+    layer list [Embedding, Block_1..L, Head] for local chunk c. Parameters are initialised to
+    this rank's slice of their full, layout-independent value."""
+    L = cfg.model.num_layers
+    embedding = None
+    chunks = []
+    for first, end in stage_layers:
+        layers = []
+        for i in range(first, end):
+            if i == 0:
+                embedding = Embedding(cfg, mesh, rng, device)
+                layers.append(embedding)
+            elif i == L + 1:
+                shared = embedding.word_embeddings.weight if embedding is not None else None
+                layers.append(Head(cfg, mesh, shared, device))
+            else:
+                layers.append(Block(i - 1, cfg, mesh, rng, device))
+        chunks.append(GPTChunk(layers))
+    initialize(chunks, mesh, cfg.seed)
+    return chunks
+
+
+@torch.no_grad()
+def initialize(chunks: list, mesh: ParallelMesh, seed: int) -> None:
+    for chunk in chunks:
+        for name, p in chunk.named_global_parameters():
+            full = init_full(name, full_shape(p, mesh.tp), p.spec, seed)
+            p.copy_(shard(full, p.spec, mesh.tp, mesh.tp_rank))

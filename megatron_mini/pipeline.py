@@ -1,0 +1,164 @@
+"""Pipeline parallelism: the partitioner and the one engine that runs every schedule.
+
+The model is the layer list [Embedding, Block_1 .. Block_L, Head] (indices 0 .. L+1), cut
+into pp * vpp virtual stages; local chunk c of PP rank r is virtual stage c*pp + r.
+
+`embedding_stage`:
+    none   the embedding rides on the first block stage, the head on the last (Megatron)
+    layer  the embedding and the head count as one block each when balancing (BLOOM)
+    own    the embedding is a virtual stage of its own, the head another; blocks fill the rest
+
+The engine executes this rank's action list from `schedules.build_schedule` literally:
+a forward/backward runs a chunk on a microbatch; a run of consecutive send/recv actions is
+posted as one batched isend/irecv and waited for. Sent activations are freed at once (only
+their autograd graph is kept) and backward is started from the received gradient directly.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+
+from . import comm
+from .config import ConfigError, TrainConfig
+from .schedules import build_schedule
+
+COMM_OPS = ("send_act", "recv_act", "send_grad", "recv_grad")
+
+
+def _even(units: int, stages: int, what: str, hint: str) -> list:
+    if units % stages:
+        lo, hi = units - units % stages, units + stages - units % stages
+        raise ConfigError(f"Cannot split {units} {what} evenly over {stages} virtual stages (pp x vpp); {hint} "
+                          f"Block counts that would work are multiples of {stages} shifted as described: e.g. "
+                          f"{what} = {lo or hi} or {hi}.")
+    return [units // stages] * stages
+
+
+def partition(num_layers: int, num_stages: int, embedding_stage: str) -> list:
+    """(first, end) indices into [Embedding, Block_1..L, Head] for each virtual stage."""
+    L, S = num_layers, num_stages
+    if S == 1:
+        return [(0, L + 2)]
+    if embedding_stage == "own":
+        if S < 3:
+            raise ConfigError(f"embedding_stage=own needs at least 3 virtual stages (embedding, blocks, head); "
+                              f"pp x vpp = {S}.")
+        counts = [1] + _even(L, S - 2, "blocks", f"with embedding_stage=own, L must divide over pp*vpp-2 = {S - 2} stages.") + [1]
+    elif embedding_stage == "layer":
+        counts = _even(L + 2, S, "layers (blocks + 2)", "with embedding_stage=layer, blocks + 2 must divide over pp*vpp.")
+    else:
+        counts = _even(L, S, "blocks", "with embedding_stage=none, L must divide over pp*vpp.")
+        counts[0] += 1
+        counts[-1] += 1
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def local_stage_layers(cfg: TrainConfig, pp_rank: int) -> list:
+    stages = partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage)
+    return [stages[c * cfg.pp + pp_rank] for c in range(cfg.vpp)]
+
+
+def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from `output` (whose storage may have been freed) with gradient `grad`."""
+    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
+
+
+class PipelineEngine:
+    """Runs one training (or eval) step of this rank's schedule over its model chunks."""
+
+    def __init__(self, chunks: list, buffers: list, mesh, cfg: TrainConfig, num_microbatches: int,
+                 act_dtype: torch.dtype, device: torch.device):
+        self.chunks, self.buffers, self.mesh, self.cfg = chunks, buffers, mesh, cfg
+        self.m, self.dtype, self.device = num_microbatches, act_dtype, device
+        self.schedule = build_schedule(cfg.schedule, mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
+        last = {}
+        for i, a in enumerate(self.schedule):
+            if a.op == "backward":
+                last[a.chunk] = i
+        self.last_backward = set(last.values())
+        s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
+        self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
+        self.trace = []
+
+    def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int) -> torch.Tensor:
+        """Forward and backward over the microbatches of `batch` [m, mbs, s+1]; gradients land
+        (DP-synced) in the main-grad buffers. Returns the local sum of token losses (last stage)."""
+        return self._run(self.schedule, batch, loss_scale / global_tokens)
+
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
+        gpipe = build_schedule("gpipe", self.mesh.pp, self.cfg.vpp, self.m, self.mesh.pp_rank)
+        return self._run([a for a in gpipe if a.op in ("forward", "send_act", "recv_act")], batch, None)
+
+    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None) -> torch.Tensor:
+        pp, vpp = self.mesh.pp, self.cfg.vpp
+        inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.trace = []
+        pending = []
+        for i, a in enumerate(actions + [None]):
+            if a is not None and a.op in COMM_OPS:
+                pending.append(a)
+                continue
+            if pending:
+                self._exchange(pending, inputs, outputs, out_grads, in_grads)
+                pending = []
+            if a is None:
+                break
+            self.trace.append(a)
+            chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
+            if a.op == "forward":
+                tokens = batch[a.microbatch].to(self.device)
+                x = tokens[:, :-1] if chunk.has_embedding else inputs[key]
+                out = chunk(x, tokens[:, 1:] if chunk.has_head else None)
+                if chunk.has_head:
+                    loss_sum += out.detach()
+                    out = out * grad_scale if grad_scale is not None else out
+                if grad_scale is not None or not chunk.has_head:
+                    outputs[key] = out
+                if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
+                    inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
+            else:
+                if i in self.last_backward:
+                    self.buffers[a.chunk].start_last_microbatch()
+                out = outputs.pop(key)
+                if chunk.has_head:
+                    out.backward()
+                else:
+                    _run_backward(out, out_grads.pop(key))
+                if not chunk.has_embedding:
+                    grad = inputs.pop(key).grad
+                    if pp == 1:
+                        out_grads[(a.chunk - 1, a.microbatch)] = grad
+                    else:
+                        in_grads[key] = grad
+        if grad_scale is not None:
+            for buf in self.buffers:
+                buf.finish_grad_sync()
+        return loss_sum
+
+    def _exchange(self, actions: list, inputs, outputs, out_grads, in_grads) -> None:
+        """Post the batch of sends/receives together, wait, then free what was sent."""
+        ops, sent = [], []
+        for a in actions:
+            self.trace.append(a)
+            key = (a.chunk, a.microbatch)
+            if a.op == "send_act":
+                ops.append(("send", outputs[key], a.peer))
+                sent.append(outputs[key])
+            elif a.op == "send_grad":
+                ops.append(("send", in_grads.pop(key), a.peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                (inputs if a.op == "recv_act" else out_grads)[key] = buf
+                ops.append(("recv", buf, a.peer))
+        comm.batch_p2p(ops, self.mesh.pp_group)
+        for a in actions:
+            if a.op == "recv_act":
+                inputs[(a.chunk, a.microbatch)].requires_grad_(torch.is_grad_enabled())
+        for t in sent:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)

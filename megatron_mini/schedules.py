@@ -1,0 +1,349 @@
+"""Pipeline schedules as data, and a process-free simulator that checks and times them.
+
+A schedule is a plain list of `Action`s per pipeline rank: compute (`forward`, `backward` of
+one local model chunk on one microbatch) and point-to-point communication (`send_act`,
+`recv_act`, `send_grad`, `recv_grad`). `build_schedule` writes the lists (GPipe, 1F1B,
+interleaved 1F1B), the engine (pipeline.py) runs them verbatim, and `simulate` runs all ranks
+together without processes to prove them deadlock-free and measure bubble and memory.
+
+Layout: pp ranks with vpp chunks each; chunk c on rank r is virtual stage vs = c*pp + r.
+Virtual stage 0 reads its input from data; the last one computes the loss.
+
+Execution contract (the engine does exactly this, the simulator models exactly this):
+* a maximal run of consecutive communication actions is one batch (`comm_batches`): posted
+  together with torch.distributed.batch_isend_irecv in list order, and waited for as a whole;
+* messages from rank a to rank b share one channel: the k-th send a->b is the k-th receive on
+  b from a, whatever its kind, so both sides agree on (act|grad, virtual stage, microbatch);
+* pp=1 has no communication at all: the lists hold only forward/backward, and the engine hands
+  chunk c's output to chunk c+1 (and chunk c+1's input gradient back to chunk c) in-process.
+
+Communication placement, one rule for every schedule: a rank's computes form steps (one compute
+each, except that interleaved 1F1B runs a steady (forward, backward) pair as one step). Between
+consecutive steps S and T a rank posts one batch: [sends of S's outputs, receives of T's inputs],
+act before grad. That is Megatron's send_forward_recv_backward / send_backward_recv_forward for
+1F1B and send_forward_backward_recv_forward_backward for interleaved 1F1B. A send completes only
+once the peer has posted its receive, so the pairing is what keeps ranks out of wait cycles
+(with pp=2 both directions of a step share one batch). Interleaved 1F1B needs whole pairs: with
+one batch per compute a gradient is sent a step before its receiver posts for it, and the ranks
+deadlock. `simulate` checks all of this for any layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+from megatron_mini.config import ConfigError
+
+KINDS = ("gpipe", "1f1b")
+COMPUTE_OPS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule. `peer` is the partner pp rank of a send/receive, -1 for compute."""
+    op: str          # "forward" | "backward" | "send_act" | "recv_act" | "send_grad" | "recv_grad"
+    chunk: int       # local chunk index on this rank (0..vpp-1)
+    microbatch: int
+    peer: int = -1
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op not in COMPUTE_OPS
+
+    def __str__(self) -> str:
+        arrow = "" if not self.is_comm else (f"->{self.peer}" if self.op.startswith("send") else f"<-{self.peer}")
+        return f"{self.op}(c{self.chunk}, mb{self.microbatch}){arrow}"
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def check_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> None:
+    """Raise ConfigError with a one-paragraph message unless `kind` can schedule this layout."""
+    if kind not in KINDS:
+        raise ConfigError(f"Unknown pipeline schedule {kind!r}: choose one of {', '.join(KINDS)} "
+                          f"(1f1b with vpp > 1 is interleaved 1F1B).")
+    for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
+        if value < 1:
+            raise ConfigError(f"The pipeline schedule needs {name} >= 1, got {name}={value}.")
+    if kind == "1f1b" and vpp > 1 and num_microbatches % pp:
+        raise ConfigError(
+            f"Interleaved 1F1B (pp={pp}, vpp={vpp}) sends microbatches through each model chunk in "
+            f"groups of pp={pp}, so the number of microbatches per step (global batch size / (micro "
+            f"batch size x dp)) must be a multiple of {pp}, but it is {num_microbatches}. Use "
+            f"{', '.join(str(pp * k) for k in range(1, 4))}, ... microbatches, or vpp=1, or schedule=gpipe.")
+
+
+def num_warmup(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
+    """How many forwards `rank` runs before its first backward."""
+    total = num_microbatches * vpp
+    if kind == "gpipe":
+        return total
+    if vpp == 1:
+        return min(pp - rank - 1, num_microbatches)
+    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+
+
+def forward_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """(chunk, microbatch) in the order every rank runs its forwards, for all schedules.
+
+    Groups of pp microbatches go through chunk 0, then chunk 1, ...; with vpp=1 this is simply
+    microbatch 0, 1, 2, ... A group of pp keeps the chunk-to-chunk hand-over (last rank to rank 0)
+    one microbatch ahead of where rank 0 needs it, so it never has to be buffered.
+    """
+    return [(c, mb) for first in range(0, num_microbatches, pp) for c in range(vpp)
+            for mb in range(first, min(first + pp, num_microbatches))]
+
+
+def backward_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """(chunk, microbatch) in the order every rank runs its backwards: as forward, chunks reversed."""
+    return [(vpp - 1 - c, mb) for c, mb in forward_order(pp, vpp, num_microbatches)]
+
+
+def compute_steps(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> list[list[Action]]:
+    """The forward/backward actions of `rank`, grouped into steps that share a communication batch.
+
+    Order: warmup forwards, steady (forward, backward) pairs, cooldown backwards. Each compute is
+    its own step, except that interleaved 1F1B runs a steady pair as one step (as Megatron does).
+    """
+    fwd = [Action("forward", c, mb) for c, mb in forward_order(pp, vpp, num_microbatches)]
+    bwd = [Action("backward", c, mb) for c, mb in backward_order(pp, vpp, num_microbatches)]
+    warmup = num_warmup(kind, pp, vpp, num_microbatches, rank)
+    steady = [list(pair) for pair in zip(fwd[warmup:], bwd)]
+    if kind == "gpipe" or vpp == 1:
+        steady = [[a] for pair in steady for a in pair]
+    return [[a] for a in fwd[:warmup]] + steady + [[a] for a in bwd[len(fwd) - warmup:]]
+
+
+def _send_output(a: Action, pp: int, vpp: int, rank: int) -> list[Action]:
+    """The send of compute `a`'s result to the neighbouring virtual stage (none at the ends, none for pp=1)."""
+    vs = a.chunk * pp + rank
+    if pp == 1 or (a.op == "forward" and vs == pp * vpp - 1) or (a.op == "backward" and vs == 0):
+        return []
+    if a.op == "forward":
+        return [Action("send_act", a.chunk, a.microbatch, (rank + 1) % pp)]
+    return [Action("send_grad", a.chunk, a.microbatch, (rank - 1) % pp)]
+
+
+def _receive_input(a: Action, pp: int, vpp: int, rank: int) -> list[Action]:
+    """The receive that compute `a` needs first (none at the ends, none for pp=1)."""
+    vs = a.chunk * pp + rank
+    if pp == 1 or (a.op == "forward" and vs == 0) or (a.op == "backward" and vs == pp * vpp - 1):
+        return []
+    if a.op == "forward":
+        return [Action("recv_act", a.chunk, a.microbatch, (rank - 1) % pp)]
+    return [Action("recv_grad", a.chunk, a.microbatch, (rank + 1) % pp)]
+
+
+def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
+    """The full action list of pipeline rank `rank` (see the module docstring for the contract).
+
+    kind "gpipe": all forwards, then all backwards (orders: `forward_order`, `backward_order`);
+    with vpp > 1 it reaches the bubble (pp-1)/(vpp*m) when m is a multiple of pp.
+    kind "1f1b": 1F1B for vpp=1, interleaved 1F1B (Narayanan et al. 2021) for vpp > 1.
+    """
+    check_schedule(kind, pp, vpp, num_microbatches)
+    if not 0 <= rank < pp:
+        raise ValueError(f"rank {rank} is not a pipeline rank of pp={pp}")
+    steps = compute_steps(kind, pp, vpp, num_microbatches, rank)
+    actions = [r for a in steps[0] for r in _receive_input(a, pp, vpp, rank)]
+    for step, after in zip(steps, steps[1:] + [[]]):
+        actions += step
+        actions += [s for a in step for s in _send_output(a, pp, vpp, rank)]
+        actions += [r for a in after for r in _receive_input(a, pp, vpp, rank)]
+    return actions
+
+
+def comm_batches(actions: list[Action]) -> list[Union[Action, tuple[Action, ...]]]:
+    """Split a rank's list into compute actions and batches (tuples) of consecutive communication."""
+    steps: list[Union[Action, tuple[Action, ...]]] = []
+    for a in actions:
+        if a.is_comm and steps and isinstance(steps[-1], tuple):
+            steps[-1] += (a,)
+        else:
+            steps.append((a,) if a.is_comm else a)
+    return steps
+
+
+# ----------------------------------------------------------------------------- simulator
+
+class ScheduleError(RuntimeError):
+    """A schedule that deadlocks, mismatches messages, or computes something out of order."""
+
+
+class Slot(NamedTuple):
+    """One compute action on a rank's timeline."""
+    start: float
+    end: float
+    op: str
+    chunk: int
+    microbatch: int
+
+
+@dataclass
+class SimResult:
+    """What `simulate` found. `actions[r]` is the list it validated: the order the engine must run on rank r."""
+    actions: list[list[Action]]
+    timelines: list[list[Slot]]      # per rank, compute slots in execution order
+    peak_in_flight: list[int]        # per rank, max (chunk, mb) forwarded but not yet backwarded
+    makespan: float
+    busy: float                      # compute time of one rank
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over compute time."""
+        return (self.makespan - self.busy) / self.busy
+
+
+def simulate(kind: str, pp: int, vpp: int, num_microbatches: int,
+             forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+    """Build every rank's schedule and run them together (see `simulate_actions`)."""
+    actions = [build_schedule(kind, pp, vpp, num_microbatches, r) for r in range(pp)]
+    return simulate_actions(actions, vpp, num_microbatches, forward_cost, backward_cost)
+
+
+def simulate_actions(actions: list[list[Action]], vpp: int, num_microbatches: int,
+                     forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+    """Run the action lists of all pp = len(actions) ranks under the execution contract.
+
+    Compute costs forward_cost / vpp and backward_cost / vpp per chunk; communication is free
+    but rendezvous: a batch completes when each of its ops has met the peer's matching op.
+    Raises ScheduleError on deadlock, a message mismatch, a bad peer, compute without its input,
+    or a (chunk, microbatch) not run exactly once forward and once backward on every rank.
+    """
+    return _Simulator(actions, vpp, num_microbatches, forward_cost / vpp, backward_cost / vpp).run()
+
+
+@dataclass
+class _RankState:
+    pos: int = 0                     # index of the next step (compute action or batch)
+    clock: float = 0.0
+    posted_at: float | None = None   # when the current batch was posted
+    inputs: set = field(default_factory=set)       # (kind, vs, mb) received or handed over locally
+    forwarded: set = field(default_factory=set)    # (chunk, mb)
+    backwarded: set = field(default_factory=set)
+    peak: int = 0
+    timeline: list = field(default_factory=list)
+
+
+class _Simulator:
+    def __init__(self, actions, vpp, m, f_cost, b_cost):
+        self.actions, self.pp, self.vpp, self.m = actions, len(actions), vpp, m
+        self.cost = {"forward": f_cost, "backward": b_cost}
+        self.ranks = [_RankState() for _ in actions]
+        self.steps = [[s if isinstance(s, Action) else [self._message(a, r) for a in s]
+                       for s in comm_batches(acts)] for r, acts in enumerate(actions)]
+        self._number_messages()
+        self.posted = {}             # (channel, k, is_send) -> (post time, message, rank)
+        self.matched = {}            # (channel, k) -> time both sides were posted
+
+    def fail(self, rank: int, action: Action, why: str):
+        raise ScheduleError(f"rank {rank}, {action}: {why}")
+
+    def _message(self, a: Action, rank: int) -> dict:
+        """Channel and identity of a send/receive; checks that it names the right peer."""
+        if a.op not in ("send_act", "recv_act", "send_grad", "recv_grad"):
+            self.fail(rank, a, "unknown op")
+        vs, is_send = a.chunk * self.pp + rank, a.op.startswith("send")
+        kind, step = ("act", 1) if a.op.endswith("act") else ("grad", -1)
+        peer_vs = vs + step if is_send else vs - step
+        if self.pp == 1 or not 0 <= peer_vs < self.pp * self.vpp:
+            self.fail(rank, a, f"virtual stage {vs} has no neighbour to exchange {kind} with")
+        if a.peer != peer_vs % self.pp:
+            self.fail(rank, a, f"virtual stage {peer_vs} lives on rank {peer_vs % self.pp}, not {a.peer}")
+        channel = (rank, a.peer) if is_send else (a.peer, rank)
+        return {"action": a, "channel": channel, "is_send": is_send,
+                "key": (kind, peer_vs if is_send else vs, a.microbatch)}
+
+    def _number_messages(self):
+        """Give each send/receive its position k on its channel (the k-th message src->dst)."""
+        for rank_steps in self.steps:
+            count = {}
+            for msg in (m for s in rank_steps if isinstance(s, list) for m in s):
+                msg["k"] = count.get(msg["channel"], 0)
+                count[msg["channel"]] = msg["k"] + 1
+
+    def run(self) -> SimResult:
+        progress = True
+        while progress:
+            progress = any([self._advance(r) for r in range(self.pp)])
+        stuck = [r for r in range(self.pp) if self.ranks[r].pos < len(self.steps[r])]
+        if stuck:
+            raise ScheduleError("Schedule deadlocks: " + "; ".join(self._waiting(r) for r in stuck) + ".")
+        for r, st in enumerate(self.ranks):
+            for name, done in (("forward", st.forwarded), ("backward", st.backwarded)):
+                if len(done) != self.vpp * self.m:
+                    raise ScheduleError(f"rank {r} runs {len(done)} of its {self.vpp * self.m} "
+                                        f"(chunk, microbatch) {name}s")
+        busy = self.m * self.vpp * (self.cost["forward"] + self.cost["backward"])
+        return SimResult(self.actions, [st.timeline for st in self.ranks], [st.peak for st in self.ranks],
+                         max(st.clock for st in self.ranks), busy)
+
+    def _advance(self, r: int) -> bool:
+        """Run rank r as far as it can go; True if it moved."""
+        st, moved = self.ranks[r], False
+        while st.pos < len(self.steps[r]):
+            step = self.steps[r][st.pos]
+            if isinstance(step, Action):
+                self._compute(r, step)
+            else:
+                if st.posted_at is None:
+                    self._post(r, step)
+                    moved = True
+                if not all((m["channel"], m["k"]) in self.matched for m in step):
+                    return moved
+                st.clock = max([st.posted_at] + [self.matched[m["channel"], m["k"]] for m in step])
+                st.posted_at = None
+            st.pos += 1
+            moved = True
+        return moved
+
+    def _compute(self, r: int, a: Action):
+        st, vs, mb = self.ranks[r], a.chunk * self.pp + r, a.microbatch
+        if not (0 <= a.chunk < self.vpp and 0 <= mb < self.m):
+            self.fail(r, a, "no such chunk or microbatch")
+        forward = a.op == "forward"
+        done = st.forwarded if forward else st.backwarded
+        if (a.chunk, mb) in done:
+            self.fail(r, a, "runs twice")
+        if not forward and (a.chunk, mb) not in st.forwarded:
+            self.fail(r, a, "backward before its forward")
+        from_data_or_loss = vs == 0 if forward else vs == self.pp * self.vpp - 1
+        if not from_data_or_loss and ("act" if forward else "grad", vs, mb) not in st.inputs:
+            self.fail(r, a, f"its input {'act' if forward else 'grad'} was not received")
+        done.add((a.chunk, mb))
+        if self.pp == 1:             # the next (previous) chunk is local: hand the result over in-process
+            st.inputs.add(("act", vs + 1, mb) if forward else ("grad", vs - 1, mb))
+        st.peak = max(st.peak, len(st.forwarded) - len(st.backwarded))
+        end = st.clock + self.cost[a.op]
+        st.timeline.append(Slot(st.clock, end, a.op, a.chunk, mb))
+        st.clock = end
+
+    def _post(self, r: int, batch: list[dict]):
+        st = self.ranks[r]
+        st.posted_at = st.clock
+        for msg in batch:
+            a = msg["action"]
+            if msg["is_send"] and (a.chunk, a.microbatch) not in (
+                    st.forwarded if a.op == "send_act" else st.backwarded):
+                self.fail(r, a, "sends a result that was not computed yet")
+            self.posted[msg["channel"], msg["k"], msg["is_send"]] = (st.clock, msg, r)
+            other = self.posted.get((msg["channel"], msg["k"], not msg["is_send"]))
+            if other is not None:
+                self._match(*sorted([(st.clock, msg, r), other], key=lambda p: not p[1]["is_send"]))
+
+    def _match(self, send, recv):
+        (t_send, s, src), (t_recv, d, dst) = send, recv
+        if s["key"] != d["key"]:
+            raise ScheduleError(
+                f"Message #{s['k']} from rank {src} to rank {dst} does not match: rank {src} sends "
+                f"{s['action']} = {s['key'][0]} for virtual stage {s['key'][1]}, microbatch {s['key'][2]}, "
+                f"but rank {dst} receives it as {d['action']} = {d['key'][0]} for virtual stage "
+                f"{d['key'][1]}, microbatch {d['key'][2]}.")
+        self.ranks[dst].inputs.add(d["key"])
+        self.matched[s["channel"], s["k"]] = max(t_send, t_recv)
+
+    def _waiting(self, r: int) -> str:
+        step = self.steps[r][self.ranks[r].pos]
+        ops = ", ".join(f"{m['action']}" + ("" if (m["channel"], m["k"]) in self.matched else " (unmatched)")
+                        for m in step)
+        return f"rank {r} waits in batch [{ops}]"

@@ -1,0 +1,377 @@
+"""Tensor and sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022).
+
+Conjugate autograd mappings over the TP group (`mesh.tp_group`), each a no-op at tp=1:
+
+    copy_to_tensor_parallel_region              f: identity        / all-reduce
+    reduce_from_tensor_parallel_region          g: all-reduce      / identity
+    scatter_to_tensor_parallel_region           split last dim     / all-gather last dim
+    gather_from_tensor_parallel_region          all-gather last    / split last dim
+    scatter_to_sequence_parallel_region         split seq dim 0    / all-gather seq
+    gather_from_sequence_parallel_region        all-gather seq     / reduce-scatter seq
+    reduce_scatter_to_sequence_parallel_region  reduce-scatter seq / all-gather seq
+
+Activations are `[s, b, h]`; with sequence parallelism `[s/tp, b, h]` between blocks.
+Every parameter carries a `ParamSpec` (how it is split over TP, how it is initialised) so
+its full, layout-independent value can be built from (seed, global name) and sliced.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .comm import Group
+
+
+# ----------------------------------------------------------------------------- mappings
+def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        comm.all_reduce(x, group)  # consumes x: callers pass a fresh matmul output
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=grad.dim() - 1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, -1), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=0), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter(grad, ctx.group, dim=0), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.reduce_scatter(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=0), None
+
+
+def _mapping(fn):
+    def apply(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x if group.size == 1 else fn.apply(x, group)
+    apply.__doc__ = fn.__name__
+    return apply
+
+
+copy_to_tensor_parallel_region = _mapping(_CopyToTP)
+reduce_from_tensor_parallel_region = _mapping(_ReduceFromTP)
+scatter_to_tensor_parallel_region = _mapping(_ScatterToTP)
+gather_from_tensor_parallel_region = _mapping(_GatherFromTP)
+scatter_to_sequence_parallel_region = _mapping(_ScatterToSP)
+gather_from_sequence_parallel_region = _mapping(_GatherFromSP)
+reduce_scatter_to_sequence_parallel_region = _mapping(_ReduceScatterToSP)
+
+
+# ----------------------------------------------------------------------------- parameters
+@dataclass
+class ParamSpec:
+    """How a parameter relates to its full (tp=1) value.
+
+    tp_dim: the dim split over TP (None: replicated). tp_groups: the full tensor is
+    `tp_groups` blocks along tp_dim, each split over TP (3 for fused QKV: [q; k; v]).
+    init: "normal" (std), "zeros" or "ones". sequence_parallel: replicated but sees only a
+    sequence shard, so its gradient is summed over TP. tied: the output layer's copy of the
+    word embedding on another stage (summed over the embedding group, counted once).
+    """
+    init: str = "normal"
+    std: float = 0.02
+    tp_dim: int | None = None
+    tp_groups: int = 1
+    sequence_parallel: bool = False
+    no_weight_decay: bool = False
+    tied: bool = False
+
+
+def new_param(local_shape, spec: ParamSpec, dtype=torch.float32, device=None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(local_shape, dtype=dtype, device=device))
+    p.spec = spec
+    return p
+
+
+def full_shape(p: nn.Parameter, tp: int) -> tuple:
+    shape = list(p.shape)
+    if p.spec.tp_dim is not None:
+        shape[p.spec.tp_dim] *= tp
+    return tuple(shape)
+
+
+def init_full(name: str, shape: tuple, spec: ParamSpec, seed: int) -> torch.Tensor:
+    """The full fp32 value of parameter `name`: a function of (seed, name) alone."""
+    if spec.init == "zeros":
+        return torch.zeros(shape)
+    if spec.init == "ones":
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * spec.std
+
+
+def shard(full: torch.Tensor, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's slice of a full tensor."""
+    if spec.tp_dim is None or tp == 1:
+        return full
+    blocks = full.chunk(spec.tp_groups, dim=spec.tp_dim)
+    return torch.cat([b.chunk(tp, dim=spec.tp_dim)[tp_rank] for b in blocks], dim=spec.tp_dim)
+
+
+def unshard(shards: list, spec: ParamSpec) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every TP rank's slice (rank order)."""
+    if spec.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    g, d = spec.tp_groups, spec.tp_dim
+    per_rank = [s.chunk(g, dim=d) for s in shards]
+    return torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim=d) for i in range(g)], dim=d)
+
+
+def gather_full(t: torch.Tensor, spec: ParamSpec, tp_group: Group) -> torch.Tensor:
+    """All-gather a TP-sharded tensor (a parameter or its optimizer state) to its full value."""
+    if spec.tp_dim is None or tp_group.size == 1:
+        return t
+    gathered = comm.all_gather(t.unsqueeze(0), tp_group, dim=0)
+    return unshard(list(gathered.unbind(0)), spec)
+
+
+# ----------------------------------------------------------------------------- layers
+def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool):
+    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence) then x W_i^T + b_i."""
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, tp_group)
+    else:
+        x = copy_to_tensor_parallel_region(x, tp_group)
+    return F.linear(x, weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A [out, in] split along out: rank i holds A_i [out/tp, in]."""
+
+    def __init__(self, in_features, out_features, tp_group: Group, *, sequence_parallel=False,
+                 gather_output=False, std=0.02, tp_groups=1, dtype=torch.float32, device=None):
+        super().__init__()
+        tp = tp_group.size
+        self.tp_group, self.sequence_parallel, self.gather_output = tp_group, sequence_parallel, gather_output
+        self.weight = new_param((out_features // tp, in_features),
+                                ParamSpec("normal", std, tp_dim=0, tp_groups=tp_groups), dtype, device)
+        self.bias = new_param((out_features // tp,),
+                              ParamSpec("zeros", tp_dim=0, tp_groups=tp_groups, no_weight_decay=True), dtype, device)
+
+    def forward(self, x):
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A [out, in] split along in: rank i computes X_i A_i^T, then g (or a
+    reduce-scatter of the sequence), then adds b once."""
+
+    def __init__(self, in_features, out_features, tp_group: Group, *, sequence_parallel=False,
+                 input_is_parallel=True, std=0.02, dtype=torch.float32, device=None):
+        super().__init__()
+        tp = tp_group.size
+        self.tp_group, self.sequence_parallel, self.input_is_parallel = tp_group, sequence_parallel, input_is_parallel
+        self.weight = new_param((out_features, in_features // tp), ParamSpec("normal", std, tp_dim=1), dtype, device)
+        self.bias = new_param((out_features,), ParamSpec("zeros", sequence_parallel=sequence_parallel,
+                                                          no_weight_decay=True), dtype, device)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """ids [s, b] -> [s, b, h] (or [s/tp, b, h] with sp); rank i owns rows [i*V/tp, (i+1)*V/tp)."""
+
+    def __init__(self, num_embeddings, dim, tp_group: Group, *, sequence_parallel=False, std=0.02,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.per_rank = num_embeddings // tp_group.size
+        self.start = tp_group.rank * self.per_rank
+        self.weight = new_param((self.per_rank, dim), ParamSpec("normal", std, tp_dim=0), dtype, device)
+
+    def forward(self, ids):
+        if self.tp_group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        return reduce_from_tensor_parallel_region(y, self.tp_group)
+
+
+# ----------------------------------------------------------------------------- cross entropy
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from vocab-sharded logits [s, b, V/tp] without gathering the vocabulary.
+
+    loss = logsumexp(x) - (1-a) x_t - (a/V) sum_j x_j over the V real (unpadded) classes,
+    which is F.cross_entropy(x, t, label_smoothing=a). Forward: three all-reduces of size
+    [s, b] (max; target logit; sum-exp with the logit sum stacked in). Backward, local:
+    dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, vocab_size, label_smoothing):
+        x = logits.float()
+        per_rank = x.shape[-1]
+        start = tp_group.rank * per_rank
+        padded = torch.arange(start, start + per_rank, device=x.device) >= vocab_size
+        if padded.any():
+            x = x.masked_fill(padded, float("-inf"))
+        x_max = x.max(dim=-1).values
+        comm.all_reduce(x_max, tp_group, op=torch.distributed.ReduceOp.MAX)
+        x = x - x_max.unsqueeze(-1)
+
+        local_t = target - start
+        in_shard = (local_t >= 0) & (local_t < per_rank)
+        x_t = torch.gather(x, -1, local_t.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1)
+        x_t = x_t.masked_fill(~in_shard, 0.0)
+        comm.all_reduce(x_t, tp_group)
+
+        exp = x.exp()
+        sums = torch.stack([exp.sum(-1), x.masked_fill(padded, 0.0).sum(-1)]) if label_smoothing else exp.sum(-1)
+        comm.all_reduce(sums, tp_group)
+        sum_exp = sums[0] if label_smoothing else sums
+        log_z = sum_exp.log()
+        loss = log_z - x_t
+        if label_smoothing:
+            loss = log_z - (1 - label_smoothing) * x_t - label_smoothing * sums[1] / vocab_size
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, local_t, in_shard, padded)
+        ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        probs, local_t, in_shard, padded = ctx.saved_tensors
+        a = ctx.label_smoothing
+        grad = probs
+        if a:
+            grad.sub_((~padded).float() * (a / ctx.vocab_size))
+        rows = grad.view(-1, grad.shape[-1])
+        idx = torch.arange(rows.shape[0], device=rows.device)
+        hit = in_shard.view(-1)
+        rows[idx[hit], local_t.view(-1)[hit]] -= 1.0 - a
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group: Group, vocab_size: int, label_smoothing: float = 0.0):
+    """Per-token loss [s, b] in fp32 from logits [s, b, V_padded/tp] and targets [s, b]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size, label_smoothing)
+
+
+# ----------------------------------------------------------------------------- dropout RNG
+class RNGTracker:
+    """Named RNG streams for dropout.
+
+    "model-parallel" is seeded per TP rank (differs across TP, equal across DP): dropout on
+    local heads and sequence shards. The default torch stream, seeded equally on every TP
+    and DP rank, serves replicated regions.
+    """
+
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
+        self.device = device
+        torch.manual_seed(seed + 100 * pp_rank)
+        self.states = {"model-parallel": self._seeded(seed + 2718 + 100 * pp_rank + tp_rank)}
+
+    def _seeded(self, seed: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return self._get()
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state):
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel"):
+        outer = self._get()
+        self._set(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get()
+            self._set(outer)
+
+    def get_states(self) -> dict:
+        return {"default": self._get(), **{k: v.clone() for k, v in self.states.items()}}
+
+    def set_states(self, states: dict) -> None:
+        self._set(states["default"])
+        self.states = {k: v.clone() for k, v in states.items() if k != "default"}

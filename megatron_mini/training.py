@@ -1,0 +1,232 @@
+"""The training loop: one function, `train(cfg)`, run by every rank.
+
+Order matters: the config, the pipeline split, the schedule and the data files are checked
+identically on every rank *before* any process group exists, so a bad run ends everywhere
+with one message instead of hanging in a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+
+from . import checkpoint, comm
+from .config import ConfigError, TrainConfig, validate
+from .data import get_batch, load_datasets
+from .data_parallel import GradBuffer
+from .logger import RunLogger
+from .mesh import ParallelMesh, init_process_group, launch_env
+from .model import build_chunks
+from .optimizer import Optimizer
+from .pipeline import PipelineEngine, local_stage_layers, partition
+from .schedules import check_schedule
+from .tensor_parallel import RNGTracker
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at the last step."""
+    o = cfg.optimizer
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        local_rank = launch_env()[2]
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def check_run(cfg: TrainConfig, world_size: int):
+    """Everything that can be wrong before the first collective; returns (dp, datasets)."""
+    dp = validate(cfg, world_size)
+    partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage)
+    check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
+    datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    return dp, datasets
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Trainer:
+    """Holds the model chunks, optimizer and engine of this rank."""
+
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.train_data, self.val_data, self.tokenizer = datasets
+        self.dtype = DTYPES[cfg.precision.dtype]
+        self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
+        self.chunks = build_chunks(cfg, mesh, local_stage_layers(cfg, mesh.pp_rank), self.rng, device)
+        seen, self.buffers = set(), []
+        for chunk in self.chunks:
+            chunk.to(self.dtype)
+            params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
+            seen.update(id(p) for _, p in params)
+            self.buffers.append(GradBuffer(params, mesh, self.dtype, zero=cfg.zero == 1))
+        self.optimizer = Optimizer(self.buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
+        self.m = cfg.num_microbatches(mesh.dp)
+        self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
+        self.tokens_per_step = cfg.gbs * cfg.model.seq_len
+        self.step, self.consumed_samples = 0, 0
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Sum the last stage's token losses over DP (one world all-reduce); mean per token."""
+        owner = self.mesh.is_last_stage and self.mesh.tp_rank == 0
+        t = loss_sum.reshape(1).float() if owner else torch.zeros(1, device=self.device)
+        comm.all_reduce(t, self.mesh.world_group)
+        return t.item() / self.tokens_per_step
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        for chunk in self.chunks:
+            chunk.train()
+        lr = learning_rate(self.step, cfg)
+        batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
+        scale = self.optimizer.scaler.scale if self.optimizer.scaler else 1.0
+        loss_sum = self.engine.train_step(batch, scale, self.tokens_per_step)
+        loss = self._global_loss(loss_sum)
+        if not math.isfinite(loss) and self.optimizer.scaler is None:
+            raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
+        grad_norm, skipped = self.optimizer.step(lr)
+        self.step += 1
+        self.consumed_samples += cfg.gbs
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale}
+
+    def evaluate(self) -> float:
+        for chunk in self.chunks:
+            chunk.eval()
+        total = 0.0
+        for i in range(self.cfg.eval_iters):
+            batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
+            total += self._global_loss(self.engine.eval_step(batch))
+        return total / self.cfg.eval_iters
+
+    def save(self, run_dir: str) -> str:
+        path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
+        checkpoint.save(path, self.step, self.consumed_samples, self.chunks, self.optimizer, self.rng, self.mesh,
+                        dataclasses.asdict(self.cfg))
+        return path
+
+    def load(self, path: str) -> None:
+        meta = checkpoint.load(path, self.optimizer, self.rng, self.mesh)
+        self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
+
+
+def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    log = logging.getLogger(f"megatron_mini.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank:04d}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+    return log
+
+
+def _resume_path(cfg: TrainConfig) -> str | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.latest_checkpoint(cfg.run_dir)
+    if not os.path.isdir(cfg.resume):
+        raise ConfigError(f"resume={cfg.resume}: no such checkpoint directory.")
+    return cfg.resume
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on every rank of the job; returns the history (losses per step, eval losses)."""
+    rank, world_size, _ = launch_env()
+    datasets = check_run(cfg, world_size)[1]
+    resume = _resume_path(cfg)
+    device = resolve_device(cfg)
+    init_process_group(device, cfg.timeout_s)
+    mesh = ParallelMesh(cfg.tp, cfg.pp, world_size // (cfg.tp * cfg.pp))
+    log = _setup_logging(cfg.run_dir, rank)
+    trainer = Trainer(cfg, mesh, datasets, device)
+    config_dict = dataclasses.asdict(cfg)
+    logger = RunLogger(cfg.run_dir, cfg.wandb, config_dict, enabled=rank == 0)
+    if resume:
+        trainer.load(resume)
+        log.info(f"resumed from {resume} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+    log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
+             f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | {device}")
+
+    history = {"loss": [], "val_loss": [], "grad_norm": []}
+    skipped_steps, last_ckpt = 0, resume
+    start_time = interval_start = time.time()
+    interval_steps = 0
+    first_step = trainer.step
+    try:
+        while trainer.step < cfg.steps:
+            out = trainer.train_step()
+            skipped_steps += out["skipped"]
+            interval_steps += 1
+            history["loss"].append(out["loss"])
+            history["grad_norm"].append(out["grad_norm"])
+            step = trainer.step
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                now = time.time()
+                tokens_per_s = interval_steps * trainer.tokens_per_step / (now - interval_start)
+                eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
+                record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s}
+                if trainer.optimizer.scaler:
+                    record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
+                logger.log(step, record)
+                log.info(f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | "
+                         f"grad norm {out['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
+                         f"elapsed {format_duration(now - start_time)} | ETA {format_duration(eta)}"
+                         + (f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if trainer.optimizer.scaler else ""))
+                interval_start, interval_steps = now, 0
+            if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
+                val = trainer.evaluate()
+                history["val_loss"].append((step, val))
+                logger.log(step, {"val_loss": val})
+                log.info(f"step {step:>5}/{cfg.steps} | val loss {val:.4f}")
+            if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps:
+                last_ckpt = trainer.save(cfg.run_dir)
+                log.info(f"saved {last_ckpt}")
+    except FloatingPointError as e:
+        logger.finish()
+        raise ConfigError(f"Training stopped: {e}. Nothing was saved over the last good checkpoint "
+                          f"({last_ckpt or 'none'}); lower the learning rate or use bf16/fp32.") from None
+
+    elapsed = time.time() - start_time
+    steps_run = trainer.step - first_step
+    summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
+               "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
+               "tokens_per_s": steps_run * trainer.tokens_per_step / max(elapsed, 1e-9),
+               "steps": trainer.step, "skipped_steps": skipped_steps}
+    logger.summary(summary)
+    log.info("-" * 72)
+    log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
+             f"val loss {summary['final_val_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s")
+    log.info(f"checkpoint: {last_ckpt}")
+    log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
+    log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
+             + (f"  (upload with: wandb sync {logger.wandb_path})" if logger.wandb_path and logger.mode == 'offline' else ""))
+    log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
+    logger.finish()
+    history.update(summary=summary, checkpoint=last_ckpt)
+    if rank == 0:
+        with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:
+            json.dump(history, f)
+    return history

@@ -1,0 +1,230 @@
+"""Data pipeline: tokenizer, indexed dataset, validation errors, global sample order, caching.
+
+One small corpus (40 standard-library files copied as .txt, vocab 512) is prepared once per module.
+"""
+import json
+import platform
+import shutil
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from megatron_mini.config import DataConfig
+from megatron_mini.data import (
+    DataError, IndexedDataset, Tokenizer, encode_corpus, get_batch, load_datasets, prepare, read_corpus,
+    split_documents, train_tokenizer,
+)
+
+VOCAB, SEQ = 512, 32
+
+
+def make_text_corpus(out_dir: Path, num_files: int) -> Path:
+    """`num_files` top-level standard-library modules of 4-40 kB, copied as .txt (sorted, deterministic)."""
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    files = [p for p in stdlib if 4_000 < p.stat().st_size < 40_000]
+    out_dir.mkdir(parents=True)
+    for p in files[:num_files]:
+        shutil.copyfile(p, out_dir / f"{p.stem}.txt")
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    cfg = DataConfig(source=str(make_text_corpus(root / "corpus", 40)), dir=str(root / "out"), vocab_size=VOCAB,
+                     val_fraction=0.1, num_workers=2)
+    return cfg, prepare(cfg)
+
+
+@pytest.fixture
+def copy_of(prepared, tmp_path):
+    """A fresh copy of the prepared data dir and a config pointing at it."""
+    cfg, _ = prepared
+    shutil.copytree(cfg.dir, tmp_path / "out")
+    return DataConfig(**{**vars(cfg), "dir": str(tmp_path / "out")})
+
+
+def test_tokenizer_round_trip_and_newline_piece(prepared):
+    cfg, meta = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    assert (tok.vocab_size, tok.eos_id, tok.sha256) == (VOCAB, meta["eos_id"], meta["tokenizer_sha256"])
+    texts = ["def f(x):\n    return x + 1\n", "\tif a:\n\t\tb = 'é 🙂 ñ'\r\n", "x = 1234567890\n\n\n",
+             "  \n \t\n", ""]
+    for s in texts:
+        assert tok.decode(tok.encode(s)) == s
+    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
+    ids = tok.encode("a\nb")
+    assert not any(sp.is_byte(i) for i in ids) and sp.piece_to_id("\n") in ids
+    assert [sp.id_to_piece(i) for i in tok.encode("2024")] == list("2024")   # digits are split
+
+
+def test_dataset_round_trip(prepared):
+    cfg, meta = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    docs, info = read_corpus(cfg.source)
+    ds = IndexedDataset(Path(cfg.dir) / "tokens")
+    assert len(ds) == len(docs) == meta["num_docs"] and ds.dtype == np.uint16
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds.doc(i), tok.encode(d) + [tok.eos_id])
+    assert ds.num_tokens == meta["num_tokens"] == int(ds.sizes.sum())
+    np.testing.assert_array_equal(ds.span(int(ds.offsets[1]) - 3, 6), np.concatenate([ds.doc(0)[-3:], ds.doc(1)[:3]]))
+    assert meta["corpus_sha256"] == info["corpus_sha256"] and meta["python"] == info["python"]
+
+
+def test_encoding_does_not_depend_on_workers(prepared, tmp_path):
+    cfg, _ = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    assert encode_corpus(read_corpus(cfg.source)[0], tok, tmp_path / "tokens", num_workers=1)[0] == 40
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"tokens.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
+
+
+def test_stdlib_and_jsonl_sources(tmp_path):
+    docs, info = read_corpus("stdlib")
+    assert info["num_docs"] == len(docs) > 500 and info["python"] == platform.python_version()
+    assert read_corpus("stdlib")[1]["corpus_sha256"] == info["corpus_sha256"]
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "one\\n"}\n\n{"text": "two"}\n')
+    assert read_corpus(str(path))[0] == ["one\n", "two"]
+    for bad in ('{"body": "two"}', '{"text": 2}', 'not json'):
+        path.write_text('{"text": "one"}\n' + bad + "\n")
+        with pytest.raises(DataError, match=r"c\.jsonl:2: expected"):
+            read_corpus(str(path))
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(DataError, match=f"data.source={bad}: "):
+            read_corpus(str(bad))
+
+
+def _corrupt_bin(out):
+    p = out / "tokens.bin"
+    p.write_bytes(p.read_bytes()[:-10])
+    return "tokens.bin"
+
+
+def _corrupt_idx(out):
+    p = out / "tokens.idx"
+    p.write_bytes(p.read_bytes()[:-8])
+    return "tokens.idx"
+
+
+def _bad_magic(out):
+    p = out / "tokens.idx"
+    p.write_bytes(b"NOTMAGIC" + p.read_bytes()[8:])
+    return "tokens.idx"
+
+
+def _bad_version(out):
+    p = out / "tokens.idx"
+    p.write_bytes(p.read_bytes()[:8] + (99).to_bytes(4, "little") + p.read_bytes()[12:])
+    return "tokens.idx"
+
+
+def _bad_offsets(out):
+    p = out / "tokens.idx"
+    raw = bytearray(p.read_bytes())
+    raw[-8:] = (10**6).to_bytes(8, "little")
+    p.write_bytes(bytes(raw))
+    return "tokens.idx"
+
+
+def _other_tokenizer(out):
+    docs, _ = read_corpus(json.loads((out / "meta.json").read_text())["source"])
+    train_tokenizer(docs, VOCAB, sample_chars=100_000, seed=7, path=out / "tokenizer.model")
+    return "tokens.bin"
+
+
+def _garbage_tokenizer(out):
+    (out / "tokenizer.model").write_bytes(b"not a model" * 100)
+    return "tokenizer.model"
+
+
+def _missing(name):
+    def remove(out):
+        (out / name).unlink()
+        return name
+    remove.__name__ = f"missing_{name}"
+    return remove
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_bin, _corrupt_idx, _bad_magic, _bad_version, _bad_offsets,
+                                     _other_tokenizer, _garbage_tokenizer, _missing("tokens.bin"),
+                                     _missing("tokens.idx"), _missing("meta.json"), _missing("tokenizer.model")],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_bad_files_give_one_line_error(copy_of, corrupt):
+    name = corrupt(Path(copy_of.dir))
+    with pytest.raises(DataError) as err:
+        load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
+    msg = str(err.value)
+    assert "\n" not in msg and str(Path(copy_of.dir) / name) in msg
+    assert msg.endswith(f"rebuild it with: python tools/prepare_data.py data.source={copy_of.source} "
+                        f"data.dir={copy_of.dir} data.vocab_size={VOCAB}")
+    prepare(copy_of)   # the rebuild command's work repairs it
+    load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
+
+
+def test_wrong_vocab_size(prepared):
+    cfg, _ = prepared
+    with pytest.raises(DataError, match=r"tokenizer\.model: has 512 tokens, but model\.vocab_size=1024 .*"
+                                        r"data\.vocab_size=1024") as err:
+        load_datasets(cfg, SEQ, seed=1, vocab_size=1024)
+    assert "\n" not in str(err.value)
+
+
+def test_split_and_samples(prepared):
+    cfg, _ = prepared
+    train, val, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    ds = train.indexed
+    train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed=3)
+    assert len(val_ids) == round(cfg.val_fraction * len(ds)) and not set(train_ids) & set(val_ids)
+    assert sorted([*train_ids, *val_ids]) == list(range(len(ds)))
+    assert (train.num_docs, val.num_docs) == (len(train_ids), len(val_ids))
+    # sample k is tokens [k*SEQ, k*SEQ + SEQ + 1) of the train documents, concatenated
+    flat = np.concatenate([ds.doc(i) for i in train_ids])
+    expected = Counter(tuple(flat[k * SEQ:k * SEQ + SEQ + 1]) for k in range(len(train)))
+    epochs = [[train[e * len(train) + i] for i in range(len(train))] for e in (0, 1)]
+    assert all(s.dtype == np.int64 and s.shape == (SEQ + 1,) for s in epochs[0])
+    assert Counter(map(tuple, epochs[0])) == Counter(map(tuple, epochs[1])) == expected   # each sample once per epoch
+    assert [tuple(s) for s in epochs[0]] != [tuple(s) for s in epochs[1]]                 # in a new order
+    assert len(train) == (len(flat) - 1) // SEQ
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_global_batches_do_not_depend_on_dp(prepared, dp):
+    cfg, _ = prepared
+    train, _, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    gbs, mbs = 8, 2
+    seen = []
+    for consumed in range(0, (len(train) // gbs) * gbs, gbs):
+        ranks = [get_batch(train, consumed, gbs, mbs, d, dp) for d in range(dp)]
+        assert all(r.shape == (gbs // (dp * mbs), mbs, SEQ + 1) for r in ranks)
+        union = np.concatenate([r.reshape(-1, SEQ + 1).numpy() for r in ranks])
+        np.testing.assert_array_equal(union, get_batch(train, consumed, gbs, gbs, 0, 1)[0].numpy())
+        seen += map(tuple, union)
+    # every sample of the epoch (all but the last partial batch) exactly once, over all ranks
+    assert Counter(seen) == Counter(tuple(train[i]) for i in range((len(train) // gbs) * gbs))
+
+
+def test_resume_continues_at_the_next_sample(prepared):
+    cfg, _ = prepared
+    train, _, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    gbs, first = 4, len(train) // 4 - 5          # the run crosses the end of the first epoch
+    run = [get_batch(train, step * gbs, gbs, 2, 0, 1) for step in range(first + 10)]
+    resumed, _, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)   # a new process after a checkpoint
+    consumed = first * gbs
+    for step in range(first, len(run)):
+        assert get_batch(resumed, consumed, gbs, 2, 0, 1).equal(run[step])
+        consumed += gbs
+
+
+def test_second_prepare_is_cached(prepared, capsys):
+    cfg, meta = prepared
+    files = {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
+    assert prepare(cfg) == meta
+    out = capsys.readouterr().out
+    assert "tokenizer: cached" in out and "tokens: cached" in out
+    assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}

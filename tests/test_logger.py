@@ -1,0 +1,137 @@
+"""RunLogger writes metrics.jsonl and a wandb offline run; tools/compare_runs.py reads both back."""
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_mini.config import WandbConfig
+from megatron_mini.logger import RunLogger, resolve_mode, run_id
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import compare_runs  # noqa: E402
+
+
+def fake_training(logger: RunLogger, steps=range(1, 31), offset=0.0) -> list[dict]:
+    """Log known train metrics every step and val_loss every 10 steps; return the expected rows."""
+    rows = []
+    for step in steps:
+        train = {"loss": 5.0 / step + offset, "lr": 1e-3 * min(1, step / 10), "grad_norm": 0.5 + step / 7,
+                 "tokens_per_s": 1000.0 + step, "loss_scale": 2.0 ** (32 - step // 8), "skipped_steps": step // 8}
+        logger.log(step, train)
+        rows.append({"step": step, **train})
+        if step % 10 == 0:
+            logger.log(step, {"val_loss": 6.0 / step + offset})
+            rows[-1]["val_loss"] = 6.0 / step + offset
+    return rows
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def test_offline_wandb_run_reads_back_exactly(tmp_path, wandb_env):
+    run_dir, cfg = str(tmp_path / "run"), WandbConfig(mode="offline", name="tiny-fp16")
+    logger = RunLogger(run_dir, cfg, {"tp": 1, "lr": 1e-3}, enabled=True)
+    expected = fake_training(logger, range(1, 26))
+    logger.summary({"final_loss": expected[-1]["loss"]})
+    logger.finish()
+    first = logger.wandb_path
+    assert first and os.path.basename(first).startswith("offline-run-")
+    assert json.load(open(os.path.join(run_dir, "summary.json"))) == {"final_loss": expected[-1]["loss"]}
+    run = compare_runs.read_run(first)
+    assert (run.source, run.label, run.rows) == ("wandb", "tiny-fp16", expected)
+
+    # a .wandb file cut short by a crash reads as a prefix of the history
+    (wandb_file,) = compare_runs.wandb_files(first)
+    data = open(wandb_file, "rb").read()
+    (tmp_path / "torn.wandb").write_bytes(data[: len(data) // 2])
+    _, rows = compare_runs.read_wandb_files([str(tmp_path / "torn.wandb")])
+    assert 0 < len(rows) < len(expected) and rows == expected[: len(rows)]
+
+    # resumed from a step-20 checkpoint: a second wandb segment with the same id replaces steps 21..25
+    resumed = RunLogger(run_dir, cfg, {"tp": 1, "lr": 1e-3}, enabled=True)
+    again = fake_training(resumed, range(21, 31), offset=1.0)
+    resumed.finish()
+    assert resumed.wandb_path != first and run_id(run_dir, "tiny-fp16") in resumed.wandb_path
+    run = compare_runs.read_run(run_dir)
+    assert (run.source, run.label, run.rows) == ("wandb", "tiny-fp16", expected[:20] + again)
+
+
+def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
+    run_dir = str(tmp_path / "run")
+    logger = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
+    expected = fake_training(logger, range(1, 26))
+    logger.finish()
+    assert logger.wandb_path is None and not os.path.exists(os.path.join(run_dir, "wandb"))
+    run = compare_runs.read_run(run_dir)
+    assert (run.source, run.label, run.rows) == ("metrics.jsonl", "run", expected)
+
+    # resumed from a step-20 checkpoint: steps 21..25 are logged again, with new values
+    resumed = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
+    again = fake_training(resumed, range(21, 31), offset=1.0)
+    resumed.finish()
+    assert compare_runs.read_run(run_dir).rows == expected[:20] + again
+
+
+def test_not_enabled_is_a_no_op(tmp_path):
+    logger = RunLogger(str(tmp_path / "run"), WandbConfig(mode="offline"), {}, enabled=False)
+    logger.log(1, {"loss": 1.0})
+    logger.summary({"loss": 1.0})
+    logger.finish()
+    assert not os.path.exists(tmp_path / "run") and logger.wandb_path is None
+
+
+def test_auto_mode(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert resolve_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert resolve_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_mode("auto") == "disabled" and resolve_mode("offline") == "offline"
+
+
+def test_compare_runs_plot_and_table(tmp_path, capsys):
+    specs = []
+    for name, offset in (("bf16", 0.0), ("fp16", 0.25)):
+        logger = RunLogger(str(tmp_path / name), WandbConfig(mode="disabled"), {}, enabled=True)
+        fake_training(logger, offset=offset)
+        logger.finish()
+        specs.append(str(tmp_path / name))
+    png = tmp_path / "out" / "compare.png"
+    png.parent.mkdir()
+    assert compare_runs.main(specs + ["-o", str(png), "--smooth", "0.5"]) == 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
+
+    table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    # run, final loss, min loss, final val_loss, gap, skipped steps, median tokens/s
+    assert table["bf16"][1:] == ["0.1667", "0.1667", "0.2000", "+0.0000", "3", "1016"]
+    assert table["fp16"][1:] == ["0.4167", "0.4167", "0.4500", "+0.2500", "3", "1016"]
+    csv_rows = (tmp_path / "out" / "compare.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("run,final loss") and csv_rows[2].startswith("fp16,0.41666")
+
+    assert compare_runs.main([str(tmp_path / "empty"), "-o", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such run directory" in err
+
+
+def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, capsys):
+    import wandb
+
+    def broken_init(**kwargs):
+        raise RuntimeError("no service")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    logger = RunLogger(str(tmp_path / "run"), WandbConfig(mode="offline"), {}, enabled=True)
+    expected = fake_training(logger, range(1, 11))
+    logger.finish()
+    err = capsys.readouterr().err
+    assert err.count("warning: wandb init failed (RuntimeError: no service)") == 1 and logger.wandb_path is None
+    assert compare_runs.read_run(str(tmp_path / "run")).rows == expected

@@ -1,0 +1,189 @@
+"""Pipeline schedules as data: built, simulated (no processes), checked, and drawn."""
+import dataclasses
+import importlib.util
+import os
+import re
+
+import pytest
+
+from megatron_mini import schedules
+from megatron_mini.config import ConfigError
+from megatron_mini.schedules import (
+    Action, ScheduleError, build_schedule, check_schedule, comm_batches, simulate, simulate_actions,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def valid_microbatches(kind, pp, vpp):
+    """A spread of microbatch counts (fewer than, equal to, and more than pp) the schedule accepts."""
+    ms = sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp} - {0})
+    return [m for m in ms if not (kind == "1f1b" and vpp > 1 and m % pp)]
+
+
+def expected_bubble(kind, pp, vpp, m):
+    return (pp - 1) / (vpp * m) if vpp > 1 else (pp - 1) / m
+
+
+@pytest.mark.parametrize("vpp", [1, 2, 3, 4])
+@pytest.mark.parametrize("pp", range(1, 9))
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_grid(kind, pp, vpp):
+    """Every layout simulates without deadlock or mismatch, runs each (chunk, mb) once each way, hits its bubble."""
+    for m in valid_microbatches(kind, pp, vpp):
+        res = simulate(kind, pp, vpp, m)          # raises ScheduleError on deadlock / mismatch / order
+        for rank, (actions, timeline) in enumerate(zip(res.actions, res.timelines)):
+            assert actions == build_schedule(kind, pp, vpp, m, rank)
+            for op, cost in (("forward", 1.0 / vpp), ("backward", 2.0 / vpp)):
+                runs = [(s.chunk, s.microbatch) for s in timeline if s.op == op]
+                assert sorted(runs) == [(c, mb) for c in range(vpp) for mb in range(m)]
+                assert all(abs(s.end - s.start - cost) < 1e-12 for s in timeline if s.op == op)
+            assert all(a.end <= b.start + 1e-12 for a, b in zip(timeline, timeline[1:]))
+            if pp == 1:
+                assert all(not a.is_comm for a in actions)
+        # bubble: exact for 1F1B/interleaved; GPipe with vpp > 1 needs full groups of pp microbatches
+        if kind == "gpipe" and vpp > 1 and m % pp:
+            assert res.bubble >= expected_bubble(kind, pp, vpp, m) - 1e-9
+        else:
+            assert res.bubble == pytest.approx(expected_bubble(kind, pp, vpp, m), abs=1e-9)
+        if kind == "gpipe":
+            assert res.peak_in_flight == [m * vpp] * pp
+        elif vpp == 1:
+            assert res.peak_in_flight == [min(pp - r, m) for r in range(pp)]
+            assert all(peak <= pp - r for r, peak in enumerate(res.peak_in_flight))
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(1, 3, 2), (2, 2, 4), (4, 1, 8), (4, 2, 4), (4, 2, 8), (3, 4, 9), (8, 2, 16)])
+def test_warmup_counts(pp, vpp, m):
+    """Warmup forwards: pp-r-1 for 1F1B, 2(pp-r-1) + (vpp-1)pp for interleaved, capped at m*vpp."""
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, m) if vpp == 1 else min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+        ops = [a.op for a in build_schedule("1f1b", pp, vpp, m, rank) if not a.is_comm]
+        # then the steady state starts with a forward (if any are left) before the first backward
+        assert ops.index("backward") == warmup + (warmup < m * vpp)
+        assert ops[:warmup] == ["forward"] * warmup
+
+
+def test_interleaved_order():
+    """Microbatches go through chunk 0 in groups of pp, then chunk 1; backward visits chunks in reverse."""
+    acts = [a for a in build_schedule("1f1b", 2, 2, 4, 0) if not a.is_comm]
+    fwd = [(a.chunk, a.microbatch) for a in acts if a.op == "forward"]
+    bwd = [(a.chunk, a.microbatch) for a in acts if a.op == "backward"]
+    assert fwd == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    assert bwd == [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]
+
+
+def test_comm_grouping():
+    """1F1B steady state: send_act + recv_grad share a batch, as do send_grad + recv_act; ends need no comm."""
+    steps = comm_batches(build_schedule("1f1b", 4, 1, 8, 1))
+    after = {}
+    for prev, step in zip(steps, steps[1:]):
+        if isinstance(step, tuple) and isinstance(prev, Action):
+            after.setdefault(prev.op, set()).add(tuple(a.op for a in step))
+    assert ("send_act", "recv_grad") in after["forward"]
+    assert ("send_grad", "recv_act") in after["backward"]
+    first = build_schedule("1f1b", 4, 1, 8, 0)
+    assert not any(a.op in ("recv_act", "send_grad") for a in first)
+    last = build_schedule("1f1b", 4, 1, 8, 3)
+    assert not any(a.op in ("send_act", "recv_grad") for a in last)
+    assert all(len(s) <= 4 for s in comm_batches(build_schedule("1f1b", 2, 3, 4, 0)) if isinstance(s, tuple))
+
+
+# ------------------------------------------------------------------ the simulator catches broken schedules
+
+def _lists(kind="1f1b", pp=4, vpp=1, m=4):
+    return [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
+
+
+def _index(actions, op, chunk=0, microbatch=0):
+    return actions.index(next(a for a in actions if (a.op, a.chunk, a.microbatch) == (op, chunk, microbatch)))
+
+
+def test_swapped_receives_mismatch():
+    lists = _lists()
+    i, j = _index(lists[1], "recv_act", 0, 1), _index(lists[1], "recv_act", 0, 2)
+    lists[1][i], lists[1][j] = lists[1][j], lists[1][i]
+    with pytest.raises(ScheduleError, match="does not match"):
+        simulate_actions(lists, 1, 4)
+
+
+def test_dropped_send_deadlocks():
+    lists = _lists(vpp=2, m=4)
+    del lists[0][_index(lists[0], "send_act", 1, 3)]      # the last message from rank 0 to rank 1
+    with pytest.raises(ScheduleError, match=r"deadlocks: .*rank 1 waits in batch \[.*recv_act\(c1, mb3\)<-0 \(unmatched\)"):
+        simulate_actions(lists, 2, 4)
+
+
+def test_wrong_peer_is_caught():
+    lists = _lists()
+    i = _index(lists[1], "send_act", 0, 0)
+    lists[1][i] = dataclasses.replace(lists[1][i], peer=0)
+    with pytest.raises(ScheduleError, match="lives on rank 2"):
+        simulate_actions(lists, 1, 4)
+
+
+def test_backward_before_forward_is_caught():
+    lists = _lists(pp=1, vpp=2, m=2)
+    lists[0].insert(0, lists[0].pop(_index(lists[0], "backward", 1, 0)))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        simulate_actions(lists, 2, 2)
+
+
+def test_compute_without_its_input_is_caught():
+    lists = _lists(pp=2, m=2)
+    del lists[0][_index(lists[0], "send_act", 0, 0)]
+    del lists[1][_index(lists[1], "recv_act", 0, 0)]
+    with pytest.raises(ScheduleError, match=r"rank 1, forward\(c0, mb0\): its input act was not received"):
+        simulate_actions(lists, 1, 2)
+
+
+def test_missing_and_repeated_compute_are_caught():
+    lists = _lists(pp=1, m=3)
+    del lists[0][_index(lists[0], "backward", 0, 2)]
+    with pytest.raises(ScheduleError, match="2 of its 3"):
+        simulate_actions(lists, 1, 3)
+    lists = _lists(pp=1, m=3)
+    lists[0].append(Action("forward", 0, 1))
+    with pytest.raises(ScheduleError, match="runs twice"):
+        simulate_actions(lists, 1, 3)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_one_batch_per_compute_deadlocks_interleaved(monkeypatch, pp):
+    """Why interleaved 1F1B batches the comm of a whole (forward, backward) pair: one batch per compute deadlocks."""
+    pairs = schedules.compute_steps
+    monkeypatch.setattr(schedules, "compute_steps", lambda *args: [[a] for step in pairs(*args) for a in step])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate("1f1b", pp, 2, 2 * pp)
+
+
+# ------------------------------------------------------------------ configuration errors
+
+def test_check_schedule_rejects_bad_combinations():
+    with pytest.raises(ConfigError, match="multiple of 4.*4, 8, 12"):
+        check_schedule("1f1b", 4, 2, 6)
+    with pytest.raises(ConfigError, match="Unknown pipeline schedule 'zb'"):
+        check_schedule("zb", 4, 1, 8)
+    with pytest.raises(ConfigError, match="num_microbatches >= 1"):
+        build_schedule("gpipe", 2, 1, 0, 0)
+    with pytest.raises(ConfigError, match="vpp >= 1"):
+        check_schedule("1f1b", 2, 0, 4)
+    check_schedule("1f1b", 4, 1, 6)     # plain 1F1B and GPipe take any microbatch count
+    check_schedule("gpipe", 4, 2, 6)
+
+
+# ------------------------------------------------------------------ the Gantt-chart tool
+
+def test_plot_tool(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_schedule", os.path.join(REPO, "tools", "plot_schedule.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "cmp.png"
+    assert tool.main(["--pp", "2", "--microbatches", "4", "--compare", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "interleaved 1F1B panel uses vpp=2" in printed
+    bubbles = [float(x) for x in re.findall(r"bubble fraction ([0-9.]+)", printed)]
+    expected = [simulate("gpipe", 2, 1, 4).bubble, simulate("1f1b", 2, 1, 4).bubble, simulate("1f1b", 2, 2, 4).bubble]
+    assert bubbles == pytest.approx(expected, abs=1e-6)
+    assert expected == pytest.approx([1 / 4, 1 / 4, 1 / 8])

@@ -1,0 +1,300 @@
+"""Compare training runs (e.g. fp16 vs bf16): loss curves and the fp16 loss scale in one PNG, plus a table.
+
+    python tools/compare_runs.py runs/tiny-bf16 runs/tiny-fp16 -o compare.png [--smooth 0.9] [--labels bf16,fp16]
+
+A RUN is a run directory (with wandb/ and/or metrics.jsonl), a wandb run directory
+(wandb/offline-run-*/ or wandb/run-*/), or `wandb:entity/project/run_id` (online API).
+A run directory's wandb record file is preferred; metrics.jsonl is used when there is no
+wandb data (wandb disabled) or when it reaches a later step (the wandb file was cut short).
+The first RUN is the reference for the "gap" column. The table is also saved as FILE.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import statistics
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+# The .wandb file: a 7-byte header, then LevelDB-log style chunks in 32 KiB blocks.
+_FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
+_CHUNK_HEADER = struct.Struct("<IHB")  # crc32 of (type byte + payload), payload length, type
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _LAST = 1, 2, 4
+
+
+class RunError(Exception):
+    """A RUN that cannot be read; the message is one line."""
+
+
+@dataclass
+class Run:
+    """The logged history of one run."""
+
+    label: str
+    rows: list[dict]  # one dict per step, sorted by step, each with a "step" key
+    source: str       # "wandb", "metrics.jsonl" or "wandb api"
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows that have `key`."""
+        pairs = [(row["step"], row[key]) for row in self.rows if row.get(key) is not None]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def merge_history(entries) -> list[dict]:
+    """Rows by step from (step, metrics) pairs in the order they were logged.
+
+    Entries at the same step are merged; a step lower than one already seen means the run was
+    resumed from an earlier checkpoint, so the rows from that step on are replaced.
+    """
+    rows: dict[int, dict] = {}
+    last = None
+    for step, metrics in entries:
+        if last is not None and step < last:
+            rows = {s: r for s, r in rows.items() if s < step}
+        rows.setdefault(step, {"step": step}).update(metrics)
+        last = step
+    return [rows[s] for s in sorted(rows)]
+
+
+def iter_wandb_records(path: str):
+    """Yield the `wandb_internal_pb2.Record`s of a .wandb file, stopping quietly at a torn tail."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _FILE_HEADER.size or _FILE_HEADER.unpack_from(data)[:2] != (b":W&B", 0xBEE1):
+        raise RunError(f"{path}: not a wandb record file")
+    pos, parts = _FILE_HEADER.size, []
+    while True:
+        if _BLOCK - pos % _BLOCK < _CHUNK_HEADER.size:  # a block's last bytes are padding
+            pos += _BLOCK - pos % _BLOCK
+        if pos + _CHUNK_HEADER.size > len(data):
+            return
+        crc, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
+        payload = data[pos + _CHUNK_HEADER.size:pos + _CHUNK_HEADER.size + length]
+        if len(payload) < length or zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
+            return  # written up to here when the process died
+        pos += _CHUNK_HEADER.size + length
+        parts = [payload] if kind in (_FULL, _FIRST) else parts + [payload]
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            yield record
+
+
+def _history_item(item) -> tuple[str, object]:
+    key = item.key or ".".join(item.nested_key)
+    return key, json.loads(item.value_json) if item.value_json else None
+
+
+def read_wandb_files(paths: list[str]) -> tuple[str | None, list[dict]]:
+    """The run name and history of .wandb files: segments of one (resumed) run, put in order by start time."""
+    segments = []
+    for path in paths:
+        start, name, entries = 0, None, []
+        for record in iter_wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                start, name = record.run.start_time.ToNanoseconds(), record.run.display_name or None
+            elif kind == "history":
+                items = dict(_history_item(item) for item in record.history.item)
+                step = items.pop("_step", record.history.step.num)
+                entries.append((int(step), {k: v for k, v in items.items() if not k.startswith("_")}))
+        segments.append((start, name, entries))
+    segments.sort(key=lambda segment: segment[0])
+    names = [name for _, name, _ in segments if name]
+    return (names[-1] if names else None), merge_history(e for _, _, entries in segments for e in entries)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """History from metrics.jsonl (a torn last line, from a crash, is ignored)."""
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                metrics = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            entries.append((int(metrics.pop("step")), metrics))
+    return merge_history(entries)
+
+
+def wandb_files(run_dir: str) -> list[str]:
+    """The .wandb files of a wandb run directory, or of every wandb run under a run directory."""
+    return sorted(glob.glob(os.path.join(run_dir, "*.wandb"))
+                  or glob.glob(os.path.join(run_dir, "wandb", "*run-*", "*.wandb")))
+
+
+def read_run(spec: str) -> Run:
+    """Read one RUN (see the module docstring)."""
+    if spec.startswith("wandb:"):
+        return _read_online(spec[len("wandb:"):])
+    if not os.path.isdir(spec):
+        raise RunError(f"{spec}: no such run directory")
+    dir_name = os.path.basename(os.path.normpath(spec))
+    from_wandb = from_jsonl = None
+    files = wandb_files(spec)
+    if files:
+        name, rows = read_wandb_files(files)
+        if rows:
+            from_wandb = Run(name or dir_name, rows, "wandb")
+    jsonl = os.path.join(spec, "metrics.jsonl")
+    if os.path.exists(jsonl):
+        rows = read_jsonl(jsonl)
+        if rows:
+            from_jsonl = Run(from_wandb.label if from_wandb else dir_name, rows, "metrics.jsonl")
+    if from_wandb and (not from_jsonl or from_wandb.rows[-1]["step"] >= from_jsonl.rows[-1]["step"]):
+        return from_wandb
+    if from_jsonl:
+        return from_jsonl
+    raise RunError(f"{spec}: no logged history (neither wandb run data nor a non-empty metrics.jsonl)")
+
+
+def _read_online(path: str) -> Run:
+    import wandb
+
+    try:
+        run = wandb.Api().run(path)
+        entries = [(int(row["_step"]), {k: v for k, v in row.items() if not k.startswith("_")})
+                   for row in run.scan_history()]
+    except Exception as e:
+        raise RunError(f"wandb:{path}: {type(e).__name__}: {e}") from None
+    if not entries:
+        raise RunError(f"wandb:{path}: the run has no logged history")
+    return Run(run.name, merge_history(entries), "wandb api")
+
+
+def ema(values: list[float], smooth: float) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard draws it); non-finite values are skipped."""
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            avg, weight = smooth * avg + (1 - smooth) * v, smooth * weight + (1 - smooth)
+        out.append(avg / weight if weight else math.nan)
+    return out
+
+
+COLUMNS = ["run", "final loss", "min loss", "final val_loss", "gap vs ref", "skipped steps", "median tokens/s"]
+
+
+def table(runs: list[Run], smooth: float) -> list[dict]:
+    """One row of COLUMNS per run; "gap vs ref" is the final smoothed loss minus the first run's."""
+    rows, ref = [], None
+    for run in runs:
+        _, loss = run.series("loss")
+        finite = [v for v in loss if math.isfinite(v)]
+        smoothed = ema(loss, smooth)[-1] if loss else math.nan
+        ref = smoothed if ref is None else ref
+        _, val = run.series("val_loss")
+        _, skipped = run.series("skipped_steps")
+        _, speed = run.series("tokens_per_s")
+        rows.append({
+            "run": run.label,
+            "final loss": loss[-1] if loss else None,
+            "min loss": min(finite) if finite else None,
+            "final val_loss": val[-1] if val else None,
+            "gap vs ref": smoothed - ref if loss else None,
+            "skipped steps": int(max(skipped)) if skipped else None,
+            "median tokens/s": statistics.median(speed) if speed else None,
+        })
+    return rows
+
+
+
+def _fmt(column: str, value) -> str:
+    if value is None:
+        return "-"
+    if column in ("run", "skipped steps"):
+        return str(value)
+    return {"gap vs ref": "{:+.4f}", "median tokens/s": "{:.0f}"}.get(column, "{:.4f}").format(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    cells = [COLUMNS] + [[_fmt(c, row[c]) for c in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    for line in cells:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+
+
+def save_csv(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({c: "" if row[c] is None else row[c] for c in COLUMNS} for row in rows)
+
+
+def plot(runs: list[Run], path: str, smooth: float) -> None:
+    """Train loss (raw thin, smoothed thick), val loss (dashed, markers), loss scale on a log axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    scale_ax = None
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        steps, loss = run.series("loss")
+        ax.plot(steps, loss, color=color, lw=0.8, alpha=0.3)
+        ax.plot(steps, ema(loss, smooth), color=color, lw=2, label=run.label)
+        steps, val = run.series("val_loss")
+        ax.plot(steps, val, color=color, ls="--", marker="o", ms=4)
+        steps, scale = run.series("loss_scale")
+        if scale:
+            scale_ax = scale_ax or ax.twinx()
+            scale_ax.plot(steps, scale, color=color, ls=":", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    styles = [Line2D([], [], color="gray", lw=2, label=f"train (EMA {smooth})"),
+              Line2D([], [], color="gray", lw=0.8, alpha=0.5, label="train (raw)"),
+              Line2D([], [], color="gray", ls="--", marker="o", ms=4, label="validation")]
+    if scale_ax is not None:
+        scale_ax.set_yscale("log")
+        scale_ax.set_ylabel("fp16 loss scale (dotted)")
+        styles.append(Line2D([], [], color="gray", ls=":", label="loss scale"))
+    ax.add_artist(ax.legend(loc="upper right", title="run"))
+    ax.legend(handles=styles, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compare the loss curves of training runs.")
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run directory, wandb run directory, or wandb:entity/project/run_id")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="plot to write (table: FILE.csv)")
+    parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight of the smoothed curves (default 0.9)")
+    parser.add_argument("--labels", help="comma-separated legend labels, one per RUN")
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else None
+    if labels is not None and len(labels) != len(args.runs):
+        parser.error(f"--labels has {len(labels)} labels for {len(args.runs)} runs")
+    if not 0 <= args.smooth < 1:
+        parser.error(f"--smooth {args.smooth} must be in [0, 1)")
+    try:
+        runs = [read_run(spec) for spec in args.runs]
+    except RunError as e:
+        print(f"compare_runs: error: {e}", file=sys.stderr)
+        return 2
+    for run, label in zip(runs, labels or []):
+        run.label = label
+    rows = table(runs, args.smooth)
+    print_table(rows)
+    plot(runs, args.output, args.smooth)
+    save_csv(rows, os.path.splitext(args.output)[0] + ".csv")
+    print(f"wrote {args.output} and {os.path.splitext(args.output)[0]}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

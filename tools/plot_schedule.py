@@ -1,0 +1,125 @@
+"""Draw a pipeline schedule as a Gantt chart: one row per pipeline rank, time left to right.
+
+    python tools/plot_schedule.py --pp 4 --vpp 2 --microbatches 8 --schedule 1f1b -o schedule.png
+    python tools/plot_schedule.py --pp 4 --vpp 2 --microbatches 8 --compare -o docs/schedule_pp4_vpp2_m8.png
+
+The schedule is run by the simulator (megatron_mini.schedules) with a forward of one full stage
+costing 1 and a backward 2. Blocks are coloured by microbatch (the number inside); backwards are
+lighter and hatched; with vpp > 1 a grey strip under each block gives its model chunk. Blank
+space is the pipeline bubble. --compare stacks GPipe, 1F1B and interleaved 1F1B for one layout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_mini.config import ConfigError  # noqa: E402
+from megatron_mini.schedules import SimResult, simulate  # noqa: E402
+
+CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
+
+
+def schedule_name(kind: str, vpp: int) -> str:
+    return "GPipe" if kind == "gpipe" else ("interleaved 1F1B" if vpp > 1 else "1F1B")
+
+
+def bubble_formula(pp: int, vpp: int, m: int) -> str:
+    """The textbook bubble fraction, as text (GPipe with vpp > 1 reaches it when m is a multiple of pp)."""
+    return f"(p-1)/(v·m) = {pp - 1}/{vpp * m}" if vpp > 1 else f"(p-1)/m = {pp - 1}/{m}"
+
+
+def _lighter(colour, amount: float = 0.55):
+    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
+
+
+def draw(ax, result: SimResult, kind: str, pp: int, vpp: int, m: int) -> None:
+    """Draw one schedule's timelines on `ax`, rank 0 on top."""
+    palette = plt.get_cmap("tab10" if m <= 10 else "tab20")
+    strip = 0.16 if vpp > 1 else 0.0
+    for rank, timeline in enumerate(result.timelines):
+        for slot in timeline:
+            colour = palette(slot.microbatch % palette.N)
+            forward = slot.op == "forward"
+            width = slot.end - slot.start
+            ax.add_patch(Rectangle((slot.start, rank - 0.4 + strip), width, 0.8 - strip,
+                                   facecolor=colour if forward else _lighter(colour),
+                                   hatch=None if forward else "///", edgecolor="white", linewidth=0.8))
+            if strip:
+                ax.add_patch(Rectangle((slot.start, rank - 0.4), width, strip,
+                                       facecolor=CHUNK_GREYS[slot.chunk % len(CHUNK_GREYS)],
+                                       edgecolor="white", linewidth=0.8))
+            ax.text(slot.start + width / 2, rank + strip / 2, str(slot.microbatch), ha="center",
+                    va="center", fontsize=7, color="white" if forward else "black")
+    ax.set_ylim(pp - 0.5, -0.5)
+    ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
+    ax.set_xlim(0, result.makespan)
+    ax.set_title(f"{schedule_name(kind, vpp)}: pp={pp}, vpp={vpp}, m={m}; bubble {result.bubble:.4f} "
+                 f"(textbook {bubble_formula(pp, vpp, m)}); peak in-flight (chunk, microbatch) per rank "
+                 f"{result.peak_in_flight}", fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult]:
+    """Simulate and draw each (kind, pp, vpp, m) panel, one above the other, into `output`."""
+    results = [simulate(*panel) for panel in panels]
+    height = sum(1.0 + 0.42 * panel[1] for panel in panels) + 0.6
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, height), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [panel[1] for panel in panels]})
+    for ax, panel, result in zip(axes[:, 0], panels, results):
+        draw(ax, result, *panel)
+    axes[-1, 0].set_xlim(0, max(r.makespan for r in results))
+    axes[-1, 0].set_xlabel("time (forward of one whole pipeline stage = 1, backward = 2; p2p free)")
+    legend = [Patch(facecolor="#4a78b5", label="forward (colour = microbatch)"),
+              Patch(facecolor=_lighter("#4a78b5"), hatch="///", edgecolor="white", label="backward")]
+    max_vpp = max(panel[2] for panel in panels)
+    legend += [Patch(facecolor=CHUNK_GREYS[c], label=f"chunk {c}") for c in range(min(max_vpp, 4)) if max_vpp > 1]
+    fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=130)
+    plt.close(fig)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--vpp", type=int, default=1, help="model chunks per rank (1f1b with vpp > 1 = interleaved)")
+    p.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--compare", action="store_true", help="draw GPipe, 1F1B and interleaved 1F1B one above the other")
+    p.add_argument("-o", "--output", default="schedule.png", help="PNG to write")
+    args = p.parse_args(argv)
+
+    if args.compare:
+        interleaved_vpp = args.vpp if args.vpp > 1 else 2
+        if args.vpp == 1:
+            print("note: --vpp 1, so the interleaved 1F1B panel uses vpp=2")
+        panels = [("gpipe", args.pp, 1, args.microbatches), ("1f1b", args.pp, 1, args.microbatches),
+                  ("1f1b", args.pp, interleaved_vpp, args.microbatches)]
+    else:
+        panels = [(args.schedule, args.pp, args.vpp, args.microbatches)]
+    try:
+        results = plot(panels, args.output)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    for (kind, pp, vpp, m), result in zip(panels, results):
+        print(f"{schedule_name(kind, vpp)} pp={pp} vpp={vpp} m={m}: bubble fraction {result.bubble:.6f} "
+              f"(textbook {bubble_formula(pp, vpp, m)}); peak in-flight microbatches per rank "
+              f"{result.peak_in_flight}" + (" (counted per model chunk)" if vpp > 1 else ""))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
