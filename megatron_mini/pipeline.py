@@ -15,6 +15,8 @@ their autograd graph is kept) and backward is started from the received gradient
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.autograd import Variable
 
@@ -82,7 +84,7 @@ class PipelineEngine:
         self.last_backward = set(last.values())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
-        self.trace = []
+        self.trace = []    # (Action, t_start, t_end) of the last step, in execution order
 
     def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int) -> torch.Tensor:
         """Forward and backward over the microbatches of `batch` [m, mbs, s+1]; gradients land
@@ -109,7 +111,7 @@ class PipelineEngine:
                 pending = []
             if a is None:
                 break
-            self.trace.append(a)
+            start = time.perf_counter()
             chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
             if a.op == "forward":
                 tokens = batch[a.microbatch].to(self.device)
@@ -136,6 +138,7 @@ class PipelineEngine:
                         out_grads[(a.chunk - 1, a.microbatch)] = grad
                     else:
                         in_grads[key] = grad
+            self.trace.append((a, start, time.perf_counter()))
         if grad_scale is not None:
             for buf in self.buffers:
                 buf.finish_grad_sync()
@@ -143,9 +146,9 @@ class PipelineEngine:
 
     def _exchange(self, actions: list, inputs, outputs, out_grads, in_grads) -> None:
         """Post the batch of sends/receives together, wait, then free what was sent."""
+        start = time.perf_counter()
         ops, sent = [], []
         for a in actions:
-            self.trace.append(a)
             key = (a.chunk, a.microbatch)
             if a.op == "send_act":
                 ops.append(("send", outputs[key], a.peer))
@@ -162,3 +165,5 @@ class PipelineEngine:
                 inputs[(a.chunk, a.microbatch)].requires_grad_(torch.is_grad_enabled())
         for t in sent:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        end = time.perf_counter()
+        self.trace.extend((a, start, end) for a in actions)

@@ -320,8 +320,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad.sub_((~padded).float() * (a / ctx.vocab_size))
         rows = grad.view(-1, grad.shape[-1])
         idx = torch.arange(rows.shape[0], device=rows.device)
-        hit = in_shard.view(-1)
-        rows[idx[hit], local_t.view(-1)[hit]] -= 1.0 - a
+        hit = in_shard.reshape(-1)
+        rows[idx[hit], local_t.reshape(-1)[hit]] -= 1.0 - a
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None
 

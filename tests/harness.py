@@ -1,0 +1,56 @@
+"""Shared pieces of the training tests: a small config, training on N spawned ranks, comparisons."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from distributed import spawn
+from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig, WandbConfig
+
+
+def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:
+    """8 blocks, hidden 64, 4 heads, sequence 32, vocabulary 512: splits up to tp=4 and pp=4 x vpp=2."""
+    model = ModelConfig(name="test", num_layers=8, hidden_size=64, num_heads=4, seq_len=32, vocab_size=data.vocab_size)
+    cfg = TrainConfig(model=model, data=data, optimizer=OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=5),
+                      wandb=WandbConfig(mode="disabled"), mbs=2, gbs=16, steps=20, run_dir=str(run_dir),
+                      log_interval=1000, eval_interval=0, resume="never")
+    for key, value in overrides.items():
+        if "." in key:
+            section, field = key.split(".")
+            setattr(getattr(cfg, section), field, value)
+        else:
+            setattr(cfg, key, value)
+    return cfg
+
+
+def _train(cfg: TrainConfig) -> dict:
+    from megatron_mini.training import train
+    return train(cfg)
+
+
+def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
+    """Train on `world_size` gloo ranks; returns rank 0's history (losses are global)."""
+    return spawn(world_size, _train, cfg, init_group=False)[0]
+
+
+def final_weights(history: dict) -> dict:
+    from megatron_mini.checkpoint import load_model_tensors
+    return load_model_tensors(history["checkpoint"])
+
+
+def assert_same_training(ref: dict, other: dict, rtol: float = 1e-5, wtol: float = 1e-5) -> None:
+    """Per-step losses within rtol (relative) and final weights within wtol of the reference run."""
+    a, b = torch.tensor(ref["loss"]), torch.tensor(other["loss"])
+    assert a.shape == b.shape
+    rel = ((a - b).abs() / a.abs()).max().item()
+    assert rel <= rtol, f"per-step loss differs by {rel:.2e} (relative) > {rtol}: {a.tolist()} vs {b.tolist()}"
+    wa, wb = final_weights(ref), final_weights(other)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        diff = (wa[name] - wb[name]).abs().max().item()
+        assert diff <= wtol, f"{name}: final weights differ by {diff:.2e} > {wtol}"
+
+
+def replace(cfg: TrainConfig, **changes) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,168 @@
+"""The plain baseline: a nanoGPT-style GPT-2 and its training step in one file, no framework.
+
+    python tools/baseline_gpt2.py [--layers 4 --heads 8 --hidden 256 --seq 256 --mbs 8 --accum 4 --vocab 1024
+                                   --steps 10 --threads 2]
+
+Same model as megatron_mini's (learned positions, pre-LayerNorm blocks, fused QKV, causal
+F.scaled_dot_product_attention, GELU(tanh) MLP of width 4h, biases, tied input/output embeddings,
+LayerNorm eps 1e-5), laid out [b, s, h] as nanoGPT does, with F.cross_entropy and
+torch.optim.AdamW (nanoGPT's decay / no-decay groups, its default implementation on CPU),
+gradient accumulation over `accum` microbatches and clipping at 1.0. tools/bench_train.py
+times it side by side with the framework.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 4
+    num_heads: int = 8
+    hidden_size: int = 256
+    seq_len: int = 256
+    vocab_size: int = 1024
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.n_head, self.dropout = cfg.num_heads, cfg.dropout
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.n_head, h // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, 4 * cfg.hidden_size)
+        self.c_proj = nn.Linear(4 * cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.hidden_size), CausalSelfAttention(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.hidden_size), MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight                      # tied
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.num_layers))
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class BaselineTrainer:
+    """One training step = `accum` microbatches of forward + backward, clip, AdamW, zero_grad."""
+
+    def __init__(self, cfg: GPTConfig, mbs: int, accum: int, seed: int = 1234):
+        torch.manual_seed(seed)
+        self.cfg, self.mbs, self.accum = cfg, mbs, accum
+        self.model = GPT(cfg)
+        self.optimizer = make_optimizer(self.model)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def batch(self) -> torch.Tensor:
+        return torch.randint(0, self.cfg.vocab_size, (self.accum, self.mbs, self.cfg.seq_len + 1), generator=self.gen)
+
+    def train_step(self, batch: torch.Tensor | None = None) -> float:
+        batch = self.batch() if batch is None else batch
+        self.model.train()
+        total = 0.0
+        for micro in batch:
+            loss = self.model(micro[:, :-1], micro[:, 1:]) / self.accum
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = GPTConfig(args.layers, args.heads, args.hidden, args.seq, args.vocab)
+    trainer = BaselineTrainer(cfg, args.mbs, args.accum)
+    times = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = trainer.train_step()
+        dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(dt)
+        print(f"step {step:3d} loss {loss:.4f} {dt * 1e3:.0f} ms")
+    tokens = args.mbs * args.accum * args.seq
+    print(f"median {statistics.median(times) * 1e3:.0f} ms/step, {tokens / statistics.median(times):,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
