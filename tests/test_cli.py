@@ -86,7 +86,7 @@ def _model_args(data, run_dir) -> list:
     return [f"data.source={data.source}", f"data.dir={data.dir}", f"data.vocab_size={data.vocab_size}",
             f"data.val_fraction={data.val_fraction}", "data.num_workers=1",
             "model.num_layers=8", "model.hidden_size=64", "model.num_heads=4", "model.seq_len=32",
-            f"run_dir={run_dir}"]
+            "steps=2", "eval_iters=1", f"run_dir={run_dir}"]   # a config that wrongly passes ends soon
 
 
 def python_train(args: list) -> Result:
@@ -134,7 +134,7 @@ def _assert_torchrun_report(r: Result) -> None:
 # ------------------------------------------------------------------------------------- single process
 
 def test_layout_needs_48_processes(small_data, tmp_path):
-    r = python_train(["tp=4", "pp=12", *_model_args(small_data, tmp_path / "run")])
+    r = python_train([*_model_args(small_data, tmp_path / "run"), "tp=4", "pp=12"])
     assert_config_error(r, ["48 processes", "tp=4 x pp=12 x dp=1", "this run has 1",
                             "torchrun --nproc_per_node=48 train.py tp=4 pp=12"], "python")
 
@@ -149,7 +149,7 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
 
 
 def test_fp8_rejected(small_data, tmp_path):
-    r = python_train(["precision.dtype=fp8", *_model_args(small_data, tmp_path / "run")])
+    r = python_train([*_model_args(small_data, tmp_path / "run"), "precision.dtype=fp8"])
     assert_config_error(r, ["precision.dtype='fp8'", "fp32, fp16 or bf16"], "python")
 
 
@@ -159,7 +159,7 @@ def test_fp8_rejected(small_data, tmp_path):
 ], ids=["unknown-key", "wrong-type"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     run_dir = tmp_path / "run"
-    r = python_train([override, *_model_args(small_data, run_dir)])
+    r = python_train([*_model_args(small_data, run_dir), override])
     assert r.rc != 0, r
     assert r.elapsed < QUICK_S, r
     for fact in facts:
@@ -193,14 +193,14 @@ MULTI_RANK_CASES = [
 def test_bad_layout_under_torchrun(small_data, tmp_path, site_dir, nproc, overrides, facts):
     """Rank 0 gets a head start here (the other ranks start SLOW_START_S late), so the message is
     deterministic; the reverse order is test_message_survives_slow_rank0."""
-    r = torchrun_train(nproc, [*overrides, *_model_args(small_data, tmp_path / "run")], site_dir, slow="others")
+    r = torchrun_train(nproc, [*_model_args(small_data, tmp_path / "run"), *overrides], site_dir, slow="others")
     assert_config_error(r, facts, "torchrun")
 
 
 def test_bad_layout_unordered_ranks(small_data, tmp_path):
     """No start-order control: whatever rank fails first, the run ends quickly, non-zero, no traceback of ours,
     and the message is never printed more than once."""
-    r = torchrun_train(3, ["tp=2", *_model_args(small_data, tmp_path / "run")])
+    r = torchrun_train(3, [*_model_args(small_data, tmp_path / "run"), "tp=2"])
     assert r.elapsed < QUICK_S, r
     _assert_torchrun_report(r)
     assert r.err.count("World size 3 is not divisible") <= 1, r
@@ -211,7 +211,7 @@ def test_bad_layout_unordered_ranks(small_data, tmp_path):
     "another rank fails first, torchrun SIGTERMs rank 0 before it prints and the user sees only torchrun's "
     "ChildFailedError report with no message (about half the runs of `torchrun --nproc_per_node=3 train.py tp=2`)"))
 def test_message_survives_slow_rank0(small_data, tmp_path, site_dir):
-    r = torchrun_train(2, ["gbs=6", "mbs=2", *_model_args(small_data, tmp_path / "run")], site_dir, slow="rank0")
+    r = torchrun_train(2, [*_model_args(small_data, tmp_path / "run"), "gbs=6", "mbs=2"], site_dir, slow="rank0")
     assert_config_error(r, ["gbs=6 is not divisible by mbs x dp = 2 x 2 = 4"], "torchrun")
 
 
@@ -219,7 +219,7 @@ def test_message_survives_slow_rank0(small_data, tmp_path, site_dir):
 
 def test_two_rank_run_succeeds(small_data, tmp_path):
     run_dir = tmp_path / "run"
-    r = torchrun_train(2, ["steps=2", "eval_iters=1", "resume=never", *_model_args(small_data, run_dir)])
+    r = torchrun_train(2, [*_model_args(small_data, run_dir), "resume=never"])
     assert r.rc == 0, r
     assert "Traceback" not in r.all, r
     assert len(re.findall(r"^done: 2 steps", r.out, re.M)) == 1, r   # the summary comes from rank 0 only

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,7 +38,9 @@ def exported(small_data, tmp_path_factory):
         assert not any(info.values()), info
         ckpt = generate.read_checkpoint(history["checkpoint"])
         assert ckpt.meta["layout"]["tp"] == tp
-        runs[tp] = ckpt, model.eval(), generate.find_tokenizer(ckpt)
+        tok = generate.find_tokenizer(ckpt)
+        assert (out / "tokenizer.model").read_bytes() == tok.path.read_bytes()
+        runs[tp] = ckpt, model.eval(), tok
     return runs
 
 
@@ -58,6 +61,11 @@ def test_export_matches_megatron_logits(exported, tp):
         assert ours.shape == theirs.shape == (*batch.shape, m.vocab_size)
         diff = (ours - theirs).abs().max().item()
         assert diff <= 1e-5, f"logits differ by {diff:.2e}"
+    labels = ids.roll(-1, dims=1)
+    with torch.no_grad():
+        loss = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy (sum)
+    expected = F.cross_entropy(generate.logits(model, ids).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert torch.allclose(loss, expected, rtol=1e-6), (loss.item(), expected.item())
 
 
 def test_greedy_generation_matches_hf(exported):

@@ -1,0 +1,85 @@
+"""The communication of one training step equals the analytic count for the layout.
+
+A redundant (or missing) collective changes the ledger and fails these tests. Bytes are
+those of the full tensor involved (see megatron_mini/comm.py).
+"""
+import pytest
+
+from distributed import spawn
+from harness import small_config
+
+F32 = 4
+
+
+def _one_step_ledger(cfg):
+    from megatron_mini.data import load_datasets
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.training import Trainer
+    import torch
+    import torch.distributed as dist
+
+    mesh = ParallelMesh(cfg.tp, cfg.pp, dist.get_world_size() // (cfg.tp * cfg.pp))
+    trainer = Trainer(cfg, mesh, load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size),
+                      torch.device("cpu"))
+    mesh.ledger.reset()
+    trainer.train_step()
+    return mesh.ledger.summary()
+
+
+def _ledgers(world_size, cfg):
+    return spawn(world_size, _one_step_ledger, cfg)
+
+
+def test_dp2_step(small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path)
+    ledger = _ledgers(2, cfg)[0]
+    padded = cfg.model.num_params() + cfg.model.num_params() % 2   # one bucket, padded to a multiple of dp
+    assert ledger == {("dp", "all_reduce"): (1, padded * F32),      # gradients, once per step
+                      ("world", "all_reduce"): (1, F32)}            # the logged loss
+
+
+def _tp_activation_bytes(cfg):
+    return cfg.model.seq_len * cfg.mbs * cfg.model.hidden_size * F32
+
+
+def test_tp2_step(small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path, tp=2)
+    m, L = cfg.gbs // cfg.mbs, cfg.model.num_layers
+    act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
+    # per microbatch: forward g (embedding) + 2 g per block; backward 2 f per block + f (head)
+    # and the cross entropy's three [s, b] all-reduces (max, target logit, sum-exp)
+    calls = m * (1 + 2 * L + 2 * L + 1 + 3)
+    nbytes = m * ((1 + 4 * L + 1) * act + 3 * tokens)
+    for ledger in _ledgers(2, cfg):
+        assert ledger == {("tp", "all_reduce"): (calls, nbytes),
+                          ("mp", "all_reduce"): (1, F32),           # global grad norm (and inf check)
+                          ("world", "all_reduce"): (1, F32)}
+
+
+def test_tp2_sp_step(small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path, tp=2, sp=True)
+    m, L, h = cfg.gbs // cfg.mbs, cfg.model.num_layers, cfg.model.hidden_size
+    act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
+    # per microbatch, forward: RS (embedding), AG RS AG RS per block, AG (head); backward: the conjugates
+    per_kind = m * (4 * L + 2)
+    # sequence-parallel replicated params: 2L+1 LayerNorms (w, b), 2L row-parallel biases, positions
+    sp_numel = (2 * L + 1) * 2 * h + 2 * L * h + cfg.model.seq_len * h
+    for ledger in _ledgers(2, cfg):
+        assert ledger == {("tp", "all_gather"): (per_kind, per_kind * act),
+                          ("tp", "reduce_scatter"): (per_kind, per_kind * act),
+                          ("tp", "all_reduce"): (3 * m + 1, 3 * m * tokens + sp_numel * F32),
+                          ("mp", "all_reduce"): (1, F32),
+                          ("world", "all_reduce"): (1, F32)}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_step(schedule, small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path, pp=2, schedule=schedule)
+    m, act = cfg.gbs // cfg.mbs, _tp_activation_bytes(cfg)
+    embedding = cfg.model.padded_vocab_size * cfg.model.hidden_size * F32
+    for ledger in _ledgers(2, cfg):
+        assert ledger == {("pp", "send"): (m, m * act),              # activations one way, gradients back
+                          ("pp", "recv"): (m, m * act),
+                          ("emb", "all_reduce"): (1, embedding),     # tied word-embedding gradient
+                          ("mp", "all_reduce"): (1, F32),
+                          ("world", "all_reduce"): (1, F32)}
