@@ -9,6 +9,7 @@ Hydra composes conf/config.yaml with the command line into one typed TrainConfig
 """
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -19,28 +20,20 @@ from megatron_mini.mesh import launch_env
 register_configs()
 
 
-def write_config(cfg: DictConfig, run_dir: str) -> None:
-    """Rank 0 alone records the composed config (ranks must not race on one file)."""
-    os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
-    tmp = os.path.join(run_dir, ".hydra", "config.yaml.tmp")
-    with open(tmp, "w") as f:
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, os.path.join(run_dir, ".hydra", "config.yaml"))
-
-
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
     rank = launch_env()[0]
     try:
-        if rank == 0:
-            write_config(dict_cfg, cfg.run_dir)
         from megatron_mini.training import train
         train(cfg)
     except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        os._exit(2)  # every rank leaves at once, before any collective can wait for it
+        # Every rank finds the same problem before any collective. Rank 0 reports it; the others
+        # wait for torchrun to stop them once rank 0 has exited (or report it themselves if not).
+        if rank != 0:
+            time.sleep(15)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 if __name__ == "__main__":

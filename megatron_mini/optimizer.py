@@ -118,13 +118,16 @@ class Optimizer:
                 comm.all_reduce(r.grad, self.mesh.embedding_group)
 
     def global_grad_norm(self) -> float:
-        """sqrt of the sum of squares of the whole model's gradient (inf/nan if any is)."""
-        sq = torch.zeros(1, dtype=torch.float32, device=self.buffers[0].grads_flat.device)
+        """sqrt of the sum of squares of the whole model's gradient; nan if any gradient element on
+        any rank is inf/nan (replicated copies are checked too, though counted once in the norm)."""
+        stats = torch.zeros(2, dtype=torch.float32, device=self.buffers[0].grads_flat.device)
         for r in self.ranges:
+            stats[1] += r.grad.sum()
             for a, b in r.norm_segments:
-                sq += r.grad[a:b].pow(2).sum()
-        comm.all_reduce(sq, self.mesh.world_group if self.zero else self.mesh.mp_group)
-        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+                stats[0] += r.grad[a:b].pow(2).sum()
+        comm.all_reduce(stats, self.mesh.world_group if self.zero else self.mesh.mp_group)
+        norm_sq, total = stats.tolist()
+        return math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(total) else float("nan")
 
     def zero_grad(self) -> None:
         for buf in self.buffers:

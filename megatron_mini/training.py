@@ -142,6 +142,17 @@ def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
     return log
 
 
+def _write_config(cfg: TrainConfig) -> None:
+    """Rank 0 alone records the run's config (ranks must not race on one file)."""
+    from omegaconf import OmegaConf
+
+    os.makedirs(os.path.join(cfg.run_dir, ".hydra"), exist_ok=True)
+    path = os.path.join(cfg.run_dir, ".hydra", "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    os.replace(path + ".tmp", path)
+
+
 def _resume_path(cfg: TrainConfig) -> str | None:
     if cfg.resume == "never":
         return None
@@ -161,6 +172,8 @@ def train(cfg: TrainConfig) -> dict:
     init_process_group(device, cfg.timeout_s)
     mesh = ParallelMesh(cfg.tp, cfg.pp, world_size // (cfg.tp * cfg.pp))
     log = _setup_logging(cfg.run_dir, rank)
+    if rank == 0:
+        _write_config(cfg)
     trainer = Trainer(cfg, mesh, datasets, device)
     config_dict = dataclasses.asdict(cfg)
     logger = RunLogger(cfg.run_dir, cfg.wandb, config_dict, enabled=rank == 0)

@@ -2,12 +2,13 @@
 import os
 import sys
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")   # read when torch is imported
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:

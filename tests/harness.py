@@ -34,6 +34,18 @@ def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
     return spawn(world_size, _train, cfg, init_group=False)[0]
 
 
+def make_trainer(cfg: TrainConfig):
+    """A Trainer on this spawned rank (the process group exists), without the training loop."""
+    import torch.distributed as dist
+    from megatron_mini.data import load_datasets
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.training import Trainer
+
+    mesh = ParallelMesh(cfg.tp, cfg.pp, dist.get_world_size() // (cfg.tp * cfg.pp))
+    datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    return Trainer(cfg, mesh, datasets, torch.device("cpu"))
+
+
 def final_weights(history: dict) -> dict:
     from megatron_mini.checkpoint import load_model_tensors
     return load_model_tensors(history["checkpoint"])

@@ -6,24 +6,16 @@ those of the full tensor involved (see megatron_mini/comm.py).
 import pytest
 
 from distributed import spawn
-from harness import small_config
+from harness import make_trainer, small_config
 
 F32 = 4
 
 
 def _one_step_ledger(cfg):
-    from megatron_mini.data import load_datasets
-    from megatron_mini.mesh import ParallelMesh
-    from megatron_mini.training import Trainer
-    import torch
-    import torch.distributed as dist
-
-    mesh = ParallelMesh(cfg.tp, cfg.pp, dist.get_world_size() // (cfg.tp * cfg.pp))
-    trainer = Trainer(cfg, mesh, load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size),
-                      torch.device("cpu"))
-    mesh.ledger.reset()
+    trainer = make_trainer(cfg)
+    trainer.mesh.ledger.reset()
     trainer.train_step()
-    return mesh.ledger.summary()
+    return trainer.mesh.ledger.summary()
 
 
 def _ledgers(world_size, cfg):
@@ -52,7 +44,7 @@ def test_tp2_step(small_data, tmp_path):
     nbytes = m * ((1 + 4 * L + 1) * act + 3 * tokens)
     for ledger in _ledgers(2, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
-                          ("mp", "all_reduce"): (1, F32),           # global grad norm (and inf check)
+                          ("mp", "all_reduce"): (1, 2 * F32),           # grad norm and inf/nan check
                           ("world", "all_reduce"): (1, F32)}
 
 
@@ -68,7 +60,7 @@ def test_tp2_sp_step(small_data, tmp_path):
         assert ledger == {("tp", "all_gather"): (per_kind, per_kind * act),
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
                           ("tp", "all_reduce"): (3 * m + 1, 3 * m * tokens + sp_numel * F32),
-                          ("mp", "all_reduce"): (1, F32),
+                          ("mp", "all_reduce"): (1, 2 * F32),
                           ("world", "all_reduce"): (1, F32)}
 
 
@@ -81,5 +73,5 @@ def test_pp2_step(schedule, small_data, tmp_path):
         assert ledger == {("pp", "send"): (m, m * act),              # activations one way, gradients back
                           ("pp", "recv"): (m, m * act),
                           ("emb", "all_reduce"): (1, embedding),     # tied word-embedding gradient
-                          ("mp", "all_reduce"): (1, F32),
+                          ("mp", "all_reduce"): (1, 2 * F32),
                           ("world", "all_reduce"): (1, F32)}

@@ -5,18 +5,11 @@ import pytest
 import torch
 
 from distributed import spawn
-from harness import small_config, train_on_ranks
+from harness import make_trainer, small_config, train_on_ranks
 
 
 def _engine_trace(cfg):
-    import torch.distributed as dist
-    from megatron_mini.data import load_datasets
-    from megatron_mini.mesh import ParallelMesh
-    from megatron_mini.training import Trainer
-
-    mesh = ParallelMesh(cfg.tp, cfg.pp, dist.get_world_size() // (cfg.tp * cfg.pp))
-    trainer = Trainer(cfg, mesh, load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size),
-                      torch.device("cpu"))
+    trainer = make_trainer(cfg)
     trainer.train_step()
     return [a for a, _, _ in trainer.engine.trace]
 

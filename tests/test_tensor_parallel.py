@@ -157,7 +157,7 @@ def _layer_checks(mesh) -> dict:
             y.backward(seq(G) if sp else G)
             bias_grad = layer.bias.grad.clone()
             summed = bias_grad.clone()
-            if sp:                                   # sees only local tokens: sum over TP, then compare
+            if sp and T > 1:                         # sees only local tokens: sum over TP, then compare
                 dist.all_reduce(summed, group=grp.pg)
             res[f"row[sp={sp:d},input_is_parallel={input_is_parallel:d}]"] = dict(
                 y=_err(y, seq(yr) if sp else yr),
@@ -309,8 +309,6 @@ def _block_checks(mesh, mesh1) -> dict:
         plain_vs_tp1=compare(plain, ref),
         sp_vs_tp1=compare(seqp, ref, seq_shard_a=True),
         recompute_vs_sp=compare(seqp_recompute, seqp),
-        scale=dict(y=ref["y"].abs().max().item(), dx=ref["dx"].abs().max().item(),
-                   grads=max(g.abs().max().item() for g in ref["grads"].values())),
         ledger=dict(plain=(plain["fwd"], plain["bwd"]), sp=(seqp["fwd"], seqp["bwd"]), tp1=(ref["fwd"], ref["bwd"])),
         sp_names=seqp["sp_names"], plain_sp_names=plain["sp_names"], init_err=init_err,
         activation_bytes=S * B * H * 4,
@@ -344,7 +342,7 @@ def _rng_checks(mesh) -> dict:
 def _guard(fn, *args):
     import time
     t0 = time.perf_counter()
-    try:
+    try:                                   # "_t": the section's seconds on this rank, to diagnose slowness
         r = fn(*args)
         r["_t"] = time.perf_counter() - t0
         return r
@@ -521,11 +519,10 @@ def test_vocab_parallel_cross_entropy(res, mesh, case):
 def test_block_equivalence(res, mesh, pair):
     """Outputs, input grads and all (gathered; sp-marked summed over TP) parameter grads agree."""
     for g, r in enumerate(section(res, ("block", mesh))):
-        errs, scale = r[pair], r["scale"]
+        errs = r[pair]
         for key in ("y", "dx", "grads"):
-            tol = BLOCK_TOL * max(1.0, scale[key])
-            assert errs[key] <= tol, f"{pair} rank {g} ({mesh}): {key} differs by {errs[key]:.2e} > {tol:.1e} " \
-                                     f"(worst parameter {errs['worst']})"
+            assert errs[key] <= BLOCK_TOL, f"{pair} rank {g} ({mesh}): {key} differs by {errs[key]:.2e} " \
+                                           f"(relative) > {BLOCK_TOL} (worst parameter {errs['worst']})"
 
 
 @pytest.mark.parametrize("mesh", TP_MESHES)

@@ -1,0 +1,113 @@
+"""Mixed precision: the fp16 loss scaler, mesh-wide overflow skipping, fp32 main grads, 16-bit training."""
+import pytest
+import torch
+
+from distributed import spawn
+from harness import make_trainer, small_config, train_on_ranks
+from megatron_mini.config import PrecisionConfig
+from megatron_mini.optimizer import DynamicLossScaler
+
+
+def test_loss_scaler_state_machine():
+    s = DynamicLossScaler(PrecisionConfig(dtype="fp16", initial_loss_scale=1024.0, loss_scale_growth_interval=3,
+                                          loss_scale_hysteresis=2, min_loss_scale=256.0))
+    s.update(found_inf=True)
+    assert s.scale == 1024.0                 # hysteresis: the first overflow is tolerated
+    s.update(found_inf=True)
+    assert s.scale == 512.0                  # the second backs off
+    s.update(found_inf=True)
+    assert s.scale == 256.0                  # until growth, every further overflow backs off
+    s.update(found_inf=True)
+    assert s.scale == 256.0                  # clamped at min_loss_scale
+    for _ in range(2):
+        s.update(found_inf=False)
+    assert s.scale == 256.0
+    s.update(found_inf=False)
+    assert s.scale == 512.0                  # growth after growth_interval clean steps ...
+    s.update(found_inf=True)
+    assert s.scale == 512.0                  # ... which also restores the hysteresis
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 1024.0                 # an overflow resets the clean-step count
+
+
+def _step_with_injected_inf(cfg, poisoned_rank):
+    import torch.distributed as dist
+
+    trainer = make_trainer(cfg)
+    trainer.train_step()                     # one clean step, so optimizer state is non-trivial
+    before = [t.clone() for buf in trainer.buffers for t in (buf.params_flat,)]
+    state = [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone()) for r in trainer.optimizer.ranges]
+    steps, scaler = trainer.optimizer.step_count, trainer.optimizer.scaler.state_dict()
+    batch = torch.zeros(trainer.m, cfg.mbs, cfg.model.seq_len + 1, dtype=torch.long)
+    trainer.engine.train_step(batch, trainer.optimizer.scaler.scale, trainer.tokens_per_step)
+    if dist.get_rank() == poisoned_rank:              # an element of the (reduced) gradient this rank owns
+        trainer.optimizer.ranges[0].grad[3] = float("inf")
+    _, skipped = trainer.optimizer.step(lr=1e-3)
+    unchanged = all(torch.equal(a, buf.params_flat) for a, buf in zip(before, trainer.buffers))
+    unchanged &= all(torch.equal(m, r.master) and torch.equal(a, r.exp_avg) and torch.equal(v, r.exp_avg_sq)
+                     for (m, a, v), r in zip(state, trainer.optimizer.ranges))
+    return skipped, unchanged, trainer.optimizer.step_count == steps, scaler, trainer.optimizer.scaler.state_dict()
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_injected_inf_skips_the_step_on_every_rank(zero, small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path, tp=2, pp=2, zero=zero, gbs=8, **{"precision.dtype": "fp16",
+                                                                              "precision.initial_loss_scale": 1024.0})
+    results = spawn(8 if zero else 4, _step_with_injected_inf, cfg, 3)
+    for skipped, unchanged, same_step_count, scaler_before, scaler_after in results:
+        assert skipped and unchanged and same_step_count
+        assert scaler_after["hysteresis_left"] == scaler_before["hysteresis_left"] - 1
+
+
+@pytest.fixture(scope="module")
+def fp32_run(small_data, tmp_path_factory):
+    return train_on_ranks(1, small_config(small_data, tmp_path_factory.mktemp("fp32")))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("bf16", 0.01), ("fp16", 0.01)])
+def test_16bit_training_tracks_fp32(dtype, tolerance, fp32_run, small_data, tmp_path):
+    """16-bit compute with fp32 master weights stays within `tolerance` (relative) of fp32 at every step
+    after the fp16 scaler has found its range (skipped steps leave the weights as they were)."""
+    cfg = small_config(small_data, tmp_path, **{"precision.dtype": dtype, "precision.initial_loss_scale": 2.0 ** 16})
+    history = train_on_ranks(1, cfg)
+    a, b = torch.tensor(fp32_run["loss"]), torch.tensor(history["loss"])
+    rel = ((a - b).abs() / a).max().item()
+    assert rel < tolerance, (dtype, a.tolist(), b.tolist())
+    assert b[-1] < b[0] - 0.3                # and it trains
+
+
+def test_fp32_main_grads_beat_bf16_accumulation():
+    """Accumulating 8 bf16 microbatch gradients into fp32 main grads (GradBuffer) keeps their exact sum;
+    accumulating them in a bf16 `.grad` rounds at every add — the reason main grads exist."""
+    from megatron_mini.data_parallel import GradBuffer
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.tensor_parallel import ParamSpec
+
+    torch.manual_seed(0)
+    weight = (torch.randn(256, 256) * 0.05).bfloat16()
+    inputs = [torch.randn(64, 256).bfloat16() for _ in range(8)]
+
+    def microbatch_grads():
+        w = torch.nn.Parameter(weight.clone())
+        grads = []
+        for x in inputs:
+            (x @ w).float().square().sum().backward()
+            grads.append(w.grad.double())
+            w.grad = None
+        return grads
+
+    exact = sum(microbatch_grads())                      # the same bf16 gradients, summed in fp64
+
+    def accumulated(use_buffer):
+        w = torch.nn.Parameter(weight.clone())
+        w.spec = ParamSpec()
+        if use_buffer:
+            GradBuffer([("w", w)], ParallelMesh(1, 1, 1), torch.bfloat16, zero=False)
+        for x in inputs:
+            (x @ w).float().square().sum().backward()
+        return (w.main_grad if use_buffer else w.grad).double()
+
+    main_grad_error = ((accumulated(True) - exact).norm() / exact.norm()).item()
+    bf16_grad_error = ((accumulated(False) - exact).norm() / exact.norm()).item()
+    assert main_grad_error < 1e-6 < 1e-4 < bf16_grad_error, (main_grad_error, bf16_grad_error)

@@ -1,0 +1,37 @@
+"""ZeRO-1 and activation recomputation change memory, not the model being trained."""
+import os
+
+import pytest
+import torch
+
+from harness import assert_same_training, final_weights, small_config, train_on_ranks
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero1_matches_plain_dp(dp, small_data, tmp_path):
+    plain = train_on_ranks(dp, small_config(small_data, tmp_path / "plain", steps=10))
+    zero = train_on_ranks(dp, small_config(small_data, tmp_path / "zero", steps=10, zero=1))
+    assert_same_training(plain, zero, rtol=1e-6, wtol=1e-6)
+
+
+def test_zero1_composes_with_tp_pp(small_data, tmp_path):
+    single = train_on_ranks(1, small_config(small_data, tmp_path / "single", steps=10))
+    zero = train_on_ranks(8, small_config(small_data, tmp_path / "zero", steps=10, tp=2, pp=2, sp=True, zero=1))
+    assert_same_training(single, zero)
+
+
+def test_zero1_checkpoint_resumes_without_zero(small_data, tmp_path):
+    full = train_on_ranks(2, small_config(small_data, tmp_path / "zero", steps=10, save_interval=5, zero=1))
+    step5 = os.path.join(full["checkpoint"], "..", "step_000005")
+    resumed = train_on_ranks(2, small_config(small_data, tmp_path / "plain", steps=10, resume=step5))
+    assert torch.allclose(torch.tensor(full["loss"][5:]), torch.tensor(resumed["loss"]), rtol=1e-6, atol=0)
+    for name, w in final_weights(full).items():
+        assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_gives_the_same_training(recompute, small_data, tmp_path):
+    none = train_on_ranks(2, small_config(small_data, tmp_path / "none", steps=6, tp=2, sp=True))
+    again = train_on_ranks(2, small_config(small_data, tmp_path / recompute, steps=6, tp=2, sp=True, recompute=recompute))
+    assert none["loss"] == again["loss"] and none["grad_norm"] == again["grad_norm"]
+    assert_same_training(none, again, rtol=0, wtol=0)
