@@ -24,6 +24,7 @@ class ModelConfig:
     seq_len: int = 128
     vocab_size: int = 8192           # the tokenizer's size; the embedding is padded (below)
     vocab_pad_multiple: int = 128    # layout-independent padding (never depends on tp)
+    label_smoothing: float = 0.0
     ffn_mult: int = 4
     dropout: float = 0.0
     ln_eps: float = 1e-5
@@ -102,6 +103,8 @@ class TrainConfig:
     zero: int = 0                    # 0 or 1
     schedule: str = "1f1b"           # gpipe | 1f1b (interleaved when vpp > 1)
     embedding_stage: str = "none"    # none | layer | own
+    pipeline_first_blocks: int = 0   # explicit block count of the first block stage (0: balanced)
+    pipeline_last_blocks: int = 0    # explicit block count of the last block stage (0: balanced)
     recompute: str = "none"          # none | full | selective
     kernels: str = "auto"            # auto (triton on CUDA, torch on CPU) | triton | torch
     # batch and schedule

@@ -187,11 +187,11 @@ class Head(Layer):
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, word_embeddings: nn.Parameter | None, device):
         super().__init__()
         m = cfg.model
-        self.tp_group, self.sp, self.vocab_size = mesh.tp_group, cfg.sp, m.vocab_size
+        self.tp_group, self.sp, self.vocab_size, self.label_smoothing = mesh.tp_group, cfg.sp, m.vocab_size, m.label_smoothing
         self.ln_f = layer_norm(cfg, device)
         if word_embeddings is None:
             word_embeddings = new_param((m.padded_vocab_size // mesh.tp, m.hidden_size),
-                                        ParamSpec("normal", m.init_std, tp_dim=0, tied=mesh.pp > 1), device=device)
+                                        ParamSpec("normal", m.init_std, tp_dim=0, tied=True), device=device)
         self.word_embeddings = word_embeddings
 
     def global_name(self, local: str) -> str:
@@ -199,7 +199,8 @@ class Head(Layer):
 
     def forward(self, x, labels):
         logits = column_parallel_linear(self.ln_f(x), self.word_embeddings, None, self.tp_group, self.sp)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size).sum()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
+                                            self.label_smoothing).sum()
 
 
 class GPTChunk(nn.Module):

@@ -27,31 +27,50 @@ from .schedules import build_schedule
 COMM_OPS = ("send_act", "recv_act", "send_grad", "recv_grad")
 
 
-def _even(units: int, stages: int, what: str, hint: str) -> list:
-    if units % stages:
-        lo, hi = units - units % stages, units + stages - units % stages
-        raise ConfigError(f"Cannot split {units} {what} evenly over {stages} virtual stages (pp x vpp); {hint} "
-                          f"Block counts that would work are multiples of {stages} shifted as described: e.g. "
-                          f"{what} = {lo or hi} or {hi}.")
-    return [units // stages] * stages
+def _spread(n: int, stages: int, to_blocks, why: str) -> list:
+    """n units evenly over `stages`; if impossible, say which block counts would work."""
+    if stages < 1 or n % stages:
+        lo, hi = n - n % stages, n - n % stages + stages
+        options = ", ".join(str(to_blocks(u)) for u in (lo, hi) if to_blocks(u) > 0)
+        raise ConfigError(f"Cannot split the model evenly over the pipeline: {why} "
+                          f"Block counts that would work here: {options} (or change pp/vpp/embedding_stage).")
+    return [n // stages] * stages
 
 
-def partition(num_layers: int, num_stages: int, embedding_stage: str) -> list:
-    """(first, end) indices into [Embedding, Block_1..L, Head] for each virtual stage."""
+def partition(num_layers: int, num_stages: int, embedding_stage: str, first_blocks: int = 0,
+              last_blocks: int = 0) -> list:
+    """(first, end) indices into [Embedding, Block_1..L, Head] for each of the pp*vpp virtual stages.
+
+    first_blocks / last_blocks (embedding_stage none or own): explicit block counts for the first
+    and last block-holding stage; the other blocks spread evenly over the stages between.
+    """
     L, S = num_layers, num_stages
     if S == 1:
         return [(0, L + 2)]
-    if embedding_stage == "own":
-        if S < 3:
+    if embedding_stage == "layer":
+        if first_blocks or last_blocks:
+            raise ConfigError("pipeline_first_blocks/pipeline_last_blocks need embedding_stage=none or own.")
+        counts = _spread(L + 2, S, lambda u: u - 2,
+                         f"with embedding_stage=layer the {L} blocks + embedding + head = {L + 2} units must divide "
+                         f"over pp x vpp = {S} virtual stages.")
+    else:
+        own = embedding_stage == "own"
+        stages = S - 2 if own else S
+        if stages < 1:
             raise ConfigError(f"embedding_stage=own needs at least 3 virtual stages (embedding, blocks, head); "
                               f"pp x vpp = {S}.")
-        counts = [1] + _even(L, S - 2, "blocks", f"with embedding_stage=own, L must divide over pp*vpp-2 = {S - 2} stages.") + [1]
-    elif embedding_stage == "layer":
-        counts = _even(L + 2, S, "layers (blocks + 2)", "with embedding_stage=layer, blocks + 2 must divide over pp*vpp.")
-    else:
-        counts = _even(L, S, "blocks", "with embedding_stage=none, L must divide over pp*vpp.")
-        counts[0] += 1
-        counts[-1] += 1
+        fixed = [n for n in (first_blocks, last_blocks) if n]
+        if fixed and len(fixed) >= stages:
+            raise ConfigError(f"pipeline_first_blocks/pipeline_last_blocks need more than {len(fixed)} block stages.")
+        rest = _spread(L - sum(fixed), stages - len(fixed), lambda u: u + sum(fixed),
+                       f"{L - sum(fixed)} blocks must divide over {stages - len(fixed)} virtual stages "
+                       f"(embedding_stage={embedding_stage}, pp x vpp = {S}"
+                       + (f", {sum(fixed)} blocks placed explicitly)." if fixed else ")."))
+        blocks = ([first_blocks] if first_blocks else []) + rest + ([last_blocks] if last_blocks else [])
+        counts = [1] + blocks + [1] if own else blocks
+        if not own:
+            counts[0] += 1
+            counts[-1] += 1
     bounds, start = [], 0
     for n in counts:
         bounds.append((start, start + n))
@@ -60,7 +79,8 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str) -> list:
 
 
 def local_stage_layers(cfg: TrainConfig, pp_rank: int) -> list:
-    stages = partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage)
+    stages = partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage,
+                       cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     return [stages[c * cfg.pp + pp_rank] for c in range(cfg.vpp)]
 
 

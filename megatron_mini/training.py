@@ -24,7 +24,7 @@ from .logger import RunLogger
 from .mesh import ParallelMesh, init_process_group, launch_env
 from .model import build_chunks
 from .optimizer import Optimizer
-from .pipeline import PipelineEngine, local_stage_layers, partition
+from .pipeline import PipelineEngine, local_stage_layers
 from .schedules import check_schedule
 from .tensor_parallel import RNGTracker
 
@@ -51,7 +51,7 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 def check_run(cfg: TrainConfig, world_size: int):
     """Everything that can be wrong before the first collective; returns (dp, datasets)."""
     dp = validate(cfg, world_size)
-    partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage)
+    local_stage_layers(cfg, 0)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
     datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
     return dp, datasets
@@ -115,6 +115,14 @@ class Trainer:
             total += self._global_loss(self.engine.eval_step(batch))
         return total / self.cfg.eval_iters
 
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for weights, fp32 main grads and optimizer state (ZeRO-1 shards the last)."""
+        optim = sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes
+                    + (r.master.nbytes if r.master.data_ptr() != r.param.data_ptr() else 0)
+                    for r in self.optimizer.ranges)
+        return {"weights": sum(b.params_flat.nbytes for b in self.buffers),
+                "grads": sum(b.grads_flat.nbytes for b in self.buffers), "optimizer": optim}
+
     def save(self, run_dir: str) -> str:
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
         checkpoint.save(path, self.step, self.consumed_samples, self.chunks, self.optimizer, self.rng, self.mesh,
@@ -140,6 +148,16 @@ def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
         console.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(console)
     return log
+
+
+def _report_memory(trainer: Trainer, log: logging.Logger) -> None:
+    """Every rank's weight / main-grad / optimizer-state memory, as one table from rank 0."""
+    mine = trainer.memory_bytes()
+    table = comm.all_gather(torch.tensor([list(mine.values())], dtype=torch.float64), trainer.mesh.world_group)
+    lines = [f"  rank {r:>4} (tp {r % trainer.mesh.tp}, dp {r // trainer.mesh.tp % trainer.mesh.dp}, "
+             f"pp {r // (trainer.mesh.tp * trainer.mesh.dp)}): " + " | ".join(
+                 f"{k} {v / 2**20:8.2f} MiB" for k, v in zip(mine, row.tolist())) for r, row in enumerate(table)]
+    log.info("memory per rank:\n" + "\n".join(lines))
 
 
 def _write_config(cfg: TrainConfig) -> None:
@@ -182,6 +200,8 @@ def train(cfg: TrainConfig) -> dict:
         log.info(f"resumed from {resume} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | {device}")
+
+    _report_memory(trainer, log)
 
     history = {"loss": [], "val_loss": [], "grad_norm": []}
     skipped_steps, last_ckpt = 0, resume

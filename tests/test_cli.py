@@ -190,7 +190,7 @@ MULTI_RANK_CASES = [
                  ["padded vocabulary 515", "not divisible by tp=2", "model.vocab_pad_multiple"], id="vocab-pad-tp"),
     pytest.param(2, ["tp=2", "sp=true", "model.seq_len=33"], ["model.seq_len=33 divisible by tp=2"], id="seq-sp-tp"),
     pytest.param(2, ["pp=2", "model.num_layers=7", "embedding_stage=none"],
-                 ["Cannot split 7 blocks evenly over 2 virtual stages", "blocks = 6 or 8"], id="layers-pp"),
+                 ["Cannot split the model evenly over the pipeline: 7 blocks must divide over 2 virtual stages", "Block counts that would work here: 6, 8"], id="layers-pp"),
     # gbs 12 / mbs 4 = 3 microbatches, not a multiple of pp=2
     pytest.param(2, ["pp=2", "vpp=2", "gbs=12", "mbs=4"],
                  ["Interleaved 1F1B (pp=2, vpp=2)", "multiple of 2, but it is 3"], id="interleaved-microbatches"),

@@ -1,0 +1,41 @@
+"""The pipeline partitioner: every placement of the embedding and head, and its error messages."""
+import pytest
+
+from megatron_mini.config import ConfigError
+from megatron_mini.pipeline import partition
+
+
+def sizes(bounds):
+    return [end - start for start, end in bounds]
+
+
+def test_bloom_layer_placement():
+    # BLOOM: 70 blocks + embedding + head = 72 units over 12 stages, 6 each
+    bounds = partition(70, 12, "layer")
+    assert sizes(bounds) == [6] * 12 and bounds[0][0] == 0 and bounds[-1][1] == 72
+
+
+def test_own_and_none_placements():
+    assert sizes(partition(10, 12, "own")) == [1] + [1] * 10 + [1]       # the design-card run: pp=12
+    assert sizes(partition(8, 4, "none")) == [3, 2, 2, 3]                 # embedding + 2 blocks, ..., 2 blocks + head
+    assert sizes(partition(8, 1, "none")) == [10]
+    assert sizes(partition(9, 4, "none", first_blocks=3)) == [4, 2, 2, 3]
+
+
+def test_explicit_first_and_last_counts():
+    assert sizes(partition(10, 4, "none", first_blocks=2, last_blocks=4)) == [3, 2, 2, 5]
+    assert sizes(partition(7, 5, "own", first_blocks=1, last_blocks=4)) == [1, 1, 2, 4, 1]
+    with pytest.raises(ConfigError, match="embedding_stage=none or own"):
+        partition(8, 4, "layer", first_blocks=1)
+
+
+@pytest.mark.parametrize("layers,stages,placement,works", [(7, 2, "none", "6, 8"), (7, 4, "layer", "6, 10"),
+                                                            (9, 6, "own", "8, 12")])
+def test_uneven_splits_name_block_counts_that_work(layers, stages, placement, works):
+    with pytest.raises(ConfigError, match=f"Block counts that would work here: {works}"):
+        partition(layers, stages, placement)
+
+
+def test_own_needs_three_stages():
+    with pytest.raises(ConfigError, match="at least 3 virtual stages"):
+        partition(8, 2, "own")
