@@ -25,13 +25,31 @@ train: data
 	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 test: venv
-	$(RUN_ENV) $(PYTHON) -m pytest -q $(ARGS)
+	$(RUN_ENV) $(PYTHON) -m pytest -q --durations=15 $(ARGS)
 
 bench: venv
 	$(RUN_ENV) $(PYTHON) tools/bench_train.py $(ARGS)
 
 bench-kernels: venv
 	$(PYTHON) tools/bench_kernels.py $(ARGS)
+
+# fp32 vs fp16 vs bf16 on the tiny model: same seed, same data, one wandb group; then the overlay.
+PRECISION_STEPS ?= 200
+compare-precision: data
+	for p in fp32 fp16 bf16; do \
+	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py precision=$$p \
+	    steps=$(PRECISION_STEPS) run_name=precision-$$p resume=never wandb.group=precision wandb.name=$$p $(ARGS) || exit 1; \
+	done
+	$(PYTHON) tools/compare_runs.py runs/precision-fp32 runs/precision-fp16 runs/precision-bf16 -o docs/precision_compare.png
+
+# The design card's layout on one CPU machine: 48 ranks, tp=4 x pp=12 (1 embedding + 10 block + 1 head stages).
+demo-48: data
+	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=48 train.py layout=tp4_pp12 \
+	  embedding_stage=own model.num_layers=10 mbs=1 gbs=12 steps=6 log_interval=1 eval_interval=0 \
+	  run_name=demo-48 resume=never timeout_s=900 $(ARGS)
+
+plot-schedule: venv
+	$(PYTHON) tools/plot_schedule.py --pp 4 --vpp 2 --microbatches 8 --compare -o docs/schedule_pp4_vpp2_m8.png
 
 clean-venv:
 	rm -rf $(VENV)

@@ -50,6 +50,11 @@ class Group:
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
 
 
+# torch >= 2.13 names the flat collectives *_single (the *_tensor names are deprecated there)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -69,7 +74,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     t = t.movedim(dim, 0).contiguous()
     out = torch.empty((group.size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
     group.ledger.record(group.name, "all_gather", _nbytes(out))
-    dist.all_gather_into_tensor(out, t, group=group.pg)
+    _all_gather_flat(out, t, group=group.pg)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -78,7 +83,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
     if group.size == 1:
         return None
     group.ledger.record(group.name, "all_gather", _nbytes(out))
-    return dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=async_op)
+    return _all_gather_flat(out, shard, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -88,7 +93,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     group.ledger.record(group.name, "reduce_scatter", _nbytes(t))
     t = t.movedim(dim, 0).contiguous()
     out = torch.empty((t.shape[0] // group.size,) + t.shape[1:], dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t, group=group.pg)
+    _reduce_scatter_flat(out, t, group=group.pg)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -97,7 +102,7 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_
     if group.size == 1:
         return None
     group.ledger.record(group.name, "reduce_scatter", _nbytes(t))
-    return dist.reduce_scatter_tensor(out, t, group=group.pg, async_op=async_op)
+    return _reduce_scatter_flat(out, t, group=group.pg, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, group: Group, src_index: int = 0) -> None:

@@ -208,6 +208,11 @@ def train(cfg: TrainConfig) -> dict:
     start_time = interval_start = time.time()
     interval_steps = 0
     first_step = trainer.step
+    if cfg.eval_interval and trainer.step == 0:
+        val = trainer.evaluate()
+        history["val_loss"].append((0, val))
+        logger.log(0, {"val_loss": val})
+        log.info(f"step {0:>5}/{cfg.steps} | val loss {val:.4f} (before training)")
     try:
         while trainer.step < cfg.steps:
             out = trainer.train_step()

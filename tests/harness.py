@@ -57,6 +57,9 @@ def assert_same_training(ref: dict, other: dict, rtol: float = 1e-5, wtol: float
     assert a.shape == b.shape
     rel = ((a - b).abs() / a.abs()).max().item()
     assert rel <= rtol, f"per-step loss differs by {rel:.2e} (relative) > {rtol}: {a.tolist()} vs {b.tolist()}"
+    na, nb = torch.tensor(ref["grad_norm"]), torch.tensor(other["grad_norm"])
+    rel = ((na - nb).abs() / na.abs()).max().item()   # clipping sees the same global norm
+    assert rel <= 10 * rtol, f"grad norm differs by {rel:.2e} (relative): {na.tolist()} vs {nb.tolist()}"
     wa, wb = final_weights(ref), final_weights(other)
     assert wa.keys() == wb.keys()
     for name in wa:

@@ -111,3 +111,23 @@ def test_fp32_main_grads_beat_bf16_accumulation():
     main_grad_error = ((accumulated(True) - exact).norm() / exact.norm()).item()
     bf16_grad_error = ((accumulated(False) - exact).norm() / exact.norm()).item()
     assert main_grad_error < 1e-6 < 1e-4 < bf16_grad_error, (main_grad_error, bf16_grad_error)
+
+
+def test_bf16_trains_at_a_3d_layout(fp32_run, small_data, tmp_path):
+    """bf16 compute with fp32 main grads works across tp=2 x pp=2 x dp=2 with sequence parallelism."""
+    cfg = small_config(small_data, tmp_path, tp=2, pp=2, sp=True, **{"precision.dtype": "bf16"})
+    history = train_on_ranks(8, cfg)
+    a, b = torch.tensor(fp32_run["loss"]), torch.tensor(history["loss"])
+    assert ((a - b).abs() / a).max().item() < 0.01, (a.tolist(), b.tolist())
+
+
+def test_nan_loss_stops_without_saving(small_data, tmp_path):
+    """A diverging fp32 run stops with one clear message and saves nothing (no checkpoint directory)."""
+    cfg = small_config(small_data, tmp_path, steps=30, save_interval=1, **{"optimizer.lr": 1e6,
+                                                                          "optimizer.warmup_steps": 1,
+                                                                          "optimizer.grad_clip": 0.0})
+    with pytest.raises(RuntimeError, match="Training stopped: the (training loss|gradient norm) is (nan|inf)") as err:
+        train_on_ranks(1, cfg)
+    saved = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*")]
+    assert "Nothing was saved over the last good checkpoint" in str(err.value)
+    assert len(saved) < 30 and not list((tmp_path / "checkpoints").glob("*.tmp"))

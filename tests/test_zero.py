@@ -35,3 +35,19 @@ def test_recompute_gives_the_same_training(recompute, small_data, tmp_path):
     again = train_on_ranks(2, small_config(small_data, tmp_path / recompute, steps=6, tp=2, sp=True, recompute=recompute))
     assert none["loss"] == again["loss"] and none["grad_norm"] == again["grad_norm"]
     assert_same_training(none, again, rtol=0, wtol=0)
+
+
+def _optimizer_bytes(cfg):
+    from harness import make_trainer
+    return make_trainer(cfg).memory_bytes()
+
+
+def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
+    from distributed import spawn
+
+    plain = spawn(1, _optimizer_bytes, small_config(small_data, tmp_path))[0]
+    for dp in (2, 4):
+        sharded = spawn(dp, _optimizer_bytes, small_config(small_data, tmp_path, zero=1))
+        for rank in sharded:
+            # Adam moments (fp32 master = the weights in fp32): 8 bytes/param / dp, up to bucket padding
+            assert abs(rank["optimizer"] * dp - plain["optimizer"]) <= 8 * dp * 4, (dp, rank, plain)
