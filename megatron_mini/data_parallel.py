@@ -29,7 +29,8 @@ class Bucket:
     end: int                        # padded end: (end - start) % dp == 0
     params: list = field(default_factory=list)
     pending: int = 0
-    work: object = None
+    launched: bool = False
+    work: object = None              # the async collective's handle (None for a group of one)
     shard_out: torch.Tensor | None = None
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
@@ -108,20 +109,20 @@ class GradBuffer:
             bucket.work = comm.reduce_scatter_into(bucket.shard_out, grads, self.mesh.dp_group, async_op=True)
         else:
             bucket.work = comm.all_reduce(grads, self.mesh.dp_group, async_op=True)
-        bucket.work = bucket.work or "done"
+        bucket.launched = True
 
     def finish_grad_sync(self) -> None:
         """Reduce what was not launched yet and wait for every bucket."""
         for bucket in self.buckets:
-            if bucket.work is None:
+            if not bucket.launched:
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.work != "done":
+            if bucket.work is not None:
                 bucket.work.wait()
             if self.zero and self.dp > 1:
                 lo, hi = self.valid_range(bucket)
                 self.grads_flat[lo:hi].copy_(bucket.shard_out)
-            bucket.work, bucket.shard_out = None, None
+            bucket.launched, bucket.work, bucket.shard_out = False, None, None
         self.overlap = False
 
     def zero_grad(self) -> None:

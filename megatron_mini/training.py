@@ -254,15 +254,18 @@ def train(cfg: TrainConfig) -> dict:
                "tokens_per_s": steps_run * trainer.tokens_per_step / max(elapsed, 1e-9),
                "steps": trainer.step, "skipped_steps": skipped_steps}
     logger.summary(summary)
+    logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
+    evals = history["val_loss"]
+    val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
+                else "val loss not evaluated")
     log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
-             f"val loss {summary['final_val_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s")
+             f"{val_text} | {summary['tokens_per_s']:,.0f} tok/s (evaluation and checkpoints included)")
     log.info(f"checkpoint: {last_ckpt}")
     log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
     log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
              + (f"  (upload with: wandb sync {logger.wandb_path})" if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
-    logger.finish()
     history.update(summary=summary, checkpoint=last_ckpt)
     if rank == 0:
         with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:
