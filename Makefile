@@ -38,7 +38,7 @@ PRECISION_STEPS ?= 200
 compare-precision: data
 	for p in fp32 fp16 bf16; do \
 	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py precision=$$p \
-	    steps=$(PRECISION_STEPS) run_name=precision-$$p resume=never wandb.group=precision wandb.name=$$p $(ARGS) || exit 1; \
+	    steps=$(PRECISION_STEPS) log_interval=5 run_name=precision-$$p resume=never wandb.group=precision wandb.name=$$p $(ARGS) || exit 1; \
 	done
 	$(PYTHON) tools/compare_runs.py runs/precision-fp32 runs/precision-fp16 runs/precision-bf16 -o docs/precision_compare.png
 

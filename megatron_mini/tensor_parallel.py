@@ -41,6 +41,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.clone()  # autograd may share this buffer with another branch of the graph
         comm.all_reduce(grad, ctx.group)
         return grad, None
 
@@ -211,6 +212,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group: Group, *, sequence_parallel=False,
                  gather_output=False, std=0.02, tp_groups=1, dtype=torch.float32, device=None):
         super().__init__()
+        if gather_output and tp_groups > 1:
+            raise ValueError("gather_output=True would interleave the fused blocks (tp_groups > 1) of the output")
         tp = tp_group.size
         self.tp_group, self.sequence_parallel, self.gather_output = tp_group, sequence_parallel, gather_output
         self.weight = new_param((out_features // tp, in_features),

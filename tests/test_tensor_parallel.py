@@ -14,7 +14,8 @@ collective that leaks across TP groups shows up as a wrong value.
 - a transformer Block: sp on vs off, and tp>1 vs tp=1 with the same full weights.
 - RNGTracker: which streams agree across TP / DP ranks.
 
-A section that raises on every rank is reported by the tests that read it (the others still run).
+A section that raises on every rank fails only the tests that read it; one that raises on some
+ranks only ends the spawn within a minute with that traceback (see `_guard`), never a hang.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ MAPPINGS = [
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
 ]
-LAYER_TOL = 1e-6           # fp32, values of order one
+LAYER_TOL = 1e-6           # fp32, relative to the reference's largest entry
+BARRIER_TIMEOUT_S = 60     # between sections; generous for a loaded machine
 BLOCK_TOL = 1e-5
 CE_VOCAB, CE_PADDED = 50, 64
 
@@ -126,7 +128,7 @@ def _layer_checks(mesh) -> dict:
 
     # ColumnParallelLinear: weight [OUT/tp, IN]; input full (or a sequence shard with sp)
     for sp in (False, True):
-        for gather_output, groups in ((False, 1), (True, 1), (False, 3), (True, 3)):
+        for gather_output, groups in ((False, 1), (True, 1), (False, 3)):
             layer = ColumnParallelLinear(IN, OUT, grp, sequence_parallel=sp, gather_output=gather_output,
                                          tp_groups=groups)
             with torch.no_grad():
@@ -339,15 +341,30 @@ def _rng_checks(mesh) -> dict:
                 mask1=mask1.numpy(), mask2=mask2.numpy(), mask1_again=mask1_again.numpy())
 
 
-def _guard(fn, *args):
+def _guard(fn, *args) -> dict:
+    """Run one section; an exception becomes {"error": traceback} for the tests that read the section.
+
+    Every rank then meets at a monitored barrier: if the section failed on some ranks only, the
+    others are stuck in one of its collectives, and this rank ends the job within seconds (its
+    traceback becomes the test error) instead of waiting out the collective timeout.
+    """
     import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     t0 = time.perf_counter()
-    try:                                   # "_t": the section's seconds on this rank, to diagnose slowness
+    try:
         r = fn(*args)
-        r["_t"] = time.perf_counter() - t0
-        return r
-    except Exception:  # noqa: BLE001 - reported by the tests that read this section
-        return {"error": traceback.format_exc()}
+        r["_t"] = time.perf_counter() - t0          # the section's seconds on this rank (diagnosing slowness)
+    except Exception:  # noqa: BLE001
+        r = {"error": traceback.format_exc()}
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
+    except RuntimeError as e:
+        raise RuntimeError(f"{fn.__name__} failed on some ranks only; this rank's result:\n"
+                           f"{r.get('error', 'no error')}") from e
+    return r
 
 
 def _worker() -> dict:
@@ -450,8 +467,6 @@ def test_mapping_is_identity_at_tp1(res, name):
         assert r[name]["identity"], f"{name} at tp=1 should return its input itself"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _CopyToTP.backward all-reduces the incoming gradient in place; "
-                   "autograd shares that buffer with sibling branches (here y + h), whose gradient is corrupted")
 @pytest.mark.parametrize("mesh", TP_MESHES)
 def test_copy_to_does_not_corrupt_shared_gradient(res, mesh):
     tp = MESHES[mesh][0]
@@ -474,7 +489,7 @@ def _check_layer(res, mesh, case):
     for g, r in enumerate(section(res, ("layers", mesh))):
         errs = r[case]
         bad = {k: v for k, v in errs.items() if not v <= LAYER_TOL}
-        assert not bad, f"{case} on rank {g} ({mesh}): max abs errors {bad} > {LAYER_TOL}"
+        assert not bad, f"{case} on rank {g} ({mesh}): relative errors {bad} > {LAYER_TOL}"
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -484,12 +499,12 @@ def test_layer_matches_full_weight_reference(res, mesh, case):
     _check_layer(res, mesh, case)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ColumnParallelLinear(gather_output=True, tp_groups=3) concatenates "
-                   "rank outputs [q0 k0 v0 q1 k1 v1] instead of un-sharding them to [q k v]")
-@pytest.mark.parametrize("sp", [0, 1])
-@pytest.mark.parametrize("mesh", TP_MESHES)
-def test_column_gather_output_with_fused_groups(res, mesh, sp):
-    _check_layer(res, mesh, f"column[sp={sp},gather_output=1,tp_groups=3]")
+def test_column_gather_output_refuses_fused_groups():
+    """Gathering a fused [q; k; v] output would interleave the blocks rank by rank: refused up front."""
+    from megatron_mini.comm import Group, Ledger
+    from megatron_mini.tensor_parallel import ColumnParallelLinear
+    with pytest.raises(ValueError, match="interleave"):
+        ColumnParallelLinear(8, 24, Group("tp", [0], None, Ledger()), gather_output=True, tp_groups=3)
 
 
 # ============================================================================ cross entropy

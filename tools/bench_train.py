@@ -214,6 +214,8 @@ def handle(state: dict, op: str, args: tuple):
                 state["meshes"][layout] = ParallelMesh(*layout)
             objs[key] = LibRunner(cfg, state["meshes"][layout])
         return None
+    if op == "ping":
+        return os.getpid()
     if op == "drop":
         objs.pop(args[0], None)
         gc.collect()
@@ -290,43 +292,58 @@ def _pool_rank(rank: int, world: int, port: int, commands, results):
 class Pool:
     """`world` spawned gloo ranks (1 thread each), kept alive across commands."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, tries: int = 5):
+        self.desc, self.world = f"{world} ranks x 1 thread", world
+        for attempt in range(tries):
+            self._spawn()
+            try:
+                self.call("ping", timeout=180)
+                return
+            except RuntimeError as e:     # e.g. the free port was taken by another process meanwhile
+                self.close(kill=True)
+                if attempt == tries - 1:
+                    raise
+                print(f"  pool of {world} did not start ({str(e).splitlines()[0]}); retrying on a new port")
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.desc, self.world = f"{world} ranks x 1 thread", world
         self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_pool_rank, args=(r, world, port, self.commands[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.commands = [ctx.Queue() for _ in range(self.world)]
+        self.procs = [ctx.Process(target=_pool_rank, args=(r, self.world, port, self.commands[r], self.results),
+                                  daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
 
-    def call(self, op, *args) -> list:
+    def call(self, op, *args, timeout: float | None = None) -> list:
         for q in self.commands:
             q.put((op, args))
-        out = {}
+        out, start = {}, time.time()
         while len(out) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=30)
+                rank, ok, value = self.results.get(timeout=10)
             except Exception:  # noqa: BLE001 - queue.Empty: check the ranks are alive
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
                     raise RuntimeError(f"pool rank(s) {dead} died during {op}") from None
+                if timeout is not None and time.time() - start > timeout:
+                    raise RuntimeError(f"pool did not answer {op} within {timeout} s") from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed in {op}:\n{value}")
             out[rank] = value
         return [out[r] for r in range(self.world)]
 
-    def close(self):
+    def close(self, kill: bool = False):
         for q in self.commands:
             q.put(("stop", ()))
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=1 if kill else 30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
 
 
 # ============================================================================ measuring rows
