@@ -40,7 +40,7 @@ class Bucket:
 
 class GradBuffer:
     def __init__(self, named_params: list, mesh: ParallelMesh, dtype: torch.dtype, zero: bool,
-                 bucket_numel: int = 4_000_000):
+                 bucket_numel: int = 1_000_000):
         self.mesh, self.zero, self.dp = mesh, zero, mesh.dp
         named_params = list(reversed(named_params))
         tied = [(n, p) for n, p in named_params if n == WORD_EMBEDDING and mesh.pp > 1]

@@ -242,6 +242,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        if self.tp_group.size == 1:
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
@@ -278,9 +280,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from vocab-sharded logits [s, b, V/tp] without gathering the vocabulary.
 
     loss = logsumexp(x) - (1-a) x_t - (a/V) sum_j x_j over the V real (unpadded) classes,
-    which is F.cross_entropy(x, t, label_smoothing=a). Forward: three all-reduces of size
-    [s, b] (max; target logit; sum-exp with the logit sum stacked in). Backward, local:
-    dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding.
+    which is F.cross_entropy(x, t, label_smoothing=a). Forward: two all-reduces of size [s, b]:
+    the max, then the sum-exp with the target logit (and, with a > 0, the logit sum) stacked in.
+    Backward, local: dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding.
     """
 
     @staticmethod
@@ -298,18 +300,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = target - start
         in_shard = (local_t >= 0) & (local_t < per_rank)
         x_t = torch.gather(x, -1, local_t.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1)
-        x_t = x_t.masked_fill(~in_shard, 0.0)
-        comm.all_reduce(x_t, tp_group)
-
         exp = x.exp()
-        sums = torch.stack([exp.sum(-1), x.masked_fill(padded, 0.0).sum(-1)]) if label_smoothing else exp.sum(-1)
-        comm.all_reduce(sums, tp_group)
-        sum_exp = sums[0] if label_smoothing else sums
-        log_z = sum_exp.log()
-        loss = log_z - x_t
+        sums = [exp.sum(-1), x_t.masked_fill(~in_shard, 0.0)]
         if label_smoothing:
-            loss = log_z - (1 - label_smoothing) * x_t - label_smoothing * sums[1] / vocab_size
-        exp.div_(sum_exp.unsqueeze(-1))
+            sums.append(x.masked_fill(padded, 0.0).sum(-1))
+        sums = torch.stack(sums)
+        comm.all_reduce(sums, tp_group)
+        log_z, x_t = sums[0].log(), sums[1]
+        loss = log_z - (1 - label_smoothing) * x_t
+        if label_smoothing:
+            loss -= label_smoothing * sums[2] / vocab_size
+        exp.div_(sums[0].unsqueeze(-1))
         ctx.save_for_backward(exp, local_t, in_shard, padded)
         ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
         return loss
@@ -330,7 +331,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits, target, tp_group: Group, vocab_size: int, label_smoothing: float = 0.0):
-    """Per-token loss [s, b] in fp32 from logits [s, b, V_padded/tp] and targets [s, b]."""
+    """Per-token loss [s, b] in fp32 from logits [s, b, V_padded/tp] and targets [s, b].
+    At tp=1 the same math is F.cross_entropy's fused kernel on the unpadded vocabulary."""
+    if tp_group.size == 1:
+        flat = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].float()
+        return F.cross_entropy(flat, target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size, label_smoothing)
 
 

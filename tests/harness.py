@@ -12,7 +12,11 @@ from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, Train
 def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:
     """8 blocks, hidden 64, 4 heads, sequence 32, vocabulary 512: splits up to tp=4 and pp=4 x vpp=2."""
     model = ModelConfig(name="test", num_layers=8, hidden_size=64, num_heads=4, seq_len=32, vocab_size=data.vocab_size)
-    cfg = TrainConfig(model=model, data=data, optimizer=OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=5),
+    # Adam eps 1e-6, not 1e-8: the key bias's gradient is analytically zero (softmax ignores q.b_k), so
+    # it is pure rounding noise, which eps=1e-8 turns into updates of ~lr*noise/eps that differ from
+    # layout to layout (up to 2e-5 in 20 steps). With 1e-6 every weight agrees to ~2e-7 (fp32 rounding).
+    optimizer = OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=5, eps=1e-6)
+    cfg = TrainConfig(model=model, data=data, optimizer=optimizer,
                       wandb=WandbConfig(mode="disabled"), mbs=2, gbs=16, steps=20, run_dir=str(run_dir),
                       log_interval=1000, eval_interval=0, resume="never")
     for key, value in overrides.items():

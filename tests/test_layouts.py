@@ -15,20 +15,20 @@ def references(small_data, tmp_path_factory):
 
     def get(num_layers):
         if num_layers not in cache:
-            cfg = small_config(small_data, tmp_path_factory.mktemp("ref"), **{"model.num_layers": num_layers})
+            cfg = small_config(small_data, tmp_path_factory.mktemp("ref"), gbs=GBS, **{"model.num_layers": num_layers})
             cache[num_layers] = train_on_ranks(1, cfg)
         return cache[num_layers]
     return get
 
 
 LAYOUTS = {
-    # tensor + sequence parallelism
-    "tp2": dict(tp=2),
-    "tp4": dict(tp=4),
-    "tp2-sp": dict(tp=2, sp=True),
-    "tp4-sp": dict(tp=4, sp=True),
-    "tp2-dp2-sp": dict(tp=2, sp=True),
-    # pipeline parallelism
+    # tensor + sequence parallelism (4 blocks: depth does not matter here, collectives do)
+    "tp2": dict(tp=2, model__num_layers=4),
+    "tp4": dict(tp=4, model__num_layers=4),
+    "tp2-sp": dict(tp=2, sp=True, model__num_layers=4),
+    "tp4-sp": dict(tp=4, sp=True, model__num_layers=4),
+    "tp2-dp2-sp": dict(tp=2, sp=True, model__num_layers=4),
+    # pipeline parallelism (8 blocks: up to pp=4 x vpp=2)
     "pp2-1f1b": dict(pp=2),
     "pp4-1f1b": dict(pp=4),
     "pp4-gpipe": dict(pp=4, schedule="gpipe"),
@@ -38,13 +38,14 @@ LAYOUTS = {
     "pp4-vpp2-own": dict(pp=4, vpp=2, embedding_stage="own", model__num_layers=6),
     "tp2-pp2-dp2-sp": dict(tp=2, pp=2, sp=True),
 }
+GBS = 8   # 4 microbatches of 2 at dp=1
 WORLD = {"tp2": 2, "tp4": 4, "tp2-sp": 2, "tp4-sp": 4, "tp2-dp2-sp": 4, "pp2-1f1b": 2, "pp4-1f1b": 4,
          "pp4-gpipe": 4, "pp4-vpp2": 4, "pp2-vpp2-own": 2, "pp4-layer": 4, "pp4-vpp2-own": 4, "tp2-pp2-dp2-sp": 8}
 
 
 def _config(small_data, run_dir, layout):
     overrides = {k.replace("__", "."): v for k, v in LAYOUTS[layout].items()}
-    return small_config(small_data, run_dir, **overrides)
+    return small_config(small_data, run_dir, gbs=GBS, **overrides)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -39,8 +39,8 @@ def test_tp2_step(small_data, tmp_path):
     m, L = cfg.gbs // cfg.mbs, cfg.model.num_layers
     act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
     # per microbatch: forward g (embedding) + 2 g per block; backward 2 f per block + f (head)
-    # and the cross entropy's three [s, b] all-reduces (max, target logit, sum-exp)
-    calls = m * (1 + 2 * L + 2 * L + 1 + 3)
+    # and the cross entropy's two all-reduces: the max [s, b], then sum-exp and target logit [2, s, b]
+    calls = m * (1 + 2 * L + 2 * L + 1 + 2)
     nbytes = m * ((1 + 4 * L + 1) * act + 3 * tokens)
     for ledger in _ledgers(2, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
@@ -59,7 +59,7 @@ def test_tp2_sp_step(small_data, tmp_path):
     for ledger in _ledgers(2, cfg):
         assert ledger == {("tp", "all_gather"): (per_kind, per_kind * act),
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
-                          ("tp", "all_reduce"): (3 * m + 1, 3 * m * tokens + sp_numel * F32),
+                          ("tp", "all_reduce"): (2 * m + 1, 3 * m * tokens + sp_numel * F32),
                           ("mp", "all_reduce"): (1, 2 * F32),
                           ("world", "all_reduce"): (1, F32)}
 

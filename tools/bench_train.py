@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import math
 import os
 import re
 import shlex
@@ -392,6 +391,9 @@ class Row:
         return self.tokens / statistics.median(s["cpu"] for s in self.steps)
 
 
+LOADS = []   # 1-minute load averages sampled during the run (every round)
+
+
 def measure(rows: list, steps: int, flags=(), warmup: int = 1, log=print) -> None:
     """Warm up every row, then `steps` interleaved rounds of one step per row (order alternating)."""
     for row in rows:
@@ -405,7 +407,9 @@ def measure(rows: list, steps: int, flags=(), warmup: int = 1, log=print) -> Non
             combined, ranks = row.run(1, flags)
             row.steps += combined
             row.per_rank.append([r[0] for r in ranks])
-        log(f"    round {i + 1}/{steps}: " + ", ".join(f"{r.name} {r.steps[-1]['wall']:.2f}s" for r in rows))
+        LOADS.append(os.getloadavg()[0])
+        log(f"    round {i + 1}/{steps}: " + ", ".join(f"{r.name} {r.steps[-1]['wall']:.2f}s" for r in rows)
+            + f" | load {LOADS[-1]:.1f}")
 
 
 # ============================================================================ output
@@ -427,6 +431,13 @@ def print_table(headers: list, rows: list) -> None:
 class Report:
     def __init__(self, section: int, title: str):
         self.section, self.title, self.parts, self.goals = section, title, [], []
+        self.date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        self.t0, self.first_load = time.time(), len(LOADS)
+
+    def finish(self) -> None:
+        loads = LOADS[self.first_load:] or [os.getloadavg()[0]]
+        self.duration = time.time() - self.t0
+        self.load = f"{min(loads):.1f} to {max(loads):.1f} (median {statistics.median(loads):.1f})"
 
     def text(self, s: str) -> None:
         print(s)
@@ -563,7 +574,11 @@ def section2(pools, steps: int, log) -> Report:
         _, ranks = row.run(1, ("memory",))
         mem[row.name] = [r[0]["act_peak"] for r in ranks]
     rep.text("\nActivation memory per rank (peak bytes saved for backward in one step, as in section 3; MiB): "
-             + "; ".join(f"{name}: {' / '.join(mb(x) for x in v)}" for name, v in mem.items()) + ".")
+             + "; ".join(f"{name}: {' / '.join(mb(x) for x in v)}" for name, v in mem.items()) + ". "
+             "With sp every [s, b, h] activation outside the TP regions is split over the sequence, but the "
+             "column-parallel linears (QKV, fc1, the output projection) save their all-gathered full-sequence "
+             "input for the weight gradient, so sp stays above tp=1 / 2 by about one [s, b, h] tensor per "
+             "column-parallel linear (Megatron saves the local shard and all-gathers it again in backward).")
     rep.goal("tp=2 (2x1 thread) / tp=1 (2 threads)", ratios_text(tp2, ref), ">= 0.85", r_tp >= 0.85,
              best(tp2, ref) >= 0.85)
     rep.goal("tp=2 sp / tp=2 (sp within 5% of sp=false)", ratios_text(sp, tp2), ">= 0.95", r_sp >= 0.95,
@@ -662,7 +677,8 @@ def section3(pools, steps: int, log, mem_ms=(4, 8, 16)) -> Report:
     rep.text(f"\nRank 0: GPipe grows {g[-1] / g[0]:.2f}x from m={mem_ms[0]} to m={mem_ms[-1]}; 1F1B "
              f"{f[-1] / f[0]:.2f}x (bounded by pp - rank = 2 in-flight microbatches).")
     rep.goal("1F1B holds fewer in-flight activations than GPipe, flat as m grows (rank 0, pp=2)",
-             f"1F1B {'/'.join(mb(x) for x in f)} vs GPipe {'/'.join(mb(x) for x in g)} MiB at m={'/'.join(map(str, mem_ms))}",
+             f"1F1B {'/'.join(mb(x) for x in f)} vs GPipe {'/'.join(mb(x) for x in g)} MiB "
+             f"at m={'/'.join(map(str, mem_ms))}",
              "1F1B < GPipe at every m; 1F1B flat (<= 1.1x)", ok)
     return rep
 
@@ -685,7 +701,7 @@ def section4(pools, steps: int, log) -> Report:
     tok_small = S2.seq_len
     smalls = [Row(f"{d} (mbs=1, gbs=1)", local, ("lib", lib_cfg(dtype=d, **small)), tokens=tok_small)
               for d in ("fp32", "bf16", "fp16")]
-    measure(smalls, 3, log=log)
+    measure(smalls, 5, log=log)
     for r in smalls:
         r.drop()
 
@@ -697,7 +713,7 @@ def section4(pools, steps: int, log) -> Report:
                 f"{ratio(r.tokens_per_s, fp32.tokens_per_s):.3f}", f"{paired(r, fp32):.3f}", f"{best(r, fp32):.3f}",
                 mb(r.act_peak)] for r in rows])
     rep.text("\nfp16 on this CPU is too slow for a full S2 step in the default budget; the three precisions "
-             "on one sequence (mbs=1, gbs=1, 256 tokens per step), 3 measured steps each, interleaved:")
+             "on one sequence (mbs=1, gbs=1, 256 tokens per step), 5 measured steps each, interleaved:")
     rep.table(["configuration", "median s/step", "fastest s/step", "tokens/s", "model TFLOP/s", "vs fp32 (medians)",
                "vs fp32 (fastest)"],
               [[r.name, f"{r.median_wall:.2f}", f"{r.min_wall:.2f}", f"{r.tokens_per_s:,.0f}", f"{r.tflops:.4f}",
@@ -723,7 +739,8 @@ def section4(pools, steps: int, log) -> Report:
     zb = {(l[0], l[1], l[2]): l[-1] for l in zraw}
     ok = all(abs(zb[d, 1, k] * k / zb[d, 1, 1] - 1) < 0.01 for d in ("fp32", "bf16") for k in (2, 4))
     rep.goal("ZeRO-1 optimizer state per rank scales as 1/dp (dp=2, 4; fp32 and bf16)",
-             ", ".join(f"{d}: {mb(zb[d, 1, 1])}/{mb(zb[d, 1, 2])}/{mb(zb[d, 1, 4])} MiB at dp=1/2/4" for d in ("fp32", "bf16")),
+             ", ".join(f"{d}: {mb(zb[d, 1, 1])}/{mb(zb[d, 1, 2])}/{mb(zb[d, 1, 4])} MiB at dp=1/2/4"
+                       for d in ("fp32", "bf16")),
              "within 1% of 1/dp", ok)
     rep.text("\nrecompute=selective recomputes the attention core (softmax(q k^T) v). With the fused "
              "F.scaled_dot_product_attention of the torch path the s x s probabilities are never stored, and on CPU "
@@ -763,9 +780,12 @@ def write_doc(path: str, reports: list, header: dict) -> None:
                + "\n\n<!-- bench_train goals begin -->\n<!-- bench_train goals end -->\n"
     for rep in reports:
         body = (f"## {rep.title}\n\n"
-                f"- command: `{header['command']}`\n- date: {header['date']}\n- device: {header['device']}\n"
-                f"- torch {torch.__version__}; load average before / after the run: {header['load']}\n\n"
-                + "\n".join(p if p.startswith("|") else p.strip("\n") + "\n" for p in rep.parts) + "\n")
+                f"- command: `{header['command']}` (`make bench"
+                + (f" ARGS=\"{header['args']}\"" if header['args'] else "") + "`)\n"
+                f"- date: {rep.date}; this section took {rep.duration:.0f} s\n- device: {header['device']}\n"
+                f"- torch {torch.__version__}; 1-minute load average during the section (sampled every round; "
+                f"2 cores shared with other developers' tests): {rep.load}\n\n"
+                + "\n\n".join(p.strip("\n") for p in rep.parts) + "\n")
         body = re.sub(r"\n{3,}", "\n\n", body)
         b, e = begin.format(rep.section), end.format(rep.section)
         text = text[:text.index(b) + len(b)] + "\n" + body + text[text.index(e):]
@@ -826,18 +846,19 @@ def main() -> None:
                     help=f"measured steps per row (default per section: {DEFAULT_STEPS})")
     ap.add_argument("--doc", default=DOC, help="markdown file to update (default docs/benchmarks.md)")
     ap.add_argument("--no-doc", action="store_true", help="print only")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model instead of S2, to check the script (implies --no-doc)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model instead of S2, to check the script (writes only to an explicit --doc)")
     args = ap.parse_args()
     if args.smoke:
         global S2
         S2 = replace(S2, name="smoke", hidden_size=64, num_heads=8, seq_len=32, vocab_size=256)
-        args.no_doc = True
+        args.no_doc = args.no_doc or args.doc == DOC    # never overwrite the real figures with smoke ones
     sections = sorted(set(args.section or [1, 2, 3, 4]))
     t_start = time.time()
     load0 = os.getloadavg()[0]
     header = {"command": "OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 .venv/bin/python tools/bench_train.py"
                          + "".join(" " + shlex.quote(a) for a in sys.argv[1:]),
-              "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "device": device_line()}
+              "args": " ".join(shlex.quote(a) for a in sys.argv[1:]), "device": device_line()}
     print(f"{header['device']} | torch {torch.__version__} | load average {load0:.1f} | sections {sections}")
 
     def log(msg):
@@ -855,12 +876,12 @@ def main() -> None:
             log(f"section {s}: {steps} measured steps per row")
             fn = {1: section1, 2: section2, 3: section3, 4: section4}[s]
             rep = fn(pools, steps, log)
+            rep.finish()
             reports.append(rep)
             print()
     finally:
         for p in pools.values():
             p.close()
-    header["load"] = f"{load0:.1f} / {os.getloadavg()[0]:.1f}"
     goals = [g for rep in reports for g in rep.goals]
     print("\n=== Goals ===")
     print_table(["section", "goal", "measured", "target", "result (medians)", "result (fastest steps)"], goals)
