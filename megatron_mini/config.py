@@ -109,7 +109,7 @@ class TrainConfig:
     kernels: str = "auto"            # auto (triton on CUDA, torch on CPU) | triton | torch
     # batch and schedule
     mbs: int = 4
-    gbs: int = 16
+    gbs: int = 32
     steps: int = 300
     seed: int = 1234
     # bookkeeping
