@@ -33,99 +33,70 @@ def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x.chunk(group.size, dim=dim)[group.rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()  # autograd may share this buffer with another branch of the graph
-        comm.all_reduce(grad, ctx.group)
-        return grad, None
+def _identity(x, group):
+    return x
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        comm.all_reduce(x, group)  # consumes x: callers pass a fresh matmul output
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _sum_in_place(x, group):
+    comm.all_reduce(x, group)  # consumes x: g's callers pass a fresh matmul output
+    return x
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=grad.dim() - 1), None
+def _sum_copy(x, group):
+    return _sum_in_place(x.clone(), group)  # autograd may share f's incoming gradient with another branch
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_gather(x, group, dim=x.dim() - 1)
+def _conjugate(name: str, forward, backward):
+    """A mapping over the TP group: `forward` in the forward pass, its conjugate `backward` in backward."""
+    class Mapping(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.group, -1), None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
+    Mapping.__name__ = name
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=0), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_gather(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter(grad, ctx.group, dim=0), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.reduce_scatter(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=0), None
-
-
-def _mapping(fn):
     def apply(x: torch.Tensor, group: Group) -> torch.Tensor:
-        return x if group.size == 1 else fn.apply(x, group)
-    apply.__doc__ = fn.__name__
+        return x if group.size == 1 else Mapping.apply(x, group)
+    apply.__name__ = apply.__qualname__ = name
+    apply.__doc__ = f"{forward.__name__} forward / {backward.__name__} backward over the TP group."
     return apply
 
 
-copy_to_tensor_parallel_region = _mapping(_CopyToTP)
-reduce_from_tensor_parallel_region = _mapping(_ReduceFromTP)
-scatter_to_tensor_parallel_region = _mapping(_ScatterToTP)
-gather_from_tensor_parallel_region = _mapping(_GatherFromTP)
-scatter_to_sequence_parallel_region = _mapping(_ScatterToSP)
-gather_from_sequence_parallel_region = _mapping(_GatherFromSP)
-reduce_scatter_to_sequence_parallel_region = _mapping(_ReduceScatterToSP)
+def _split_last(x, group):
+    return _split(x, group, -1)
+
+
+def _gather_last(x, group):
+    return comm.all_gather(x, group, dim=x.dim() - 1)
+
+
+def _split_sequence(x, group):
+    return _split(x, group, 0)
+
+
+def _gather_sequence(x, group):
+    return comm.all_gather(x, group, dim=0)
+
+
+def _reduce_scatter_sequence(x, group):
+    return comm.reduce_scatter(x, group, dim=0)
+
+
+copy_to_tensor_parallel_region = _conjugate("copy_to_tensor_parallel_region", _identity, _sum_copy)
+reduce_from_tensor_parallel_region = _conjugate("reduce_from_tensor_parallel_region", _sum_in_place, _identity)
+scatter_to_tensor_parallel_region = _conjugate("scatter_to_tensor_parallel_region", _split_last, _gather_last)
+gather_from_tensor_parallel_region = _conjugate("gather_from_tensor_parallel_region", _gather_last, _split_last)
+scatter_to_sequence_parallel_region = _conjugate("scatter_to_sequence_parallel_region",
+                                                 _split_sequence, _gather_sequence)
+gather_from_sequence_parallel_region = _conjugate("gather_from_sequence_parallel_region",
+                                                  _gather_sequence, _reduce_scatter_sequence)
+reduce_scatter_to_sequence_parallel_region = _conjugate("reduce_scatter_to_sequence_parallel_region",
+                                                        _reduce_scatter_sequence, _gather_sequence)
 
 
 # ----------------------------------------------------------------------------- parameters
