@@ -176,6 +176,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"recompute={cfg.recompute!r}: choose none, full or selective.")
     if cfg.kernels not in ("auto", "triton", "torch"):
         raise ConfigError(f"kernels={cfg.kernels!r}: choose auto, triton or torch.")
+    if cfg.wandb.mode not in ("auto", "online", "offline", "disabled"):
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r}: choose auto, online, offline or disabled.")
     return dp
 
 
