@@ -67,17 +67,6 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
-def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `t` along `dim` (group order)."""
-    if group.size == 1:
-        return t
-    t = t.movedim(dim, 0).contiguous()
-    out = torch.empty((group.size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
-    group.ledger.record(group.name, "all_gather", _nbytes(out))
-    _all_gather_flat(out, t, group=group.pg)
-    return out.movedim(0, dim).contiguous() if dim else out
-
-
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Flat all-gather: `out` (size * shard.numel()) receives every rank's `shard` in group order."""
     if group.size == 1:
@@ -86,23 +75,32 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
     return _all_gather_flat(out, shard, group=group.pg, async_op=async_op)
 
 
-def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum `t` over the group and keep this rank's 1/size slice along `dim`."""
-    if group.size == 1:
-        return t
-    group.ledger.record(group.name, "reduce_scatter", _nbytes(t))
-    t = t.movedim(dim, 0).contiguous()
-    out = torch.empty((t.shape[0] // group.size,) + t.shape[1:], dtype=t.dtype, device=t.device)
-    _reduce_scatter_flat(out, t, group=group.pg)
-    return out.movedim(0, dim).contiguous() if dim else out
-
-
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
     """Flat reduce-scatter of `t` into `out` (t.numel() / size elements)."""
     if group.size == 1:
         return None
     group.ledger.record(group.name, "reduce_scatter", _nbytes(t))
     return _reduce_scatter_flat(out, t, group=group.pg, async_op=async_op)
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (group order)."""
+    if group.size == 1:
+        return t
+    t = t.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
+    all_gather_into(out, t, group)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum `t` over the group and keep this rank's 1/size slice along `dim`."""
+    if group.size == 1:
+        return t
+    t = t.movedim(dim, 0).contiguous()
+    out = torch.empty((t.shape[0] // group.size,) + t.shape[1:], dtype=t.dtype, device=t.device)
+    reduce_scatter_into(out, t, group)
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def broadcast(t: torch.Tensor, group: Group, src_index: int = 0) -> None:

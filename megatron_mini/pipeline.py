@@ -22,9 +22,7 @@ from torch.autograd import Variable
 
 from . import comm
 from .config import ConfigError, TrainConfig
-from .schedules import build_schedule
-
-COMM_OPS = ("send_act", "recv_act", "send_grad", "recv_grad")
+from .schedules import build_schedule, comm_batches
 
 
 def _spread(n: int, stages: int, to_blocks, why: str) -> list:
@@ -95,13 +93,12 @@ class PipelineEngine:
     def __init__(self, chunks: list, buffers: list, mesh, cfg: TrainConfig, num_microbatches: int,
                  act_dtype: torch.dtype, device: torch.device):
         self.chunks, self.buffers, self.mesh, self.cfg = chunks, buffers, mesh, cfg
-        self.m, self.dtype, self.device = num_microbatches, act_dtype, device
+        self.dtype, self.device = act_dtype, device
         self.schedule = build_schedule(cfg.schedule, mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
-        last = {}
-        for i, a in enumerate(self.schedule):
-            if a.op == "backward":
-                last[a.chunk] = i
-        self.last_backward = set(last.values())
+        gpipe = build_schedule("gpipe", mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
+        self.eval_schedule = [a for a in gpipe if a.op in ("forward", "send_act", "recv_act")]
+        # each chunk's last backward: its buckets may start reducing over DP as they fill
+        self.last_backward = set({a.chunk: (a.chunk, a.microbatch) for a in self.schedule if a.op == "backward"}.values())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
         self.trace = []    # (Action, t_start, t_end) of the last step, in execution order
@@ -113,24 +110,17 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
-        gpipe = build_schedule("gpipe", self.mesh.pp, self.cfg.vpp, self.m, self.mesh.pp_rank)
-        return self._run([a for a in gpipe if a.op in ("forward", "send_act", "recv_act")], batch, None)
+        return self._run(self.eval_schedule, batch, None)
 
     def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None) -> torch.Tensor:
         pp, vpp = self.mesh.pp, self.cfg.vpp
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.trace = []
-        pending = []
-        for i, a in enumerate(actions + [None]):
-            if a is not None and a.op in COMM_OPS:
-                pending.append(a)
+        for a in comm_batches(actions):
+            if isinstance(a, tuple):
+                self._exchange(a, inputs, outputs, out_grads, in_grads)
                 continue
-            if pending:
-                self._exchange(pending, inputs, outputs, out_grads, in_grads)
-                pending = []
-            if a is None:
-                break
             start = time.perf_counter()
             chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
             if a.op == "forward":
@@ -145,7 +135,7 @@ class PipelineEngine:
                 if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
                     inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
             else:
-                if i in self.last_backward:
+                if key in self.last_backward:
                     self.buffers[a.chunk].start_last_microbatch()
                 out = outputs.pop(key)
                 if chunk.has_head:
