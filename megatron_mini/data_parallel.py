@@ -12,6 +12,7 @@ line up between the first and last stage for the embedding-group sum.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class GradBuffer:
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = self.grads_flat[lo:lo + p.numel()].view(p.shape)
+                p.main_grad_ready = functools.partial(self._main_grad_ready, p)
                 p.register_post_accumulate_grad_hook(self._on_grad)
                 self.bucket_of[p] = bucket
         self.overlap = False
@@ -88,8 +90,17 @@ class GradBuffer:
 
     # -- accumulation and overlapped reduction
     def _on_grad(self, p: nn.Parameter) -> None:
+        """AccumulateGrad's hook: move the microbatch's .grad into the fp32 main grad. (It also runs,
+        with no .grad, for parameters whose gradient tensor_parallel.linear added there itself.)"""
+        if p.grad is None:
+            return
         p.main_grad.add_(p.grad)
         p.grad = None
+        self._main_grad_ready(p)
+
+    def _main_grad_ready(self, p: nn.Parameter) -> None:
+        """p's gradient of this microbatch is in its main grad (from the hook above, or added there
+        directly by tensor_parallel.linear): on the last microbatch its bucket may start reducing."""
         if self.overlap:
             bucket = self.bucket_of[p]
             bucket.pending -= 1

@@ -10,6 +10,7 @@ Every parameter has a global name (`embedding.word_embeddings.weight`, `blocks.3
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -23,21 +24,61 @@ from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RNGTracker, RowPa
                               new_param, shard, vocab_parallel_cross_entropy)
 
 
-def use_triton(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.kernels == "triton" or (cfg.kernels == "auto" and device.type == "cuda")
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation each fused op uses: Triton (True) or torch (False).
+
+    kernels=torch: torch everywhere (F.layer_norm, F.scaled_dot_product_attention). kernels=triton:
+    the Triton kernels everywhere (on CPU through the interpreter). kernels=auto: torch on CPU; on
+    CUDA, per op, the path that measured faster on an H100 (docs/benchmarks.md, `make bench-kernels`):
+    the Triton LayerNorm and add+LayerNorm (>= 2x torch eager at h = 768..4096), and for attention
+    the Triton flash attention only where it beat cuDNN SDPA (`AUTO_TRITON_ATTENTION_HEAD_DIMS`).
+    """
+    layer_norm: bool
+    attention: bool
 
 
-def layer_norm(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """LayerNorm over h whose parameters are marked for the sequence-parallel gradient sum."""
-    h, eps = cfg.model.hidden_size, cfg.model.ln_eps
-    if use_triton(cfg, device):
-        from kernels.layernorm import FusedLayerNorm
-        ln = FusedLayerNorm(h, eps=eps, device=device)
-    else:
-        ln = nn.LayerNorm(h, eps=eps, device=device)
-    ln.weight.spec = ParamSpec("ones", sequence_parallel=cfg.sp, no_weight_decay=True)
-    ln.bias.spec = ParamSpec("zeros", sequence_parallel=cfg.sp, no_weight_decay=True)
-    return ln
+AUTO_TRITON_ATTENTION_HEAD_DIMS: frozenset = frozenset()   # head dims where auto picks the Triton attention
+
+
+def select_kernels(cfg: TrainConfig, device: torch.device) -> Kernels:
+    if cfg.kernels == "torch" or (cfg.kernels == "auto" and device.type != "cuda"):
+        return Kernels(layer_norm=False, attention=False)
+    if cfg.kernels == "triton":
+        return Kernels(layer_norm=True, attention=True)
+    head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    return Kernels(layer_norm=True, attention=head_dim in AUTO_TRITON_ATTENTION_HEAD_DIMS)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over h (fp32 statistics), with a fused residual add: `ln(x)` is LN(x) and
+    `ln.add_and_norm(x, r)` is (h, LN(h)) with h = x + r. Parameters `weight`, `bias` as in
+    nn.LayerNorm, marked for the sequence-parallel gradient sum."""
+
+    def __init__(self, cfg: TrainConfig, triton: bool, device):
+        super().__init__()
+        h = cfg.model.hidden_size
+        self.eps, self.triton = cfg.model.ln_eps, triton
+        self.weight = new_param((h,), ParamSpec("ones", sequence_parallel=cfg.sp, no_weight_decay=True), device=device)
+        self.bias = new_param((h,), ParamSpec("zeros", sequence_parallel=cfg.sp, no_weight_decay=True), device=device)
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x):
+        if self.triton:
+            from kernels.layernorm import layer_norm
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def add_and_norm(self, x, r):
+        """(h, LN(h)) with h = x + r; r None means h = x."""
+        if r is None:
+            return x, self(x)
+        if self.triton:
+            from kernels.layernorm import add_layer_norm
+            return add_layer_norm(x, r, self.weight, self.bias, self.eps)
+        h = x + r
+        return h, F.layer_norm(h, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 def recomputed(fn, rng: RNGTracker, *args):
@@ -95,40 +136,37 @@ class Embedding(Layer):
 class Attention(nn.Module):
     """Causal self-attention with heads split over TP: QKV column-parallel, output row-parallel."""
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, kernels: Kernels, device):
         super().__init__()
         m = cfg.model
         h, tp = m.hidden_size, mesh.tp
         self.heads, self.head_dim = m.num_heads // tp, h // m.num_heads
         self.rng, self.attn_dropout = rng, m.dropout
         self.selective_recompute = cfg.recompute == "selective"
-        self.triton = use_triton(cfg, device)
+        self.triton = kernels.attention
         self.qkv = ColumnParallelLinear(h, 3 * h, mesh.tp_group, sequence_parallel=cfg.sp, std=m.init_std,
                                         tp_groups=3, device=device)
         self.proj = RowParallelLinear(h, h, mesh.tp_group, sequence_parallel=cfg.sp,
                                       std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
 
-    def core(self, q, k, v):
-        """softmax(q k^T / sqrt(d) + causal mask) v on [b, heads, s, d]."""
+    def core(self, qkv):
+        """softmax(q k^T / sqrt(d) + causal mask) v: qkv [s, b, 3 * heads * d] (local heads) -> [s, b, heads * d].
+        Dropout on the probabilities draws from the TP-rank stream (the heads differ per rank)."""
         drop = self.attn_dropout if self.training else 0.0
-        if self.triton:
-            from kernels.softmax import scaled_masked_softmax
-            p = scaled_masked_softmax(q @ k.transpose(-1, -2), 1.0 / math.sqrt(self.head_dim), causal=True)
-            with self.rng.fork():
-                return F.dropout(p, drop) @ v
         with self.rng.fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+            if self.triton:
+                from kernels.attention import flash_attention_qkv
+                return flash_attention_qkv(qkv, self.heads, causal=True, dropout_p=drop)
+            s, b = qkv.shape[:2]
+            q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)   # [b, heads, s, d]
+            return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     def forward(self, x):
         qkv = self.qkv(x)                                        # [s, b, 3 * heads * d] (local heads)
-        s, b = qkv.shape[:2]
-        q, k, v = (t.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3) for t in qkv.chunk(3, dim=-1))
         if self.selective_recompute and self.training:
-            y = recomputed(self.core, self.rng, q, k, v)
-        else:
-            y = self.core(q, k, v)                               # [b, heads, s, d]
-        y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
-        return self.proj(y)
+            return self.proj(recomputed(self.core, self.rng, qkv))
+        return self.proj(self.core(qkv))
 
 
 class MLP(nn.Module):
@@ -147,15 +185,21 @@ class MLP(nn.Module):
 
 
 class Block(Layer):
-    """x + attn(ln1(x)), then + mlp(ln2(x)); residual dropout from the stream of its region."""
+    """Pre-LN block on the residual stream, with the residual adds fused into the LayerNorms:
 
-    def __init__(self, index: int, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+        (x, r) -> h = x + r, y = ln1(h);  h = h + drop(attn(y)), y = ln2(h);  -> (h, drop(mlp(y)))
+
+    The MLP's output is returned unadded (r of the next block, added by its ln1, or by the chunk
+    at its end); r None means nothing is pending. Residual dropout draws from the stream of its region.
+    """
+
+    def __init__(self, index: int, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, kernels: Kernels, device):
         super().__init__()
         self.prefix = f"blocks.{index}"
         self.sp, self.rng, self.full_recompute = cfg.sp, rng, cfg.recompute == "full"
-        self.ln1 = layer_norm(cfg, device)
-        self.attn = Attention(cfg, mesh, rng, device)
-        self.ln2 = layer_norm(cfg, device)
+        self.ln1 = LayerNorm(cfg, kernels.layer_norm, device)
+        self.attn = Attention(cfg, mesh, rng, kernels, device)
+        self.ln2 = LayerNorm(cfg, kernels.layer_norm, device)
         self.mlp = MLP(cfg, mesh, device)
         self.dropout = nn.Dropout(cfg.model.dropout)
 
@@ -165,14 +209,15 @@ class Block(Layer):
                 return self.dropout(y)
         return self.dropout(y)
 
-    def _forward(self, x):
-        x = x + self._residual_dropout(self.attn(self.ln1(x)))
-        return x + self._residual_dropout(self.mlp(self.ln2(x)))
+    def _forward(self, x, r):
+        h, y = self.ln1.add_and_norm(x, r)
+        h, y = self.ln2.add_and_norm(h, self._residual_dropout(self.attn(y)))
+        return h, self._residual_dropout(self.mlp(y))
 
-    def forward(self, x):
+    def forward(self, x, r=None):
         if self.full_recompute and self.training:
-            return recomputed(self._forward, self.rng, x)
-        return self._forward(x)
+            return recomputed(self._forward, self.rng, x, r)
+        return self._forward(x, r)
 
 
 class Head(Layer):
@@ -184,11 +229,12 @@ class Head(Layer):
     """
     prefix = "head"
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, word_embeddings: nn.Parameter | None, device):
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, word_embeddings: nn.Parameter | None, kernels: Kernels,
+                 device):
         super().__init__()
         m = cfg.model
         self.tp_group, self.sp, self.vocab_size, self.label_smoothing = mesh.tp_group, cfg.sp, m.vocab_size, m.label_smoothing
-        self.ln_f = layer_norm(cfg, device)
+        self.ln_f = LayerNorm(cfg, kernels.layer_norm, device)
         if word_embeddings is None:
             word_embeddings = new_param((m.padded_vocab_size // mesh.tp, m.hidden_size),
                                         ParamSpec("normal", m.init_std, tp_dim=0, tied=True), device=device)
@@ -197,8 +243,10 @@ class Head(Layer):
     def global_name(self, local: str) -> str:
         return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
 
-    def forward(self, x, labels):
-        logits = column_parallel_linear(self.ln_f(x), self.word_embeddings, None, self.tp_group, self.sp)
+    def forward(self, x, labels, r=None):
+        """Sum of token losses of ln_f(x + r); r is the last block's pending residual (or None)."""
+        logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
+                                        self.tp_group, self.sp, fuse_wgrad=False)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
                                             self.label_smoothing).sum()
 
@@ -213,9 +261,15 @@ class GPTChunk(nn.Module):
         self.has_head = isinstance(layers[-1], Head)
 
     def forward(self, x, labels=None):
+        r = None                           # a block's output not yet added to the residual stream x
         for layer in self.layers:
-            x = layer(x, labels) if isinstance(layer, Head) else layer(x)
-        return x
+            if isinstance(layer, Block):
+                x, r = layer(x, r)
+            elif isinstance(layer, Head):
+                return layer(x, labels, r)
+            else:
+                x = layer(x)
+        return x if r is None else x + r
 
     def named_global_parameters(self):
         """(global name, parameter) for every parameter, the shared word embedding once."""
@@ -233,6 +287,7 @@ def build_chunks(cfg: TrainConfig, mesh: ParallelMesh, stage_layers: list, rng: 
     layer list [Embedding, Block_1..L, Head] for local chunk c. Parameters are initialised to
     this rank's slice of their full, layout-independent value."""
     L = cfg.model.num_layers
+    kernels = select_kernels(cfg, device)
     embedding = None
     chunks = []
     for first, end in stage_layers:
@@ -243,9 +298,9 @@ def build_chunks(cfg: TrainConfig, mesh: ParallelMesh, stage_layers: list, rng: 
                 layers.append(embedding)
             elif i == L + 1:
                 shared = embedding.word_embeddings.weight if embedding is not None else None
-                layers.append(Head(cfg, mesh, shared, device))
+                layers.append(Head(cfg, mesh, shared, kernels, device))
             else:
-                layers.append(Block(i - 1, cfg, mesh, rng, device))
+                layers.append(Block(i - 1, cfg, mesh, rng, kernels, device))
         chunks.append(GPTChunk(layers))
     initialize(chunks, mesh, cfg.seed)
     return chunks

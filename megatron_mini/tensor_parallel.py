@@ -168,13 +168,60 @@ def gather_full(t: torch.Tensor, spec: ParamSpec, tp_group: Group) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------- layers
-def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool):
-    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence) then x W_i^T + b_i."""
+def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b with `out` fp32 and a, b in the model dtype: on CUDA one GEMM with an fp32 output
+    that adds into `out` (no 16-bit product, no separate add), else a matmul and an add."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.add_(a @ b)
+
+
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """y = x W^T + b whose parameter gradients go straight into their fp32 `main_grad` (Megatron's
+    gradient-accumulation fusion): main_grad_W += dy^T x in one GEMM, main_grad_b += sum_tokens dy
+    (fp32 sum); each parameter then calls its `main_grad_ready()` (set by the GradBuffer) where
+    AccumulateGrad's hook would have. x [..., in], W [out, in], b [out] or None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no main_grad)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        dx = dy @ weight
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        accumulate_matmul(weight.main_grad, dy2.t(), x2)
+        weight.main_grad_ready()
+        if ctx.bias is not None:
+            ctx.bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
+            ctx.bias.main_grad_ready()
+        return dx, None, None
+
+
+def linear(x, weight, bias=None):
+    """F.linear, with the gradient-accumulation fusion when the parameters have fp32 main grads
+    (training under a GradBuffer); plain autograd otherwise (a bare model, inference)."""
+    if (weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
+            and (bias is None or hasattr(bias, "main_grad"))):
+        return _LinearWithGradAccumulation.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
+    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence) then x W_i^T + b_i.
+    fuse_wgrad=False keeps autograd's own weight gradient (a weight used twice per step: the tied
+    embedding, whose gradient also comes from the lookup)."""
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, tp_group)
     else:
         x = copy_to_tensor_parallel_region(x, tp_group)
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias) if fuse_wgrad else F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -214,8 +261,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
         if self.tp_group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -1,18 +1,26 @@
 """The plain baseline: a nanoGPT-style GPT-2 and its training step in one file, no framework.
 
     python tools/baseline_gpt2.py [--layers 4 --heads 8 --hidden 256 --seq 256 --mbs 8 --accum 4 --vocab 1024
-                                   --steps 10 --threads 2]
+                                   --steps 10 --threads 2 --device auto --dtype fp32 --compile]
 
 Same model as megatron_mini's (learned positions, pre-LayerNorm blocks, fused QKV, causal
 F.scaled_dot_product_attention, GELU(tanh) MLP of width 4h, biases, tied input/output embeddings,
 LayerNorm eps 1e-5), laid out [b, s, h] as nanoGPT does, with F.cross_entropy and
 torch.optim.AdamW (nanoGPT's decay / no-decay groups, its default implementation on CPU),
 gradient accumulation over `accum` microbatches and clipping at 1.0. tools/bench_train.py
-times it side by side with the framework.
+times it side by side with the framework on CPU, tools/bench_gpu.py on a GPU.
+
+On a GPU, as nanoGPT runs it: `--dtype bf16` is torch.autocast(bfloat16) around the forward with
+fp32 weights, gradients and AdamW state; AdamW is the fused implementation (`fused=True`);
+`--compile` wraps the model in torch.compile (mode default); fp32 on CUDA turns TF32 matmuls on
+(torch.backends.cuda.matmul / cudnn .allow_tf32, process-wide). The weights are initialised on the
+CPU from the seed and then moved, so every device starts from the same model, and the batch
+tokens are drawn on the CPU generator seeded with the seed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -102,38 +110,66 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
+                   fused: bool = False) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    extra = {"fused": True} if fused else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **extra)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 class BaselineTrainer:
-    """One training step = `accum` microbatches of forward + backward, clip, AdamW, zero_grad."""
+    """One training step = `accum` microbatches of forward + backward, clip, AdamW, zero_grad.
 
-    def __init__(self, cfg: GPTConfig, mbs: int, accum: int, seed: int = 1234):
+    device: "cpu" (default), "cuda" or "auto"; dtype: "fp32" (default) or "bf16" (autocast with fp32
+    weights); compile: torch.compile the model. On CUDA AdamW is fused and fp32 uses TF32."""
+
+    def __init__(self, cfg: GPTConfig, mbs: int, accum: int, seed: int = 1234, device: str | torch.device = "cpu",
+                 dtype: str = "fp32", compile: bool = False):
+        if dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype={dtype!r}: choose fp32 or bf16")
         torch.manual_seed(seed)
         self.cfg, self.mbs, self.accum = cfg, mbs, accum
-        self.model = GPT(cfg)
-        self.optimizer = make_optimizer(self.model)
+        self.device, self.dtype = resolve_device(device), dtype
+        cuda = self.device.type == "cuda"
+        if cuda and dtype == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.model = GPT(cfg).to(self.device)       # initialised on the CPU: the same weights on any device
+        self.forward = torch.compile(self.model) if compile else self.model
+        self.optimizer = make_optimizer(self.model, fused=cuda)
         self.gen = torch.Generator().manual_seed(seed)
 
     def batch(self) -> torch.Tensor:
         return torch.randint(0, self.cfg.vocab_size, (self.accum, self.mbs, self.cfg.seq_len + 1), generator=self.gen)
 
+    def _autocast(self):
+        if self.dtype == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def train_step(self, batch: torch.Tensor | None = None) -> float:
         batch = self.batch() if batch is None else batch
+        if batch.device != self.device:
+            batch = (batch.pin_memory() if self.device.type == "cuda" else batch).to(self.device, non_blocking=True)
         self.model.train()
-        total = 0.0
+        losses = []
         for micro in batch:
-            loss = self.model(micro[:, :-1], micro[:, 1:]) / self.accum
+            with self._autocast():
+                loss = self.forward(micro[:, :-1], micro[:, 1:]) / self.accum
             loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return sum(loss.item() for loss in losses)   # read after the step is queued: one wait on a GPU
 
 
 def main() -> None:
@@ -148,14 +184,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: torch.autocast(bfloat16) with fp32 weights (nanoGPT's mixed precision)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(args.layers, args.heads, args.hidden, args.seq, args.vocab)
-    trainer = BaselineTrainer(cfg, args.mbs, args.accum)
+    trainer = BaselineTrainer(cfg, args.mbs, args.accum, device=args.device, dtype=args.dtype, compile=args.compile)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    print(f"device {trainer.device}, {args.dtype}{', compiled' if args.compile else ''}")
     times = []
     for step in range(args.warmup + args.steps):
+        sync()
         t0 = time.perf_counter()
         loss = trainer.train_step()
+        sync()
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)

@@ -1,225 +1,603 @@
-"""Benchmark the Triton LayerNorm and scaled masked softmax against torch eager, torch.compile
-and Liger-Kernel (when installed): forward and backward time, achieved bandwidth, speedup.
+"""Kernel benchmarks (`make bench-kernels`): the Triton LayerNorm, fused residual-add + LayerNorm and
+flash attention against every torch path, side by side in one run on one GPU.
 
-    python tools/bench_kernels.py --out bench_out/kernels [--dtype bf16]
+    python tools/bench_kernels.py [--doc] [--out DIR] [--no-compile] [--ops ln,addln,attn]
+    python tools/bench_kernels.py --smoke          # CPU: tiny shapes through the Triton interpreter
 
-On a GPU: LayerNorm [4096, hidden] for hidden 1024..16384, causal softmax [1, heads, sq, sk]
-for sk 512..16384 (heads chosen so each tensor has 2^26 elements); median time of
-triton.testing.do_bench. Without a GPU the kernels run under the Triton interpreter: one small
-size per op, timed with perf_counter, only to exercise the script (never a speed claim).
+Rows (bf16 activations, bf16 weights):
+  LayerNorm      y = LN(x)                  x [16384, N], N = 768, 1024, 2048, 4096
+  add+LayerNorm  h = x + r, y = LN(h)       x, r [16384, N], same N (both h and y are outputs)
+  attention      causal, [b, heads, s, d] = (16, 12, 1024, 64) and (8, 16, 2048, 128)
+Columns: ours (Triton: kernels.layernorm.layer_norm / add_layer_norm, kernels.attention.flash_attention),
+torch eager (F.layer_norm; kernels.layernorm.torch_add_layer_norm; kernels.attention.torch_attention,
+which materialises the [s, s] scores), torch.compile of that eager function (mode default,
+dynamic=False), and for attention F.scaled_dot_product_attention with one backend forced through
+torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot run prints '-'
+and the reason.
 
-Byte model (each tensor crossing memory once; the same bytes for every implementation, so
-GB/s = bytes / time compares them). e = activation bytes/element, ew = weight bytes/element:
-  LayerNorm [M, N]  fwd: read x, write y = 2*M*N*e; read w, b = 2*N*ew; write mean, rstd = 8*M
-                    bwd: read x, dy, write dx = 3*M*N*e; read w, write dw, db = 3*N*ew; read mean, rstd = 8*M
-  softmax [R rows, sk] (causal, no mask tensor)
-                    fwd: read x, write y = 2*R*sk*e;  bwd: read y, dy, write dx = 3*R*sk*e
-  The Triton softmax skips reading the causally masked x (and y, dy) above the diagonal, so
-  for it these GB/s are effective bandwidth: it moves fewer bytes than the model counts.
+Method. Each cell is timed with the median of triton.testing.do_bench (CUDA events; do_bench also
+flushes L2 before every repetition), once for the forward alone and once for forward + backward
+(forward, then torch.autograd.grad of every input with fixed random output gradients); backward =
+(fwd+bwd) - fwd. The forward runs with autograd recording, as in training. Inputs are fresh randn
+(never zeros), and each closure cycles through k input sets with k * (bytes of one set) > 2 * L2,
+so no repetition finds its inputs in cache. Ratios are "x best torch" = (fastest torch path's
+fwd+bwd ms) / (this path's fwd+bwd ms): above 1 means faster than every torch path. The error
+column is max |ours - ref| / max |ref| over the outputs and all input gradients, ref = the same
+math in fp32 (torch, TF32 off) on the same inputs.
+
+Byte model (GB/s = bytes / time; the same bytes for every implementation, each tensor crossing
+memory once). e = 2 bytes per activation element, ew = 2 per weight element, M rows, N columns:
+  LayerNorm      fwd: read x, write y                     2*M*N*e + 2*N*ew (w, b) + 8*M (mean, rstd fp32)
+                 bwd: read x, dy, write dx                3*M*N*e + 3*N*ew (w; dw, db) + 8*M
+  add+LayerNorm  fwd: read x, r, write h, y               4*M*N*e + 2*N*ew + 8*M
+                 bwd: read h, dh, dy, write dx (= dr)     4*M*N*e + 3*N*ew + 8*M
+The fwd+bwd GB/s divides the sum of both passes by the fwd+bwd time.
+
+FLOP convention (TFLOP/s; FlashAttention's): a non-causal forward is 4*b*h*s^2*d (q k^T and P v,
+2 FLOPs per multiply-add), the backward 2.5x the forward (recomputed S, dV, dP, dQ, dK), and
+causal attention counts half: fwd 2*b*h*s^2*d, bwd 5*b*h*s^2*d, fwd+bwd 7*b*h*s^2*d.
+
+Goals (issue 9, H100, fwd+bwd): attention >= 1.0x cuDNN SDPA at (16, 12, 1024, 64) and >= 0.8x at
+(8, 16, 2048, 128); LayerNorm >= 2x torch eager; add+LayerNorm >= 2.5x torch eager.
+
+`--doc` replaces the section between `<!-- bench_kernels begin -->` and `<!-- bench_kernels end -->`
+of docs/benchmarks.md (appended when absent) with the tables, the goals and the device line.
+`--out DIR` writes bench_kernels.md and bench_kernels.json (every number) there.
+`--smoke` (automatic without CUDA) runs tiny shapes, without torch.compile, to exercise the script
+only (no speed is claimed, no goal judged): on the GPU when there is one, else on the CPU with the
+kernels under TRITON_INTERPRET=1, timed with perf_counter.
 """
+from __future__ import annotations
+
 import argparse
+import datetime
+import itertools
+import json
+import math
 import os
+import shlex
 import statistics
 import sys
 import time
-
-import torch
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU = torch.cuda.is_available()
-if not GPU:  # must precede the first triton import (the kernels are interpreted on CPU)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, REPO)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+DOC = os.path.join(REPO, "docs", "benchmarks.md")
 
-import torch.nn.functional as F  # noqa: E402
-
-from kernels.layernorm import layer_norm  # noqa: E402
-from kernels.softmax import scaled_masked_softmax, torch_scaled_masked_softmax  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# H100 goals (GB/s) and where they apply; each also asks for >= 1.5x torch eager
-GOALS = {("layernorm", "fwd"): 2300, ("layernorm", "bwd"): 1500,
-         ("softmax", "fwd"): 2700, ("softmax", "bwd"): 2400}
-GOAL_SPEEDUP = 1.5
-
-
-def _goal_applies(op: str, size: int) -> bool:
-    return size == 4096 if op == "layernorm" else size <= 16384
+LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
+ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
+SMOKE_LN_SIZES = [(64, 128), (48, 200)]           # 200: a row width that is not a power of two
+SMOKE_ATTN_SHAPES = [(1, 2, 48, 32)]              # 48: a sequence that is not a multiple of the block
+OPS = {"ln": "LayerNorm", "addln": "add+LayerNorm", "attn": "attention"}
+SDPA_BACKENDS = {"cuDNN SDPA": "CUDNN_ATTENTION", "flash SDPA": "FLASH_ATTENTION",
+                 "efficient SDPA": "EFFICIENT_ATTENTION"}
+TORCH_PATHS = ("torch eager", "torch.compile") + tuple(SDPA_BACKENDS)
+COLUMNS = ("ours (Triton)",) + TORCH_PATHS
+ERR_WARN = 3e-2     # bf16 outputs: a relative error above this is flagged in the tables
 
 
-def goals_text() -> str:
-    where = {"layernorm": "at [4096, 4096]", "softmax": "for sk <= 16384"}
-    return "Goals on an H100 (bf16), each also >= {}x torch eager: ".format(GOAL_SPEEDUP) + "; ".join(
-        f"{op} {pass_} {where[op]} >= {gbps} GB/s" for (op, pass_), gbps in GOALS.items())
+# ============================================================================ shared by tools/bench_gpu.py
+def write_doc_section(path: str, tag: str, body: str) -> None:
+    """Replace the text between `<!-- {tag} begin -->` and `<!-- {tag} end -->` in `path` with `body`
+    (the markers are appended at the end of the file when absent)."""
+    begin, end = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    if begin not in text or end not in text:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + f"{begin}\n{end}\n"
+    i, j = text.index(begin) + len(begin), text.index(end)
+    text = text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
-def _liger():
-    """Liger-Kernel's LayerNorm and (plain, unscaled, unmasked) softmax, or None."""
-    try:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-        from liger_kernel.ops.softmax import LigerSoftmaxFunction
-    except ImportError:
+def read_doc_section(path: str, tag: str) -> str | None:
+    """The text between the markers of `tag` in `path`, or None."""
+    if not os.path.exists(path):
         return None
-    return LigerLayerNormFunction.apply, LigerSoftmaxFunction.apply
+    with open(path) as f:
+        text = f.read()
+    begin, end = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
+    if begin not in text or end not in text:
+        return None
+    return text[text.index(begin) + len(begin):text.index(end)].strip("\n")
 
 
-def _median_ms(fn, reps: int) -> float:
-    if GPU:
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def device_line(with_date: bool = True) -> str:
+    """GPU name, SMs, L2, memory; torch, triton and CUDA versions; the date (or the CPU, without CUDA)."""
+    import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M") if with_date else ""
+    versions = f"torch {torch.__version__}, triton {triton_version}"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        l2 = getattr(p, "L2_cache_size", 0)
+        return (f"{torch.cuda.get_device_name()} ({p.multi_processor_count} SMs, {l2 / 1e6:.0f} MB L2, "
+                f"{p.total_memory / 2**30:.0f} GiB), {versions}, CUDA {torch.version.cuda}"
+                + (f", {date}" if date else ""))
+    return f"CPU only ({os.cpu_count()} cores), {versions}" + (f", {date}" if date else "")
+
+
+def command_line(script: str) -> str:
+    return f"python tools/{script}" + "".join(" " + shlex.quote(a) for a in sys.argv[1:])
+
+
+def markdown_table(headers, rows) -> str:
+    return "\n".join(["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def fmt(v, spec=".4g") -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+# ============================================================================ cases
+class Case:
+    """One row: an op at one shape, how to make an input set, its bytes or FLOPs, its paths."""
+
+    def __init__(self, op: str, shape: tuple, dev: str):
+        self.op, self.shape, self.dev = op, shape, dev
+        self.label = OPS[op]
+        self.shape_text = "[" + ", ".join(map(str, shape)) + "]" if op != "attn" else \
+            "(b, heads, s, d) = (" + ", ".join(map(str, shape)) + ")"
+
+    # ---------------------------------------------------------------- inputs
+    def make_set(self) -> dict:
+        """args (passed to the path), leaves (differentiated), douts (fixed output gradients)."""
+        import torch
+        bf16 = torch.bfloat16
+
+        def rnd(*s, grad=True):
+            return torch.randn(*s, device=self.dev, dtype=bf16, requires_grad=grad)
+
+        if self.op == "attn":
+            q, k, v = (rnd(*self.shape) for _ in range(3))
+            return {"args": (q, k, v), "leaves": (q, k, v), "douts": (rnd(*self.shape, grad=False),)}
+        m, n = self.shape
+        w, b = rnd(n), rnd(n)
+        if self.op == "ln":
+            x = rnd(m, n)
+            return {"args": (x, w, b), "leaves": (x, w, b), "douts": (rnd(m, n, grad=False),)}
+        x, r = rnd(m, n), rnd(m, n)
+        return {"args": (x, r, w, b), "leaves": (x, r, w, b),
+                "douts": (rnd(m, n, grad=False), rnd(m, n, grad=False))}   # dh, dy
+
+    @staticmethod
+    def set_bytes(s: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in s["args"] + s["douts"])
+
+    # ---------------------------------------------------------------- work model
+    def work(self) -> tuple:
+        """(fwd, bwd, unit): bytes for the LayerNorms (GB/s), FLOPs for attention (TFLOP/s)."""
+        if self.op == "attn":
+            b, h, s, d = self.shape
+            return 2.0 * b * h * s * s * d, 5.0 * b * h * s * s * d, "TFLOP/s"
+        m, n = self.shape
+        e = ew = 2
+        if self.op == "ln":
+            return 2 * m * n * e + 2 * n * ew + 8 * m, 3 * m * n * e + 3 * n * ew + 8 * m, "GB/s"
+        return 4 * m * n * e + 2 * n * ew + 8 * m, 4 * m * n * e + 3 * n * ew + 8 * m, "GB/s"
+
+    def rate(self, amount: float, ms: float | None) -> float | None:
+        if ms is None or ms <= 0:
+            return None
+        return amount / (ms * 1e-3) / (1e12 if self.op == "attn" else 1e9)
+
+    # ---------------------------------------------------------------- paths
+    def paths(self, kmods: dict, compile_ok: bool) -> dict:
+        """column -> callable, or the reason (a str) it cannot run."""
+        import torch
+        import torch.nn.functional as F
+        eps, out = 1e-5, {}
+        ours = eager = None
+        if self.op == "ln":
+            ln = kmods.get("layernorm")
+            if isinstance(ln, str):
+                ours = ln
+            else:
+                ours = lambda x, w, b: ln.layer_norm(x, w, b, eps)  # noqa: E731
+            eager = lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)  # noqa: E731
+        elif self.op == "addln":
+            ln = kmods.get("layernorm")
+            if isinstance(ln, str):
+                ours = eager = ln
+            else:
+                fused = getattr(ln, "add_layer_norm", None)
+                ref = getattr(ln, "torch_add_layer_norm", None)
+                ours = (lambda x, r, w, b: fused(x, r, w, b, eps)) if fused else \
+                    "kernels.layernorm has no add_layer_norm yet"
+                eager = (lambda x, r, w, b: ref(x, r, w, b, eps)) if ref else \
+                    "kernels.layernorm has no torch_add_layer_norm yet"
+        else:
+            at = kmods.get("attention")
+            if isinstance(at, str):
+                ours = eager = at
+            else:
+                ours = lambda q, k, v: at.flash_attention(q, k, v, causal=True)  # noqa: E731
+                eager = lambda q, k, v: at.torch_attention(q, k, v, causal=True)  # noqa: E731
+        out["ours (Triton)"], out["torch eager"] = ours, eager
+        if isinstance(eager, str):
+            out["torch.compile"] = eager
+        elif not compile_ok:
+            out["torch.compile"] = "skipped (--no-compile, or a smoke run)"
+        else:
+            out["torch.compile"] = torch.compile(eager, dynamic=False)
+        for col, name in SDPA_BACKENDS.items():
+            out[col] = _sdpa(name) if self.op == "attn" else "n/a"
+        return out
+
+    def reference(self, kmods: dict):
+        """The fp32 math (TF32 off) on upcast inputs, or None."""
+        import torch.nn.functional as F
+        eps = 1e-5
+        if self.op == "ln":
+            return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
+        if self.op == "addln":
+            ln = kmods.get("layernorm")
+            ref = None if isinstance(ln, str) else getattr(ln, "torch_add_layer_norm", None)
+            return (lambda x, r, w, b: ref(x, r, w, b, eps)) if ref else None
+        at = kmods.get("attention")
+        return None if isinstance(at, str) else (lambda q, k, v: at.torch_attention(q, k, v, causal=True))
+
+
+def _sdpa(backend_name: str):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def fn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return fn
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:140]}" + ("..." if len(text) > 140 else "")
+
+
+# ============================================================================ timing
+class Timer:
+    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int, cpu_reps: int):
+        self.gpu, self.warmup_ms, self.rep_ms, self.cpu_reps = gpu, warmup_ms, rep_ms, cpu_reps
+
+    def median_ms(self, fn) -> float:
+        if self.gpu:
+            import triton.testing
+            return float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        times = []
+        for _ in range(self.cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
 
-def _time_fwd_bwd(fn, inputs, reps):
-    """(forward ms, backward ms, output) of fn(*inputs); backward = autograd.grad of all inputs."""
-    leaves = [t for t in inputs if t.requires_grad]
-    fwd = _median_ms(lambda: fn(*inputs), reps)
-    y = fn(*inputs)
-    dy = torch.randn_like(y)
-    bwd = _median_ms(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), reps)
-    return fwd, bwd, y.detach()
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def _implementations(op: str):
-    """name -> callable taking (x, w, b) for LayerNorm, (x,) for softmax; torch eager first."""
-    if op == "layernorm":
-        impls = {"torch": lambda x, w, b: F.layer_norm(x, w.shape, w, b, 1e-5),
-                 "triton": lambda x, w, b: layer_norm(x, w, b, 1e-5)}
-    else:
-        impls = {"torch": lambda x: torch_scaled_masked_softmax(x, 0.125, causal=True),
-                 "triton": lambda x: scaled_masked_softmax(x, 0.125, causal=True)}
-    if not GPU:
-        return impls
-    impls["compile"] = torch.compile(impls["torch"], dynamic=False)
-    liger = _liger()
-    if liger is not None and op == "layernorm":
-        impls["liger"] = lambda x, w, b: liger[0](x, w, b, 1e-5)
-    elif liger is not None:  # not the same op: no scale, no causal mask
-        impls["liger (plain softmax)"] = lambda x: liger[1](x)
-    return impls
+def bench_path(fn, sets: list, timer: Timer) -> dict:
+    """fwd / fwd+bwd / bwd medians of fn over the rotating input sets."""
+    import torch
+    cycle_f, cycle_b = itertools.cycle(sets), itertools.cycle(sets)
+
+    def fwd():
+        s = next(cycle_f)
+        return fn(*s["args"])
+
+    def fwd_bwd():
+        s = next(cycle_b)
+        return torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"])
+
+    t0 = time.perf_counter()
+    fwd_bwd()                     # compiles (torch.compile, Triton JIT) and checks the path runs
+    _sync()
+    first_s = time.perf_counter() - t0
+    fb = timer.median_ms(fwd_bwd)
+    f = timer.median_ms(fwd)
+    return {"fwd_ms": f, "fwdbwd_ms": fb, "bwd_ms": fb - f, "first_call_s": first_s}
 
 
-def _cases(dtype):
-    """(op, size, shape text, inputs, fwd bytes, bwd bytes) for each benchmarked problem."""
-    e = torch.finfo(dtype).bits // 8
-    dev = "cuda" if GPU else "cpu"
-    ln_sizes = [(4096, h) for h in (1024, 2048, 4096, 8192, 16384)] if GPU else [(64, 1024)]
-    for m, n in ln_sizes:
-        x = torch.randn(m, n, device=dev, dtype=dtype, requires_grad=True)
-        w = torch.randn(n, device=dev, dtype=dtype, requires_grad=True)
-        b = torch.randn(n, device=dev, dtype=dtype, requires_grad=True)
-        yield ("layernorm", n, f"[{m}, {n}]", (x, w, b),
-               2 * m * n * e + 2 * n * e + 8 * m, 3 * m * n * e + 3 * n * e + 8 * m)
-    sm_sizes = [512, 1024, 2048, 4096, 8192, 16384] if GPU else [256]
-    for sk in sm_sizes:
-        sq = min(sk, 2048) if GPU else 64
-        heads = max(1, 2**26 // (sq * sk)) if GPU else 4
-        x = torch.randn(1, heads, sq, sk, device=dev, dtype=dtype, requires_grad=True)
-        rows = heads * sq
-        yield ("softmax", sk, f"[1, {heads}, {sq}, {sk}]", (x,), 2 * rows * sk * e, 3 * rows * sk * e)
+def max_rel_error(fn, ref, s: dict) -> float:
+    """max |fn - ref| / max |ref| over outputs and input gradients; ref runs in fp32 (TF32 off)."""
+    import torch
+    outs = _as_tuple(fn(*s["args"]))
+    grads = torch.autograd.grad(outs, s["leaves"], s["douts"])
+    up = [t.detach().float().requires_grad_() for t in s["leaves"]]    # every arg is a leaf here
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        routs = _as_tuple(ref(*up))
+        rgrads = torch.autograd.grad(routs, up, [d.float() for d in s["douts"]])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    errs = []
+    for a, r in zip(list(outs) + list(grads), list(routs) + list(rgrads)):
+        scale = r.detach().abs().max().item()
+        errs.append((a.detach().float() - r.detach()).abs().max().item() / (scale or 1.0))
+    return max(errs) if all(math.isfinite(e) for e in errs) else float("nan")   # a NaN must not hide
 
 
-def run(dtype, reps):
+def _load_kernels(ops) -> dict:
+    """kernels.layernorm / kernels.attention, or the reason each cannot be imported."""
+    import importlib
+    mods = {}
+    for name, needed in (("layernorm", {"ln", "addln"}), ("attention", {"attn"})):
+        if not needed & set(ops):
+            continue
+        try:
+            mods[name] = importlib.import_module(f"kernels.{name}")
+        except Exception as err:  # noqa: BLE001 - an unmerged or broken module: reported in its rows
+            mods[name] = f"kernels.{name} unavailable ({_reason(err)})"
+    return mods
+
+
+def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
+    import torch
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"
+    l2 = 50e6
+    if gpu:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or l2
+    kmods = _load_kernels(ops)
+    cases = []
+    for op in ops:
+        if op == "attn":
+            cases += [Case(op, s, dev) for s in (SMOKE_ATTN_SHAPES if smoke else ATTN_SHAPES)]
+        else:
+            cases += [Case(op, s, dev) for s in (SMOKE_LN_SIZES if smoke else LN_SIZES)]
     results = []
-    for op, size, shape, inputs, fwd_bytes, bwd_bytes in _cases(dtype):
-        if GPU:
-            torch._dynamo.reset()  # fresh torch.compile caches for each shape
-        reference = None  # torch eager's output, to report the kernel's max |difference|
-        for name, fn in _implementations(op).items():
-            try:
-                fwd, bwd, y = _time_fwd_bwd(fn, inputs, reps)
-            except Exception as err:  # e.g. torch.compile without a working compiler
-                print(f"  {op} {shape} {name}: failed ({type(err).__name__}: {err})")
+    for case in cases:
+        torch.manual_seed(1234)
+        if gpu:
+            torch._dynamo.reset()          # torch.compile: a fresh cache per shape (dynamic=False)
+        first = case.make_set()
+        k = 2 if smoke else max(2, int(2 * l2 // case.set_bytes(first)) + 1)
+        sets = [first] + [case.make_set() for _ in range(k - 1)]
+        fwd_work, bwd_work, unit = case.work()
+        row = {"op": case.op, "label": case.label, "shape": list(case.shape), "shape_text": case.shape_text,
+               "unit": unit, "input_sets": k, "set_mb": case.set_bytes(first) / 1e6, "cells": {}}
+        log(f"{case.label} {case.shape_text}: {k} input sets of {row['set_mb']:.1f} MB")
+        for col, fn in case.paths(kmods, compile_ok).items():
+            if isinstance(fn, str):
+                row["cells"][col] = {"reason": fn}
+                if fn != "n/a":
+                    log(f"  {col}: - ({fn})")
                 continue
-            reference = y if reference is None else reference
-            diff = (y.float() - reference.float()).abs().max().item()
-            for pass_, ms, nbytes in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes)):
-                results.append(dict(op=op, size=size, shape=shape, pass_=pass_, impl=name, ms=ms,
-                                    gbps=nbytes / ms / 1e6, diff=diff))
+            try:
+                cell = bench_path(fn, sets, timer)
+            except Exception as err:  # noqa: BLE001 - e.g. an SDPA backend that does not take this shape
+                if gpu and isinstance(err, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                row["cells"][col] = {"reason": _reason(err)}
+                log(f"  {col}: - ({_reason(err)})")
+                if col == "ours (Triton)":
+                    traceback.print_exc()
+                continue
+            cell["rate_fwd"] = case.rate(fwd_work, cell["fwd_ms"])
+            cell["rate_bwd"] = case.rate(bwd_work, cell["bwd_ms"])
+            cell["rate"] = case.rate(fwd_work + bwd_work, cell["fwdbwd_ms"])
+            row["cells"][col] = cell
+            log(f"  {col}: fwd {cell['fwd_ms']:.4g} ms, bwd {cell['bwd_ms']:.4g} ms, fwd+bwd "
+                f"{cell['fwdbwd_ms']:.4g} ms, {fmt(cell['rate'])} {unit} (first call {cell['first_call_s']:.1f} s)")
+        torch_ms = {c: row["cells"][c]["fwdbwd_ms"] for c in TORCH_PATHS if "fwdbwd_ms" in row["cells"].get(c, {})}
+        if torch_ms:
+            row["best_torch"] = min(torch_ms, key=torch_ms.get)
+            for cell in row["cells"].values():
+                if "fwdbwd_ms" in cell:
+                    cell["x_best_torch"] = torch_ms[row["best_torch"]] / cell["fwdbwd_ms"]
+        ours, ref = row["cells"].get("ours (Triton)", {}), case.reference(kmods)
+        if "fwdbwd_ms" in ours and ref is not None:
+            ours_fn = case.paths(kmods, False)["ours (Triton)"]
+            try:
+                ours["max_rel_err"] = max_rel_error(ours_fn, ref, first)
+            except Exception as err:  # noqa: BLE001
+                ours["max_rel_err_reason"] = _reason(err)
+        results.append(row)
+        del sets, first
+        if gpu:
+            torch.cuda.empty_cache()
     return results
 
 
-def table(results):
-    """Markdown table: one line per (op, size, pass) with every implementation's GB/s."""
-    impls = list(dict.fromkeys(r["impl"] for r in results))
-    head = (["op", "shape", "pass", "triton ms", "max abs diff y"] + [f"{i} GB/s" for i in impls]
-            + ["x torch"] + (["x compile"] if "compile" in impls else []) + ["goal (H100)", "met"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    keys = list(dict.fromkeys((r["op"], r["size"], r["shape"], r["pass_"]) for r in results))
-    for op, size, shape, pass_ in keys:
-        row = {r["impl"]: r for r in results if (r["op"], r["size"], r["pass_"]) == (op, size, pass_)}
-        tri = row.get("triton")
-        cells = [op, shape, pass_, f"{tri['ms']:.4g}" if tri else "-", f"{tri['diff']:.2g}" if tri else "-"]
-        cells += [f"{row[i]['gbps']:.4g}" if i in row else "-" for i in impls]
-        speed = {other: row[other]["ms"] / tri["ms"] if tri and other in row else None
-                 for other in ("torch", "compile")}
-        cells += [f"{speed['torch']:.3g}x" if speed["torch"] else "-"]
-        if "compile" in impls:
-            cells += [f"{speed['compile']:.3g}x" if speed["compile"] else "-"]
-        goal = GOALS[(op, pass_)] if _goal_applies(op, size) else None
-        cells += [f">= {goal} GB/s, >= {GOAL_SPEEDUP}x" if goal else "-"]
-        met = "-"
-        if goal and GPU and tri and speed["torch"]:
-            met = "yes" if tri["gbps"] >= goal and speed["torch"] >= GOAL_SPEEDUP else "NO"
-        cells += [met if GPU else "n/a (no GPU)"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# ============================================================================ goals and tables
+def goals(results: list, smoke: bool) -> list:
+    """[goal, measured, target, verdict] for each row that issue 9 sets a goal for."""
+    out = []
+    for row in results:
+        op, shape = row["op"], tuple(row["shape"])
+        if op == "attn":
+            if shape == (16, 12, 1024, 64):
+                ref, target = "cuDNN SDPA", 1.0
+            elif shape == (8, 16, 2048, 128):
+                ref, target = "cuDNN SDPA", 0.8
+            else:
+                ref, target = "cuDNN SDPA", None
+        else:
+            ref, target = "torch eager", (2.0 if op == "ln" else 2.5)
+        name = f"{row['label']} {row['shape_text']} fwd+bwd vs {ref}"
+        ours, other = row["cells"].get("ours (Triton)", {}), row["cells"].get(ref, {})
+        if "fwdbwd_ms" in ours and "fwdbwd_ms" in other:
+            ratio = other["fwdbwd_ms"] / ours["fwdbwd_ms"]
+            measured = f"{ratio:.2f}x ({ours['fwdbwd_ms']:.4g} ms vs {other['fwdbwd_ms']:.4g} ms)"
+        else:
+            ratio = None
+            missing = "ours" if "fwdbwd_ms" not in ours else ref
+            measured = f"- ({missing} did not run)"
+        if smoke or target is None:
+            verdict = "n/a (smoke run: not a GPU measurement)" if smoke else "n/a (no goal at this shape)"
+        else:
+            verdict = "not measured" if ratio is None else ("met" if ratio >= target else
+                                                           f"MISSED by {(1 - ratio / target) * 100:.0f}%")
+        out.append([name, measured, f">= {target}x" if target else "-", verdict])
+    return out
 
 
-def plot(results, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (op, pass_) in zip(axes.flat, GOALS):
-        sub = [r for r in results if r["op"] == op and r["pass_"] == pass_]
-        for impl in dict.fromkeys(r["impl"] for r in sub):
-            pts = sorted((r["size"], r["gbps"]) for r in sub if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        if GPU:
-            ax.axhline(GOALS[(op, pass_)], color="gray", linestyle="--", label="goal (H100)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("linear" if GPU else "log")
-        ax.set_xlabel("hidden size" if op == "layernorm" else "sk")
-        ax.set_ylabel("GB/s (byte model)")
-        ax.set_title(f"{op} {pass_}")
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def _cell_text(cell: dict, unit: str) -> str:
+    if "fwdbwd_ms" not in cell:
+        return "-"
+    return f"{cell['fwdbwd_ms']:.4g} ms ({fmt(cell['rate'], '.0f' if cell['rate'] and cell['rate'] >= 10 else '.3g')})"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_out/kernels", help="directory for the PNG and table")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--reps", type=int, default=5, help="CPU only: timed repetitions")
-    args = parser.parse_args()
-    dtype = DTYPES[args.dtype]
-    if GPU:
-        device = torch.cuda.get_device_name()
-        print(f"GPU: {device}, dtype {args.dtype}; median of triton.testing.do_bench")
-    else:
-        device = "CPU, Triton interpreter"
-        torch.set_num_threads(1)  # a shared small CPU: avoid thread oversubscription noise
-        print("No CUDA GPU: the Triton kernels run under TRITON_INTERPRET=1 on the CPU. Timings cover "
-              "one small size per op and only exercise this script; they say nothing about GPU speed.")
-    results = run(dtype, args.reps)
-    text = table(results) + "\n\n" + goals_text()
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
-        f.write(f"device: {device}, dtype {args.dtype}\n\n{text}\n")
-    png = os.path.join(args.out, "bench_kernels.png")
-    plot(results, png, f"Triton kernels vs torch ({device}, {args.dtype})")
-    print(f"wrote {png} and bench_kernels.md")
+def _err_text(cell: dict) -> str:
+    if "max_rel_err" in cell:
+        e = cell["max_rel_err"]
+        return f"{e:.1e}" + (" (!)" if e > ERR_WARN or not math.isfinite(e) else "")
+    return "-" if "max_rel_err_reason" not in cell else "failed"
+
+
+def compact_table(results: list) -> str:
+    """One line per row: fwd+bwd ms (GB/s or TFLOP/s) of every column, best torch and our ratio."""
+    headers = ["op", "shape", "unit"] + list(COLUMNS) + ["best torch", "ours x best torch", "ours err vs fp32"]
+    lines = []
+    for row in results:
+        cells = row["cells"]
+        ours = cells.get("ours (Triton)", {})
+        lines.append([row["label"], row["shape_text"], row["unit"]]
+                     + [_cell_text(cells.get(c, {}), row["unit"]) for c in COLUMNS]
+                     + [row.get("best_torch", "-"),
+                        f"{ours['x_best_torch']:.2f}x" if "x_best_torch" in ours else "-", _err_text(ours)])
+    return markdown_table(headers, lines)
+
+
+def missing_notes(results: list) -> str:
+    """One line per distinct reason a path did not run (the '-' cells)."""
+    seen = {}
+    for row in results:
+        for col in COLUMNS:
+            reason = row["cells"].get(col, {}).get("reason")
+            if reason and reason != "n/a":
+                seen.setdefault((col, reason), []).append(f"{row['label']} {row['shape_text']}")
+    if not seen:
+        return "Every path ran at every shape."
+    return "Paths that did not run ('-'):\n" + "\n".join(
+        f"- {col} at {', '.join(where)}: {reason}" for (col, reason), where in seen.items())
+
+
+def full_table(results: list) -> str:
+    headers = ["op", "shape", "path", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd rate", "bwd rate", "fwd+bwd rate",
+               "x best torch", "note"]
+    lines = []
+    for row in results:
+        for col in COLUMNS:
+            cell = row["cells"].get(col, {"reason": "-"})
+            if "fwdbwd_ms" not in cell:
+                if cell["reason"] != "n/a":
+                    lines.append([row["label"], row["shape_text"], col] + ["-"] * 7 + [cell["reason"]])
+                continue
+            note = f"err vs fp32 {_err_text(cell)}" if col == "ours (Triton)" else ""
+            lines.append([row["label"], row["shape_text"], col, f"{cell['fwd_ms']:.4g}", f"{cell['bwd_ms']:.4g}",
+                          f"{cell['fwdbwd_ms']:.4g}"]
+                         + [f"{fmt(cell[k], '.4g')} {row['unit']}" for k in ("rate_fwd", "rate_bwd", "rate")]
+                         + [f"{cell['x_best_torch']:.2f}x" if "x_best_torch" in cell else "-", note])
+    return markdown_table(headers, lines)
+
+
+def report(results: list, smoke: bool, device: str, command: str) -> str:
+    gl = goals(results, smoke)
+    parts = ["## Kernel benchmarks (issue 9): `make bench-kernels`", "",
+             f"- device: {device}", f"- command: `{command}`",
+             "- method: median of `triton.testing.do_bench` per cell (fwd alone and fwd+bwd; bwd = the "
+             "difference), fresh randn inputs rotating over sets that together exceed 2x L2, bf16; "
+             "GB/s from the byte model and TFLOP/s from the causal FLOP convention (fwd 2·b·h·s²·d, "
+             "bwd 5·b·h·s²·d) in the docstring of tools/bench_kernels.py; 'x best torch' = fastest torch "
+             "path's fwd+bwd time / this path's; the error is max |ours − fp32 ref| / max |ref| over "
+             "outputs and input gradients."]
+    if smoke:
+        parts.append("- **smoke run** (tiny shapes; on a CPU the Triton interpreter and perf_counter): these "
+                     "figures say nothing about speed.")
+    parts += ["", "fwd+bwd time (throughput) per path:", "", compact_table(results), "", missing_notes(results), "",
+              "Goals (issue 9):", "", markdown_table(["goal", "measured", "target", "result"], gl), "",
+              "Full table (fwd, bwd, fwd+bwd):", "", full_table(results)]
+    return "\n".join(parts)
+
+
+# ============================================================================ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no torch.compile (automatic without CUDA, "
+                    "then through the Triton interpreter); exercises the script, claims no speed")
+    ap.add_argument("--ops", default="ln,addln,attn", help="comma list of ln, addln, attn (default: all)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
+    ap.add_argument("--out", default=None, help="directory for bench_kernels.md and bench_kernels.json")
+    ap.add_argument("--doc", nargs="?", const="", default=None,
+                    help="update the bench_kernels section of this markdown file (default docs/benchmarks.md); "
+                         "a smoke run writes only to an explicitly named file")
+    args = ap.parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        ap.error(f"unknown --ops {bad}; choose from {list(OPS)}")
+
+    import torch
+    cuda = torch.cuda.is_available()
+    smoke = args.smoke or not cuda
+    if not cuda:   # before anything imports triton's JIT: the kernels then run under the interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    t_start = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    device = device_line()
+    command = command_line("bench_kernels.py")
+    print(f"device: {device}\ncommand: {command}", flush=True)
+    if smoke:
+        print("SMOKE RUN: tiny shapes" + ("" if cuda else ", CPU, Triton interpreter, perf_counter timings")
+              + "; no speed claims.", flush=True)
+    timer = Timer(gpu=cuda, warmup_ms=min(args.warmup, 5) if smoke else args.warmup,
+                  rep_ms=min(args.rep, 10) if smoke else args.rep, cpu_reps=2)
+    results = run(ops, smoke, timer, compile_ok=not smoke and not args.no_compile, log=log)
+    text = report(results, smoke, device, command)
+    log("done")
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+            json.dump({"device": device, "command": command, "smoke": smoke, "results": results,
+                       "goals": goals(results, smoke)}, f, indent=1, default=str)
+        print(f"wrote {os.path.join(args.out, 'bench_kernels.md')} and bench_kernels.json")
+    if args.doc is not None:
+        if smoke and not args.doc:
+            print("smoke run: not writing docs/benchmarks.md (name a file: --doc PATH)")
+        else:
+            path = args.doc or DOC
+            if set(ops) != set(OPS):
+                print(f"note: --ops {args.ops} replaces the whole bench_kernels section with these rows only")
+            write_doc_section(path, "bench_kernels", text)
+            print(f"wrote the bench_kernels section of {path}")
+    print()
+    print(compact_table(results))
+    print()
+    print(missing_notes(results))
+    print()
+    print(markdown_table(["goal", "measured", "target", "result"], goals(results, smoke)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

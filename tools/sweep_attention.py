@@ -1,0 +1,121 @@
+"""Sweep the launch configurations of the Triton flash attention on a GPU (picks GPU_CONFIGS).
+
+    python tools/sweep_attention.py [--shapes 16,12,1024,64 8,16,2048,128] [--quick]
+
+For each shape (b, heads, s, d), causal, bf16: checks the kernel against fp32 SDPA math (relative
+error of o, dq, dk, dv), then times, as medians of triton.testing.do_bench with rotating inputs,
+the forward, the dk/dv kernel and the dq kernel for each candidate (BLOCK_M, BLOCK_N, warps,
+stages), and prints the best of each next to cuDNN and flash SDPA (fwd+bwd). FLOPs: causal
+fwd 2*b*h*s^2*d (half of 4*b*h*s^2*d), bwd 2.5x fwd.
+"""
+import argparse
+import itertools
+import sys
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["16,12,1024,64", "8,16,2048,128"])
+    ap.add_argument("--quick", action="store_true", help="fewer candidates")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_attention.py needs a CUDA GPU")
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from kernels import attention as A
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    for shape in args.shapes:
+        b, h, s, d = map(int, shape.split(","))
+        flops_fwd = 2 * b * h * s * s * d
+        sets = [[torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+                for _ in range(3)]
+        do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+        # correctness
+        q, k, v = sets[0][:3]
+        o = A.flash_attention(q, k, v)
+        g = torch.autograd.grad(o, (q, k, v), do)
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.MATH):
+            orf = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+        gr = torch.autograd.grad(orf, (qf, kf, vf), do.float())
+        err = lambda a, r: ((a.float() - r).norm() / r.norm()).item()
+        print(f"shape {shape}: rel err o {err(o, orf):.2e} dq {err(g[0], gr[0]):.2e} dk {err(g[1], gr[1]):.2e} "
+              f"dv {err(g[2], gr[2]):.2e}", flush=True)
+        del qf, kf, vf, orf, gr
+
+        it = itertools.cycle(range(3))
+
+        def rot():
+            i = next(it)
+            return sets[i][0], sets[i][1], sets[i][2]
+
+        def fwd_bwd(attn):
+            def run():
+                q, k, v = rot()
+                o = attn(q, k, v)
+                torch.autograd.grad(o, (q, k, v), do)
+            return run
+
+        def fwd_only(attn):
+            def run():
+                q, k, v = rot()
+                with torch.no_grad():
+                    attn(q, k, v)
+            return run
+
+        rows = []
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(q, k, v, backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            try:
+                fb, f = bench(fwd_bwd(sdpa)), bench(fwd_only(sdpa))
+                rows.append((f"SDPA {name}", f, fb - f, fb))
+            except Exception as e:  # noqa: BLE001
+                print(f"SDPA {name}: {type(e).__name__}: {str(e)[:100]}")
+        default = {k: dict(v) for k, v in A.GPU_CONFIGS.items()}
+        fb, f = bench(fwd_bwd(A.flash_attention)), bench(fwd_only(A.flash_attention))
+        rows.append(("triton (defaults)", f, fb - f, fb))
+        stages = [3] if args.quick else [2, 3]
+        candidates = {
+            "fwd": [(m, n, w, st) for m in (64, 128) for n in (64, 128) for w in (4, 8) for st in stages],
+            "dkdv": [(m, n, w, st) for m, n in ((32, 128), (64, 64), (64, 128), (128, 128)) for w in (4, 8)
+                     for st in stages],
+            "dq": [(m, n, w, st) for m in (64, 128) for n in (32, 64) for w in (4, 8) for st in stages],
+        }
+        results = {kind: [] for kind in candidates}
+        for kind, cfgs in candidates.items():
+            for cfg in cfgs:
+                A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
+                A.GPU_CONFIGS[kind][d] = cfg
+                try:
+                    t = bench(fwd_only(A.flash_attention) if kind == "fwd" else fwd_bwd(A.flash_attention))
+                except Exception:  # noqa: BLE001 (out of shared memory etc.)
+                    continue
+                results[kind].append((round(t, 4), cfg))
+        A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
+        best = {}
+        for kind, res in results.items():
+            res.sort()
+            best[kind] = res[0][1] if res else None
+            print(f"  {kind}: best {res[:4]}", flush=True)
+        for kind, cfg in best.items():
+            if cfg:
+                A.GPU_CONFIGS[kind][d] = cfg
+        fb, f = bench(fwd_bwd(A.flash_attention)), bench(fwd_only(A.flash_attention))
+        rows.append((f"triton (best {best})", f, fb - f, fb))
+        A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
+        print(f"| {shape} | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s |")
+        for name, f, bw, fb in rows:
+            print(f"| {name} | {f:.3f} | {bw:.3f} | {fb:.3f} | {3.5 * flops_fwd / fb / 1e9:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
