@@ -2,7 +2,9 @@
 PY      ?= python3
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
-NPROC   ?= 2
+# ranks of `make train`: NPROC, else one per visible GPU, else 2 CPU ranks (read when the recipe runs,
+# from the venv's torch, so CUDA_VISIBLE_DEVICES is honoured)
+NPROC   ?=
 ARGS    ?=
 # A GPU machine gets the default (CUDA) torch build; a CPU-only machine gets the CPU build
 # (pip resolves torch==2.13.0 to the local +cpu wheel where one is provided).
@@ -21,8 +23,10 @@ $(VENV)/.installed: pyproject.toml
 data: venv
 	$(RUN_ENV) $(PYTHON) tools/prepare_data.py $(ARGS)
 
+NPROC_CMD = $(or $(NPROC),$$($(PYTHON) -c 'import torch; print(torch.cuda.device_count() or 2)'))
+
 train: data
-	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py $(ARGS)
 
 test: venv
 	$(RUN_ENV) $(PYTHON) -m pytest -q --durations=15 $(ARGS)
@@ -42,7 +46,7 @@ bench-gpu: venv
 PRECISION_ARGS ?= steps=100 gbs=8 eval_interval=25
 compare-precision: data
 	for p in fp32 fp16 bf16; do \
-	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py precision=$$p $(PRECISION_ARGS) \
+	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py precision=$$p $(PRECISION_ARGS) \
 	    log_interval=2 run_name=precision-$$p resume=never wandb.group=precision wandb.name=$$p $(ARGS) || exit 1; \
 	done
 	$(PYTHON) tools/compare_runs.py runs/precision-fp32 runs/precision-fp16 runs/precision-bf16 -o docs/precision_compare.png

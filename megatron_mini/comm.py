@@ -41,13 +41,11 @@ class Group:
     pg: object           # torch ProcessGroup, or None for a group of one
     ledger: Ledger
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+    def __post_init__(self):
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank()) if self.size > 1 else 0      # this rank's index
+        # gloo moves CUDA tensors in collectives but not in point-to-point: stage those on the host
+        self.p2p_via_host = self.pg is not None and dist.get_backend(self.pg) == "gloo"
 
 
 # torch >= 2.13 names the flat collectives *_single (the *_tensor names are deprecated there)
@@ -111,13 +109,21 @@ def broadcast(t: torch.Tensor, group: Group, src_index: int = 0) -> None:
 
 
 def batch_p2p(ops: list, group: Group) -> None:
-    """Post [(\"send\"|\"recv\", tensor, peer_index)] together and wait for all of them."""
+    """Post [(\"send\"|\"recv\", tensor, peer_index)] together and wait for all of them.
+    On gloo, CUDA tensors travel through host copies (sent from a copy, received into one)."""
     if not ops:
         return
-    p2p = []
+    p2p, staged = [], []
     for kind, tensor, peer in ops:
         group.ledger.record(group.name, kind, _nbytes(tensor))
+        wire = tensor
+        if group.p2p_via_host and tensor.is_cuda:
+            wire = tensor.cpu() if kind == "send" else torch.empty(tensor.shape, dtype=tensor.dtype)
+            if kind == "recv":
+                staged.append((tensor, wire))
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, tensor, group.ranks[peer], group=group.pg))
+        p2p.append(dist.P2POp(fn, wire, group.ranks[peer], group=group.pg))
     for work in dist.batch_isend_irecv(p2p):
         work.wait()
+    for tensor, wire in staged:
+        tensor.copy_(wire)

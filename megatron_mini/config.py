@@ -44,6 +44,19 @@ class ModelConfig:
         block = 4 * h * h + 4 * h + 2 * self.ffn_hidden_size * h + self.ffn_hidden_size + h + 4 * h
         return self.padded_vocab_size * h + self.seq_len * h + L * block + 2 * h
 
+    def flops_per_token(self) -> int:
+        """Model FLOPs of one trained token, forward + backward (recomputation not counted):
+
+            6 N + 12 L h s,   N = L (4 h^2 + 2 h f) + V h   (f = ffn width, V = padded vocabulary)
+
+        6 N: 2 FLOPs per weight per token forward, 4 backward, for every matrix (the attention
+        projections, the MLP, the logits); 12 L h s: q k^T and P v (2 s h each per token and layer,
+        x 3 for forward + backward), counted for the full s x s square as Megatron, PaLM and
+        nanoGPT count it. Biases, LayerNorm and the embedding lookup are left out."""
+        h, L = self.hidden_size, self.num_layers
+        n = L * (4 * h * h + 2 * h * self.ffn_hidden_size) + self.padded_vocab_size * h
+        return 6 * n + 12 * L * h * self.seq_len
+
 
 @dataclass
 class DataConfig:
@@ -71,6 +84,8 @@ class OptimizerConfig:
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp32"              # fp32 | fp16 | bf16
+    tf32: bool = True                # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs)
+    peak_tflops: float = 0.0         # the MFU denominator per GPU; 0: from hardware.py's table
     # fp16 dynamic loss scaling (Megatron-LM defaults)
     initial_loss_scale: float = 2.0 ** 32
     loss_scale_growth_factor: float = 2.0
@@ -106,7 +121,8 @@ class TrainConfig:
     pipeline_first_blocks: int = 0   # explicit block count of the first block stage (0: balanced)
     pipeline_last_blocks: int = 0    # explicit block count of the last block stage (0: balanced)
     recompute: str = "none"          # none | full | selective
-    kernels: str = "auto"            # auto (triton on CUDA, torch on CPU) | triton | torch
+    kernels: str = "auto"            # auto (torch, or triton where measured faster on this GPU) | triton | torch
+    compile: bool = False            # torch.compile each block (collectives and linears stay eager)
     # batch and schedule
     mbs: int = 4
     gbs: int = 32
@@ -120,7 +136,8 @@ class TrainConfig:
     eval_iters: int = 8
     save_interval: int = 0           # 0: only at the end
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
-    device: str = "auto"             # auto | cpu | cuda
+    device: str = "auto"             # auto (a GPU per rank when there are enough, else CPU) | cpu | cuda
+    dist_backend: str = "auto"       # auto (nccl on CUDA unless ranks share a GPU, else gloo) | nccl | gloo
     timeout_s: int = 300             # collective timeout
 
     def num_microbatches(self, dp: int) -> int:

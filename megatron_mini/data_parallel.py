@@ -13,6 +13,7 @@ line up between the first and last stage for the embedding-group sum.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,10 @@ class Bucket:
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
         n = (self.end - self.start) // dp
         return self.start + dp_rank * n, self.start + (dp_rank + 1) * n
+
+
+def _call(buffer: weakref.ref, method: str, p: nn.Parameter) -> None:
+    getattr(buffer(), method)(p)
 
 
 class GradBuffer:
@@ -68,6 +73,9 @@ class GradBuffer:
         self.params_flat = torch.zeros(offset, dtype=dtype, device=device)
         self.grads_flat = torch.zeros(offset, dtype=torch.float32, device=device)
         self.bucket_of = {}
+        # The parameters reach this buffer weakly: autograd keeps their hooks where the garbage
+        # collector cannot see them, so a strong reference would keep a dropped model's buffers alive.
+        buffer = weakref.ref(self)
         for bucket in self.buckets:
             for p in bucket.params:
                 lo = self.offsets[p]
@@ -75,8 +83,8 @@ class GradBuffer:
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = self.grads_flat[lo:lo + p.numel()].view(p.shape)
-                p.main_grad_ready = functools.partial(self._main_grad_ready, p)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.main_grad_ready = functools.partial(_call, buffer, "_main_grad_ready", p)
+                p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
 

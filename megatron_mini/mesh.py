@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Group, Ledger
+from .config import ConfigError
 
 
 class ParallelMesh:
@@ -63,22 +64,69 @@ class ParallelMesh:
                 f"dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})")
 
 
-def launch_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's variables, else SLURM's, else a single process."""
+def launch_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
+    else a single process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return 0, 1, 0
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
+                int(per_node) if per_node.isdigit() else local_rank + 1)
+    return 0, 1, 0, 1
 
 
-def init_process_group(device: torch.device, timeout_s: int) -> None:
-    """Join the job's default group: nccl on GPUs, gloo on CPU (SLURM runs need MASTER_ADDR/PORT set)."""
+def choose_device(device: str, backend: str, local_rank: int, local_world_size: int,
+                  gpus: int) -> tuple[torch.device, str]:
+    """This rank's device and the job's process-group backend; ConfigError when they cannot work.
+
+    device=auto: a GPU per rank (cuda:local_rank) when this node has a GPU for every one of its
+    ranks, the CPU when it has none; fewer GPUs than ranks is an error with the ways out.
+    device=cuda: ranks share the GPUs round-robin when they outnumber them (gloo only).
+    backend=auto: nccl when every rank has a GPU of its own, else gloo (gloo's collectives take
+    CUDA tensors; its point-to-point does not, so comm.batch_p2p stages those through the host).
+    Every rank of a node decides from the same numbers, so all of them stop together.
+    """
+    if device == "auto":
+        if gpus == 0:
+            device = "cpu"
+        elif local_world_size > gpus:
+            raise ConfigError(
+                f"This node runs {local_world_size} ranks but sees {gpus} GPU(s), and device=auto gives every "
+                f"rank a GPU of its own. Either launch one rank per GPU (torchrun --nproc_per_node={gpus} ...), "
+                f"or let the ranks share the GPUs with device=cuda (which uses the gloo backend), "
+                f"or train on the CPU with device=cpu.")
+        else:
+            device = "cuda"
+    if device == "cuda" and gpus == 0:
+        raise ConfigError("device=cuda, but torch sees no CUDA GPU (torch.cuda.is_available() is False: no GPU "
+                          "is visible, or this torch is a CPU build); use device=cpu or device=auto.")
+    shared = device == "cuda" and local_world_size > gpus
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and not shared else "gloo"
+    if backend == "nccl" and device == "cpu":
+        raise ConfigError("dist_backend=nccl needs device=cuda (NCCL moves GPU tensors only); use dist_backend=gloo "
+                          "or auto on the CPU.")
+    if backend == "nccl" and shared:
+        raise ConfigError(f"dist_backend=nccl cannot put {local_world_size} ranks on {gpus} GPU(s) (NCCL needs a GPU "
+                          f"per rank); use dist_backend=gloo (or auto) to share them, or "
+                          f"torchrun --nproc_per_node={gpus}.")
+    if device == "cpu":
+        return torch.device("cpu"), backend
+    return torch.device("cuda", local_rank % gpus), backend
+
+
+def init_process_group(device: torch.device, backend: str, timeout_s: int) -> None:
+    """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set)."""
     if dist.is_initialized():
         return
-    rank, world_size, _ = launch_env()
+    rank, world_size, _, _ = launch_env()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    extra = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **extra)

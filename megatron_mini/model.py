@@ -9,6 +9,7 @@ Every parameter has a global name (`embedding.word_embeddings.weight`, `blocks.3
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import TrainConfig
+from .hardware import gpu_key
 from .mesh import ParallelMesh
 from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RNGTracker, RowParallelLinear,
                               VocabParallelEmbedding, column_parallel_linear, full_shape, init_full,
@@ -29,25 +31,26 @@ class Kernels:
     """Which implementation each fused op uses: Triton (True) or torch (False).
 
     kernels=torch: torch everywhere (F.layer_norm, F.scaled_dot_product_attention). kernels=triton:
-    the Triton kernels everywhere (on CPU through the interpreter). kernels=auto: torch on CPU; on
-    CUDA, per op, the path that measured faster on an H100 (docs/benchmarks.md, `make bench-kernels`):
-    the Triton LayerNorm and add+LayerNorm (>= 2x torch eager at h = 768..4096), and for attention
-    the Triton flash attention only where it beat cuDNN SDPA (`AUTO_TRITON_ATTENTION_HEAD_DIMS`).
+    the Triton kernels everywhere (on CPU through the interpreter). kernels=auto: torch, except on a
+    GPU where `make bench-kernels` measured the Triton kernel faster than every torch path at this
+    size: an entry of TRITON_WINS. So auto is never slower than kernels=torch by construction.
     """
     layer_norm: bool
     attention: bool
 
 
-AUTO_TRITON_ATTENTION_HEAD_DIMS: frozenset = frozenset()   # head dims where auto picks the Triton attention
+# (op, GPU, size) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
+# (docs/benchmarks.md): op "layer_norm" (size: hidden) or "attention" (size: head dim), GPU a key of
+# hardware.GPUS. Empty until the kernels have been measured on a GPU.
+TRITON_WINS: frozenset = frozenset()
 
 
 def select_kernels(cfg: TrainConfig, device: torch.device) -> Kernels:
-    if cfg.kernels == "torch" or (cfg.kernels == "auto" and device.type != "cuda"):
-        return Kernels(layer_norm=False, attention=False)
-    if cfg.kernels == "triton":
-        return Kernels(layer_norm=True, attention=True)
-    head_dim = cfg.model.hidden_size // cfg.model.num_heads
-    return Kernels(layer_norm=True, attention=head_dim in AUTO_TRITON_ATTENTION_HEAD_DIMS)
+    if cfg.kernels != "auto":
+        return Kernels(layer_norm=cfg.kernels == "triton", attention=cfg.kernels == "triton")
+    gpu, m = gpu_key(device), cfg.model
+    return Kernels(layer_norm=("layer_norm", gpu, m.hidden_size) in TRITON_WINS,
+                   attention=("attention", gpu, m.hidden_size // m.num_heads) in TRITON_WINS)
 
 
 class LayerNorm(nn.Module):
@@ -153,7 +156,7 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(d) + causal mask) v: qkv [s, b, 3 * heads * d] (local heads) -> [s, b, heads * d].
         Dropout on the probabilities draws from the TP-rank stream (the heads differ per rank)."""
         drop = self.attn_dropout if self.training else 0.0
-        with self.rng.fork():
+        with self.rng.fork() if drop else contextlib.nullcontext():
             if self.triton:
                 from kernels.attention import flash_attention_qkv
                 return flash_attention_qkv(qkv, self.heads, causal=True, dropout_p=drop)
@@ -202,6 +205,8 @@ class Block(Layer):
         self.ln2 = LayerNorm(cfg, kernels.layer_norm, device)
         self.mlp = MLP(cfg, mesh, device)
         self.dropout = nn.Dropout(cfg.model.dropout)
+        if cfg.compile:     # the graphs between the (eager) linears and collectives: LN, residual, GELU, ...
+            self._forward = torch.compile(self._forward, dynamic=False)
 
     def _residual_dropout(self, y):
         if self.sp:

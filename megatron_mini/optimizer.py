@@ -7,9 +7,10 @@ So optimizer state per rank shrinks by dp with ZeRO-1: bf16 weights cost
 2 (weight) + 4 (main grad) + (4 + 8) / dp bytes per parameter.
 
 A step: finalize gradients (sum sequence-parallel replicated params over TP, the tied word
-embedding over the embedding group) -> unscale (fp16) -> global norm (TP-replicated params and
-the tied copy counted once; the same all-reduce detects inf/nan everywhere) -> skip or clip ->
-AdamW -> copy to 16-bit weights -> ZeRO all-gather.
+embedding over the embedding group) -> global norm (TP-replicated params and the tied copy
+counted once; the same all-reduce detects inf/nan everywhere) -> skip, or AdamW with the
+gradients divided by (fp16 loss scale / clip factor) inside the fused kernel -> copy to 16-bit
+weights -> ZeRO all-gather.
 """
 from __future__ import annotations
 
@@ -62,8 +63,6 @@ class Range:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    decay_segments: list      # (a, b) offsets within the range that get weight decay
-    norm_segments: list       # (a, b) offsets counted in the global norm
     tp_sum_segments: list     # (a, b) offsets of sequence-parallel replicated params
     tied: bool                # the range belongs to the tied word-embedding bucket
 
@@ -77,29 +76,39 @@ class Range:
 
 
 class Optimizer:
+    """AdamW on this rank's ranges through torch's fused multi-tensor kernel (`torch._fused_adamw_`,
+    what torch.optim.AdamW(fused=True) runs), one call for the weight-decayed parameter pieces and
+    one for the rest. The kernel divides every gradient by `grad_scale` first, which carries both
+    the fp16 loss scale and the clipping factor, so neither needs a pass of its own."""
+
     def __init__(self, buffers: list, mesh: ParallelMesh, cfg: OptimizerConfig, precision: PrecisionConfig, zero: bool):
         self.buffers, self.mesh, self.cfg, self.zero = buffers, mesh, cfg, zero
         self.scaler = DynamicLossScaler(precision) if precision.dtype == "fp16" else None
         self.step_count = 0
         self.ranges = []
+        # per-parameter views (of master, grad, exp_avg, exp_avg_sq) for the multi-tensor kernels
+        self.groups = {True: ([], [], [], []), False: ([], [], [], [])}    # keyed by "gets weight decay"
+        self.norm_views, self.check_views = [], []    # counted once in the global norm / checked for inf
         for buf in buffers:
             for bucket in buf.buckets:
                 lo, hi = buf.valid_range(bucket)
                 param = buf.params_flat[lo:hi]
                 master = param if param.dtype == torch.float32 else param.float()
-                decay, norm, tp_sum, tied = [], [], [], False
+                r = Range(buf, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master), [], False)
                 for p, name, a, b in buf.segments(lo, hi):
-                    seg = (a - lo, b - lo)
-                    if not p.spec.no_weight_decay:
-                        decay.append(seg)
+                    a, b = a - lo, b - lo
+                    views = (r.master[a:b], r.grad[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
+                    for group, view in zip(self.groups[not p.spec.no_weight_decay], views):
+                        group.append(view)
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0
-                    if not replicated_copy and not p.spec.tied:
-                        norm.append(seg)
+                    (self.check_views if replicated_copy or p.spec.tied else self.norm_views).append(views[1])
                     if p.spec.sequence_parallel:
-                        tp_sum.append(seg)
-                    tied = tied or (name == WORD_EMBEDDING and mesh.pp > 1)
-                self.ranges.append(Range(buf, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
-                                         decay, norm, tp_sum, tied))
+                        r.tp_sum_segments.append((a, b))
+                    r.tied = r.tied or (name == WORD_EMBEDDING and mesh.pp > 1)
+                self.ranges.append(r)
+        device = buffers[0].grads_flat.device
+        self._step = torch.zeros((), dtype=torch.float32, device=device)          # the kernel's step count
+        self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
 
     # -- gradients
     def finalize_grads(self) -> None:
@@ -118,16 +127,17 @@ class Optimizer:
                 comm.all_reduce(r.grad, self.mesh.embedding_group)
 
     def global_grad_norm(self) -> float:
-        """sqrt of the sum of squares of the whole model's gradient; nan if any gradient element on
-        any rank is inf/nan (replicated copies are checked too, though counted once in the norm)."""
-        stats = torch.zeros(2, dtype=torch.float32, device=self.buffers[0].grads_flat.device)
-        for r in self.ranges:
-            stats[1] += r.grad.sum()
-            for a, b in r.norm_segments:
-                stats[0] += r.grad[a:b].pow(2).sum()
+        """sqrt of the sum of squares of the whole model's gradient (as it is in the buffers: still
+        loss-scaled with fp16); nan if any gradient element on any rank is inf/nan (replicated
+        copies are checked too, though counted once in the norm). One all-reduce of 2 numbers."""
+        stats = torch.zeros(2, dtype=torch.float32, device=self._step.device)
+        if self.norm_views:
+            stats[0] = torch.stack(torch._foreach_norm(self.norm_views)).square().sum()
+        if self.check_views:
+            stats[1] = torch.stack(torch._foreach_norm(self.check_views)).sum()
         comm.all_reduce(stats, self.mesh.world_group if self.zero else self.mesh.mp_group)
-        norm_sq, total = stats.tolist()
-        return math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(total) else float("nan")
+        norm_sq, check = stats.tolist()
+        return math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(check) else float("nan")
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
@@ -138,10 +148,8 @@ class Optimizer:
     def step(self, lr: float) -> tuple[float, bool]:
         """Update the weights from the synced main grads; returns (grad norm, skipped)."""
         self.finalize_grads()
-        if self.scaler:
-            for r in self.ranges:
-                r.grad.mul_(1.0 / self.scaler.scale)
-        norm = self.global_grad_norm()
+        scale = self.scaler.scale if self.scaler else 1.0
+        norm = self.global_grad_norm() / scale
         if not math.isfinite(norm):
             if self.scaler is None:
                 raise FloatingPointError("the gradient norm is not finite")
@@ -152,18 +160,17 @@ class Optimizer:
             self.scaler.update(found_inf=False)
         clip = self.cfg.grad_clip / (norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
         self.step_count += 1
+        self._step.fill_(self.step_count)
+        divide = scale / clip if clip < 1.0 else scale          # g <- g / (loss scale / clip factor)
+        self._grad_scale.fill_(divide)
         c = self.cfg
-        bias1, bias2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
+        for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
+            if params:
+                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [self._step] * len(params), lr=lr,
+                                    beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay if decay else 0.0,
+                                    eps=c.eps, amsgrad=False, maximize=False,
+                                    grad_scale=self._grad_scale if divide != 1.0 else None, found_inf=None)
         for r in self.ranges:
-            g = r.grad
-            if clip < 1.0:
-                g.mul_(clip)
-            for a, b in r.decay_segments:
-                r.master[a:b].mul_(1 - lr * c.weight_decay)
-            r.exp_avg.lerp_(g, 1 - c.beta1)
-            r.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-            denom = (r.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.eps)
-            r.master.addcdiv_(r.exp_avg, denom, value=-lr / bias1)
             if r.master.data_ptr() != r.param.data_ptr():
                 r.param.copy_(r.master)
         for buf in self.buffers:

@@ -60,8 +60,12 @@ def _conjugate(name: str, forward, backward):
 
     Mapping.__name__ = name
 
+    @torch.compiler.disable     # under compile=true collectives run eagerly, between compiled graphs
+    def communicate(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return Mapping.apply(x, group)
+
     def apply(x: torch.Tensor, group: Group) -> torch.Tensor:
-        return x if group.size == 1 else Mapping.apply(x, group)
+        return x if group.size == 1 else communicate(x, group)
     apply.__name__ = apply.__qualname__ = name
     apply.__doc__ = f"{forward.__name__} forward / {backward.__name__} backward over the TP group."
     return apply
@@ -204,12 +208,17 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         return dx, None, None
 
 
+@torch.compiler.disable     # its backward calls back into the GradBuffer: always eager (compile=true)
+def _accumulating_linear(x, weight, bias):
+    return _LinearWithGradAccumulation.apply(x, weight, bias)
+
+
 def linear(x, weight, bias=None):
     """F.linear, with the gradient-accumulation fusion when the parameters have fp32 main grads
     (training under a GradBuffer); plain autograd otherwise (a bare model, inference)."""
     if (weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
             and (bias is None or hasattr(bias, "main_grad"))):
-        return _LinearWithGradAccumulation.apply(x, weight, bias)
+        return _accumulating_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

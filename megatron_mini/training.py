@@ -11,17 +11,20 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint, comm
 from .config import ConfigError, TrainConfig, validate
 from .data import get_batch, load_datasets
 from .data_parallel import GradBuffer
+from .hardware import peak_tflops
 from .logger import RunLogger
-from .mesh import ParallelMesh, init_process_group, launch_env
+from .mesh import ParallelMesh, choose_device, init_process_group, launch_env
 from .model import build_chunks
 from .optimizer import Optimizer
 from .pipeline import PipelineEngine, local_stage_layers
@@ -40,12 +43,16 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        local_rank = launch_env()[2]
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
+    """This rank's device and the process-group backend (mesh.choose_device), and the fp32 matmul
+    precision on CUDA: TF32 tensor cores unless precision.tf32=false."""
+    _, _, local_rank, local_world_size = launch_env()
+    gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    device, backend = choose_device(cfg.device, cfg.dist_backend, local_rank, local_world_size, gpus)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
+    return device, backend
 
 
 def check_run(cfg: TrainConfig, world_size: int):
@@ -82,6 +89,7 @@ class Trainer:
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len
         self.step, self.consumed_samples = 0, 0
+        self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
 
     def _global_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum the last stage's token losses over DP (one world all-reduce); mean per token."""
@@ -96,8 +104,8 @@ class Trainer:
             chunk.train()
         lr = learning_rate(self.step, cfg)
         batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
-        scale = self.optimizer.scaler.scale if self.optimizer.scaler else 1.0
-        loss_sum = self.engine.train_step(batch, scale, self.tokens_per_step)
+        scale = self.optimizer.scaler.scale if self.optimizer.scaler else None
+        loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step)
         loss = self._global_loss(loss_sum)
         if not math.isfinite(loss) and self.optimizer.scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
@@ -127,11 +135,13 @@ class Trainer:
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
         checkpoint.save(path, self.step, self.consumed_samples, self.chunks, self.optimizer, self.rng, self.mesh,
                         dataclasses.asdict(self.cfg))
+        self.last_checkpoint = path
         return path
 
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.optimizer, self.rng, self.mesh)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
+        self.last_checkpoint = path
 
 
 def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
@@ -181,93 +191,142 @@ def _resume_path(cfg: TrainConfig) -> str | None:
     return cfg.resume
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train on every rank of the job; returns the history (losses per step, eval losses)."""
-    rank, world_size, _ = launch_env()
-    datasets = check_run(cfg, world_size)[1]
-    resume = _resume_path(cfg)
-    device = resolve_device(cfg)
-    init_process_group(device, cfg.timeout_s)
-    mesh = ParallelMesh(cfg.tp, cfg.pp, world_size // (cfg.tp * cfg.pp))
-    log = _setup_logging(cfg.run_dir, rank)
-    if rank == 0:
-        _write_config(cfg)
-    trainer = Trainer(cfg, mesh, datasets, device)
-    config_dict = dataclasses.asdict(cfg)
-    logger = RunLogger(cfg.run_dir, cfg.wandb, config_dict, enabled=rank == 0)
-    if resume:
-        trainer.load(resume)
-        log.info(f"resumed from {resume} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
-    log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
-             f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | {device}")
+class Throughput:
+    """Tokens/s, model TFLOP/s per GPU and MFU over a logging interval, and peak memory.
 
-    _report_memory(trainer, log)
+    TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
+    recomputation is not counted); MFU = that / the device's dense peak (hardware.py, or
+    precision.peak_tflops), None where the peak is unknown (a CPU)."""
 
-    history = {"loss": [], "val_loss": [], "grad_norm": []}
-    skipped_steps, last_ckpt = 0, resume
+    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device):
+        self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
+        self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
+
+    def __call__(self, tokens: int, seconds: float) -> dict:
+        tokens_per_s = tokens / max(seconds, 1e-9)
+        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+        out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "peak_mem_gib": self.peak_memory_gib()}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        return out
+
+    def peak_memory_gib(self) -> float:
+        """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
+
+
+def _step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, elapsed: float, eta: float,
+               skipped_steps: int) -> str:
+    mfu = f" | MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
+    scale = f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if out["loss_scale"] is not None else ""
+    return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | grad norm {out['grad_norm']:.3f} | "
+            f"{rate['tokens_per_s']:,.0f} tok/s | {rate['tflops']:.3g} TFLOP/s/GPU{mfu} | "
+            f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}{scale}")
+
+
+def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
+    val = trainer.evaluate()
+    history["val_loss"].append((trainer.step, val))
+    logger.log(trainer.step, {"val_loss": val})
+    log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{note}")
+
+
+def _train_loop(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput) -> int:
+    """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
+    returns the number of skipped (fp16 overflow) steps."""
+    cfg = trainer.cfg
+    skipped_steps, interval_steps, first_step = 0, 0, trainer.step
     start_time = interval_start = time.time()
-    interval_steps = 0
-    first_step = trainer.step
-    if cfg.eval_interval and trainer.step == 0:
-        val = trainer.evaluate()
-        history["val_loss"].append((0, val))
-        logger.log(0, {"val_loss": val})
-        log.info(f"step {0:>5}/{cfg.steps} | val loss {val:.4f} (before training)")
-    try:
-        while trainer.step < cfg.steps:
-            out = trainer.train_step()
-            skipped_steps += out["skipped"]
-            interval_steps += 1
-            history["loss"].append(out["loss"])
-            history["grad_norm"].append(out["grad_norm"])
-            step = trainer.step
-            if step % cfg.log_interval == 0 or step == cfg.steps:
-                now = time.time()
-                tokens_per_s = interval_steps * trainer.tokens_per_step / (now - interval_start)
-                eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
-                record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s}
-                if trainer.optimizer.scaler:
-                    record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
-                logger.log(step, record)
-                log.info(f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | "
-                         f"grad norm {out['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
-                         f"elapsed {format_duration(now - start_time)} | ETA {format_duration(eta)}"
-                         + (f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if trainer.optimizer.scaler else ""))
-                interval_start, interval_steps = now, 0
-            if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
-                val = trainer.evaluate()
-                history["val_loss"].append((step, val))
-                logger.log(step, {"val_loss": val})
-                log.info(f"step {step:>5}/{cfg.steps} | val loss {val:.4f}")
-            if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps:
-                last_ckpt = trainer.save(cfg.run_dir)
-                log.info(f"saved {last_ckpt}")
-    except FloatingPointError as e:
-        logger.finish()
-        raise ConfigError(f"Training stopped: {e}. Nothing was saved over the last good checkpoint "
-                          f"({last_ckpt or 'none'}); lower the learning rate or use bf16/fp32.") from None
+    while trainer.step < cfg.steps:
+        out = trainer.train_step()
+        skipped_steps += out["skipped"]
+        interval_steps += 1
+        history["loss"].append(out["loss"])
+        history["grad_norm"].append(out["grad_norm"])
+        step = trainer.step
+        if step % cfg.log_interval == 0 or step == cfg.steps:
+            now = time.time()
+            r = rate(interval_steps * trainer.tokens_per_step, now - interval_start)
+            record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
+            if out["loss_scale"] is not None:
+                record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
+            logger.log(step, record)
+            eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
+            log.info(_step_line(step, cfg, out, r, now - start_time, eta, skipped_steps))
+            interval_start, interval_steps = now, 0
+        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
+            _evaluate(trainer, history, logger, log)
+        if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps:
+            log.info(f"saved {trainer.save(cfg.run_dir)}")
+    return skipped_steps
 
-    elapsed = time.time() - start_time
-    steps_run = trainer.step - first_step
+
+def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
+               steps_run: int, elapsed: float, skipped_steps: int) -> dict:
+    """The run's final figures: into summary.json / wandb, and the closing lines of the console."""
+    cfg = trainer.cfg
+    r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
-               "tokens_per_s": steps_run * trainer.tokens_per_step / max(elapsed, 1e-9),
-               "steps": trainer.step, "skipped_steps": skipped_steps}
+               "steps": trainer.step, "skipped_steps": skipped_steps, **r}
     logger.summary(summary)
     logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
     evals = history["val_loss"]
     val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
                 else "val loss not evaluated")
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
     log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
-             f"{val_text} | {summary['tokens_per_s']:,.0f} tok/s (evaluation and checkpoints included)")
+             f"{val_text} | {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.3g} TFLOP/s/GPU{mfu} (evaluation and "
+             f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
+    last_ckpt = trainer.last_checkpoint
     log.info(f"checkpoint: {last_ckpt}")
     log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
     log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
              + (f"  (upload with: wandb sync {logger.wandb_path})" if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
-    history.update(summary=summary, checkpoint=last_ckpt)
+    return summary
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on every rank of the job; returns the history (losses per step, eval losses)."""
+    rank, world_size, _, _ = launch_env()
+    datasets = check_run(cfg, world_size)[1]
+    resume = _resume_path(cfg)
+    device, backend = setup_device(cfg)
+    init_process_group(device, backend, cfg.timeout_s)
+    mesh = ParallelMesh(cfg.tp, cfg.pp, world_size // (cfg.tp * cfg.pp))
+    log = _setup_logging(cfg.run_dir, rank)
+    if rank == 0:
+        _write_config(cfg)
+    trainer = Trainer(cfg, mesh, datasets, device)
+    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
+    if resume:
+        trainer.load(resume)
+        log.info(f"resumed from {resume} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+    log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
+             f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
+             f"{device} ({backend})")
+    _report_memory(trainer, log)
+
+    history = {"loss": [], "val_loss": [], "grad_norm": []}
+    rate = Throughput(cfg, world_size, device)
+    first_step, start_time = trainer.step, time.time()
+    if cfg.eval_interval and trainer.step == 0:
+        _evaluate(trainer, history, logger, log, " (before training)")
+    try:
+        skipped_steps = _train_loop(trainer, logger, log, history, rate)
+    except FloatingPointError as e:
+        logger.finish()
+        raise ConfigError(f"Training stopped: {e}. Nothing was saved over the last good checkpoint "
+                          f"({trainer.last_checkpoint or 'none'}); lower the learning rate or use bf16/fp32.") from None
+    summary = _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
+                         skipped_steps)
+    history.update(summary=summary, checkpoint=trainer.last_checkpoint)
     if rank == 0:
         with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:
             json.dump(history, f)
+    dist.destroy_process_group()
     return history

@@ -16,9 +16,11 @@ def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:
     # it is pure rounding noise, which eps=1e-8 turns into updates of ~lr*noise/eps that differ from
     # layout to layout (up to 2e-5 in 20 steps). With 1e-6 every weight agrees to ~2e-7 (fp32 rounding).
     optimizer = OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=5, eps=1e-6)
+    # device=cpu: multi-rank tests run on gloo CPU ranks on any machine (on a one-GPU machine device=auto
+    # would refuse more ranks than GPUs); a test that wants the GPU asks for device="auto".
     cfg = TrainConfig(model=model, data=data, optimizer=optimizer,
                       wandb=WandbConfig(mode="disabled"), mbs=2, gbs=16, steps=20, run_dir=str(run_dir),
-                      log_interval=1000, eval_interval=0, resume="never")
+                      log_interval=1000, eval_interval=0, resume="never", device="cpu")
     for key, value in overrides.items():
         if "." in key:
             section, field = key.split(".")

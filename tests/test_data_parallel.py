@@ -1,5 +1,6 @@
 """Data parallelism trains the same model as one process (fp32, same global batch)."""
 import pytest
+import torch
 
 from harness import assert_same_training, small_config, train_on_ranks
 
@@ -13,3 +14,31 @@ def reference(small_data, tmp_path_factory):
 def test_dp_matches_single_process(dp, small_data, reference, tmp_path):
     history = train_on_ranks(dp, small_config(small_data, tmp_path, steps=10))
     assert_same_training(reference, history)
+
+
+def test_a_dropped_model_frees_its_buffers():
+    """The parameters' autograd hooks hold their GradBuffer weakly: once the model is dropped, its flat
+    weights and fp32 main grads are freed (a strong hook would keep them alive for the process's life)."""
+    import gc
+    import weakref
+
+    from megatron_mini.config import ModelConfig, TrainConfig
+    from megatron_mini.data_parallel import GradBuffer
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.model import build_chunks
+    from megatron_mini.tensor_parallel import RNGTracker
+
+    cfg = TrainConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=8, vocab_size=100))
+    cpu, mesh = torch.device("cpu"), ParallelMesh(1, 1, 1)
+
+    def build_and_train():
+        (chunk,) = build_chunks(cfg, mesh, [(0, 3)], RNGTracker(1, 0, 0, cpu), cpu)
+        buf = GradBuffer(list(chunk.named_global_parameters()), mesh, torch.float32, zero=False)
+        ids = torch.randint(0, 100, (2, 9))
+        chunk(ids[:, :-1], ids[:, 1:]).backward()
+        assert buf.grads_flat.abs().sum() > 0
+        return weakref.ref(buf), weakref.ref(buf.grads_flat), weakref.ref(buf.params_flat)
+
+    refs = build_and_train()
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -22,9 +22,9 @@ code: wandb disabled, no hydra, a one-rank gloo process group, tp=pp=dp=1), warm
 compiled rows 5), then N steps (default 10) are timed one by one with torch.cuda.synchronize and
 perf_counter; a row's figure is the median step. Tokens are tools/bench_train.SyntheticTokens
 (seed 1), batched by megatron_mini.data.get_batch for both projects, so both see the same
-sequences at the same step. Model FLOPs per token = megatron_mini.flops.model_flops_per_token
+sequences at the same step. Model FLOPs per token = ModelConfig.flops_per_token()
 (6N + 12*L*h*s, N = 12*L*h^2 + V*h); TFLOP/s per GPU = that x tokens/s; MFU = TFLOP/s over
-megatron_mini.flops.peak_tflops for the device and dtype (or --peak-tflops). Peak memory =
+megatron_mini.hardware.peak_tflops for the device and dtype (or --peak-tflops). Peak memory =
 torch.cuda.max_memory_allocated from the row's build to its last step (reset per row). Each row
 is freed (del, gc, empty_cache, dynamo reset) before the next; an OOM or an error is reported in
 its row and the run goes on.
@@ -55,6 +55,7 @@ for _p in (REPO, os.path.join(REPO, "tools")):
         sys.path.insert(0, _p)
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+from megatron_mini.hardware import peak_tflops  # noqa: E402
 from bench_kernels import (DOC, command_line, device_line, fmt, markdown_table, read_doc_section,  # noqa: E402
                            write_doc_section)
 
@@ -92,8 +93,7 @@ def model_config(key: str, smoke: bool):
 
 def framework_config(row: str, model, mbs: int, m: int, device: str):
     from bench_train import lib_cfg
-    from megatron_mini.config import PrecisionConfig, TrainConfig
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    from megatron_mini.config import PrecisionConfig
     precision = dataclasses.replace(PrecisionConfig(), dtype="bf16")
     over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
     if row == "torch":
@@ -101,8 +101,6 @@ def framework_config(row: str, model, mbs: int, m: int, device: str):
     elif row == "triton":
         over["kernels"] = "triton"
     elif row == "compile":
-        if "compile" not in fields:
-            raise RowSkipped("TrainConfig has no `compile` field in this checkout")
         over["compile"] = True
     elif row == "fp16":
         precision = dataclasses.replace(precision, dtype="fp16", initial_loss_scale=FP16_LOSS_SCALE)
@@ -124,7 +122,7 @@ class FrameworkRunner:
                 SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, 2), None)
         self.cfg = cfg
         self.trainer = Trainer(cfg, ParallelMesh(1, 1, 1), data, device)
-        self.tf32 = bool(getattr(cfg.precision, "tf32", False))
+        self.tf32 = cfg.precision.tf32
 
     def step(self) -> tuple:
         out = self.trainer.train_step()
@@ -164,26 +162,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _release_grad_buffers() -> None:
-    """Empty every megatron_mini GradBuffer left in the process (no row is alive when this runs).
-
-    A GradBuffer and its parameters form a reference cycle through the parameters'
-    post-accumulate-grad hooks, which C++ holds where the garbage collector cannot see them, so a
-    dropped Trainer keeps its weights and fp32 main grads (measured: 6.9 GiB after a gpt3-1.3b row).
-    Emptying the buffers breaks the cycle."""
-    module = sys.modules.get("megatron_mini.data_parallel")
-    cls = getattr(module, "GradBuffer", None)
-    if cls is None:
-        return
-    gc.collect()
-    for obj in gc.get_objects():
-        if type(obj) is cls:
-            obj.__dict__.clear()
-
-
 def _free(device):
     import torch
-    _release_grad_buffers()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +178,7 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:200]}" + ("..." if len(text) > 200 else "")
 
 
-def measure_row(row: str, key: str, args, device, flops_fns, log) -> dict:
+def measure_row(row: str, key: str, args, device, log) -> dict:
     """Build, warm up and time one row; every failure ends up in the returned record."""
     import torch
     model, mbs, m = model_config(key, args.smoke)
@@ -233,9 +213,8 @@ def measure_row(row: str, key: str, args, device, flops_fns, log) -> dict:
         rec.update(steps=len(times), warmup_steps=warmup, skipped_steps=skipped, step_s=times,
                    median_s=statistics.median(times), min_s=min(times), first_loss=losses[0], last_loss=losses[-1])
         rec["tokens_per_s"] = tokens / rec["median_s"]
-        per_token, peak_fn = flops_fns
-        rec["model_tflops"] = per_token(model) * rec["tokens_per_s"] / 1e12
-        peak = peak_tflops(peak_fn, device, rec["dtype"], runner.tf32, args.peak_tflops)
+        rec["model_tflops"] = model.flops_per_token() * rec["tokens_per_s"] / 1e12
+        peak = peak_tflops(device, rec["dtype"], runner.tf32, args.peak_tflops)
         rec["peak_tflops"] = peak
         rec["mfu"] = rec["model_tflops"] / peak if peak else None
         if device.type == "cuda":
@@ -257,30 +236,9 @@ def measure_row(row: str, key: str, args, device, flops_fns, log) -> dict:
     return rec
 
 
-def peak_tflops(peak_fn, device, dtype: str, tf32: bool, override: float):
-    import torch
-    if peak_fn is None:
-        return override or None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return peak_fn(name, dtype, tf32, override) or None
-
-
-def flops_functions():
-    """(model_flops_per_token, peak_tflops) from megatron_mini.flops, or bench_train's formula and None."""
-    try:
-        from megatron_mini.flops import model_flops_per_token, peak_tflops as peak
-        return model_flops_per_token, peak
-    except ImportError as err:
-        from bench_train import model_flops
-        print(f"WARNING: megatron_mini.flops unavailable ({err}); FLOPs from tools/bench_train.model_flops, "
-              "MFU only with --peak-tflops", flush=True)
-        return (lambda model: model_flops(model, 1)), None
-
-
 # ============================================================================ profile
 def profile_row(row: str, key: str, args, device, log) -> str:
     """torch.profiler over a few steps of one row (after warmup): the top kernels by total time."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     model, mbs, m = model_config(key, args.smoke)
@@ -541,14 +499,13 @@ def main(argv=None) -> int:
                 except RowSkipped as err:
                     print(f"cannot profile {key} / {args.profile}: {err}")
             return 0
-        flops_fns = flops_functions()
         results, by_model = [], {}
         date = time.strftime("%Y-%m-%d %H:%M")
         for key in keys:
             recs = by_model[key] = []
             for row in rows:
                 log(f"{key} / {row}: {ROW_TEXT[row]}")
-                rec = measure_row(row, key, args, device, flops_fns, log)
+                rec = measure_row(row, key, args, device, log)
                 rec.update(command=command, date=date, device=dev_text)
                 recs.append(rec)
                 results.append(rec)

@@ -82,12 +82,6 @@ def lib_cfg(model: ModelConfig | None = None, **overrides) -> TrainConfig:
     return cfg
 
 
-def model_flops(model: ModelConfig, tokens: int) -> float:
-    """6*N*T + 12*L*h*s*T, N = 12*L*h^2 + V*h (matmul weights incl. the tied output projection)."""
-    L, h, s, V = model.num_layers, model.hidden_size, model.seq_len, model.padded_vocab_size
-    return 6 * (12 * L * h * h + V * h) * tokens + 12 * L * h * s * tokens
-
-
 class SyntheticTokens:
     """Seeded random token ids < vocab: item i is the same array whoever asks."""
 
@@ -384,7 +378,7 @@ class Row:
 
     @property
     def tflops(self) -> float:
-        return model_flops(self.model, self.tokens) / self.median_wall / 1e12
+        return self.model.flops_per_token() * self.tokens / self.median_wall / 1e12
 
     @property
     def tokens_per_cpu_s(self) -> float:

@@ -1,0 +1,97 @@
+"""Devices, backends and throughput accounting: which device and backend each rank gets (with any
+number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP counter, the MFU
+peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from harness import assert_same_training, small_config, train_on_ranks
+from megatron_mini.config import ConfigError, ModelConfig, TrainConfig
+from megatron_mini.hardware import GPUS, math_dtype, peak_tflops
+from megatron_mini.mesh import ParallelMesh, choose_device
+from megatron_mini.model import build_chunks
+from megatron_mini.tensor_parallel import RNGTracker
+
+
+@pytest.mark.parametrize("local_world, gpus, expected", [
+    (2, 0, [("cpu", "gloo"), ("cpu", "gloo")]),                 # a CPU machine: as before
+    (1, 1, [("cuda:0", "nccl")]),                               # a workstation, one rank per GPU
+    (2, 4, [("cuda:0", "nccl"), ("cuda:1", "nccl")]),
+])
+def test_auto_gives_each_rank_its_own_gpu_or_the_cpu(local_world, gpus, expected):
+    got = [choose_device("auto", "auto", r, local_world, gpus) for r in range(local_world)]
+    assert [(str(d), b) for d, b in got] == expected
+
+
+def test_auto_refuses_more_ranks_than_gpus_on_every_rank_with_the_ways_out():
+    messages = set()
+    for local_rank in range(2):        # rank 0 has a GPU, rank 1 does not: both must stop, with one message
+        with pytest.raises(ConfigError) as e:
+            choose_device("auto", "auto", local_rank, 2, 1)
+        messages.add(str(e.value))
+    (msg,) = messages
+    assert "2 ranks" in msg and "1 GPU" in msg and "--nproc_per_node=1" in msg and "device=cuda" in msg
+
+
+def test_device_cuda_shares_gpus_over_gloo():
+    got = [choose_device("cuda", "auto", r, 4, 1) for r in range(4)]
+    assert [(str(d), b) for d, b in got] == [("cuda:0", "gloo")] * 4
+    assert [str(choose_device("cuda", "gloo", r, 3, 2)[0]) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+@pytest.mark.parametrize("device, backend, local_world, gpus, fact", [
+    ("cuda", "auto", 1, 0, "no CUDA GPU"),
+    ("cpu", "nccl", 1, 0, "nccl needs device=cuda"),
+    ("cuda", "nccl", 4, 1, "cannot put 4 ranks on 1 GPU"),
+])
+def test_impossible_device_choices_are_refused(device, backend, local_world, gpus, fact):
+    with pytest.raises(ConfigError, match=fact):
+        choose_device(device, backend, 0, local_world, gpus)
+
+
+def test_peak_table_and_tf32():
+    assert math_dtype("fp32", tf32=True) == "tf32" and math_dtype("fp32", tf32=False) == "fp32"
+    assert math_dtype("bf16", tf32=True) == "bf16"
+    assert GPUS["h100-80gb"].tflops["bf16"] == 989.4 and GPUS["a100-80gb"].tflops["bf16"] == 312.0
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, "bf16", True) is None                  # unknown: no MFU is claimed
+    assert peak_tflops(cpu, "bf16", True, override=123.0) == 123.0
+
+
+def test_flops_per_token_equals_torch_flop_count():
+    """ModelConfig.flops_per_token() (6N + 12 L h s) is what torch's FLOP counter measures for one
+    forward + backward of the model (tp=1, attention through SDPA's math backend so its matmuls count)."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=300)
+    cfg = TrainConfig(model=model, kernels="torch")
+    cpu = torch.device("cpu")
+    (chunk,) = build_chunks(cfg, ParallelMesh(1, 1, 1), [(0, model.num_layers + 2)], RNGTracker(1, 0, 0, cpu), cpu)
+    b = 3
+    ids = torch.randint(0, model.vocab_size, (b, model.seq_len + 1))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
+        chunk(ids[:, :-1], ids[:, 1:]).backward()
+    assert counter.get_total_flops() == model.flops_per_token() * b * model.seq_len
+
+
+def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path, capsys):
+    cfg = small_config(small_data, tmp_path, steps=2, log_interval=1, **{"precision.peak_tflops": 0.001})
+    history = train_on_ranks(1, cfg)
+    s = history["summary"]
+    expected = cfg.model.flops_per_token() * s["tokens_per_s"] / 1e12
+    assert s["tflops"] == pytest.approx(expected, rel=1e-9)
+    assert s["mfu"] == pytest.approx(s["tflops"] / 0.001, rel=1e-9)
+    assert s["peak_mem_gib"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path):
+    """tp=2 pp=2 sp on 4 ranks sharing cuda:0 over gloo (collectives on CUDA tensors, p2p staged on the
+    host, RNG tracker, kernels under SP and checkpoints on CUDA) trains like 1 rank on the GPU, fp32
+    with TF32 off: per-step loss within 1e-5 relative, final weights within 1e-5."""
+    common = {"device": "cuda", "precision.tf32": False, "steps": 6}
+    ref = train_on_ranks(1, small_config(small_data, tmp_path / "one", **common))
+    shared = train_on_ranks(4, dataclasses.replace(
+        small_config(small_data, tmp_path / "four", **common), tp=2, pp=2, sp=True))
+    assert_same_training(ref, shared)
