@@ -6,6 +6,8 @@ biases, LayerNorm eps 1e-5, tied input/output embeddings. Activations are `[s, b
 contiguous slice of the layer list (`GPTChunk`); tensor parallelism lives inside the layers.
 Every parameter has a global name (`embedding.word_embeddings.weight`, `blocks.3.attn.qkv.weight`,
 `head.ln_f.bias`, ...) from which its full initial value is derived, whatever the layout.
+For inference, a `KVCache` threads through the forward: each call feeds the positions after
+the cached ones and attends to the cached keys and values as well.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from .config import TrainConfig
 from .hardware import gpu_key
 from .mesh import ParallelMesh
 from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RNGTracker, RowParallelLinear,
-                              VocabParallelEmbedding, column_parallel_linear, full_shape, init_full,
-                              new_param, shard, vocab_parallel_cross_entropy)
+                              VocabParallelEmbedding, column_parallel_linear, full_shape,
+                              gather_from_tensor_parallel_region, init_full, new_param, shard,
+                              vocab_parallel_cross_entropy)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,27 @@ def recomputed(fn, rng: RNGTracker, *args):
     return checkpoint(replay, *args, use_reentrant=False, preserve_rng_state=False)
 
 
+class KVCache:
+    """Inference cache: each attention layer's keys and values of the `length` positions seen so far,
+    k and v [b, heads, length, d]. A forward with the cache feeds positions length .. length + s - 1,
+    attends to the cached keys and values as well, and appends its own (so `length` grows by s).
+    For inference without sequence parallelism (megatron_mini.inference runs tp=1)."""
+
+    def __init__(self):
+        self.kv = {}                                   # attention module -> (k, v)
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.kv.values()))[0].shape[2] if self.kv else 0
+
+    def update(self, layer: nn.Module, k, v):
+        """Append k, v [b, heads, s, d] to `layer`'s cache; returns its keys and values [b, heads, length + s, d]."""
+        if layer in self.kv:
+            k, v = (torch.cat(kv, dim=2) for kv in zip(self.kv[layer], (k, v)))
+        self.kv[layer] = k, v
+        return k, v
+
+
 class Layer(nn.Module):
     """A pipeline unit; its parameters' global names are `prefix.local_name`."""
     prefix = ""
@@ -112,7 +136,8 @@ class Layer(nn.Module):
 
 
 class Embedding(Layer):
-    """ids [b, s] -> word + position embeddings [s(/tp), b, h]."""
+    """ids [b, s] -> word + position embeddings [s(/tp), b, h]: positions 0 .. s - 1 (this rank's
+    shard of them with sp), or those after a cache's `length` (inference)."""
     prefix = "embedding"
 
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
@@ -125,11 +150,18 @@ class Embedding(Layer):
                                              ParamSpec("normal", 0.01, sequence_parallel=cfg.sp), device=device)
         self.dropout = nn.Dropout(m.dropout)
 
-    def forward(self, ids):
+    def forward(self, ids, cache: KVCache | None = None):
         x = self.word_embeddings(ids.t())
         s = x.shape[0]
-        first = self.tp_group.rank * s if self.sp else 0
-        x = x + self.position_embeddings[first:first + s].unsqueeze(1)
+        if cache is not None:
+            first = cache.length                   # inference: the positions after the cached ones
+        else:
+            first = self.tp_group.rank * s if self.sp else 0
+        positions = self.position_embeddings[first:first + s]
+        if len(positions) < s:
+            raise ValueError(f"positions {first}..{first + s - 1} exceed the model's context of "
+                             f"{len(self.position_embeddings)}")
+        x = x + positions.unsqueeze(1)
         if self.sp:
             with self.rng.fork():
                 return self.dropout(x)
@@ -152,24 +184,31 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(h, h, mesh.tp_group, sequence_parallel=cfg.sp,
                                       std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
 
-    def core(self, qkv):
+    def core(self, qkv, cache: KVCache | None = None):
         """softmax(q k^T / sqrt(d) + causal mask) v: qkv [s, b, 3 * heads * d] (local heads) -> [s, b, heads * d].
+        With a cache (torch SDPA) the keys are the t - s cached ones then these s: query i sees keys 0 .. t - s + i.
         Dropout on the probabilities draws from the TP-rank stream (the heads differ per rank)."""
         drop = self.attn_dropout if self.training else 0.0
         with self.rng.fork() if drop else contextlib.nullcontext():
-            if self.triton:
+            if self.triton and cache is None:
                 from kernels.attention import flash_attention_qkv
                 return flash_attention_qkv(qkv, self.heads, causal=True, dropout_p=drop)
             s, b = qkv.shape[:2]
             q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)   # [b, heads, s, d]
+            if cache is None:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)   # [b, heads, s, d]
+            else:
+                k, v = cache.update(self, k, v)                                               # [b, heads, t, d]
+                t = k.shape[2]
+                mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
             return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
-    def forward(self, x):
+    def forward(self, x, cache: KVCache | None = None):
         qkv = self.qkv(x)                                        # [s, b, 3 * heads * d] (local heads)
         if self.selective_recompute and self.training:
             return self.proj(recomputed(self.core, self.rng, qkv))
-        return self.proj(self.core(qkv))
+        return self.proj(self.core(qkv, cache))
 
 
 class MLP(nn.Module):
@@ -214,21 +253,22 @@ class Block(Layer):
                 return self.dropout(y)
         return self.dropout(y)
 
-    def _forward(self, x, r):
+    def _forward(self, x, r, cache=None):
         h, y = self.ln1.add_and_norm(x, r)
-        h, y = self.ln2.add_and_norm(h, self._residual_dropout(self.attn(y)))
+        h, y = self.ln2.add_and_norm(h, self._residual_dropout(self.attn(y, cache)))
         return h, self._residual_dropout(self.mlp(y))
 
-    def forward(self, x, r=None):
+    def forward(self, x, r=None, cache: KVCache | None = None):
         if self.full_recompute and self.training:
             return recomputed(self._forward, self.rng, x, r)
-        return self._forward(x, r)
+        return self._forward(x, r, cache)
 
 
 class Head(Layer):
     """Final LayerNorm, logits with the (tied) word embedding, vocab-parallel cross-entropy.
 
-    Returns the sum of the per-token losses (fp32 scalar); the caller normalises.
+    With labels [b, s]: the sum of the per-token losses (fp32 scalar); the caller normalises.
+    Without: the logits (inference).
     `word_embeddings` is the embedding's own Parameter when both live on this rank, else a
     copy with the same global name, kept identical by the embedding-group gradient sum.
     """
@@ -248,10 +288,14 @@ class Head(Layer):
     def global_name(self, local: str) -> str:
         return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
 
-    def forward(self, x, labels, r=None):
-        """Sum of token losses of ln_f(x + r); r is the last block's pending residual (or None)."""
+    def forward(self, x, labels=None, r=None):
+        """logits = ln_f(x + r) E^T, [s, b, V/tp] on this rank's vocabulary slice; r is the last block's
+        pending residual (or None). Returns the sum of the token losses, or, without labels, the fp32
+        logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP, padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
                                         self.tp_group, self.sp, fuse_wgrad=False)
+        if labels is None:
+            return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
                                             self.label_smoothing).sum()
 
@@ -265,15 +309,16 @@ class GPTChunk(nn.Module):
         self.has_embedding = isinstance(layers[0], Embedding)
         self.has_head = isinstance(layers[-1], Head)
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, cache: KVCache | None = None):
+        """The layers in turn: the head's loss (labels) or logits (no labels), else the last activation."""
         r = None                           # a block's output not yet added to the residual stream x
         for layer in self.layers:
             if isinstance(layer, Block):
-                x, r = layer(x, r)
+                x, r = layer(x, r, cache)
             elif isinstance(layer, Head):
                 return layer(x, labels, r)
             else:
-                x = layer(x)
+                x = layer(x, cache)
         return x if r is None else x + r
 
     def named_global_parameters(self):

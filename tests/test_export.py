@@ -1,5 +1,6 @@
-"""tools/export_hf.py and tools/generate.py: a checkpoint of any layout, exported to a Hugging Face
-GPT2LMHeadModel, gives megatron_mini's logits (fp32, max abs diff <= 1e-5) and greedy continuations."""
+"""megatron_mini.inference / megatron_mini.hf and their command lines (tools/generate.py, tools/export_hf.py):
+a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's logits (fp32,
+max abs diff <= 1e-5) and greedy continuations; the KV cache gives the full forward's logits and tokens."""
 import os
 import subprocess
 import sys
@@ -12,10 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
+from distributed import spawn  # noqa: E402
 from harness import small_config, train_on_ranks  # noqa: E402
+from megatron_mini import inference  # noqa: E402
+from megatron_mini.config import ModelConfig, TrainConfig  # noqa: E402
+from megatron_mini.mesh import ParallelMesh  # noqa: E402
+from megatron_mini.model import KVCache, build_chunks  # noqa: E402
+from megatron_mini.tensor_parallel import RNGTracker, shard  # noqa: E402
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-sys.path.insert(0, TOOLS)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(REPO, "tools")
+sys.path.insert(0, TOOLS)                 # the command lines' main(), in process
 import export_hf  # noqa: E402
 import generate  # noqa: E402
 
@@ -36,9 +44,9 @@ def exported(small_data, tmp_path_factory):
         model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True,
                                                                    local_files_only=True)
         assert not any(info.values()), info
-        ckpt = generate.read_checkpoint(history["checkpoint"])
+        ckpt = inference.read_checkpoint(history["checkpoint"])
         assert ckpt.meta["layout"]["tp"] == tp
-        tok = generate.find_tokenizer(ckpt)
+        tok = inference.find_tokenizer(ckpt)
         assert (out / "tokenizer.model").read_bytes() == tok.path.read_bytes()
         runs[tp] = ckpt, model.eval(), tok
     return runs
@@ -53,9 +61,9 @@ def test_export_matches_megatron_logits(exported, tp):
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr(), "embeddings are not tied"
     ids = torch.randint(0, m.vocab_size, (3, m.seq_len), generator=torch.Generator().manual_seed(0))
     text = torch.tensor([tok.encode(PROMPT * 4)[:m.seq_len]])
-    model = generate.load_model(ckpt)
+    model = inference.load_model(ckpt)
     for batch in (ids, text, text[:, :5]):
-        ours = generate.logits(model, batch)
+        ours = inference.logits(model, batch)
         with torch.no_grad():
             theirs = hf(batch).logits
         assert ours.shape == theirs.shape == (*batch.shape, m.vocab_size)
@@ -64,27 +72,28 @@ def test_export_matches_megatron_logits(exported, tp):
     labels = ids.roll(-1, dims=1)
     with torch.no_grad():
         loss = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy (sum)
-    expected = F.cross_entropy(generate.logits(model, ids).flatten(0, 1), labels.flatten(), reduction="sum")
+    expected = F.cross_entropy(inference.logits(model, ids).flatten(0, 1), labels.flatten(), reduction="sum")
     assert torch.allclose(loss, expected, rtol=1e-6), (loss.item(), expected.item())
 
 
 def test_greedy_generation_matches_hf(exported):
+    """Greedy with the KV cache = without it = HF's generate, up to a token predicted from a full window."""
     ckpt, hf, tok = exported[1]
-    model = generate.load_model(ckpt)
+    model = inference.load_model(ckpt)
     prompt = tok.encode(PROMPT)
-    n = ckpt.cfg.model.seq_len - len(prompt)
-    ours = generate.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id)
-    assert ours == generate.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_id)
-    assert ours[0] == out[0, len(prompt):].tolist()
+    n = ckpt.cfg.model.seq_len - len(prompt) + 1
+    ours = inference.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id)
+    assert ours == inference.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id, kv_cache=False)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n - 1, do_sample=False, pad_token_id=tok.eos_id)
+    assert ours[0][:n - 1] == out[0, len(prompt):].tolist()
 
 
 def test_sampling_is_seeded(exported):
     ckpt, _, tok = exported[1]
-    model = generate.load_model(ckpt)
+    model = inference.load_model(ckpt)
 
     def sample(seed):
-        return generate.generate(model, [tok.eos_id], 10, temperature=1.0, top_k=20, num_samples=2,
+        return inference.generate(model, [tok.eos_id], 10, temperature=1.0, top_k=20, num_samples=2,
                                  generator=torch.Generator().manual_seed(seed))
 
     first = sample(0)
@@ -92,18 +101,85 @@ def test_sampling_is_seeded(exported):
     assert len(first) == 2 and all(len(s) == 10 for s in first)
 
 
-def test_generate_cli(exported):
-    """Greedy past the context window (it slides): the CLI prints what generate() gives in-process."""
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_generate_cli(exported, kv_cache):
+    """Greedy past the context window: the CLI prints what generate() gives in-process, tokens/s on stderr."""
     ckpt, _, tok = exported[1]
     n = 40
-    run = subprocess.run([sys.executable, os.path.join(TOOLS, "generate.py"), ckpt.path, "--prompt", PROMPT,
-                          "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=120)
+    pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))   # this checkout's package
+    argv = [sys.executable, os.path.join(TOOLS, "generate.py"), ckpt.path, "--prompt", PROMPT,
+            "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"] + ([] if kv_cache else ["--no-kv-cache"])
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=pythonpath))
     assert run.returncode == 0, run.stderr
     prompt = tok.encode(PROMPT)
     assert len(prompt) + n > ckpt.cfg.model.seq_len
-    new = generate.generate(generate.load_model(ckpt), prompt, n, temperature=0, eos_id=tok.eos_id)[0]
+    new = inference.generate(inference.load_model(ckpt), prompt, n, temperature=0, eos_id=tok.eos_id,
+                             kv_cache=kv_cache)[0]
     assert run.stdout == tok.decode(prompt + new) + "\n"
+    assert f"{len(new)} tokens in " in run.stderr and "tokens/s" in run.stderr
+
+
+def _random_model(tp: int = 1, sp: bool = False):
+    """A random-initialised 2-block model (seq_len 32, vocabulary 96 padded to 128), eval mode, this rank's
+    part at tp (the same full weights at every tp: the init depends on the seed and global names only)."""
+    model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=96,
+                        vocab_pad_multiple=64)
+    cfg = TrainConfig(model=model, tp=tp, sp=sp, kernels="torch")
+    mesh, cpu = ParallelMesh(tp, 1, 1), torch.device("cpu")
+    (chunk,) = build_chunks(cfg, mesh, [(0, model.num_layers + 2)], RNGTracker(cfg.seed, mesh.tp_rank, 0, cpu), cpu)
+    return chunk.eval()
+
+
+def _rel_err(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_kv_cache_logits_match_full_forward():
+    """Feeding a sequence through the cache (a prefill then one token at a time, or uneven pieces)
+    gives the full causal forward's logits at every position; positions past seq_len are refused."""
+    model = _random_model()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    full = inference.logits(model, ids)                                         # [b, s, V]
+    assert full.shape == (2, 32, 96) and full.dtype == torch.float32
+    for pieces in ([8] + [1] * 24, [5, 3, 11, 13]):
+        cache = KVCache()
+        cached = torch.cat([inference.logits(model, ids[:, cache.length:cache.length + n], cache) for n in pieces], 1)
+        assert cache.length == 32
+        assert _rel_err(cached, full) <= 1e-5, _rel_err(cached, full)
+    with pytest.raises(ValueError, match="context of 32"):
+        inference.logits(model, ids[:, :1], cache)
+    with pytest.raises(ValueError, match="context of 32"):
+        inference.logits(model, torch.cat([ids, ids], 1))
+
+
+def test_kv_cache_greedy_matches_full_forward():
+    """Greedy with and without the cache agree while the text fits the window; past it the cache
+    re-prefills the last half window, and decoding goes on for as many tokens as asked."""
+    model = _random_model()
+    prompt = [1, 7, 3, 5, 2]
+    n = 32 - len(prompt) + 1                                     # the last token is predicted from a full window
+    cached = inference.generate(model, prompt, n, temperature=0, num_samples=2)
+    assert cached == inference.generate(model, prompt, n, temperature=0, num_samples=2, kv_cache=False)
+    assert cached[0] == cached[1] and len(cached[0]) == n
+    longer = inference.generate(model, prompt, 3 * 32, temperature=0)[0]
+    assert longer[:n] == cached[0] and len(longer) == 3 * 32
+    text = torch.tensor([prompt + longer])
+    assert longer[n] == inference.logits(model, text[:, len(prompt) + n - 16:len(prompt) + n])[0, -1].argmax().item()
+
+
+@torch.no_grad()
+def _head_logits(tp: int, sp: bool, ids: torch.Tensor) -> torch.Tensor:
+    return _random_model(tp, sp)(ids)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_head_logits_gathered_over_tp(sp):
+    """Without labels the Head returns the whole real vocabulary's logits [s, b, V] on every TP rank."""
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    expected = _head_logits(1, False, ids)
+    for logits in spawn(2, _head_logits, 2, sp, ids):
+        assert logits.shape == (32, 2, 96)
+        assert _rel_err(logits, expected) <= 1e-5, _rel_err(logits, expected)
 
 
 def test_bad_checkpoint_is_one_line_exit_2(tmp_path, capsys):

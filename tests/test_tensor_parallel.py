@@ -243,7 +243,7 @@ def _block_checks(mesh, mesh1) -> dict:
     import torch.distributed as dist
 
     from megatron_mini.config import ModelConfig, TrainConfig
-    from megatron_mini.model import Block, GPTChunk, initialize
+    from megatron_mini.model import Block, GPTChunk, initialize, select_kernels
     from megatron_mini.tensor_parallel import RNGTracker, full_shape, gather_full, shard
 
     cpu = torch.device("cpu")
@@ -255,7 +255,7 @@ def _block_checks(mesh, mesh1) -> dict:
 
     def build(m, sp, recompute="none", seeded=True):
         cfg = TrainConfig(model=model, tp=m.tp, sp=sp, recompute=recompute, kernels="torch")
-        chunk = GPTChunk([Block(0, cfg, m, RNGTracker(11, m.tp_rank, m.pp_rank, cpu), cpu)])
+        chunk = GPTChunk([Block(0, cfg, m, RNGTracker(11, m.tp_rank, m.pp_rank, cpu), select_kernels(cfg, cpu), cpu)])
         if seeded:
             with torch.no_grad():
                 for name, p in chunk.named_global_parameters():

@@ -1,0 +1,138 @@
+"""megatron_mini <-> Hugging Face transformers GPT-2: the state-dict adapter and the export.
+
+The architectures are the same (pre-LN, learned positions, fused [q; k; v], GELU tanh =
+"gelu_new", LayerNorm eps, tied embeddings). megatron_mini's Linear weights are [out, in], GPT-2's
+Conv1D weights [in, out], hence the transposes; the padded vocabulary rows are dropped.
+lm_head.weight is not stored: GPT2LMHeadModel ties it to transformer.wte.weight. Checkpoints hold
+every tensor full under its global name, so a checkpoint of any layout exports the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from safetensors.torch import save_file
+
+from .inference import Checkpoint, CheckpointError, find_tokenizer, read_checkpoint
+
+
+def block_names(h: int, f: int) -> list:
+    """(GPT-2 name, megatron_mini name, megatron_mini shape, transpose) inside one block."""
+    return [
+        ("ln_1.weight", "ln1.weight", (h,), False),
+        ("ln_1.bias", "ln1.bias", (h,), False),
+        ("attn.c_attn.weight", "attn.qkv.weight", (3 * h, h), True),
+        ("attn.c_attn.bias", "attn.qkv.bias", (3 * h,), False),
+        ("attn.c_proj.weight", "attn.proj.weight", (h, h), True),
+        ("attn.c_proj.bias", "attn.proj.bias", (h,), False),
+        ("ln_2.weight", "ln2.weight", (h,), False),
+        ("ln_2.bias", "ln2.bias", (h,), False),
+        ("mlp.c_fc.weight", "mlp.fc1.weight", (f, h), True),
+        ("mlp.c_fc.bias", "mlp.fc1.bias", (f,), False),
+        ("mlp.c_proj.weight", "mlp.fc2.weight", (h, f), True),
+        ("mlp.c_proj.bias", "mlp.fc2.bias", (h,), False),
+    ]
+
+
+def hf_state_dict(ckpt: Checkpoint) -> dict:
+    """{GPT-2 name: contiguous fp32 tensor} from the checkpoint's {global name: full tensor}.
+    wte is [vocab_size, h] (padding rows dropped), Conv1D weights [in, out]."""
+    m = ckpt.cfg.model
+    h = m.hidden_size
+    names = [("transformer.wte.weight", "embedding.word_embeddings.weight", (m.padded_vocab_size, h), False),
+             ("transformer.wpe.weight", "embedding.position_embeddings", (m.seq_len, h), False),
+             ("transformer.ln_f.weight", "head.ln_f.weight", (h,), False),
+             ("transformer.ln_f.bias", "head.ln_f.bias", (h,), False)]
+    for i in range(m.num_layers):
+        names += [(f"transformer.h.{i}.{hf}", f"blocks.{i}.{mm}", shape, t)
+                  for hf, mm, shape, t in block_names(h, m.ffn_hidden_size)]
+    wanted = {mm for _, mm, _, _ in names}
+    missing, unexpected = sorted(wanted - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - wanted)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt.path}: tensors do not match the config's GPT-2 "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    out = {}
+    for hf, mm, shape, transpose in names:
+        t = ckpt.tensors[mm]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{ckpt.path}: {mm} has shape {tuple(t.shape)}, the config needs {shape}")
+        t = t.float()
+        out[hf] = (t.t() if transpose else t).contiguous()
+    out["transformer.wte.weight"] = out["transformer.wte.weight"][:m.vocab_size].contiguous()
+    return out
+
+
+def hf_config(ckpt: Checkpoint, eos_id: int) -> dict:
+    """config.json of GPT2LMHeadModel; the "megatron_mini" field records the padding and the source."""
+    m = ckpt.cfg.model
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": m.vocab_size,
+        "n_positions": m.seq_len,
+        "n_embd": m.hidden_size,
+        "n_layer": m.num_layers,
+        "n_head": m.num_heads,
+        "n_inner": m.ffn_hidden_size,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": m.ln_eps,
+        "initializer_range": m.init_std,
+        "resid_pdrop": m.dropout,
+        "embd_pdrop": m.dropout,
+        "attn_pdrop": m.dropout,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+        "dtype": "float32",
+        "megatron_mini": {
+            "padded_vocab_size": m.padded_vocab_size,
+            "checkpoint": os.path.abspath(ckpt.path),
+            "step": ckpt.meta.get("step"),
+            "layout": ckpt.meta.get("layout"),
+            "model_name": m.name,
+        },
+    }
+
+
+README = """# {name}: a megatron_mini GPT-2, exported for Hugging Face transformers
+
+Exported from `{checkpoint}` (step {step}): {layers} layers, hidden {hidden}, {heads} heads,
+context {seq_len} tokens, vocabulary {vocab}.
+
+```python
+import sentencepiece as spm
+import torch
+from transformers import GPT2LMHeadModel
+
+model = GPT2LMHeadModel.from_pretrained("{out}")
+sp = spm.SentencePieceProcessor(model_file="{out}/tokenizer.model")
+ids = torch.tensor([sp.encode("def main(")])
+out = model.generate(ids, max_new_tokens=50, do_sample=False)
+print(sp.decode(out[0].tolist()))
+```
+
+The tokenizer is the run's **sentencepiece** BPE (`tokenizer.model`, EOS id {eos} ends a
+document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenizer` or
+`AutoTokenizer`. Keep prompt + generated tokens within {seq_len} positions.
+"""
+
+
+def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> str:
+    """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint path."""
+    ckpt = read_checkpoint(checkpoint)
+    tok = find_tokenizer(ckpt, tokenizer)
+    tensors = hf_state_dict(ckpt)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(ckpt, tok.eos_id), f, indent=2)
+    shutil.copyfile(tok.path, os.path.join(out_dir, "tokenizer.model"))
+    m = ckpt.cfg.model
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
+                              hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
+                              out=out_dir, eos=tok.eos_id))
+    return ckpt.path

@@ -1,0 +1,175 @@
+"""Inference from a checkpoint on one process: read it, find its tokenizer, build the model, sample.
+
+The model is megatron_mini's own, built at tp=pp=dp=1 without torch.distributed from the
+checkpoint's config, with the full tensors loaded by global name (checkpoints are layout-free).
+Its logits are the Head's (`model(ids)` without labels). Generation keeps a `KVCache`: the prompt
+is prefilled once, then each new token runs one position. tools/generate.py and tools/export_hf.py
+are the command lines over this module and megatron_mini/hf.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import checkpoint
+from .config import TrainConfig
+from .data import DataError, Tokenizer
+from .mesh import ParallelMesh
+from .model import GPTChunk, KVCache, build_chunks
+from .tensor_parallel import RNGTracker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CheckpointError(Exception):
+    """A missing or invalid checkpoint or tokenizer; the message is one line."""
+
+
+@dataclass
+class Checkpoint:
+    path: str          # the checkpoint directory (step_NNNNNN)
+    meta: dict         # meta.json: step, consumed_samples, layout, config
+    cfg: TrainConfig   # the training config, rebuilt from meta["config"]
+    tensors: dict      # {global name: full fp32 tensor}
+
+
+def config_from_dict(d: dict, cls=TrainConfig):
+    """A (nested) config dataclass from its `dataclasses.asdict` form; unknown keys are ignored."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{cls.__name__} must be a mapping, not {type(d).__name__}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = d[f.name]
+            kwargs[f.name] = config_from_dict(value, type(default)) if dataclasses.is_dataclass(default) else value
+    return cls(**kwargs)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """A checkpoint directory, or a run directory's latest checkpoint, read into memory (CPU)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        latest = checkpoint.latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"{path}: not a megatron_mini checkpoint (no meta.json); pass a checkpoint "
+                                  f"directory such as runs/NAME/checkpoints/step_000100, or a run directory")
+        path = latest
+    if not glob.glob(os.path.join(path, "model_pp*.pt")):
+        raise CheckpointError(f"{path}: no model_pp*.pt files (an incomplete checkpoint?)")
+    try:
+        meta = checkpoint.read_meta(path)
+        cfg = config_from_dict(meta["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/meta.json: unreadable ({_first_line(e)})") from None
+    try:
+        tensors = checkpoint.load_model_tensors(path)
+    except Exception as e:  # noqa: BLE001 - torch.load of a damaged file raises many kinds of error
+        raise CheckpointError(f"{path}: cannot read the model_pp*.pt files ({_first_line(e)})") from None
+    return Checkpoint(path, meta, cfg, tensors)
+
+
+def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
+    """The run's sentencepiece model: `path`, else `data.dir/tokenizer.model` of the training config
+    (absolute, or relative to the current directory or the repository root)."""
+    if path:
+        candidates = [path]
+    else:
+        data_dir = ckpt.cfg.data.dir
+        roots = [""] if os.path.isabs(data_dir) else [os.getcwd(), REPO]
+        candidates = list(dict.fromkeys(os.path.join(r, data_dir, "tokenizer.model") for r in roots))
+    found = next((c for c in candidates if os.path.isfile(c)), None)
+    if found is None:
+        raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")
+    try:
+        tok = Tokenizer(found)
+    except DataError as e:
+        raise CheckpointError(str(e).split("; rebuild")[0]) from None
+    if tok.vocab_size != ckpt.cfg.model.vocab_size:
+        raise CheckpointError(f"{found}: {tok.vocab_size} tokens, but the checkpoint's model.vocab_size is "
+                              f"{ckpt.cfg.model.vocab_size}; pass the run's tokenizer with --tokenizer PATH")
+    return tok
+
+
+def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu") -> GPTChunk:
+    """megatron_mini's model at tp=pp=dp=1 (torch kernels, fp32, eval mode) with the checkpoint's weights."""
+    device = torch.device(device)
+    cfg = dataclasses.replace(ckpt.cfg, tp=1, pp=1, vpp=1, sp=False, recompute="none", kernels="torch")
+    rng = RNGTracker(cfg.seed, 0, 0, device)
+    (model,) = build_chunks(cfg, ParallelMesh(1, 1, 1), [(0, cfg.model.num_layers + 2)], rng, device)
+    params = dict(model.named_global_parameters())
+    missing, unexpected = sorted(params.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - params.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt.path}: tensors do not match the config's model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = ckpt.tensors[name]
+            if t.shape != p.shape:
+                raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(t.shape)}, the config's model "
+                                      f"needs {tuple(p.shape)}")
+            p.copy_(t)
+    return model.eval()
+
+
+@torch.no_grad()
+def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    """ids [b, s] -> the Head's fp32 logits [b, s, vocab_size] over the real vocabulary: of positions
+    0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
+    A ValueError when the positions pass the model's context (seq_len)."""
+    return model(ids, cache=cache).transpose(0, 1)
+
+
+@torch.no_grad()
+def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             num_samples: int = 1, eos_id: int | None = None, generator: torch.Generator | None = None,
+             kv_cache: bool = True) -> list:
+    """Continue the prompt `ids` num_samples times: a list of num_samples lists of at most max_new_tokens
+    new ids, each ending at its first eos_id (kept). Greedy when temperature == 0; top_k=0 keeps all.
+
+    The first forward runs the prompt's last seq_len tokens (the model's context, learned positions).
+    With the KV cache (default) each later token runs one position. When the cache holds seq_len
+    positions it is dropped and the last seq_len // 2 tokens are prefilled again (positions from 0),
+    so past the window the context is between seq_len // 2 and seq_len tokens and costs one half-window
+    prefill per seq_len // 2 new tokens. Without the cache (kv_cache=False) every token reruns the last
+    seq_len tokens: the same tokens as the cache while the text fits the window, a window that slides
+    one token at a time beyond it.
+    """
+    device = next(model.parameters()).device
+    seq_len = model.layers[0].position_embeddings.shape[0]
+    x = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # [n, t]
+    done = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    cache, feed = (KVCache() if kv_cache else None), x[:, -seq_len:]             # feed: what the model runs next
+    for _ in range(max_new_tokens):
+        last = logits(model, feed, cache)[:, -1]                                   # [n, V]
+        if temperature == 0:
+            nxt = last.argmax(-1)
+        else:
+            last = last / temperature
+            if top_k:
+                kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
+                last = last.masked_fill(last < kth, float("-inf"))
+            nxt = torch.multinomial(last.softmax(-1), 1, generator=generator).squeeze(-1)
+        x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if done.all():
+                break
+        if cache is None:
+            feed = x[:, -seq_len:]
+        elif cache.length < seq_len:
+            feed = x[:, -1:]
+        else:                                                                       # the window is full
+            cache, feed = KVCache(), x[:, -(seq_len // 2):]
+    rows = x[:, len(ids):].tolist()
+    return [row[:row.index(eos_id) + 1] if eos_id in row else row for row in rows]
