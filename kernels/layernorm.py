@@ -4,7 +4,7 @@
     add_layer_norm(x, r, w, b)   h = x + r (rounded once to x's dtype), y = LN(h)   -> (h, y)
 
 Per row of length N, statistics in fp32 whatever the dtypes, shifted by the row's first element x0
-(so a constant row has mu = 0, xhat = 0 and y = b exactly, and a large mean cancels exactly):
+(so a constant row has mu = 0, xhat = 0 and y = b exactly, and a large mean costs no accuracy):
     mu = sum(x - x0) / N,   rstd = 1 / sqrt(sum((x - x0 - mu)^2) / N + eps)
     xhat = (x - x0 - mu) * rstd,   y = xhat * w + b
 Backward, g = dy * w (dh = the gradient of h; none for layer_norm):
@@ -19,8 +19,8 @@ programs per SM; each walks the row tiles pid, pid + programs, ... (loading the 
 it works on the current one, so loads stay in flight), keeps its dw/db sums in fp32 registers and
 writes one row of a [programs, 2N] fp32 partial buffer; torch sums the partials (no atomics,
 deterministic). BLOCK_M and num_warps are autotuned per row width on a GPU (under the interpreter
-BLOCK_M gives about 4 row tiles). Rows wider than MAX_FUSED_N (MAX_FUSED_BWD_N for the backward, which holds more
-per column) take looped kernels that walk each row in LOOP_BLOCK_N chunks.
+BLOCK_M gives about 4 row tiles). Rows wider than MAX_FUSED_N (MAX_FUSED_BWD_N for the backward,
+which holds more per column) take looped kernels that walk each row in LOOP_BLOCK_N chunks.
 
 Division: Triton's fp32 `/` is approximate on GPUs (div.full.f32), so every per-row statistic
 divides with tl.math.div_rn (IEEE round to nearest, as the interpreter does; one per row).
@@ -44,13 +44,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "o
 
 
 # ----------------------------------------------------------------------------------- configs
-def _candidates():
-    return [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
-            for w in (4, 8, 16, 32)]
-
-
-FWD_CONFIGS = _candidates()
-BWD_CONFIGS = _candidates()
+# autotune candidates (BLOCK_M rows per tile, num_warps), pruned per row width by fitting_configs
+CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+           for w in (4, 8, 16, 32)]
 FWD_TILE, BWD_TILE = (4096, 8192), (2048, 8192)     # elements per tile (BLOCK_M x BLOCK_N)
 FWD_PER_THREAD, BWD_PER_THREAD = (8, 32), (8, 16)   # 8: one 16-byte load of 16-bit values per thread
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
@@ -68,13 +64,13 @@ def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple) -> li
     return fit or [triton.Config({"BLOCK_M": max(1, tile[0] // block_n)}, num_warps=4)]
 
 
-def _autotune(configs, key, tile, per_thread):
-    """triton.autotune (timings cached on disk) over the configs that fit the row width, BLOCK_N;
+def _autotune(key, tile, per_thread):
+    """triton.autotune (timings cached on disk) over the CONFIGS that fit the row width, BLOCK_N;
     under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
         return fitting_configs(configs, kwargs["BLOCK_N"], tile, per_thread)
 
-    return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else configs, key=key,
+    return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=key,
                            prune_configs_by={"early_config_prune": prune}, cache_results=True)
 
 
@@ -89,7 +85,7 @@ def _load_h(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
     return x
 
 
-@_autotune(FWD_CONFIGS, ["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD)
+@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD)
 @triton.jit
 def _fwd(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_rows, n_cols, eps,
          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -138,7 +134,7 @@ def _bwd_tile(X, DY, DH, Mu, Rstd, tile, cols, col_ok, n_rows, stride_x, stride_
     return x, x0, dy, dh, mu, rstd
 
 
-@_autotune(BWD_CONFIGS, ["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD)
+@_autotune(["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD)
 @triton.jit
 def _bwd(X, DY, DH, DX, W, Mu, Rstd, Part, stride_x, stride_dy, stride_dh, stride_dx, n_rows, n_cols,
          HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -318,7 +314,7 @@ def _forward(x2, r2, weight, bias, eps):
 
 
 def _backward(h2, dy, dh, weight, mu, rstd):
-    """(dx, dw, db) for rows h2 [M, N]: dx = dh + LN backward of dy, in h2's dtype; dw, db in fp32."""
+    """(dx, [dw | db]) for rows h2 [M, N]: dx = dh + LN backward of dy in h2's dtype; dw, db in weight's."""
     m, n = h2.shape
     dy2 = _rows(dy, n)
     dh2 = dy2 if dh is None else _rows(dh, n)
@@ -339,8 +335,7 @@ def _backward(h2, dy, dh, weight, mu, rstd):
     else:
         _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
                 n_rows=m, block_n=triton.next_power_of_2(n), HAS_DRES=dh is not None)
-    dwdb = part.sum(0)
-    return dx, dwdb[:n], dwdb[n:]
+    return dx, part.sum(0).to(weight.dtype)
 
 
 class _AddLayerNormFn(torch.autograd.Function):
@@ -362,9 +357,9 @@ class _AddLayerNormFn(torch.autograd.Function):
         if dy is None:                       # only h was used: dx = dr = dh
             return dh, dh, None, None, None
         h, weight, mu, rstd = ctx.saved_tensors
-        dx, dw, db = _backward(h, dy, dh, weight, mu, rstd)
-        dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+        dx, dwdb = _backward(h, dy, dh, weight, mu, rstd)
+        dx, n = dx.view(ctx.shape), h.shape[1]
+        return dx, (dx if ctx.has_residual else None), dwdb[:n], dwdb[n:].to(ctx.bias_dtype), None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

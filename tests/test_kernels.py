@@ -110,8 +110,9 @@ def gpu_launch_config(monkeypatch):
         monkeypatch.setattr(layernorm, "_sm_count", lambda device: 4)
 
 
-@pytest.mark.parametrize("shape", [(48, 1000), (100, 300), (40, 3000), (32, 20000)], ids=str)
+@pytest.mark.parametrize("shape", [(48, 1000), (100, 300), (40, 3000), (24, 12288), (32, 20000)], ids=str)
 def test_layer_norm_gpu_launch_config(gpu_launch_config, shape):
+    """12288: fused forward, looped backward (MAX_FUSED_BWD_N < N <= MAX_FUSED_N); 20000: both looped."""
     _check_layer_norm(_randn(*shape), _randn(shape[-1], seed=2), _randn(shape[-1], seed=3))
 
 
@@ -209,10 +210,9 @@ def test_add_layer_norm_gpu_launch_config(gpu_launch_config, shape):
 def _gpu_configs(block_n=1024):
     """Every GPU autotune candidate that fits rows of block_n, for the forward and the backward."""
     params = []
-    for kernel, configs, tile, per_thread in (
-            ("fwd", layernorm.FWD_CONFIGS, layernorm.FWD_TILE, layernorm.FWD_PER_THREAD),
-            ("bwd", layernorm.BWD_CONFIGS, layernorm.BWD_TILE, layernorm.BWD_PER_THREAD)):
-        for c in layernorm.fitting_configs(configs, block_n, tile, per_thread):
+    for kernel, tile, per_thread in (("fwd", layernorm.FWD_TILE, layernorm.FWD_PER_THREAD),
+                                     ("bwd", layernorm.BWD_TILE, layernorm.BWD_PER_THREAD)):
+        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread):
             params.append(pytest.param(kernel, c, id=f"{kernel}-BLOCK_M{c.kwargs['BLOCK_M']}-warps{c.num_warps}"))
     return params
 
@@ -230,9 +230,9 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
     """The autotuner as on a GPU (all candidates, pruned to the row width, each run while being
     timed, fake timings that pick the last) gives correct results; layer_norm and add_layer_norm
     are tuned separately."""
-    for tuned, configs in ((layernorm._fwd, layernorm.FWD_CONFIGS), (layernorm._bwd, layernorm.BWD_CONFIGS)):
+    for tuned in (layernorm._fwd, layernorm._bwd):
         times = iter(range(1000, 0, -1))
-        monkeypatch.setattr(tuned, "configs", configs)
+        monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
         monkeypatch.setattr(tuned, "cache", {})
         monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles, t=times: (fn(), [next(t)] * 3)[1])
     _check_add_layer_norm(*_add_inputs((40, 1000)))
@@ -246,12 +246,11 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
 def test_gpu_configs_fit_every_width(block_n):
     """Every fused width gets candidates (an empty list would leave the autotuner nothing) within the
     tile and per-thread bounds."""
-    for configs, tile, per_thread, widest in (
-            (layernorm.FWD_CONFIGS, layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.MAX_FUSED_N),
-            (layernorm.BWD_CONFIGS, layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.MAX_FUSED_BWD_N)):
+    for tile, per_thread, widest in ((layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.MAX_FUSED_N),
+                                     (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.MAX_FUSED_BWD_N)):
         if block_n > widest:
             continue
-        fit = layernorm.fitting_configs(configs, block_n, tile, per_thread)
+        fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread)
         assert fit
         for c in fit:
             elems = c.kwargs["BLOCK_M"] * block_n
