@@ -10,11 +10,12 @@ Backward recomputes P = exp(scale * q k^T - lse) block by block:
     dv = Z^T do,  dZ = do v^T,  dP = dZ * keep / (1 - p_drop),  dS = P * (dP - delta)
     dk = scale * dS^T q,  dq = scale * dS k         (Z = P * keep / (1 - p_drop))
 one kernel owning a key block (dk, dv), one owning a query block (dq): no atomics, deterministic.
-Dropout on the probabilities draws keep = philox(seed, row * s + col) > p_drop, the same in the
+Dropout on the probabilities draws keep = philox(seed, row * s + col) >= p_drop, the same in the
 backward and in a recomputation; the seed is drawn from torch's current generator on q's device,
 so the RNG tracker's streams (and activation recompute, which replays them) choose the mask.
 Math in fp32 whatever the input dtype (fp16/bf16 operands of the matmuls, fp32 accumulation;
 fp32 inputs use IEEE fp32 matmuls, not TF32). Causal masking is top-left aligned (key j <= query i).
+Head dims up to MAX_HEAD_DIM (128).
 
 Blocks entirely below the diagonal and inside the sequence skip the mask arithmetic; only the
 diagonal blocks and a ragged last block pay for it. Outputs come back in the layout the model
@@ -87,14 +88,13 @@ def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d
             ok = ok & (cols[None, :] <= offs_m[:, None])
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # exp2 (and log2 below) are the GPU's approximate ex2/lg2 (~2 ulp), as in FlashAttention: harmless
-    # next to the 16-bit P, and the backward recomputes P with the same instructions
+    # exp2 is the GPU's approximate ex2 (~2 ulp), as in FlashAttention: harmless next to the 16-bit P
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:
-        # (1 / (1 - p_drop): a scalar division, approximate on GPUs (~1 ulp): harmless, the same in fwd and bwd)
+        # 1 / (1 - p_drop): approximate on GPUs (~1 ulp), harmless and the same expression in fwd and bwd
         p = tl.where(_keep(seed, offs_m[:, None], cols[None, :], seq_len, p_drop), p * (1.0 / (1.0 - p_drop)), 0.0)
     v = _load(v_ptrs + start_n * stride_vs, kv_ok, UPCAST)
     acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -144,7 +144,8 @@ def _fwd(Q, K, V, O, LSE, Seed, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)        # rows past the end of the sequence
     o = acc * (1.0 / l_safe)[:, None]              # approximate reciprocal on GPUs (~1 ulp): harmless
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_ok)
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.math.log2(l_safe), mask=offs_m < seq_len)
+    lse = m_i + tl.math.log2(l_safe)               # approximate lg2 (~2 ulp of l): P's relative error, harmless
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse, mask=offs_m < seq_len)
 
 
 @triton.jit
@@ -185,7 +186,7 @@ def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs
         lse = tl.load(lse_ptr + rows)
         delta = tl.load(delta_ptr + rows)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # [BLOCK_N, BLOCK_M]
-    p_t = tl.math.exp2(s_t - lse[None, :])
+    p_t = tl.math.exp2(s_t - lse[None, :])                                   # approximate ex2: as in _fwd_block
     if MASK:
         ok = (rows < seq_len)[None, :]
         if CAUSAL:
@@ -276,7 +277,7 @@ def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, of
     k = _load(k_ptrs + start_n * stride_ks, kv_ok, UPCAST)
     v = _load(v_ptrs + start_n * stride_vs, kv_ok, UPCAST)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    p = tl.math.exp2(s - lse[:, None])
+    p = tl.math.exp2(s - lse[:, None])                 # approximate ex2: as in _fwd_block
     if MASK:
         ok = (cols < seq_len)[None, :]
         if CAUSAL:

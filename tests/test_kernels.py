@@ -234,6 +234,7 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
         times = iter(range(1000, 0, -1))
         monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
         monkeypatch.setattr(tuned, "cache", {})
+        monkeypatch.setattr(tuned, "cache_results", False)       # (on a GPU: no timings from disk)
         monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles, t=times: (fn(), [next(t)] * 3)[1])
     _check_add_layer_norm(*_add_inputs((40, 1000)))
     _check_layer_norm(_randn(40, 1000), _randn(1000, seed=2), _randn(1000, seed=3))
