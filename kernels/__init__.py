@@ -1,5 +1,9 @@
-"""Triton kernels with autograd wrappers: `kernels.layernorm` (FusedLayerNorm, layer_norm) and
-`kernels.softmax` (scaled_masked_softmax, torch_scaled_masked_softmax).
+"""Triton kernels with autograd wrappers:
+
+- `kernels.layernorm`: layer_norm, add_layer_norm (residual add + LayerNorm in one pass each way),
+  FusedLayerNorm, and torch_add_layer_norm (the eager reference);
+- `kernels.attention`: flash_attention, flash_attention_qkv (causal FlashAttention-2 with dropout;
+  the model's attention softmax lives here, never as a standalone kernel), and torch_attention.
 
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
 can import it. On CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1

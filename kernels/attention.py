@@ -10,11 +10,12 @@ Backward recomputes P = exp(scale * q k^T - lse) block by block:
     dv = Z^T do,  dZ = do v^T,  dP = dZ * keep / (1 - p_drop),  dS = P * (dP - delta)
     dk = scale * dS^T q,  dq = scale * dS k         (Z = P * keep / (1 - p_drop))
 one kernel owning a key block (dk, dv), one owning a query block (dq): no atomics, deterministic.
-Dropout on the probabilities draws keep = philox(seed, row * s + col) > p_drop, the same in the
+Dropout on the probabilities draws keep = philox(seed, row * s + col) >= p_drop, the same in the
 backward and in a recomputation; the seed is drawn from torch's current generator on q's device,
 so the RNG tracker's streams (and activation recompute, which replays them) choose the mask.
 Math in fp32 whatever the input dtype (fp16/bf16 operands of the matmuls, fp32 accumulation;
 fp32 inputs use IEEE fp32 matmuls, not TF32). Causal masking is top-left aligned (key j <= query i).
+Head dims up to MAX_HEAD_DIM (128).
 
 Blocks entirely below the diagonal and inside the sequence skip the mask arithmetic; only the
 diagonal blocks and a ragged last block pay for it. Outputs come back in the layout the model
@@ -46,15 +47,24 @@ def _load(ptrs, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _i64(stride):
+    """A sequence stride as int64: position * stride passes 2^31 elements in long packed inputs
+    ([s, b, 3 * heads * d]: s * b * 3 * heads * d), and int32 products would wrap silently."""
+    return tl.cast(stride, tl.int64)
+
+
+@triton.jit
 def _head_seed(Seed, bh):
     """The philox key of one (batch, head): the drawn seed (< 2^31) in the low word, bh in the high."""
     return tl.load(Seed) + bh.to(tl.int64) * 4294967296
 
 
 @triton.jit
-def _keep(seed, offs_m, offs_n, seq_len, p_drop):
-    """Dropout keep mask [BLOCK_M, BLOCK_N] for scores (offs_m, offs_n) of one (batch, head)."""
-    return tl.rand(seed, offs_m[:, None] * seq_len + offs_n[None, :]) >= p_drop
+def _keep(seed, rows, cols, seq_len, p_drop):
+    """Dropout keep mask of scores (query rows, key cols) of one (batch, head), offsets row * s + col,
+    shaped as `rows + cols` broadcast ([M, 1] and [1, N] give [M, N]; [1, M] and [N, 1] give its
+    transpose, drawn directly rather than through tl.trans of a bool tile)."""
+    return tl.rand(seed, rows * seq_len + cols) >= p_drop
 
 
 @triton.jit
@@ -78,12 +88,14 @@ def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d
             ok = ok & (cols[None, :] <= offs_m[:, None])
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    # exp2 is the GPU's approximate ex2 (~2 ulp), as in FlashAttention: harmless next to the 16-bit P
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:
-        p = tl.where(_keep(seed, offs_m, cols, seq_len, p_drop), p * (1.0 / (1.0 - p_drop)), 0.0)
+        # 1 / (1 - p_drop): approximate on GPUs (~1 ulp), harmless and the same expression in fwd and bwd
+        p = tl.where(_keep(seed, offs_m[:, None], cols[None, :], seq_len, p_drop), p * (1.0 / (1.0 - p_drop)), 0.0)
     v = _load(v_ptrs + start_n * stride_vs, kv_ok, UPCAST)
     acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -98,6 +110,7 @@ def _fwd(Q, K, V, O, LSE, Seed, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, 
     n_m = tl.cdiv(seq_len, BLOCK_M)
     pid_m = n_m - 1 - tl.program_id(0)             # longest (causal) rows first
     bh = tl.program_id(1)
+    sq_s, sk_s, sv_s, so_s = _i64(sq_s), _i64(sk_s), _i64(sv_s), _i64(so_s)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -129,9 +142,10 @@ def _fwd(Q, K, V, O, LSE, Seed, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, 
                                    qk_scale, seed, p_drop, sk_s, sv_s, True, CAUSAL, DROPOUT, EVEN_D,
                                    HEAD_DIM, PRECISION, UPCAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)        # rows past the end of the sequence
-    o = acc * (1.0 / l_safe)[:, None]
+    o = acc * (1.0 / l_safe)[:, None]              # approximate reciprocal on GPUs (~1 ulp): harmless
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_ok)
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.math.log2(l_safe), mask=offs_m < seq_len)
+    lse = m_i + tl.math.log2(l_safe)               # approximate lg2 (~2 ulp of l): P's relative error, harmless
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse, mask=offs_m < seq_len)
 
 
 @triton.jit
@@ -139,6 +153,7 @@ def _bwd_delta(O, DO, Delta, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, n_heads, seq
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta_i = sum_d o_i do_i (fp32), [b*heads, s]."""
     bh = tl.program_id(1)
+    so_s, sdo_s = _i64(so_s), _i64(sdo_s)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -171,7 +186,7 @@ def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs
         lse = tl.load(lse_ptr + rows)
         delta = tl.load(delta_ptr + rows)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # [BLOCK_N, BLOCK_M]
-    p_t = tl.math.exp2(s_t - lse[None, :])
+    p_t = tl.math.exp2(s_t - lse[None, :])                                   # approximate ex2: as in _fwd_block
     if MASK:
         ok = (rows < seq_len)[None, :]
         if CAUSAL:
@@ -179,7 +194,7 @@ def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs
         p_t = tl.where(ok, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                # dZ^T
     if DROPOUT:
-        keep_t = tl.trans(_keep(seed, rows, offs_n, seq_len, p_drop))
+        keep_t = _keep(seed, rows[None, :], offs_n[:, None], seq_len, p_drop)
         z_t = tl.where(keep_t, p_t * (1.0 / (1.0 - p_drop)), 0.0)
         dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - p_drop)), 0.0)
         dv += tl.dot(z_t.to(do.dtype), do, input_precision=PRECISION)
@@ -197,9 +212,10 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta, Seed,
               n_heads, seq_len, qk_scale, sm_scale, p_drop,
               CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-         UPCAST: tl.constexpr):
+              UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
+    sq_s, sk_s, sv_s, sdo_s, sdk_s, sdv_s = _i64(sq_s), _i64(sk_s), _i64(sv_s), _i64(sdo_s), _i64(sdk_s), _i64(sdv_s)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -261,7 +277,7 @@ def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, of
     k = _load(k_ptrs + start_n * stride_ks, kv_ok, UPCAST)
     v = _load(v_ptrs + start_n * stride_vs, kv_ok, UPCAST)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    p = tl.math.exp2(s - lse[:, None])
+    p = tl.math.exp2(s - lse[:, None])                 # approximate ex2: as in _fwd_block
     if MASK:
         ok = (cols < seq_len)[None, :]
         if CAUSAL:
@@ -269,7 +285,7 @@ def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, of
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
-        dp = tl.where(_keep(seed, offs_m, cols, seq_len, p_drop), dp * (1.0 / (1.0 - p_drop)), 0.0)
+        dp = tl.where(_keep(seed, offs_m[:, None], cols[None, :], seq_len, p_drop), dp * (1.0 / (1.0 - p_drop)), 0.0)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     return dq
@@ -281,10 +297,11 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta, Seed,
             n_heads, seq_len, qk_scale, sm_scale, p_drop,
             CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-         UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr):
     n_m = tl.cdiv(seq_len, BLOCK_M)
     pid_m = n_m - 1 - tl.program_id(0)
     bh = tl.program_id(1)
+    sq_s, sk_s, sv_s, sdo_s, sdq_s = _i64(sq_s), _i64(sk_s), _i64(sv_s), _i64(sdo_s), _i64(sdq_s)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -326,15 +343,22 @@ GPU_CONFIGS = {
     "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2)},
 }
-# under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends
-INTERPRET_CONFIG = (32, 16, 4, 1)
+# fp32 inputs (tests, fp32 runs) take IEEE fp32 dots on the CUDA cores, with tiles of twice the bytes:
+# small blocks, so registers and shared memory fit whatever the head dim (speed is not the point there)
+FP32_CONFIG = (32, 32, 8, 1)
+# under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends,
+# oriented as on the GPU (dk/dv: fewer query rows than keys per block; fwd and dq: more)
+INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+MAX_HEAD_DIM = 128   # the GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
 
 
-def _config(kind: str, head_dim: int):
+def _config(kind: str, q: torch.Tensor):
     if _INTERPRET:
-        return INTERPRET_CONFIG
+        return INTERPRET_CONFIGS[kind]
+    if q.dtype == torch.float32:
+        return FP32_CONFIG
     table = GPU_CONFIGS[kind]
-    return table[min((d for d in table if d >= head_dim), default=max(table))]
+    return table[min(d for d in table if d >= q.shape[-1])]
 
 
 def _strides(t: torch.Tensor):
@@ -360,8 +384,8 @@ def _check(q, k, v, dropout_p):
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] > 256:
-        raise ValueError(f"head dim {q.shape[-1]} > 256 is not supported")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
     if dropout_p > 0 and q.shape[2] > MAX_DROPOUT_SEQ:
@@ -376,9 +400,9 @@ def _meta(q, causal, dropout_p):
 
 
 def _forward(q, k, v, o, scale, causal, dropout_p, seed):
-    b, h, s, d = q.shape
+    b, h, s, _ = q.shape
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _config("fwd", d)
+    block_m, block_n, warps, stages = _config("fwd", q)
     _fwd[(triton.cdiv(s, block_m), b * h)](
         q, k, v, o, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         h, s, scale * LOG2E, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
@@ -392,12 +416,12 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     delta = torch.empty_like(lse)
     _bwd_delta[(triton.cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
                                             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
-    block_m, block_n, warps, stages = _config("dkdv", d)
+    block_m, block_n, warps, stages = _config("dkdv", q)
     _bwd_dkdv[(triton.cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), h, s, scale * LOG2E, scale, dropout_p,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
-    block_m, block_n, warps, stages = _config("dq", d)
+    block_m, block_n, warps, stages = _config("dq", q)
     _bwd_dq[(triton.cdiv(s, block_m), b * h)](
         q, k, v, do, dq, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dq), h, s, scale * LOG2E, scale, dropout_p,
@@ -506,7 +530,7 @@ def _keep_mask(Out, Seed, seq_len, p_drop, BLOCK: tl.constexpr):
     seed = _head_seed(Seed, bh)
     for start_n in range(0, seq_len, BLOCK):
         cols = start_n + offs_n
-        keep = _keep(seed, offs_m, cols, seq_len, p_drop)
+        keep = _keep(seed, offs_m[:, None], cols[None, :], seq_len, p_drop)
         ok = (offs_m < seq_len)[:, None] & (cols < seq_len)[None, :]
         tl.store(Out + bh.to(tl.int64) * seq_len * seq_len + offs_m[:, None] * seq_len + cols[None, :],
                  keep.to(tl.int8), mask=ok)

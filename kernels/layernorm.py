@@ -1,120 +1,220 @@
-"""Fused LayerNorm over the last dimension (Triton), its autograd wrapper and a drop-in module.
+"""Fused LayerNorm and residual-add + LayerNorm over the last dimension (Triton), with autograd.
 
-For each row x of length N (all math in fp32, whatever the input dtype):
-    mean = sum(x) / N,  rstd = 1 / sqrt(sum((x - mean)^2) / N + eps),  xhat = (x - mean) * rstd
-    y = xhat * w + b
-Backward, with g = dy * w:
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    layer_norm(x, w, b)          y = LN(x)                                          x [..., N]
+    add_layer_norm(x, r, w, b)   h = x + r (rounded once to x's dtype), y = LN(h)   -> (h, y)
+
+Per row of length N, statistics in fp32 whatever the dtypes, shifted by the row's first element x0
+(so a constant row has mu = 0, xhat = 0 and y = b exactly, and a large mean costs no accuracy):
+    mu = sum(x - x0) / N,   rstd = 1 / sqrt(sum((x - x0 - mu)^2) / N + eps)
+    xhat = (x - x0 - mu) * rstd,   y = xhat * w + b
+Backward, g = dy * w (dh = the gradient of h; none for layer_norm):
+    dx = dr = dh + rstd * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat,   db = sum over rows of dy
-Forward saves x, mean and rstd (fp32, one per row); xhat is recomputed in backward.
-dw/db are summed in fp32: each backward program owns one row (or one chunk of a row) of a
-[programs, N] partial buffer (no locks, deterministic); the partials are summed afterwards.
+The forward saves h (x for layer_norm), mu and rstd; the backward recomputes xhat with the same
+operations, so both passes see the same xhat. One kernel per pass: the forward reads x (and r) and
+writes y (and h); the backward reads h, dy (and dh) and writes dx.
 
-Rows up to MAX_FUSED_N wide are held whole in registers (several narrow rows per program);
-wider rows take the looped kernels, which walk the row in LOOP_BLOCK_N chunks.
+Forward: BLOCK_M rows per program, whole rows in registers. Backward: about BWD_PROGRAMS_PER_SM
+programs per SM; each walks the row tiles pid, pid + programs, ... (loading the next tile before
+it works on the current one, so loads stay in flight), keeps its dw/db sums in fp32 registers and
+writes one row of a [programs, 2N] fp32 partial buffer; torch sums the partials (no atomics,
+deterministic). BLOCK_M and num_warps are autotuned per row width on a GPU (under the interpreter
+BLOCK_M gives about 4 row tiles). Rows wider than MAX_FUSED_N (MAX_FUSED_BWD_N for the backward,
+which holds more per column) take looped kernels that walk each row in LOOP_BLOCK_N chunks.
+
+Division: Triton's fp32 `/` is approximate on GPUs (div.full.f32), so every per-row statistic
+divides with tl.math.div_rn (IEEE round to nearest, as the interpreter does; one per row).
 """
 import functools
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_FUSED_N = 16384   # widest row (power-of-two block) kept entirely in registers
-LOOP_BLOCK_N = 8192   # chunk width of the looped kernels used above MAX_FUSED_N
+MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
+MAX_FUSED_BWD_N = 8192    # the same for the backward (x, dy, dw, db and w per column)
+LOOP_BLOCK_N = 8192       # chunk width of the looped kernels
+LOOP_WARPS = 16
+BWD_PROGRAMS_PER_SM = 2   # backward programs: each writes one fp32 partial row of dw and db...
+MIN_BWD_ROWS = 32         # ...and covers >= this many rows, so partials stay <= ~8% of its traffic
 # as @triton.jit reads it at import: kernels below are interpreted (CPU) when set
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
+# ----------------------------------------------------------------------------------- configs
+# autotune candidates (BLOCK_M rows per tile, num_warps), pruned per row width by fitting_configs
+CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+           for w in (4, 8, 16, 32)]
+FWD_TILE, BWD_TILE = (4096, 8192), (2048, 8192)     # elements per tile (BLOCK_M x BLOCK_N)
+FWD_PER_THREAD, BWD_PER_THREAD = (8, 32), (8, 16)   # 8: one 16-byte load of 16-bit values per thread
+# the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
+# the wrappers take their GPU path; otherwise _launch picks BLOCK_M there)
+INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 2}, num_warps=4)]
+
+
+def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple) -> list:
+    """The configs whose tile (BLOCK_M rows of block_n) holds tile[0]..tile[1] elements (one row when
+    wider) at per_thread[0]..per_thread[1] elements per thread: enough bytes in flight per program,
+    few enough registers not to spill."""
+    lo, hi = min(tile[0], block_n), max(tile[1], block_n)
+    fit = [c for c in configs if lo <= c.kwargs["BLOCK_M"] * block_n <= hi
+           and per_thread[0] <= c.kwargs["BLOCK_M"] * block_n // (32 * c.num_warps) <= per_thread[1]]
+    return fit or [triton.Config({"BLOCK_M": max(1, tile[0] // block_n)}, num_warps=4)]
+
+
+def _autotune(key, tile, per_thread):
+    """triton.autotune (timings cached on disk) over the CONFIGS that fit the row width, BLOCK_N;
+    under the interpreter its one config (a single config is neither pruned nor timed)."""
+    def prune(configs, named_args, **kwargs):
+        return fitting_configs(configs, kwargs["BLOCK_N"], tile, per_thread)
+
+    return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=key,
+                           prune_configs_by={"early_config_prune": prune}, cache_results=True)
+
+
+# ----------------------------------------------------------------------------------- kernels
 @triton.jit
-def _fwd_fused(X, Y, W, B, Mean, Rstd, stride_x, stride_y, n_rows, n_cols, eps,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_h(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x, or h = x + r rounded once to x's dtype (fp32 add, as torch does): raw, not upcast."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptrs.dtype.element_ty)
+    return x
+
+
+@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD)
+@triton.jit
+def _fwd(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_rows, n_cols, eps,
+         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows [pid * BLOCK_M, ...): y (and h), mu, rstd. R and H are unused without a residual."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < n_rows, cols < n_cols
     ok = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / n_cols
-    xc = tl.where(ok, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    r64 = rows.to(tl.int64)
+    x = _load_h(X + r64[:, None] * stride_x + cols[None, :], R + r64[:, None] * stride_r + cols[None, :], ok,
+                HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        tl.store(H + r64[:, None] * stride_h + cols[None, :], x, mask=ok)
+    x0 = _load_h(X + r64 * stride_x, R + r64 * stride_r, row_ok, HAS_RESIDUAL).to(tl.float32)  # same line: cached
+    n = tl.cast(n_cols, tl.float32)
+    xs = tl.where(ok, x.to(tl.float32) - x0[:, None], 0.0)
+    mu = tl.math.div_rn(tl.sum(xs, axis=1), n)
+    xc = tl.where(ok, xs - mu[:, None], 0.0)
+    # approximate rsqrt (rsqrt.approx, ~1 ulp) as in torch's kernels: far below the output's rounding
+    rstd = tl.rsqrt(tl.math.div_rn(tl.sum(xc * xc, axis=1), n) + eps)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
-    tl.store(Mean + rows, mean, mask=row_ok)
+    tl.store(Y + r64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(Mu + rows, mu, mask=row_ok)
     tl.store(Rstd + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def _fwd_looped(X, Y, W, B, Mean, Rstd, stride_x, stride_y, n_cols, eps, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    x_row = X + row.to(tl.int64) * stride_x
-    y_row = Y + row.to(tl.int64) * stride_y
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+def _bwd_tile(X, DY, DH, Mu, Rstd, tile, cols, col_ok, n_rows, stride_x, stride_dy, stride_dh,
+              HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Raw loads of row tile `tile` (rows past n_rows masked off, nothing read): x, x0, dy, dh, mu, rstd."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    ok = row_ok[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    x0 = tl.load(X + r64 * stride_x, mask=row_ok, other=0.0)
+    dy = tl.load(DY + r64[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0)
+    if HAS_DRES:
+        dh = tl.load(DH + r64[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0)
+    else:  # a placeholder, never read
+        dh = dy
+    mu = tl.load(Mu + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+    return x, x0, dy, dh, mu, rstd
+
+
+@_autotune(["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD)
+@triton.jit
+def _bwd(X, DY, DH, DX, W, Mu, Rstd, Part, stride_x, stride_dy, stride_dh, stride_dx, n_rows, n_cols,
+         HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx (+ dh) for row tiles pid, pid + programs, ...; this program's dw, db sums -> Part[pid] ([2N])."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    n = tl.cast(n_cols, tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)   # 2-D: no cross-thread reduction until the end
+    db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_n, x0_n, dy_n, dh_n, mu_n, rstd_n = _bwd_tile(X, DY, DH, Mu, Rstd, pid, cols, col_ok, n_rows,
+                                                    stride_x, stride_dy, stride_dh, HAS_DRES, BLOCK_M)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), programs):
+        x, x0, dy, dh, mu, rstd = x_n, x0_n, dy_n, dh_n, mu_n, rstd_n
+        # the next tile's loads fly while this one is computed
+        x_n, x0_n, dy_n, dh_n, mu_n, rstd_n = _bwd_tile(X, DY, DH, Mu, Rstd, tile + programs, cols, col_ok,
+                                                        n_rows, stride_x, stride_dy, stride_dh, HAS_DRES, BLOCK_M)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = (rows < n_rows)[:, None] & col_ok[None, :]
+        xhat = tl.where(ok, (x.to(tl.float32) - x0.to(tl.float32)[:, None] - mu[:, None]) * rstd[:, None], 0.0)
+        dy = dy.to(tl.float32)
+        g = dy * w[None, :]
+        c1 = tl.math.div_rn(tl.sum(g, axis=1), n)
+        c2 = tl.math.div_rn(tl.sum(g * xhat, axis=1), n)
+        dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dx += dh.to(tl.float32)
+        tl.store(DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+        dw += dy * xhat
+        db += dy
+    part = Part + pid.to(tl.int64) * 2 * n_cols
+    tl.store(part + cols, tl.sum(dw, axis=0), mask=col_ok)
+    tl.store(part + n_cols + cols, tl.sum(db, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _fwd_looped(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_cols, eps,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Wide rows, one per program, three passes over chunks (h recomputed from x, r in each)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, r_row = X + row * stride_x, R + row * stride_r
+    n = tl.cast(n_cols, tl.float32)
+    x0 = _load_h(x_row, r_row, True, HAS_RESIDUAL).to(tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        acc += tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    mean = tl.sum(acc, axis=0) / n_cols
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):  # second pass: exact centred variance
+        x = _load_h(x_row + cols, r_row + cols, cols < n_cols, HAS_RESIDUAL).to(tl.float32)
+        acc += tl.where(cols < n_cols, x - x0, 0.0)
+    mu = tl.math.div_rn(tl.sum(acc, axis=0), n)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        xc = tl.where(cols < n_cols, x - mean, 0.0)
+        x = _load_h(x_row + cols, r_row + cols, cols < n_cols, HAS_RESIDUAL).to(tl.float32)
+        xc = tl.where(cols < n_cols, x - x0 - mu, 0.0)
         acc += xc * xc
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    rstd = tl.rsqrt(tl.math.div_rn(tl.sum(acc, axis=0), n) + eps)  # approximate rsqrt: as in _fwd
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
-        x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = _load_h(x_row + cols, r_row + cols, col_ok, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(H + row * stride_h + cols, x, mask=col_ok)
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, ((x - mean) * rstd * w + b).to(Y.dtype.element_ty), mask=col_ok)
-    tl.store(Mean + row, mean)
+        y = (x.to(tl.float32) - x0 - mu) * rstd * w + b
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=col_ok)
+    tl.store(Mu + row, mu)
     tl.store(Rstd + row, rstd)
 
 
 @triton.jit
-def _bwd_fused(X, DY, DX, W, Mean, Rstd, DW, DB, stride_x, stride_dy, stride_dx,
-               n_rows, n_cols, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    first = pid * rows_per_program
-    last = tl.minimum(first + rows_per_program, n_rows)
-    for start in range(first, last, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < last
-        ok = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
-        xhat = (x - mean[:, None]) * rstd[:, None]  # dy = 0 outside the tile: no effect there
-        g = dy * w[None, :]
-        c1 = tl.sum(g, axis=1) / n_cols
-        c2 = tl.sum(g * xhat, axis=1) / n_cols
-        dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
-        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
-        dw += tl.sum(dy * xhat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(DW + pid * n_cols + cols, dw, mask=col_ok)
-    tl.store(DB + pid * n_cols + cols, db, mask=col_ok)
-
-
-@triton.jit
-def _bwd_row_sums(X, DY, W, Mean, Rstd, C1, C2, stride_x, stride_dy, n_cols, BLOCK_N: tl.constexpr):
+def _bwd_row_sums(X, DY, W, Mu, Rstd, C1, C2, stride_x, stride_dy, n_cols, BLOCK_N: tl.constexpr):
     """Wide rows, pass 1 (one row per program): c1 = mean(g), c2 = mean(g * xhat)."""
-    row = tl.program_id(0)
-    x_row = X + row.to(tl.int64) * stride_x
-    dy_row = DY + row.to(tl.int64) * stride_dy
-    mean, rstd = tl.load(Mean + row), tl.load(Rstd + row)
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_gx = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    x_row, dy_row = X + row * stride_x, DY + row * stride_dy
+    x0 = tl.load(x_row).to(tl.float32)
+    mu, rstd = tl.load(Mu + row), tl.load(Rstd + row)
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_gx = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
@@ -122,49 +222,51 @@ def _bwd_row_sums(X, DY, W, Mean, Rstd, C1, C2, stride_x, stride_dy, n_cols, BLO
         dy = tl.load(dy_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         g = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc_g += g
-        acc_gx += g * (x - mean) * rstd
-    tl.store(C1 + row, tl.sum(acc_g, axis=0) / n_cols)
-    tl.store(C2 + row, tl.sum(acc_gx, axis=0) / n_cols)
+        acc_gx += g * (x - x0 - mu) * rstd
+    n = tl.cast(n_cols, tl.float32)
+    tl.store(C1 + row, tl.math.div_rn(tl.sum(acc_g, axis=0), n))
+    tl.store(C2 + row, tl.math.div_rn(tl.sum(acc_gx, axis=0), n))
 
 
 @triton.jit
-def _bwd_looped(X, DY, DX, W, Mean, Rstd, C1, C2, DW, DB, stride_x, stride_dy, stride_dx,
-                n_rows, n_cols, rows_per_program, BLOCK_N: tl.constexpr):
-    """Wide rows, pass 2: program (i, j) owns rows [i*rows_per_program, ...) of column chunk j,
-    so its dw/db partials stay in registers over the rows and are written once."""
+def _bwd_looped(X, DY, DH, DX, W, Mu, Rstd, C1, C2, Part, stride_x, stride_dy, stride_dh, stride_dx,
+                n_rows, n_cols, rows_per_program, HAS_DRES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Wide rows, pass 2: program (i, j) owns rows [i * rows_per_program, ...) of column chunk j, so
+    its dw/db sums stay in registers over the rows and go to Part[i] once."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_N], tl.float32)
     first = pid * rows_per_program
     for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
         row64 = tl.cast(row, tl.int64)  # (the interpreter hands loop indices over as ints)
         x = tl.load(X + row64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x0 = tl.load(X + row64 * stride_x).to(tl.float32)
         dy = tl.load(DY + row64 * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
         rstd = tl.load(Rstd + row)
-        xhat = (x - tl.load(Mean + row)) * rstd
+        xhat = (x - x0 - tl.load(Mu + row)) * rstd
         dx = (dy * w - tl.load(C1 + row) - xhat * tl.load(C2 + row)) * rstd
+        if HAS_DRES:
+            dx += tl.load(DH + row64 * stride_dh + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
         dw += dy * xhat
         db += dy
-    tl.store(DW + pid * n_cols + cols, dw, mask=col_ok)
-    tl.store(DB + pid * n_cols + cols, db, mask=col_ok)
+    part = Part + pid.to(tl.int64) * 2 * n_cols
+    tl.store(part + cols, dw, mask=col_ok)
+    tl.store(part + n_cols + cols, db, mask=col_ok)
 
 
-def _config(n_rows: int, n_cols: int):
-    """(BLOCK_M rows, BLOCK_N cols, num_warps, looped) for an [n_rows, n_cols] problem."""
-    block_n = triton.next_power_of_2(n_cols)
-    looped = block_n > MAX_FUSED_N
-    if looped:
-        block_n, block_m = LOOP_BLOCK_N, 1
-    elif _INTERPRET:  # programs run one after another (~1 ms each): about 4 big tiles
-        block_m = min(triton.next_power_of_2(triton.cdiv(n_rows, 4)), max(1, 2**16 // block_n))
-    else:  # narrow rows are grouped so a program touches at least 2048 elements
-        block_m = max(1, 2048 // block_n)
-    num_warps = min(32, max(4, block_m * block_n // 512))  # ~16 fp32 values per thread
-    return block_m, block_n, num_warps, looped
+# ----------------------------------------------------------------------------------- launching
+def _launch(tuned, grid, *args, n_rows, block_n, **meta):
+    """Launch an autotuned kernel on rows of block_n; under the interpreter (programs run one after
+    another, 10-40 ms each) the plain kernel, with BLOCK_M chosen for about 4 row tiles."""
+    if _INTERPRET:
+        block_m = min(triton.next_power_of_2(triton.cdiv(n_rows, 4)), max(1, 2**14 // block_n))
+        tuned.fn[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
+    else:
+        tuned[grid](*args, BLOCK_N=block_n, **meta)
 
 
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -184,70 +286,101 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _backward_programs(n_rows: int, block_m: int, chunks: int, num_warps: int,
-                       device: torch.device) -> int:
-    """Backward row groups (each has `chunks` column chunks): enough programs to fill the GPU
-    (~16 warps per SM) but >= 16 rows each, so the fp32 dw/db partials (8 bytes per column
-    per group) stay under ~10% of the x/dy/dx traffic."""
-    tiles = triton.cdiv(n_rows, block_m)
-    if _INTERPRET:
-        return min(tiles, 4)
-    fill = triton.cdiv(_sm_count(device) * max(1, 16 // num_warps), chunks)
-    return max(1, min(tiles, fill, n_rows // 16))
+def _backward_programs(n_rows: int, chunks: int, device: torch.device) -> int:
+    """Backward row groups (each with `chunks` column chunks; 1 unless looped): BWD_PROGRAMS_PER_SM per
+    SM in all, each over >= MIN_BWD_ROWS rows (fp32 partials: 8 bytes per column per program, next
+    to 6 per column per row for 16-bit x, dy, dx)."""
+    if _INTERPRET:  # programs run one after another (~1 ms each): a few, each over several tiles
+        return min(3, n_rows)
+    fill = triton.cdiv(BWD_PROGRAMS_PER_SM * _sm_count(device), chunks)
+    return max(1, min(fill, triton.cdiv(n_rows, MIN_BWD_ROWS)))
 
 
-class _LayerNormFn(torch.autograd.Function):
+def _forward(x2, r2, weight, bias, eps):
+    """(h, y, mu, rstd) of [M, N] rows; h is x2 itself without a residual."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    h = x2 if r2 is None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    stats = torch.empty((2, m), dtype=torch.float32, device=x2.device)
+    mu, rstd = stats[0], stats[1]
+    r = x2 if r2 is None else r2
+    args = (x2, r, h, y, weight, bias, mu, rstd, x2.stride(0), r.stride(0), h.stride(0), y.stride(0))
+    if n > MAX_FUSED_N:
+        _fwd_looped[(m,)](*args, n, eps, HAS_RESIDUAL=r2 is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+    else:
+        _launch(_fwd, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
+                n_rows=m, block_n=triton.next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
+    return h, y, mu, rstd
+
+
+def _backward(h2, dy, dh, weight, mu, rstd):
+    """(dx, [dw | db]) for rows h2 [M, N]: dx = dh + LN backward of dy in h2's dtype; dw, db in weight's."""
+    m, n = h2.shape
+    dy2 = _rows(dy, n)
+    dh2 = dy2 if dh is None else _rows(dh, n)
+    dx = torch.empty((m, n), dtype=h2.dtype, device=h2.device)
+    looped = n > MAX_FUSED_BWD_N
+    chunks = triton.cdiv(n, LOOP_BLOCK_N) if looped else 1
+    programs = _backward_programs(m, chunks, h2.device)
+    part = torch.empty((programs, 2 * n), dtype=torch.float32, device=h2.device)
+    strides = (h2.stride(0), dy2.stride(0), dh2.stride(0), dx.stride(0))
+    if looped:
+        c1 = torch.empty(m, dtype=torch.float32, device=h2.device)
+        c2 = torch.empty(m, dtype=torch.float32, device=h2.device)
+        _bwd_row_sums[(m,)](h2, dy2, weight, mu, rstd, c1, c2, strides[0], strides[1], n,
+                            BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+        _bwd_looped[(programs, chunks)](h2, dy2, dh2, dx, weight, mu, rstd, c1, c2, part, *strides, m, n,
+                                        triton.cdiv(m, programs), HAS_DRES=dh is not None,
+                                        BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+    else:
+        _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
+                n_rows=m, block_n=triton.next_power_of_2(n), HAS_DRES=dh is not None)
+    return dx, part.sum(0).to(weight.dtype)
+
+
+class _AddLayerNormFn(torch.autograd.Function):
+    """(h, y) = (x + r, LN(x + r)) when r is given, else y = LN(x)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, r, weight, bias, eps):
         _check_device(x)
         n = x.shape[-1]
-        x2 = _rows(x, n)
-        m = x2.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        block_m, block_n, num_warps, looped = _config(m, n)
-        if looped:
-            _fwd_looped[(m,)](x2, y, weight, bias, mean, rstd, x2.stride(0), y.stride(0), n, eps,
-                              BLOCK_N=block_n, num_warps=num_warps)
-        else:
-            _fwd_fused[(triton.cdiv(m, block_m),)](
-                x2, y, weight, bias, mean, rstd, x2.stride(0), y.stride(0), m, n, eps,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
+        h, y, mu, rstd = _forward(_rows(x, n), None if r is None else _rows(r, n), weight, bias, eps)
+        ctx.save_for_backward(h, weight, mu, rstd)
+        ctx.set_materialize_grads(False)     # a None gradient (h or y unused) costs nothing
+        ctx.has_residual, ctx.shape, ctx.bias_dtype = r is not None, x.shape, bias.dtype
+        return (h.view(x.shape), y.view(x.shape)) if r is not None else y.view(x.shape)
 
     @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = _rows(dy, n)
-        dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        block_m, block_n, num_warps, looped = _config(m, n)
-        chunks = triton.cdiv(n, block_n)  # 1 unless looped
-        programs = _backward_programs(m, block_m, chunks, num_warps, x2.device)
-        rows_per_program = triton.cdiv(m, programs)
-        dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-        db = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-        strides = (x2.stride(0), dy2.stride(0), dx.stride(0))
-        if looped:
-            c1 = torch.empty(m, dtype=torch.float32, device=x2.device)
-            c2 = torch.empty(m, dtype=torch.float32, device=x2.device)
-            _bwd_row_sums[(m,)](x2, dy2, weight, mean, rstd, c1, c2, strides[0], strides[1], n,
-                                BLOCK_N=block_n, num_warps=num_warps)
-            _bwd_looped[(programs, chunks)](x2, dy2, dx, weight, mean, rstd, c1, c2, dw, db, *strides,
-                                            m, n, rows_per_program, BLOCK_N=block_n, num_warps=num_warps)
-        else:
-            _bwd_fused[(programs,)](x2, dy2, dx, weight, mean, rstd, dw, db, *strides, m, n,
-                                    rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    num_warps=num_warps)
-        return dx.view(ctx.x_shape), dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype), None
+    def backward(ctx, *grads):
+        dh, dy = grads if ctx.has_residual else (None, grads[0])
+        if dy is None:                       # only h was used: dx = dr = dh
+            return dh, dh, None, None, None
+        h, weight, mu, rstd = ctx.saved_tensors
+        dx, dwdb = _backward(h, dy, dh, weight, mu, rstd)
+        dx, n = dx.view(ctx.shape), h.shape[1]
+        return dx, (dx if ctx.has_residual else None), dwdb[:n], dwdb[n:].to(ctx.bias_dtype), None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm of x [..., N] over its last dim with weight, bias [N]; returns x's dtype and shape."""
-    return _LayerNormFn.apply(x, weight, bias, float(eps))
+    return _AddLayerNormFn.apply(x, None, weight, bias, float(eps))
+
+
+def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): h = x + r in x's dtype (rounded once) and y = LN(h) over the last dim, for x, r [..., N]
+    and weight, bias [N]. Backward: dx = dr = dh + LN's input gradient, in one kernel."""
+    if r.shape != x.shape:
+        raise ValueError(f"x and r must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    return _AddLayerNormFn.apply(x, r, weight, bias, float(eps))
+
+
+def torch_add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for add_layer_norm in torch eager: h = (x + r) in x's dtype, y = F.layer_norm(h)."""
+    h = (x + r).to(x.dtype)
+    return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
 
 
 class FusedLayerNorm(torch.nn.Module):

@@ -2,7 +2,7 @@
 edge blocks, ragged sequence lengths, head dims, the packed-qkv entry point and dropout.
 
 Runs on a GPU when there is one, else under the Triton interpreter (conftest sets TRITON_INTERPRET=1),
-where the kernels use small blocks (INTERPRET_CONFIG) so that short sequences still span several
+where the kernels use small blocks (INTERPRET_CONFIGS) so that short sequences still span several
 blocks, a diagonal that cuts blocks, and a ragged last block. Errors are ||out - ref|| / ||ref||
 against float64 math on the same (rounded) inputs: fp32 inputs must agree to rounding (1e-5);
 16-bit inputs to the rounding of P and of the outputs (bf16 2e-2, fp16 4e-3).
@@ -57,6 +57,18 @@ def test_ragged_sequence_lengths(s):
 
 def test_non_causal_odd_head_dim_and_scale():
     _check(2, 1, 50, 24, torch.float32, causal=False, scale=0.3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_block_sizes(monkeypatch, d):
+    """The GPU's 16-bit block sizes (GPU_CONFIGS) on a sequence that spans several blocks with a ragged
+    end: the causal block ranges with 64- and 128-row blocks (on CPU, through the interpreter)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(attention, "INTERPRET_CONFIGS",
+                            {kind: table[d] for kind, table in attention.GPU_CONFIGS.items()})
+        _check(1, 1, 300, d, torch.float32)
+    else:
+        _check(1, 2, 300, d, torch.bfloat16)
 
 
 def test_causal_rows_see_only_the_past():
@@ -147,6 +159,9 @@ def test_bad_inputs_are_refused():
         flash_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(TypeError, match="fp16/bf16/fp32"):
         flash_attention(q.double(), q.double(), q.double())
+    wide = _randn(1, 1, 8, attention.MAX_HEAD_DIM + 8)
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attention(wide, wide, wide)
     with pytest.raises(ValueError, match="3 \\* heads"):
         flash_attention_qkv(_randn(8, 1, 40), heads=3)
 

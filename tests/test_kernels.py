@@ -1,4 +1,4 @@
-"""Triton LayerNorm and scaled masked softmax against independent fp32 torch references.
+"""Triton LayerNorm and residual-add + LayerNorm against float64 torch references.
 
 Runs on a GPU when there is one, else on CPU under the Triton interpreter (conftest sets
 TRITON_INTERPRET=1 before anything imports triton). Shapes stay small for the interpreter.
@@ -9,16 +9,13 @@ import math
 import os
 import subprocess
 import sys
-import types
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import layernorm, softmax
-from kernels.layernorm import FusedLayerNorm, layer_norm
-from kernels.softmax import scaled_masked_softmax, torch_scaled_masked_softmax
+from kernels import layernorm
+from kernels.layernorm import FusedLayerNorm, add_layer_norm, layer_norm, torch_add_layer_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -39,16 +36,16 @@ def _randn(*shape, dtype=torch.float32, seed=0):
 
 # ----------------------------------------------------------------------------------- LayerNorm
 def _check_layer_norm(x, w, b, eps=1e-5):
-    """Forward and backward of the kernel vs F.layer_norm on fp32 copies of the same values."""
+    """Forward and backward of the kernel vs F.layer_norm on float64 copies of the same values."""
     dtype = x.dtype
     x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
     y = layer_norm(x, w, b, eps)
     dy = _randn(*y.shape, dtype=dtype, seed=1)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
 
-    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = F.layer_norm(xr, wr.shape, wr, br, eps)
-    dxr, dwr, dbr = torch.autograd.grad(yr, (xr, wr, br), dy.float())
+    dxr, dwr, dbr = torch.autograd.grad(yr, (xr, wr, br), dy.double())
 
     assert y.dtype == dtype and y.shape == x.shape and dx.dtype == dtype and dw.dtype == w.dtype
     _close(y, yr, dtype)
@@ -83,36 +80,198 @@ def test_layer_norm_fp32_weights_with_bf16_input():
     _check_layer_norm(_randn(6, 320, dtype=torch.bfloat16), _randn(320, seed=2), _randn(320, seed=3))
 
 
-def test_layer_norm_looped_path_many_rows(monkeypatch):
-    """Rows wider than MAX_FUSED_N go through the chunked kernels; shrink the limit so several
-    rows per backward program accumulate into the partial dw/db buffers."""
+def test_layer_norm_large_mean_small_spread():
+    """Statistics shifted by the row's first element: a mean 1e4 times the spread costs no accuracy
+    (torch's own fp32 LayerNorm on CPU is off by 2e-3 here)."""
+    x = 1000.0 + 0.1 * _randn(5, 300)
+    _check_layer_norm(x, _randn(300, seed=2), _randn(300, seed=3))
+
+
+@pytest.fixture
+def looped(monkeypatch):
+    """Shrink the fused-row limits so rows of a few hundred take the looped (chunked) kernels."""
     monkeypatch.setattr(layernorm, "MAX_FUSED_N", 256)
+    monkeypatch.setattr(layernorm, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(layernorm, "LOOP_BLOCK_N", 128)
-    assert layernorm._config(9, 1000)[3]  # looped
+
+
+def test_layer_norm_looped_path_many_rows(looped):
+    """Several rows per backward program accumulate into the partial dw/db buffers; ragged last chunk."""
     _check_layer_norm(_randn(9, 1000) * 2 - 1, _randn(1000, seed=2), _randn(1000, seed=3))
 
 
 @pytest.fixture
 def gpu_launch_config(monkeypatch):
-    """On CPU, make the wrappers choose the launch configuration they use on a GPU (one row per
-    program for long rows, backward programs from an SM count) so the interpreter checks it."""
+    """On CPU, make the wrappers choose the launch configuration they use on a GPU (backward
+    programs from an SM count) so the interpreter checks it."""
     if DEVICE == "cpu":
-        for module in (layernorm, softmax):
-            monkeypatch.setattr(module, "_INTERPRET", False)
-            monkeypatch.setattr(module, "_check_device", lambda x: None)
+        monkeypatch.setattr(layernorm, "_INTERPRET", False)
+        monkeypatch.setattr(layernorm, "_check_device", lambda x: None)
         monkeypatch.setattr(layernorm, "_sm_count", lambda device: 4)
 
 
-@pytest.mark.parametrize("shape", [(48, 1000), (40, 3000), (32, 20000)], ids=str)
+@pytest.mark.parametrize("shape", [(48, 1000), (100, 300), (40, 3000), (24, 12288), (32, 20000)], ids=str)
 def test_layer_norm_gpu_launch_config(gpu_launch_config, shape):
+    """12288: fused forward, looped backward (MAX_FUSED_BWD_N < N <= MAX_FUSED_N); 20000: both looped."""
     _check_layer_norm(_randn(*shape), _randn(shape[-1], seed=2), _randn(shape[-1], seed=3))
 
 
-def test_layer_norm_constant_rows_give_bias():
-    x = torch.full((4, 300), 3.0, device=DEVICE)
-    w, b = _randn(300, seed=2), _randn(300, seed=3)
-    y = layer_norm(x, w, b, 1e-5)
-    torch.testing.assert_close(y, b.expand_as(y), atol=0, rtol=0)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value", [3.0, 0.1, -1234.567], ids=str)
+def test_constant_rows_give_the_bias_exactly(value, dtype):
+    """A constant row has xhat = 0, so y is b exactly (the mean is not divided out: the GPU's fp32
+    `/` is approximate), for both entry points, fused and looped widths."""
+    for n in (300, 20000):
+        x = torch.full((4, n), value, device=DEVICE).to(dtype)
+        w, b = _randn(n, dtype=dtype, seed=2), _randn(n, dtype=dtype, seed=3)
+        y = layer_norm(x, w, b, 1e-5)
+        torch.testing.assert_close(y, b.expand_as(y), atol=0, rtol=0)
+        h, y = add_layer_norm(x, x.clone(), w, b, 1e-5)    # h = 2x: exact in any rounding
+        torch.testing.assert_close(h, 2 * x, atol=0, rtol=0)
+        torch.testing.assert_close(y, b.expand_as(y), atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------- add + LayerNorm
+def _check_add_layer_norm(x, r, w, b, use=("h", "y"), eps=1e-5):
+    """add_layer_norm's (h, y) and the gradients of x, r, w, b vs float64 torch math, with gradients
+    flowing into the outputs in `use` (the others unused downstream: their gradient is None).
+    h is checked against x + r; y and the gradients against LN of the kernel's own h (so the test
+    sees LN's error, not the rounding of h, which the interpreter truncates)."""
+    dtype = x.dtype
+    x, r, w, b = (t.detach().requires_grad_() for t in (x, r, w, b))
+    h, y = add_layer_norm(x, r, w, b, eps)
+    douts = {"h": _randn(*x.shape, dtype=dtype, seed=4), "y": _randn(*x.shape, dtype=dtype, seed=5)}
+    outs = {"h": h, "y": y}
+    dx, dr, dw, db = torch.autograd.grad([outs[k] for k in use], (x, r, w, b), [douts[k] for k in use],
+                                         allow_unused=True, materialize_grads=True)
+
+    hk, wr, br = (t.detach().double().requires_grad_() for t in (h, w, b))
+    yr = F.layer_norm(hk, (x.shape[-1],), wr, br, eps)
+    dxr, dwr, dbr = torch.autograd.grad(yr, (hk, wr, br), douts["y"].double() * ("y" in use))
+    dxr = dxr + douts["h"].double() * ("h" in use)
+
+    assert h.shape == y.shape == x.shape and h.dtype == y.dtype == dx.dtype == dtype
+    assert dw.dtype == w.dtype and db.dtype == b.dtype
+    _close(h, x.double() + r.double(), dtype)
+    _close(y, yr, dtype)
+    _close(dx, dxr, dtype)
+    torch.testing.assert_close(dr.to(dtype), dx, atol=0, rtol=0)
+    atol = TOL[dtype][0] * math.sqrt(x.numel() // x.shape[-1])
+    _close(dw, dwr, dtype, atol=atol)
+    _close(db, dbr, dtype, atol=atol)
+
+
+def _add_inputs(shape, dtype=torch.float32, wdtype=None):
+    n = shape[-1]
+    wdtype = wdtype or dtype
+    return ((_randn(*shape) * 3 + 0.5).to(dtype), _randn(*shape, dtype=dtype, seed=6),
+            _randn(n, dtype=wdtype, seed=2), _randn(n, dtype=wdtype, seed=3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7, 1000), (3, 4099), (2, 3, 257)], ids=str)
+def test_add_layer_norm_matches_torch(shape, dtype):
+    _check_add_layer_norm(*_add_inputs(shape, dtype))
+
+
+@pytest.mark.parametrize("use", [("y",), ("h",)], ids=["only_y_used", "only_h_used"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_layer_norm_one_output_used(use, dtype):
+    """dh None (the backward kernel skips reading it) or dy None (dx = dr = dh, no kernel)."""
+    _check_add_layer_norm(*_add_inputs((6, 500), dtype), use=use)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_layer_norm_mixed_dtypes(wdtype):
+    """bf16 activations with fp32 or bf16 weights; an fp32 residual still gives h in x's dtype."""
+    x, r, w, b = _add_inputs((5, 320), torch.bfloat16, wdtype)
+    _check_add_layer_norm(x, r, w, b)
+    _check_add_layer_norm(x, r.float(), w, b)
+
+
+def test_add_layer_norm_model_layout_and_strides():
+    """[s, b, h] inputs as the model passes them, and a residual that is a strided view."""
+    x, r, w, b = _add_inputs((6, 2, 192))
+    _check_add_layer_norm(x, r, w, b)
+    wide = _randn(6, 2, 400, seed=7)
+    _check_add_layer_norm(x, wide[..., 100:292], w, b)
+
+
+def test_add_layer_norm_looped_path(looped):
+    _check_add_layer_norm(*_add_inputs((9, 1000)))
+    _check_add_layer_norm(*_add_inputs((9, 1000)), use=("y",))
+
+
+@pytest.mark.parametrize("shape", [(48, 1000), (32, 20000)], ids=str)
+def test_add_layer_norm_gpu_launch_config(gpu_launch_config, shape):
+    _check_add_layer_norm(*_add_inputs(shape))
+
+
+def _gpu_configs(block_n=1024):
+    """Every GPU autotune candidate that fits rows of block_n, for the forward and the backward."""
+    params = []
+    for kernel, tile, per_thread in (("fwd", layernorm.FWD_TILE, layernorm.FWD_PER_THREAD),
+                                     ("bwd", layernorm.BWD_TILE, layernorm.BWD_PER_THREAD)):
+        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread):
+            params.append(pytest.param(kernel, c, id=f"{kernel}-BLOCK_M{c.kwargs['BLOCK_M']}-warps{c.num_warps}"))
+    return params
+
+
+@pytest.mark.parametrize("kernel,config", _gpu_configs())
+def test_add_layer_norm_each_gpu_config(gpu_launch_config, monkeypatch, kernel, config):
+    """Each autotune candidate computes the same function (the autotuner may pick any of them)."""
+    tuned = getattr(layernorm, "_" + kernel)
+    monkeypatch.setattr(tuned, "configs", [config])
+    monkeypatch.setattr(tuned, "cache", {})
+    _check_add_layer_norm(*_add_inputs((90, 1000)))
+
+
+def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch):
+    """The autotuner as on a GPU (all candidates, pruned to the row width, each run while being
+    timed, fake timings that pick the last) gives correct results; layer_norm and add_layer_norm
+    are tuned separately."""
+    for tuned in (layernorm._fwd, layernorm._bwd):
+        times = iter(range(1000, 0, -1))
+        monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
+        monkeypatch.setattr(tuned, "cache", {})
+        monkeypatch.setattr(tuned, "cache_results", False)       # (on a GPU: no timings from disk)
+        monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles, t=times: (fn(), [next(t)] * 3)[1])
+    _check_add_layer_norm(*_add_inputs((40, 1000)))
+    _check_layer_norm(_randn(40, 1000), _randn(1000, seed=2), _randn(1000, seed=3))
+    for tuned in (layernorm._fwd, layernorm._bwd):
+        assert len(tuned.cache) == 2 and len(set(tuned.cache.values())) == 1
+        assert tuned.best_config.kwargs["BLOCK_M"] * 1024 <= 8192
+
+
+@pytest.mark.parametrize("block_n", [2**k for k in range(15)])
+def test_gpu_configs_fit_every_width(block_n):
+    """Every fused width gets candidates (an empty list would leave the autotuner nothing) within the
+    tile and per-thread bounds."""
+    for tile, per_thread, widest in ((layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.MAX_FUSED_N),
+                                     (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.MAX_FUSED_BWD_N)):
+        if block_n > widest:
+            continue
+        fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread)
+        assert fit
+        for c in fit:
+            elems = c.kwargs["BLOCK_M"] * block_n
+            assert min(tile[0], block_n) <= elems <= max(tile[1], block_n)
+            assert per_thread[0] <= elems // (32 * c.num_warps) <= per_thread[1]
+
+
+def test_add_layer_norm_rejects_mismatched_shapes():
+    x, r, w, b = _add_inputs((4, 64))
+    with pytest.raises(ValueError, match="one shape"):
+        add_layer_norm(x, r[:2], w, b)
+
+
+def test_torch_add_layer_norm_reference():
+    """The eager reference the benchmark times: h in x's dtype, y = F.layer_norm(h)."""
+    x, r, w, b = _add_inputs((4, 64), torch.bfloat16)
+    h, y = torch_add_layer_norm(x, r.float(), w, b)
+    assert h.dtype == y.dtype == torch.bfloat16
+    torch.testing.assert_close(h, (x.float() + r.float()).to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(y, F.layer_norm(h, (64,), w, b), atol=0, rtol=0)
 
 
 def test_fused_layer_norm_is_a_drop_in_for_nn_layer_norm():
@@ -129,138 +288,6 @@ def test_fused_layer_norm_is_a_drop_in_for_nn_layer_norm():
     torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
     half = FusedLayerNorm(64, dtype=torch.bfloat16, device=DEVICE)
     assert half.weight.dtype == torch.bfloat16 and half.weight.device.type == DEVICE
-
-
-# ------------------------------------------------------------------------------------- softmax
-def _reference_softmax(x, scale, masked):
-    """fp32 softmax(scale * x) with `masked` (bool, broadcastable) positions removed -> 0."""
-    z = x.float() * scale
-    if masked is None:
-        return torch.softmax(z, -1)
-    z = z.masked_fill(masked, float("-inf"))
-    e = torch.exp(z - z.amax(-1, keepdim=True).clamp_min(-1e30))  # finite max for full masks
-    s = e.sum(-1, keepdim=True)
-    return e / torch.where(s == 0, torch.ones_like(s), s)
-
-
-def _causal(sq, sk):
-    i = torch.arange(sq, device=DEVICE)[:, None]
-    j = torch.arange(sk, device=DEVICE)[None, :]
-    return j > i + (sk - sq)
-
-
-def _check_softmax(fn, x, scale, causal=False, mask=None):
-    """Forward and backward of `fn` vs the fp32 reference; masked entries exactly 0."""
-    dtype = x.dtype
-    masked = mask
-    if causal:
-        c = _causal(*x.shape[-2:])
-        masked = c if masked is None else masked | c
-    x = x.detach().requires_grad_()
-    y = fn(x, scale, causal=causal, mask=mask)
-    dy = _randn(*y.shape, dtype=dtype, seed=1)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    xr = x.detach().float().requires_grad_()
-    yr = _reference_softmax(xr, scale, masked)
-    (dxr,) = torch.autograd.grad(yr, xr, dy.float())
-
-    assert y.dtype == dtype and y.shape == x.shape and dx.dtype == dtype
-    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
-    _close(y, yr, dtype)
-    # dx = scale*y*(dy - sum(dy*y)) from the 16-bit y: the rounding of y and of sum(dy*y)
-    # costs ~1 ulp of the largest |dx|, also where dy - sum(dy*y) cancels
-    atol, rtol = TOL[dtype]
-    _close(dx, dxr, dtype, atol=atol + rtol * dxr.abs().max().item())
-    if masked is not None:
-        full = masked.expand(x.shape)
-        assert (y[full] == 0).all() and (dx[full] == 0).all()
-    return y
-
-
-@pytest.mark.parametrize("fn", [scaled_masked_softmax, torch_scaled_masked_softmax],
-                         ids=["triton", "torch"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", ["plain", "causal", "mask", "mask+causal"])
-def test_softmax_matches_reference(mode, dtype, fn):
-    x = (_randn(2, 3, 24, 24) * 4).to(dtype)
-    mask = (_randn(2, 1, 24, 24, seed=5) > 0.5) if "mask" in mode else None
-    _check_softmax(fn, x, 0.37, causal="causal" in mode, mask=mask)
-
-
-@pytest.mark.parametrize("mask_shape", [(2, 3, 5, 1000), (2, 1, 5, 1000), (1, 3, 5, 1000), (5, 1000)],
-                         ids=str)
-def test_softmax_mask_broadcast_odd_sk(mask_shape):
-    mask = _randn(*mask_shape, seed=5) > 0.0
-    _check_softmax(scaled_masked_softmax, _randn(2, 3, 5, 1000), 0.125, mask=mask)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_softmax_causal_sq_shorter_than_sk(dtype):
-    """Bottom-right aligned: query i of sq sees keys j <= i + sk - sq (the last query sees all)."""
-    y = _check_softmax(scaled_masked_softmax, _randn(1, 2, 16, 40).to(dtype), 1.0, causal=True)
-    assert (y[..., -1, :] > 0).all() and (y[..., 0, 25:] == 0).all() and (y[..., 0, :25] > 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_softmax_longest_supported_row(dtype):
-    _check_softmax(scaled_masked_softmax, _randn(1, 1, 2, softmax.MAX_SK).to(dtype), 0.5, causal=True)
-
-
-@pytest.mark.parametrize("layout", ["heads_seq_swapped", "row_strided", "transposed"])
-def test_softmax_non_contiguous(layout):
-    base = _randn(2, 6, 4, 40)
-    x = {"heads_seq_swapped": base.transpose(1, 2),  # [2, 4, 6, 40], unit last stride
-         "row_strided": base[..., 3:33],              # rows 40 apart
-         "transposed": base.transpose(2, 3)}[layout]  # last stride 40
-    assert not x.is_contiguous()
-    _check_softmax(scaled_masked_softmax, x, 0.7, causal=(layout != "transposed"),
-                   mask=_randn(x.shape[-2], x.shape[-1], seed=4) > 1.0)
-
-
-def test_softmax_gpu_launch_config(gpu_launch_config):
-    _check_softmax(scaled_masked_softmax, _randn(2, 2, 16, 1000), 0.3, causal=True,
-                   mask=_randn(2, 1, 16, 1000, seed=4) > 1.0)
-
-
-def test_softmax_all_zero_causal_input_is_uniform_over_the_past():
-    y = scaled_masked_softmax(torch.zeros(2, 3, 33, 33, device=DEVICE), 1.0, causal=True)
-    i = torch.arange(33, device=DEVICE)[:, None]
-    expected = torch.where(_causal(33, 33), 0.0, 1.0 / (i + 1.0)).expand_as(y)
-    torch.testing.assert_close(y, expected, atol=1e-7, rtol=1e-6)
-
-
-@pytest.mark.parametrize("fn", [scaled_masked_softmax, torch_scaled_masked_softmax],
-                         ids=["triton", "torch"])
-def test_softmax_fully_masked_rows_are_zero_not_nan(fn):
-    mask = torch.zeros(1, 1, 6, 50, dtype=torch.bool, device=DEVICE)
-    mask[..., 2, :] = True  # row 2 sees nothing
-    x = _randn(2, 2, 6, 50).requires_grad_()
-    y = fn(x, 0.5, mask=mask)
-    y.backward(_randn(*y.shape, seed=1))
-    assert (y[:, :, 2] == 0).all() and (x.grad[:, :, 2] == 0).all()
-    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
-    torch.testing.assert_close(y.sum(-1)[:, :, [0, 1, 3, 4, 5]], torch.ones(2, 2, 5, device=DEVICE))
-
-
-def test_softmax_falls_back_to_torch_above_max_sk_and_warns_once(monkeypatch):
-    monkeypatch.setattr(softmax, "MAX_SK", 32)
-    monkeypatch.setattr(softmax, "_warned_fallback", False)
-
-    def kernel_path(*args):
-        raise AssertionError("the Triton path was taken above MAX_SK")
-
-    monkeypatch.setattr(softmax, "_SoftmaxFn", types.SimpleNamespace(apply=kernel_path))
-    x = _randn(1, 2, 8, 48)
-    with pytest.warns(UserWarning, match="sk=48"):
-        _check_softmax(scaled_masked_softmax, x, 0.3, causal=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _check_softmax(scaled_masked_softmax, x, 0.3, mask=_randn(8, 48, seed=3) > 0)
-
-
-def test_softmax_rejects_non_bool_mask():
-    with pytest.raises(TypeError, match="bool"):
-        scaled_masked_softmax(_randn(1, 1, 4, 4), 1.0, mask=torch.zeros(4, 4, device=DEVICE))
 
 
 def test_importing_kernels_package_does_not_import_triton():

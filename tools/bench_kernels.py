@@ -212,12 +212,8 @@ class Case:
             if isinstance(ln, str):
                 ours = eager = ln
             else:
-                fused = getattr(ln, "add_layer_norm", None)
-                ref = getattr(ln, "torch_add_layer_norm", None)
-                ours = (lambda x, r, w, b: fused(x, r, w, b, eps)) if fused else \
-                    "kernels.layernorm has no add_layer_norm yet"
-                eager = (lambda x, r, w, b: ref(x, r, w, b, eps)) if ref else \
-                    "kernels.layernorm has no torch_add_layer_norm yet"
+                ours = lambda x, r, w, b: ln.add_layer_norm(x, r, w, b, eps)  # noqa: E731
+                eager = lambda x, r, w, b: ln.torch_add_layer_norm(x, r, w, b, eps)  # noqa: E731
         else:
             at = kmods.get("attention")
             if isinstance(at, str):
@@ -244,8 +240,7 @@ class Case:
             return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
         if self.op == "addln":
             ln = kmods.get("layernorm")
-            ref = None if isinstance(ln, str) else getattr(ln, "torch_add_layer_norm", None)
-            return (lambda x, r, w, b: ref(x, r, w, b, eps)) if ref else None
+            return None if isinstance(ln, str) else (lambda x, r, w, b: ln.torch_add_layer_norm(x, r, w, b, eps))
         at = kmods.get("attention")
         return None if isinstance(at, str) else (lambda q, k, v: at.torch_attention(q, k, v, causal=True))
 

@@ -735,12 +735,12 @@ def section4(pools, steps: int, log) -> Report:
              ", ".join(f"{d}: {mb(zb[d, 1, 1])}/{mb(zb[d, 1, 2])}/{mb(zb[d, 1, 4])} MiB at dp=1/2/4"
                        for d in ("fp32", "bf16")),
              "within 1% of 1/dp", ok)
-    rep.text("\nrecompute=selective recomputes the attention core (softmax(q k^T) v). With the fused "
-             "F.scaled_dot_product_attention of the torch path the s x s probabilities are never stored, and on CPU "
-             "the SDPA output shares its storage with the output projection's saved input, so selective saves only "
-             "the logsumexp: its memory equals none, and it pays the attention forward again. It pays off with "
-             "kernels=triton (scaled_masked_softmax stores the [b, heads, s, s] probabilities). recompute=full keeps "
-             "only each block's input (2 MiB per block per microbatch here) plus the head.")
+    rep.text("\nrecompute=selective recomputes the attention core (softmax(q k^T) v). Both attention paths are "
+             "fused (F.scaled_dot_product_attention with kernels=torch, the Triton flash attention with "
+             "kernels=triton): the s x s probabilities are never stored, and the attention output shares its storage "
+             "with the output projection's saved input (on CPU for SDPA; always for the flash kernel), so selective "
+             "saves only the log-sum-exp: its memory equals none, and it pays the attention forward again. "
+             "recompute=full keeps only each block's input (2 MiB per block per microbatch here) plus the head.")
     ok = full.act_peak < sel.act_peak <= fp32.act_peak
     rep.goal("activation memory full < selective <= none",
              f"{mb(full.act_peak)} < {mb(sel.act_peak)} <= {mb(fp32.act_peak)} MiB", "order", ok)
