@@ -5,36 +5,75 @@
     torchrun --nproc_per_node=48 train.py layout=tp4_pp12 model=gpt2-small
 
 Hydra composes conf/config.yaml with the command line into one typed TrainConfig
-(megatron_mini/config.py); unknown keys and wrong types fail before anything starts.
+(megatron_mini/config.py). Every failure the run can explain ends every rank with one line,
+`error: ...`, which torchrun's report also names as the root cause (megatron_mini.launch.fail):
+Hydra's own messages (a wrong type, a value outside a choice), unknown keys, and the library's
+ConfigError / RunError / CommError.
 """
+import io
 import os
 import sys
-import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_mini.config import ConfigError, TrainConfig, register_configs
-from megatron_mini.mesh import launch_env
+from megatron_mini.comm import CommError
+from megatron_mini.config import ConfigError, RunError, TrainConfig, check_keys, register_configs
+from megatron_mini.launch import Terminated, fail
 
 register_configs()
+_HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+
+
+class _Stderr:
+    """Holds what Hydra prints while it composes the config (its error, if any: every rank would print
+    it); once our code runs, stderr is the real one again."""
+
+    def __init__(self):
+        self.real, self.held = sys.stderr, io.StringIO()
+        sys.stderr = self.held
+
+    def restore(self, replay: bool = True) -> None:
+        if sys.stderr is self.held:
+            sys.stderr = self.real
+            if replay:
+                self.real.write(self.held.getvalue())
+
+    def hydra_error(self) -> str:
+        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() and line != _HYDRA_HINT]
+        text = " ".join(lines).split(" full_key:")[0]          # OmegaConf's trailer repeats the key
+        return text or "the configuration could not be composed"
+
+
+_stderr = None
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
-    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-    rank = launch_env()[0]
+    _stderr.restore()
     try:
+        check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
+        cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
         from megatron_mini.training import train
         train(cfg)
-    except ConfigError as e:
-        # Every rank finds the same problem before any collective. Rank 0 reports it; the others
-        # wait for torchrun to stop them once rank 0 has exited (or report it themselves if not).
-        if rank != 0:
-            time.sleep(15)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
+    except ConfigError as e:               # every rank finds the same problem before any collective
+        fail(str(e), code=2)
+    except RunError as e:                  # every rank knows; one of them says what it was
+        fail(str(e), code=1, reporter=e.reporter)
+    except CommError as e:                 # this rank's collective failed: say so at once
+        fail(str(e), code=1, reporter=None)
+    except Terminated:                     # stopped by the launcher because of another rank's failure
+        os._exit(143)
 
 
 if __name__ == "__main__":
-    main()
+    _stderr = _Stderr()
+    try:
+        main()
+    except SystemExit as e:                # Hydra refused the command line (its message is held)
+        if e.code not in (0, None) and sys.stderr is _stderr.held:
+            _stderr.restore(replay=False)
+            fail(_stderr.hydra_error(), code=2)
+        raise
+    finally:
+        _stderr.restore()

@@ -1,36 +1,75 @@
-"""Layout-free checkpoints: every tensor stored full, under its parameter's global name.
+"""Layout-free, checksummed checkpoints: every tensor stored full, under its parameter's global name.
 
     {run_dir}/checkpoints/step_000100/
         model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage
         optim_pp00.pt ...   {global name: {master, exp_avg, exp_avg_sq}}, step count, loss scaler
         rng_rank0000.pt ... each rank's dropout RNG streams (restored when the layout is the same)
-        meta.json           step, consumed_samples, layout, config
+        meta.json           step, consumed_samples, layout, config, data identity, sha256 of every file
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
 
-All ranks write into `step_N.tmp/`; once every file is there, rank 0 renames it to
-`step_N/` and only then rewrites `latest` (tmp + rename), so a crash never leaves a
-half-written checkpoint behind the `latest` pointer. A checkpoint loads into any layout
-(tp, pp, vpp, dp, ZeRO), since each rank slices what it needs from the full tensors.
+Saving: all ranks write into `step_N.tmp/` and hash what they wrote; rank 0 writes meta.json with
+the hashes, renames the directory to `step_N/`, then rewrites `latest` (tmp + rename) and removes
+all but the newest `keep` checkpoints. A failed write on any rank (a full disk, no permission) is
+agreed on by every rank: the temp directory is removed, `latest` stays on the last good checkpoint
+and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
+
+Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
+verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
+sha256, `check_compatible` refuses another model, tokenizer, corpus or seed. A checkpoint loads into
+any layout (tp, pp, vpp, dp, ZeRO): each rank slices what it needs from the full tensors.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import comm
+from .config import ConfigError, RunError, TrainConfig
 from .tensor_parallel import gather_full, shard
 
 OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+STEP_DIR = re.compile(r"step_(\d+)$")
+# keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
+              "ffn_mult", "ln_eps")
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, incomplete, corrupt or not one: a one-line message."""
+
+
+@dataclass
+class Resume:
+    path: str
+    meta: dict
+    notes: list                 # what was skipped to get here, for the log
+    skipped: tuple = ()         # newer checkpoints that failed verification
+
+
+def set_aside(skipped) -> list:
+    """Rename checkpoints that failed verification to step_N.corrupt, so that no later resume or
+    pruning counts them (call once every rank has chosen what to resume from); returns notes."""
+    notes = []
+    for path in skipped:
+        os.replace(path, path + ".corrupt")
+        notes.append(f"moved {path} aside to {path}.corrupt")
+    return notes
+
+
+# ----------------------------------------------------------------------------- files
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -42,15 +81,140 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
+class _Writer:
+    """A file for torch.save that keeps the OSError of a failed write (a full disk, a file size limit):
+    torch reports only its own RuntimeError ("unexpected pos ...") for it."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def _save_file(obj, path: str) -> str:
+    """torch.save to `path`, flushed to disk; returns its sha256."""
+    with open(path, "wb") as f:
+        writer = _Writer(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error:
+                raise writer.error from None
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+    return sha256_file(path)
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def verify(path: str) -> dict:
+    """meta.json of the checkpoint `path`, once every file it lists has its recorded sha256."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory.")
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise CheckpointError(f"{path} is not a checkpoint (no meta.json); a checkpoint directory looks like "
+                              f"runs/NAME/checkpoints/step_000100.")
+    try:
+        meta = read_meta(path)
+        files = meta["files"]
+        assert isinstance(files, dict) and files
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
+    for name, digest in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing (an incomplete checkpoint).")
+        if sha256_file(file) != digest:
+            raise CheckpointError(f"{file} does not match its sha256 in meta.json (a corrupt checkpoint).")
+    return meta
+
+
+def checkpoints_of(run_dir: str) -> list:
+    """The complete-looking checkpoint directories of a run, newest first (by step)."""
+    root = os.path.join(run_dir, "checkpoints")
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in (os.listdir(root) if os.path.isdir(root) else [])
+             if (m := STEP_DIR.match(d)) and os.path.isdir(os.path.join(root, d))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest(run_dir: str) -> Resume | None:
+    """The newest checkpoint of `run_dir` that verifies (whatever `latest` says), with notes on what was
+    skipped; None when the run has no checkpoint; CheckpointError when it has some but none is good."""
+    candidates, notes, skipped = checkpoints_of(run_dir), [], []
     pointer = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.exists(pointer):
+    named = open(pointer).read().strip() if os.path.isfile(pointer) else None
+    for path in candidates:
+        try:
+            meta = verify(path)
+        except CheckpointError as e:
+            notes.append(f"skipped {path}: {str(e).rstrip('.')}")
+            skipped.append(path)
+            continue
+        if named != os.path.basename(path):
+            notes.append(f"checkpoints/latest {'names ' + repr(named) if named else 'is missing'}; "
+                         f"took the newest complete checkpoint, {path}")
+        return Resume(path, meta, notes, tuple(skipped))
+    if candidates:
+        raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
+                              f"Resume from one by hand (resume=PATH), or start a new run under another run_name.")
+    return None
+
+
+# ----------------------------------------------------------------------------- resuming
+def find_resume(cfg: TrainConfig) -> Resume | None:
+    """What this run continues from, by cfg.resume: auto (the run's newest good checkpoint, or none),
+    never (a fresh run, in a run directory without checkpoints), or a checkpoint PATH."""
+    if cfg.resume == "never":
+        existing = checkpoints_of(cfg.run_dir)
+        if existing:
+            raise ConfigError(f"resume=never, but {cfg.run_dir} already holds checkpoints (newest: {existing[0]}), "
+                              f"which a new run would overwrite. Continue that run with resume=auto, or start the new "
+                              f"one under another run_name.")
         return None
-    with open(pointer) as f:
-        path = os.path.join(run_dir, "checkpoints", f.read().strip())
-    return path if os.path.isdir(path) else None
+    if cfg.resume == "auto":
+        return newest(cfg.run_dir)
+    return Resume(cfg.resume, verify(cfg.resume), [])
 
 
+def data_identity(tokenizer_sha256: str, data_meta: dict) -> dict:
+    """What the train/validation split and the token ids depend on, besides seed and val_fraction."""
+    return {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": data_meta.get("corpus_sha256"),
+            "num_tokens": data_meta.get("num_tokens")}
+
+
+def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
+    """Refuse a checkpoint of another model, tokenizer, corpus, seed or validation split, listing
+    every differing key as old -> new. The layout, batch, schedule, optimizer, precision and
+    bookkeeping may change (README, "Resuming")."""
+    old, diffs = resume.meta["config"], []
+    for key in MODEL_KEYS:
+        if old["model"][key] != getattr(cfg.model, key):
+            diffs.append(f"model.{key}: {old['model'][key]} -> {getattr(cfg.model, key)}")
+    for key, new in (("seed", cfg.seed), ("data.val_fraction", cfg.data.val_fraction)):
+        was = old["seed"] if key == "seed" else old["data"]["val_fraction"]
+        if was != new:
+            diffs.append(f"{key}: {was} -> {new} (it draws the train/validation split)")
+    for key, was in resume.meta.get("data", {}).items():
+        if data[key] != was:
+            diffs.append(f"data {key}: {str(was)[:16]} -> {str(data[key])[:16]}")
+    if diffs:
+        raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
+                          f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name.")
+
+
+# ----------------------------------------------------------------------------- saving
 def _full_optimizer_states(optimizer) -> dict:
     """{buffer index: {state: flat tensor over the whole buffer}}, all-gathered over DP with ZeRO."""
     out = {}
@@ -68,13 +232,43 @@ def _full_optimizer_states(optimizer) -> dict:
     return out
 
 
-def save(path: str, step: int, consumed_samples: int, chunks, optimizer, rng, mesh, config: dict) -> None:
-    tmp = path + ".tmp"
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    writer = mesh.tp_rank == 0 and mesh.dp_rank == 0
+def _agree(failure: str | None, mesh, device) -> int | None:
+    """Every rank learns which is the first rank whose step failed (None: none failed)."""
+    flags = torch.zeros(mesh.world_size, device=device)
+    flags[mesh.rank] = failure is not None
+    comm.all_reduce(flags, mesh.world_group)
+    failed = flags.nonzero().flatten().tolist()
+    return int(failed[0]) if failed else None
+
+
+def _try(fn, *args) -> str | None:
+    try:
+        fn(*args)
+        return None
+    except (OSError, RuntimeError) as e:        # a full disk, a permission, torch's stream writer
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def save(path: str, step: int, consumed_samples: int, optimizer, rng, mesh, config: dict, data: dict,
+         keep: int) -> None:
+    """Write the checkpoint `path` (step_N) of every rank's state; see the module doc."""
+    tmp, device = path + ".tmp", optimizer.buffers[0].grads_flat.device
+    previous = os.path.join(os.path.dirname(path), "latest")
+    last_good = open(previous).read().strip() if os.path.isfile(previous) else "none"
+
+    def check(failure: str | None, what: str) -> None:
+        first = _agree(failure, mesh, device)
+        if first is None:
+            return
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(f"Saving checkpoint {path} failed on rank {first} while {what}: {failure or 'see rank ' + str(first)}. "
+                       f"Its partial files were removed; checkpoints/latest still names the last good checkpoint "
+                       f"({last_good}).", reporter=first)
+
+    check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
+          "creating its directory")
+    comm.barrier(mesh.world_group)
     model, optim = {}, {}
     states = _full_optimizer_states(optimizer)
     for i, buf in enumerate(optimizer.buffers):
@@ -83,35 +277,48 @@ def save(path: str, step: int, consumed_samples: int, chunks, optimizer, rng, me
             model[name] = gather_full(p.detach().float(), p.spec, mesh.tp_group).cpu()
             optim[name] = {k: gather_full(states[i][k][lo:lo + n].view(p.shape), p.spec, mesh.tp_group).cpu()
                            for k in OPTIM_STATES}
-    if writer:
-        torch.save(model, os.path.join(tmp, f"model_pp{mesh.pp_rank:02d}.pt"))
-        extra = {"step_count": optimizer.step_count,
-                 "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
-        torch.save({"params": optim, **extra}, os.path.join(tmp, f"optim_pp{mesh.pp_rank:02d}.pt"))
-    torch.save(rng.get_states(), os.path.join(tmp, f"rng_rank{mesh.rank:04d}.pt"))
-    if mesh.rank == 0:
+    files = {f"rng_rank{mesh.rank:04d}.pt": rng.get_states()}
+    if mesh.tp_rank == 0 and mesh.dp_rank == 0:       # one writer per pipeline stage
+        files[f"model_pp{mesh.pp_rank:02d}.pt"] = model
+        files[f"optim_pp{mesh.pp_rank:02d}.pt"] = {
+            "params": optim, "step_count": optimizer.step_count,
+            "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
+    digests = {}
+
+    def write():
+        for name, obj in files.items():
+            digests[name] = _save_file(obj, os.path.join(tmp, name))
+    check(_try(write), "writing its files")
+    # every rank's (name, sha256) pairs to rank 0: 3 names at most per rank, as fixed-size byte rows
+    rows = torch.zeros(3, 96, dtype=torch.uint8)
+    for i, (name, digest) in enumerate(digests.items()):
+        text = f"{name} {digest}".encode()
+        rows[i, :len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    gathered = comm.all_gather(rows.to(device).unsqueeze(0), mesh.world_group, dim=0).cpu()
+
+    def publish():
+        pairs = [bytes(row.tolist()).rstrip(b"\0").decode().split() for row in gathered.reshape(-1, 96) if row.any()]
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config}
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config, "data": data,
+                "files": dict(sorted(pairs))}
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=2))
-    _barrier()
-    if mesh.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        _atomic_write_text(os.path.join(os.path.dirname(path), "latest"), os.path.basename(path))
-    _barrier()
+        _atomic_write_text(previous, os.path.basename(path))
+        root = os.path.dirname(path)
+        stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
+        for old in checkpoints_of(os.path.dirname(root))[keep:] + stale:
+            shutil.rmtree(old, ignore_errors=True)
+    check(_try(publish) if mesh.rank == 0 else None, "publishing it")
 
 
+# ----------------------------------------------------------------------------- loading
 def load_model_tensors(path: str) -> dict:
     """{global name: full tensor} from every pipeline stage's file of a checkpoint."""
     tensors = {}
     for f in sorted(glob.glob(os.path.join(path, "model_pp*.pt"))):
         tensors.update(torch.load(f, weights_only=True, map_location="cpu"))
     return tensors
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
 
 
 @torch.no_grad()

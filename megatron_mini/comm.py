@@ -8,6 +8,7 @@ reduced tensor (all_reduce), the gathered output (all_gather), the unreduced inp
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -57,28 +58,65 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class CommError(RuntimeError):
+    """A collective or transfer that failed: a peer died, or stalled past the groups' timeout."""
+
+
+@contextlib.contextmanager
+def _named(group: Group, op: str):
+    """Re-raise torch's failure of `op` as a CommError that names this rank, the op and the group."""
+    try:
+        yield
+    except RuntimeError as e:           # torch's DistBackendError / DistError, gloo's timeouts
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        raise CommError(f"rank {dist.get_rank()}: {op} over the {group.name} group (ranks {group.ranks}) failed: "
+                        f"{lines[0] if lines else type(e).__name__}") from e
+
+
+class Work:
+    """An async collective's handle whose wait() fails as a CommError."""
+
+    def __init__(self, work, group: Group, op: str):
+        self.work, self.group, self.op = work, group, op
+
+    def wait(self) -> None:
+        with _named(self.group, self.op):
+            self.work.wait()
+
+
+def _run(group: Group, name: str, nbytes: int, fn, *args, async_op: bool = False, **kwargs):
+    """Record (group, name, bytes) and run the collective `fn` on the group's process group."""
+    group.ledger.record(group.name, name, nbytes)
+    with _named(group, name):
+        work = fn(*args, group=group.pg, async_op=async_op, **kwargs)
+    return Work(work, group, name) if async_op else None
+
+
 def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of `t` over `group`; returns a work handle when async_op."""
     if group.size == 1:
         return None
-    group.ledger.record(group.name, "all_reduce", _nbytes(t))
-    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+    return _run(group, "all_reduce", _nbytes(t), dist.all_reduce, t, op=op, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Flat all-gather: `out` (size * shard.numel()) receives every rank's `shard` in group order."""
     if group.size == 1:
         return None
-    group.ledger.record(group.name, "all_gather", _nbytes(out))
-    return _all_gather_flat(out, shard, group=group.pg, async_op=async_op)
+    return _run(group, "all_gather", _nbytes(out), _all_gather_flat, out, shard, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
     """Flat reduce-scatter of `t` into `out` (t.numel() / size elements)."""
     if group.size == 1:
         return None
-    group.ledger.record(group.name, "reduce_scatter", _nbytes(t))
-    return _reduce_scatter_flat(out, t, group=group.pg, async_op=async_op)
+    return _run(group, "reduce_scatter", _nbytes(t), _reduce_scatter_flat, out, t, async_op=async_op)
+
+
+def barrier(group: Group) -> None:
+    """Wait until every rank of `group` is here."""
+    if group.size > 1:
+        _run(group, "barrier", 0, dist.barrier)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -101,13 +139,6 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def broadcast(t: torch.Tensor, group: Group, src_index: int = 0) -> None:
-    if group.size == 1:
-        return
-    group.ledger.record(group.name, "broadcast", _nbytes(t))
-    dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
-
-
 def batch_p2p(ops: list, group: Group) -> None:
     """Post [(\"send\"|\"recv\", tensor, peer_index)] together and wait for all of them.
     On gloo, CUDA tensors travel through host copies (sent from a copy, received into one)."""
@@ -123,7 +154,8 @@ def batch_p2p(ops: list, group: Group) -> None:
                 staged.append((tensor, wire))
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, wire, group.ranks[peer], group=group.pg))
-    for work in dist.batch_isend_irecv(p2p):
-        work.wait()
+    with _named(group, "send/recv"):
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
     for tensor, wire in staged:
         tensor.copy_(wire)

@@ -1,18 +1,57 @@
 """One typed config object for a run, registered with Hydra's ConfigStore.
 
-`TrainConfig` is the schema: Hydra (train.py) fills it from conf/*.yaml and the command
-line, rejects unknown keys and wrong types, and `validate()` checks the layout against
-the world size before any process group exists. Tests build `TrainConfig(...)` directly.
+`TrainConfig` is the schema: Hydra (train.py) fills it from conf/*.yaml and the command line,
+and rejects wrong types and, for the Enum fields, values outside their choices; `check_keys`
+refuses keys that are no field (Hydra's `+key=value` would add them); `validate()` checks every
+value's range and the layout against the world size before any process group exists. Tests build
+`TrainConfig(...)` directly (plain strings for the choices are accepted and converted by validate).
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 
 class ConfigError(Exception):
     """A bad configuration: the message is shown as is, on one rank, and every rank exits 2."""
+
+
+class RunError(Exception):
+    """A failure during a run that every rank knows of (a failed save, say): rank `reporter` prints
+    the message and every rank exits 1."""
+
+    def __init__(self, message: str, reporter: int = 0):
+        super().__init__(message)
+        self.reporter = reporter
+
+
+class Choice(str, Enum):
+    """A config choice: an Enum for Hydra (which refuses other values), a str everywhere else
+    (`cfg.device == "cpu"`, f-strings and JSON show the value)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+def choice(name: str, *values: str) -> type:
+    """A Choice whose member names are its values (the functional API allows names like "1f1b")."""
+    return Choice(name, [(v, v) for v in values])
+
+
+Device = choice("Device", "auto", "cpu", "cuda")
+Backend = choice("Backend", "auto", "nccl", "gloo")
+DType = choice("DType", "fp32", "fp16", "bf16")
+Schedule = choice("Schedule", "gpipe", "1f1b")
+EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
+Recompute = choice("Recompute", "none", "full", "selective")
+Kernels = choice("Kernels", "auto", "triton", "torch")
+WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
 
 
 @dataclass
@@ -66,7 +105,7 @@ class DataConfig:
     val_fraction: float = 0.02      # fraction of documents held out for validation
     tokenizer_sample_chars: int = 12_000_000  # text fed to sentencepiece training
     tokenizer_seed: int = 1234      # seeds the sample of text chunks the tokenizer is trained on
-    num_workers: int = 2
+    num_workers: int = 2            # processes encoding the corpus
 
 
 @dataclass
@@ -83,7 +122,7 @@ class OptimizerConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "fp32"              # fp32 | fp16 | bf16
+    dtype: DType = DType.fp32
     tf32: bool = True                # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs)
     peak_tflops: float = 0.0         # the MFU denominator per GPU; 0: from hardware.py's table
     # fp16 dynamic loss scaling (Megatron-LM defaults)
@@ -93,11 +132,12 @@ class PrecisionConfig:
     loss_scale_backoff_factor: float = 0.5
     loss_scale_hysteresis: int = 2
     min_loss_scale: float = 1.0
+    max_skips_at_min_scale: int = 10  # fp16: stop after this many overflows in a row at min_loss_scale
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"               # auto (online with an API key, else offline) | online | offline | disabled
+    mode: WandbMode = WandbMode.auto  # auto: online with an API key, else offline
     project: str = "megatron_mini"
     group: Optional[str] = None
     name: Optional[str] = None
@@ -116,12 +156,12 @@ class TrainConfig:
     vpp: int = 1
     sp: bool = False
     zero: int = 0                    # 0 or 1
-    schedule: str = "1f1b"           # gpipe | 1f1b (interleaved when vpp > 1)
-    embedding_stage: str = "none"    # none | layer | own
+    schedule: Schedule = Schedule["1f1b"]   # interleaved when vpp > 1
+    embedding_stage: EmbeddingStage = EmbeddingStage.none
     pipeline_first_blocks: int = 0   # explicit block count of the first block stage (0: balanced)
     pipeline_last_blocks: int = 0    # explicit block count of the last block stage (0: balanced)
-    recompute: str = "none"          # none | full | selective
-    kernels: str = "auto"            # auto (torch, or triton where measured faster on this GPU) | triton | torch
+    recompute: Recompute = Recompute.none
+    kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU
     compile: bool = False            # torch.compile each block (collectives and linears stay eager)
     # batch and schedule
     mbs: int = 4
@@ -135,21 +175,88 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 8
     save_interval: int = 0           # 0: only at the end
+    keep_checkpoints: int = 2        # the newest N complete checkpoints are kept
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
-    device: str = "auto"             # auto (a GPU per rank when there are enough, else CPU) | cpu | cuda
-    dist_backend: str = "auto"       # auto (nccl on CUDA unless ranks share a GPU, else gloo) | nccl | gloo
-    timeout_s: int = 300             # collective timeout
+    device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
+    dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo
+    timeout_s: int = 300             # how long any collective may wait (a stalled peer ends the job)
 
     def num_microbatches(self, dp: int) -> int:
         return self.gbs // (self.mbs * dp)
 
 
+# (key, test, requirement) for every numeric key; 0 means "off" where a key says so
+_GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
+_UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+RANGES = {
+    "model.num_layers": _GE1, "model.hidden_size": _GE1, "model.num_heads": _GE1, "model.seq_len": _GE1,
+    "model.vocab_size": _GE1, "model.vocab_pad_multiple": _GE1, "model.ffn_mult": _GE1,
+    "model.label_smoothing": _UNIT, "model.dropout": _UNIT, "model.ln_eps": _GT0, "model.init_std": _GT0,
+    "data.vocab_size": _GE1, "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "data.tokenizer_sample_chars": _GE1, "data.num_workers": _GE1,
+    "optimizer.lr": _GE0, "optimizer.min_lr": _GE0, "optimizer.warmup_steps": _GE0,
+    "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT, "optimizer.eps": _GT0,
+    "optimizer.grad_clip": (_GE0[0], ">= 0 (0: no clipping)"),
+    "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
+    "precision.initial_loss_scale": _GT0, "precision.loss_scale_growth_factor": (lambda v: v >= 1, ">= 1"),
+    "precision.loss_scale_growth_interval": _GE1, "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "precision.loss_scale_hysteresis": _GE1, "precision.min_loss_scale": _GT0, "precision.max_skips_at_min_scale": _GE1,
+    "tp": _GE1, "pp": _GE1, "vpp": _GE1, "zero": (lambda v: v in (0, 1), "0 (off) or 1 (ZeRO-1)"),
+    "pipeline_first_blocks": (_GE0[0], ">= 0 (0: balanced)"), "pipeline_last_blocks": (_GE0[0], ">= 0 (0: balanced)"),
+    "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
+    "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
+    "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1, "timeout_s": _GE1,
+}
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _choices(obj) -> None:
+    """Turn the plain strings of Choice fields into their members (tests build configs with strings)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _choices(value)
+        elif isinstance(f.default, Choice) and not isinstance(value, Choice):
+            kind = type(f.default)
+            try:
+                setattr(obj, f.name, kind(value))
+            except ValueError:
+                raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(kind.__members__)}.") from None
+
+
+def check_keys(given: dict, schema=None, prefix: str = "") -> None:
+    """Refuse every key of the composed config `given` (nested dicts) that is no field of TrainConfig:
+    Hydra's `+key=value` adds keys that the dataclass would otherwise silently drop."""
+    schema = schema or TrainConfig
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in given.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            raise ConfigError(f"Unknown config key {prefix}{key}"
+                              + (f" (did you mean {prefix}{close[0]}?)" if close else "")
+                              + f"; the keys{' of ' + prefix[:-1] if prefix else ''} are: {', '.join(fields)}.")
+        default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            check_keys(value, type(default), f"{prefix}{key}.")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> int:
-    """Check the layout and shapes; return dp. Raises ConfigError with one paragraph."""
+    """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
+    ConfigError with one paragraph. Run by every rank before any process group exists."""
+    from .pipeline import partition_for          # the partitioner and the schedules check themselves
+    from .schedules import check_schedule
+
+    _choices(cfg)
+    for key, (ok, requirement) in RANGES.items():
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}={value} must be {requirement}.")
     m = cfg.model
-    for key in ("tp", "pp", "vpp", "mbs", "gbs", "steps"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 1.")
     model_parallel = cfg.tp * cfg.pp
     if world_size < model_parallel:
         raise ConfigError(
@@ -181,20 +288,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")
     if cfg.sp and m.seq_len % cfg.tp:
         raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
-    if cfg.precision.dtype not in ("fp32", "fp16", "bf16"):
-        raise ConfigError(f"precision.dtype={cfg.precision.dtype!r}: choose fp32, fp16 or bf16.")
-    if cfg.zero not in (0, 1):
-        raise ConfigError(f"zero={cfg.zero}: only ZeRO stage 0 (off) and 1 are supported.")
-    if cfg.schedule not in ("gpipe", "1f1b"):
-        raise ConfigError(f"schedule={cfg.schedule!r}: choose gpipe or 1f1b (interleaved when vpp > 1).")
-    if cfg.embedding_stage not in ("none", "layer", "own"):
-        raise ConfigError(f"embedding_stage={cfg.embedding_stage!r}: choose none, layer or own.")
-    if cfg.recompute not in ("none", "full", "selective"):
-        raise ConfigError(f"recompute={cfg.recompute!r}: choose none, full or selective.")
-    if cfg.kernels not in ("auto", "triton", "torch"):
-        raise ConfigError(f"kernels={cfg.kernels!r}: choose auto, triton or torch.")
-    if cfg.wandb.mode not in ("auto", "online", "offline", "disabled"):
-        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r}: choose auto, online, offline or disabled.")
+    partition_for(cfg)
+    check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
     return dp
 
 

@@ -9,6 +9,7 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -48,12 +49,30 @@ class DataError(ConfigError):
         return DataError(self.what, self.problem, rebuild)
 
 
-def rebuild_command(cfg: DataConfig, vocab_size: int | None = None) -> str:
-    """`make data`, or prepare_data.py with the data.* values that differ from the defaults."""
-    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": vocab_size or cfg.vocab_size,
-              "tokenizer_sample_chars": cfg.tokenizer_sample_chars, "tokenizer_seed": cfg.tokenizer_seed}
-    args = [f"data.{k}={shlex.quote(str(v))}" for k, v in values.items() if v != getattr(DataConfig, k)]
-    return "python tools/prepare_data.py " + " ".join(args) if args else "make data"
+def rebuild_command(cfg: DataConfig, **changes) -> str:
+    """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
+    keys): `make data` for the default data, else prepare_data.py with every key that decides the
+    directory and its contents (source, dir, vocab_size, and the tokenizer keys that differ)."""
+    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
+    for key in ("tokenizer_sample_chars", "tokenizer_seed"):
+        if getattr(cfg, key) != getattr(DataConfig, key):
+            values[key] = getattr(cfg, key)
+    if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
+        return "make data"
+    return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
+
+
+def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
+    """For a valid directory that holds other data than the run asks for: never suggest overwriting
+    it; suggest building `what` in a directory of its own, and reading it from there."""
+    source, vocab = changes.get("source", cfg.source), changes.get("vocab_size", cfg.vocab_size)
+    name = "stdlib" if source == "stdlib" else Path(source).stem or "corpus"
+    new = os.path.join(os.path.dirname(os.path.normpath(cfg.dir)), f"{name}-v{vocab}")   # a sibling of cfg.dir
+    if os.path.normpath(new) == os.path.normpath(cfg.dir):
+        new += "-new"
+    command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
+    return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
+            f"and run with data.dir={new}")
 
 
 # ----------------------------------------------------------------------------------------------- corpus
@@ -453,6 +472,21 @@ def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp
     return torch.from_numpy(rows).view(per_rank // mbs, mbs, rows.shape[1])
 
 
+def check_token_ids(dataset: GPTDataset, first: int, count: int, vocab_size: int, cfg: DataConfig) -> None:
+    """Samples [first, first + count) hold only ids in [0, vocab_size): a damaged tokens.bin fails here,
+    before an id indexes past the embedding."""
+    ids = np.stack([dataset[first + j] for j in range(count)])
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise DataError(dataset.indexed.bin_path, f"holds token id {int(bad[0])}, outside the vocabulary of "
+                        f"{vocab_size} (in samples {first}..{first + count - 1})", rebuild_command(cfg))
+
+
+def data_meta(cfg: DataConfig) -> dict:
+    """meta.json of a prepared data directory (load_datasets has checked it)."""
+    return _read_json(Path(cfg.dir) / "meta.json") or {}
+
+
 def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
                   vocab_size: int) -> tuple[GPTDataset, GPTDataset, Tokenizer]:
     """Open cfg.dir (built by prepare(); nothing is rebuilt here), check it against cfg and the model's
@@ -461,15 +495,18 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
     out = Path(cfg.dir)
     try:
         tok = Tokenizer(out / "tokenizer.model")
-        for name, want in (("model.vocab_size", vocab_size), ("data.vocab_size", cfg.vocab_size)):
-            if tok.vocab_size != want:
-                raise DataError(tok.path, f"has {tok.vocab_size} tokens, but {name}={want} "
-                                f"(either set {name}={tok.vocab_size} or rebuild)")
         ds, meta = _open_checked(out, tok)
-        if meta.get("source") != _source_id(cfg.source):
-            raise DataError(out / "meta.json", f"built from {meta.get('source')}, but data.source={cfg.source}")
-    except DataError as e:
-        raise e.with_rebuild(rebuild_command(cfg, vocab_size)) from None
+    except DataError as e:           # missing or broken: rebuilding this very directory repairs it
+        raise e.with_rebuild(rebuild_command(cfg)) from None
+    if meta.get("source") != _source_id(cfg.source):
+        raise DataError(out / "meta.json", f"holds the corpus {meta.get('source')}, but data.source={cfg.source}; "
+                        f"set data.source={meta.get('source')} to train on it, or: "
+                        + new_dir_hint(cfg, f"data.source={cfg.source}"), rebuild=None)
+    for name, want in (("data.vocab_size", cfg.vocab_size), ("model.vocab_size", vocab_size)):
+        if tok.vocab_size != want:
+            raise DataError(tok.path, f"has {tok.vocab_size} tokens, but {name}={want}; set data.vocab_size and "
+                            f"model.vocab_size to {tok.vocab_size} to train on it, or: "
+                            + new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want), rebuild=None)
     try:
         train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
         return GPTDataset(ds, train_ids, seq_len, seed), GPTDataset(ds, val_ids, seq_len, seed + 1), tok

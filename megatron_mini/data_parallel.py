@@ -41,7 +41,10 @@ class Bucket:
 
 
 def _call(buffer: weakref.ref, method: str, p: nn.Parameter) -> None:
-    getattr(buffer(), method)(p)
+    owner = buffer()
+    if owner is None:
+        raise RuntimeError("this parameter's GradBuffer was garbage-collected: its owner (the Trainer) must keep it")
+    getattr(owner, method)(p)
 
 
 class GradBuffer:

@@ -9,13 +9,13 @@ are the command lines over this module and megatron_mini/hf.py.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from dataclasses import dataclass
 
 import torch
 
 from . import checkpoint
+from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .data import DataError, Tokenizer
 from .mesh import ParallelMesh
@@ -23,10 +23,6 @@ from .model import GPTChunk, KVCache, build_chunks
 from .tensor_parallel import RNGTracker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class CheckpointError(Exception):
-    """A missing or invalid checkpoint or tokenizer; the message is one line."""
 
 
 @dataclass
@@ -56,27 +52,22 @@ def _first_line(e: Exception) -> str:
 
 
 def read_checkpoint(path: str) -> Checkpoint:
-    """A checkpoint directory, or a run directory's latest checkpoint, read into memory (CPU)."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        latest = checkpoint.latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: not a megatron_mini checkpoint (no meta.json); pass a checkpoint "
-                                  f"directory such as runs/NAME/checkpoints/step_000100, or a run directory")
-        path = latest
-    if not glob.glob(os.path.join(path, "model_pp*.pt")):
-        raise CheckpointError(f"{path}: no model_pp*.pt files (an incomplete checkpoint?)")
+    """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
+    file) and read into memory (CPU)."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
+        found = checkpoint.newest(path)
+        if found is None:
+            raise CheckpointError(f"{path} is not a megatron_mini checkpoint (no meta.json) nor a run directory with "
+                                  f"checkpoints; pass a checkpoint directory such as runs/NAME/checkpoints/step_000100, "
+                                  f"or a run directory")
+        path, meta = found.path, found.meta
+    else:
+        meta = checkpoint.verify(path)
     try:
-        meta = checkpoint.read_meta(path)
         cfg = config_from_dict(meta["config"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/meta.json: unreadable ({_first_line(e)})") from None
-    try:
-        tensors = checkpoint.load_model_tensors(path)
-    except Exception as e:  # noqa: BLE001 - torch.load of a damaged file raises many kinds of error
-        raise CheckpointError(f"{path}: cannot read the model_pp*.pt files ({_first_line(e)})") from None
-    return Checkpoint(path, meta, cfg, tensors)
+    return Checkpoint(path, meta, cfg, checkpoint.load_model_tensors(path))
 
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:

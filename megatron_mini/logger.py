@@ -14,19 +14,14 @@ import re
 import sys
 from urllib.parse import urlsplit
 
-from megatron_mini.config import ConfigError, WandbConfig
-
-MODES = ("auto", "online", "offline", "disabled")
-
+from megatron_mini.config import WandbConfig
 
 def resolve_mode(mode: str) -> str:
-    """Turn a WandbConfig.mode into online | offline | disabled.
+    """Turn a WandbConfig.mode (a config.WandbMode, checked by validate) into online | offline | disabled.
 
     "auto" follows $WANDB_MODE when it is set, else "online" when an API key is configured
     ($WANDB_API_KEY, or a netrc entry for the wandb host), else "offline".
     """
-    if mode not in MODES:
-        raise ConfigError(f"wandb.mode={mode!r}: choose one of {', '.join(MODES)}.")
     if mode != "auto":
         return mode
     env_mode = os.environ.get("WANDB_MODE")
@@ -58,10 +53,33 @@ def _plain(value):
     return value if isinstance(value, (int, str)) else float(value)
 
 
+def _keep_records_up_to(path: str, step: int) -> None:
+    """Rewrite metrics.jsonl (atomically) without the records of steps after `step`."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) <= step]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")                 # a torn last line (a crash mid-write) goes too
+
+
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
 
-    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
+    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool, resume_step: int = 0):
+        """resume_step: the step the run continues from; records of later steps (logged by the run
+        before it stopped, past its last checkpoint) are dropped from metrics.jsonl, as the run
+        logs those steps again."""
         self.mode = resolve_mode(wandb_cfg.mode)
         self.enabled = enabled
         self.run_dir = run_dir
@@ -71,7 +89,9 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        _keep_records_up_to(path, resume_step)
+        self._file = open(path, "a", encoding="utf-8")
         if self.mode == "disabled":
             return
         name = wandb_cfg.name or os.path.basename(os.path.normpath(run_dir))

@@ -18,11 +18,16 @@ import torch.distributed as dist
 
 from .comm import Group, Ledger
 from .config import ConfigError
+from .launch import launch_env
 
 
 class ParallelMesh:
-    def __init__(self, tp: int, pp: int, dp: int, ledger: Ledger | None = None):
+    """timeout_s: how long a collective of any group may wait before it fails (default: the process
+    group's); every subgroup gets it, so a stalled peer ends the job instead of hanging it."""
+
+    def __init__(self, tp: int, pp: int, dp: int, ledger: Ledger | None = None, timeout_s: int | None = None):
         self.tp, self.pp, self.dp = tp, pp, dp
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.world_size = tp * pp * dp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         assert (dist.get_world_size() if dist.is_initialized() else 1) == self.world_size
@@ -46,7 +51,7 @@ class ParallelMesh:
     def _build(self, name: str, all_ranks: list) -> Group:
         mine = None
         for ranks in all_ranks:
-            pg = dist.new_group(ranks) if len(ranks) > 1 else None
+            pg = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = Group(name, ranks, pg, self.ledger)
         return mine
@@ -62,21 +67,6 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp}, "
                 f"dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})")
-
-
-def launch_env() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
-    else a single process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        local_rank = int(env.get("SLURM_LOCALID", 0))
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
-                int(per_node) if per_node.isdigit() else local_rank + 1)
-    return 0, 1, 0, 1
 
 
 def choose_device(device: str, backend: str, local_rank: int, local_world_size: int,
@@ -120,7 +110,11 @@ def choose_device(device: str, backend: str, local_rank: int, local_world_size: 
 
 
 def init_process_group(device: torch.device, backend: str, timeout_s: int) -> None:
-    """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set)."""
+    """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set).
+
+    Under torchrun the rendezvous goes through the agent's store with a prefix per attempt: torchrun
+    keeps one store across the restarts of --max-restarts, and without the prefix a restarted attempt
+    reads the previous attempt's addresses and waits to connect to dead processes."""
     if dist.is_initialized():
         return
     rank, world_size, _, _ = launch_env()
@@ -128,5 +122,11 @@ def init_process_group(device: torch.device, backend: str, timeout_s: int) -> No
     os.environ.setdefault("MASTER_PORT", "29500")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     extra = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **extra)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        extra["store"] = dist.PrefixStore(f"megatron_mini/attempt_{attempt}", agent)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)

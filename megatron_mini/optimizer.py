@@ -34,8 +34,10 @@ class DynamicLossScaler:
         self.growth_factor, self.growth_interval = cfg.loss_scale_growth_factor, cfg.loss_scale_growth_interval
         self.backoff_factor, self.hysteresis, self.min_scale = cfg.loss_scale_backoff_factor, cfg.loss_scale_hysteresis, cfg.min_loss_scale
         self.clean_steps, self.hysteresis_left = 0, self.hysteresis
+        self.skips_at_min = 0        # overflows in a row at min_scale: the run cannot recover past some
 
     def update(self, found_inf: bool) -> None:
+        self.skips_at_min = self.skips_at_min + 1 if found_inf and self.scale <= self.min_scale else 0
         if found_inf:
             self.clean_steps = 0
             self.hysteresis_left -= 1

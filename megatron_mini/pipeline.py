@@ -25,14 +25,30 @@ from .config import ConfigError, TrainConfig
 from .schedules import build_schedule, comm_batches
 
 
-def _spread(n: int, stages: int, to_blocks, why: str) -> list:
-    """n units evenly over `stages`; if impossible, say which block counts would work."""
+def _spread(n: int, stages: int, to_blocks, why: str, uneven: str = "") -> list:
+    """n units evenly over `stages`; if impossible, say which block counts would work (and how to
+    place this count unevenly, `uneven`)."""
     if stages < 1 or n % stages:
         lo, hi = n - n % stages, n - n % stages + stages
         options = ", ".join(str(to_blocks(u)) for u in (lo, hi) if to_blocks(u) > 0)
         raise ConfigError(f"Cannot split the model evenly over the pipeline: {why} "
-                          f"Block counts that would work here: {options} (or change pp/vpp/embedding_stage).")
+                          f"Block counts that would work here: {options} (or change pp/vpp/embedding_stage"
+                          f"{uneven}).")
     return [n // stages] * stages
+
+
+def _uneven_hint(blocks: int, stages: int) -> str:
+    """`, or ... pipeline_first_blocks=k`: the most balanced k with the other blocks even over the rest."""
+    if stages < 2:
+        return ""
+    options = [(abs(k - (blocks - k) // (stages - 1)), k) for k in range(1, blocks)
+               if (blocks - k) % (stages - 1) == 0]
+    if not options:
+        return ""
+    first = min(options)[1]
+    rest = (blocks - first) // (stages - 1)
+    return (f", or place the blocks unevenly: pipeline_first_blocks={first} gives "
+            f"{'+'.join([str(first)] + [str(rest)] * (stages - 1))}")
 
 
 def partition(num_layers: int, num_stages: int, embedding_stage: str, first_blocks: int = 0,
@@ -60,10 +76,14 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
         fixed = [n for n in (first_blocks, last_blocks) if n]
         if fixed and len(fixed) >= stages:
             raise ConfigError(f"pipeline_first_blocks/pipeline_last_blocks need more than {len(fixed)} block stages.")
+        if sum(fixed) >= L:
+            raise ConfigError(f"pipeline_first_blocks={first_blocks} + pipeline_last_blocks={last_blocks} leave no "
+                              f"blocks for the other {stages - len(fixed)} block stages of a {L}-block model.")
+        hint = "" if fixed else _uneven_hint(L, stages)
         rest = _spread(L - sum(fixed), stages - len(fixed), lambda u: u + sum(fixed),
                        f"{L - sum(fixed)} blocks must divide over {stages - len(fixed)} virtual stages "
                        f"(embedding_stage={embedding_stage}, pp x vpp = {S}"
-                       + (f", {sum(fixed)} blocks placed explicitly)." if fixed else ")."))
+                       + (f", {sum(fixed)} blocks placed explicitly)." if fixed else ")."), hint)
         blocks = ([first_blocks] if first_blocks else []) + rest + ([last_blocks] if last_blocks else [])
         counts = [1] + blocks + [1] if own else blocks
         if not own:
@@ -76,9 +96,14 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
     return bounds
 
 
+def partition_for(cfg: TrainConfig) -> list:
+    """The pp * vpp virtual stages of cfg's model (partition() with cfg's pipeline keys)."""
+    return partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage,
+                     cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
+
+
 def local_stage_layers(cfg: TrainConfig, pp_rank: int) -> list:
-    stages = partition(cfg.model.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage,
-                       cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
+    stages = partition_for(cfg)
     return [stages[c * cfg.pp + pp_rank] for c in range(cfg.vpp)]
 
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
-from megatron_mini.config import ConfigError
+from megatron_mini.config import ConfigError, Schedule
 
-KINDS = ("gpipe", "1f1b")
+KINDS = tuple(Schedule.__members__)      # "gpipe", "1f1b" (config.Schedule is the home of the choice)
 COMPUTE_OPS = ("forward", "backward")
 
 
@@ -58,10 +58,8 @@ class Action:
 # ----------------------------------------------------------------------------- schedules
 
 def check_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> None:
-    """Raise ConfigError with a one-paragraph message unless `kind` can schedule this layout."""
-    if kind not in KINDS:
-        raise ConfigError(f"Unknown pipeline schedule {kind!r}: choose one of {', '.join(KINDS)} "
-                          f"(1f1b with vpp > 1 is interleaved 1F1B).")
+    """Raise ConfigError with a one-paragraph message unless `kind` (a config.Schedule) can schedule
+    this layout."""
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if value < 1:
             raise ConfigError(f"The pipeline schedule needs {name} >= 1, got {name}={value}.")

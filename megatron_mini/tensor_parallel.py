@@ -17,6 +17,7 @@ its full, layout-independent value can be built from (seed, global name) and sli
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -46,6 +47,21 @@ def _sum_copy(x, group):
     return _sum_in_place(x.clone(), group)  # autograd may share f's incoming gradient with another branch
 
 
+def eager(fn):
+    """`fn`, always run eagerly: under torch.compile (compile=true) a call is a graph break, as with
+    torch.compiler.disable(fn), made on the first compiled call (importing the compiler costs seconds)."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args):
+        if not torch.compiler.is_compiling():
+            return fn(*args)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args)
+    return call
+
+
 def _conjugate(name: str, forward, backward):
     """A mapping over the TP group: `forward` in the forward pass, its conjugate `backward` in backward."""
     class Mapping(torch.autograd.Function):
@@ -60,7 +76,7 @@ def _conjugate(name: str, forward, backward):
 
     Mapping.__name__ = name
 
-    @torch.compiler.disable     # under compile=true collectives run eagerly, between compiled graphs
+    @eager
     def communicate(x: torch.Tensor, group: Group) -> torch.Tensor:
         return Mapping.apply(x, group)
 
@@ -208,7 +224,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         return dx, None, None
 
 
-@torch.compiler.disable     # its backward calls back into the GradBuffer: always eager (compile=true)
+@eager                      # its backward calls back into the GradBuffer
 def _accumulating_linear(x, weight, bias):
     return _LinearWithGradAccumulation.apply(x, weight, bias)
 

@@ -1,34 +1,39 @@
 """The training loop: one function, `train(cfg)`, run by every rank.
 
-Order matters: the config, the pipeline split, the schedule and the data files are checked
-identically on every rank *before* any process group exists, so a bad run ends everywhere
-with one message instead of hanging in a collective.
+Order matters: the config, the pipeline split, the schedule, the device, the run directory, the
+data files and the checkpoint to resume from are checked identically on every rank *before* any
+process group exists (`prepare_run`), so a bad run ends everywhere with one message instead of
+hanging in a collective. Rank 0 holds the run directory's lock for the whole run. A SIGTERM is
+shared with every rank at the end of a step (in the loss all-reduce); then all save and stop.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
 import os
 import resource
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint, comm
-from .config import ConfigError, TrainConfig, validate
-from .data import get_batch, load_datasets
+from .comm import CommError
+from .config import ConfigError, RunError, TrainConfig, validate
+from .data import check_token_ids, data_meta, get_batch, load_datasets
 from .data_parallel import GradBuffer
 from .hardware import peak_tflops
+from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
 from .logger import RunLogger
-from .mesh import ParallelMesh, choose_device, init_process_group, launch_env
+from .mesh import ParallelMesh, choose_device, init_process_group
 from .model import build_chunks
 from .optimizer import Optimizer
 from .pipeline import PipelineEngine, local_stage_layers
-from .schedules import check_schedule
 from .tensor_parallel import RNGTracker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,19 +54,64 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     _, _, local_rank, local_world_size = launch_env()
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, local_rank, local_world_size, gpus)
+    if cfg.kernels == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("kernels=triton needs the triton package (Linux with a GPU); use kernels=torch or auto.")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+            raise ConfigError("kernels=triton on the CPU runs the kernels in Triton's interpreter (slow; for tests): "
+                              "set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
         torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
     return device, backend
 
 
-def check_run(cfg: TrainConfig, world_size: int):
-    """Everything that can be wrong before the first collective; returns (dp, datasets)."""
+@dataclasses.dataclass
+class Run:
+    """What prepare_run found: the layout's dp, device, backend, data and what to resume from."""
+    dp: int
+    device: torch.device
+    backend: str
+    datasets: tuple
+    data: dict                      # the data's identity, recorded in checkpoints
+    resume: checkpoint.Resume | None
+    lock: RunLock | None            # rank 0's lock on the run directory
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory exists (created) and this rank can write into it."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run_dir={run_dir} cannot be written ({e.strerror or e}); choose another one with "
+                          f"run_name=NAME or run_dir=PATH.") from None
+
+
+def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
+    """Everything that can be wrong before the first collective, the same on every rank; rank 0 also
+    takes the run directory's lock (before anything reads the run's checkpoints)."""
     dp = validate(cfg, world_size)
-    local_stage_layers(cfg, 0)
-    check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
-    datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
-    return dp, datasets
+    device, backend = setup_device(cfg)
+    check_run_dir(cfg.run_dir)
+    lock = RunLock(cfg.run_dir) if rank == 0 else None
+    try:
+        datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+        data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
+        resume = checkpoint.find_resume(cfg)
+        if resume:
+            checkpoint.check_compatible(resume, cfg, data)
+        consumed = resume.meta["consumed_samples"] if resume else 0
+        check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
+        check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+    return Run(dp, device, backend, datasets, data, resume, lock)
 
 
 def format_duration(seconds: float) -> str:
@@ -91,28 +141,38 @@ class Trainer:
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
 
-    def _global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Sum the last stage's token losses over DP (one world all-reduce); mean per token."""
+    def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int]:
+        """Sum the last stage's token losses over DP, and count the ranks asked to stop, in one world
+        all-reduce; returns (mean loss per token, ranks asked to stop)."""
         owner = self.mesh.is_last_stage and self.mesh.tp_rank == 0
-        t = loss_sum.reshape(1).float() if owner else torch.zeros(1, device=self.device)
+        t = torch.zeros(2, device=self.device)
+        if owner:
+            t[0] = loss_sum.float()
+        t[1] = float(stop)
         comm.all_reduce(t, self.mesh.world_group)
-        return t.item() / self.tokens_per_step
+        loss, stops = t.tolist()
+        return loss / self.tokens_per_step, int(stops)
 
-    def train_step(self) -> dict:
+    def train_step(self, stop: bool = False) -> dict:
+        """One optimizer step. `stop`: this rank was asked to stop; out["stop"]: how many ranks were."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
         lr = learning_rate(self.step, cfg)
         batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
-        scale = self.optimizer.scaler.scale if self.optimizer.scaler else None
+        scaler = self.optimizer.scaler
+        scale = scaler.scale if scaler else None
         loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step)
-        loss = self._global_loss(loss_sum)
-        if not math.isfinite(loss) and self.optimizer.scaler is None:
+        loss, stop = self._global_loss(loss_sum, stop)
+        if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
+        if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
+            raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
+                                     f"{scaler.min_scale:g} (step {self.step + 1}): the gradients are not finite at any scale")
         self.step += 1
         self.consumed_samples += cfg.gbs
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
 
     def evaluate(self) -> float:
         for chunk in self.chunks:
@@ -120,7 +180,7 @@ class Trainer:
         total = 0.0
         for i in range(self.cfg.eval_iters):
             batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
-            total += self._global_loss(self.engine.eval_step(batch))
+            total += self._global_loss(self.engine.eval_step(batch))[0]
         return total / self.cfg.eval_iters
 
     def memory_bytes(self) -> dict:
@@ -131,10 +191,12 @@ class Trainer:
         return {"weights": sum(b.params_flat.nbytes for b in self.buffers),
                 "grads": sum(b.grads_flat.nbytes for b in self.buffers), "optimizer": optim}
 
-    def save(self, run_dir: str) -> str:
+    def save(self, run_dir: str, data: dict) -> str:
+        """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
+        data's identity (checkpoint.data_identity), checked when the run resumes."""
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
-        checkpoint.save(path, self.step, self.consumed_samples, self.chunks, self.optimizer, self.rng, self.mesh,
-                        dataclasses.asdict(self.cfg))
+        checkpoint.save(path, self.step, self.consumed_samples, self.optimizer, self.rng, self.mesh,
+                        dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints)
         self.last_checkpoint = path
         return path
 
@@ -181,16 +243,6 @@ def _write_config(cfg: TrainConfig) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _resume_path(cfg: TrainConfig) -> str | None:
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return checkpoint.latest_checkpoint(cfg.run_dir)
-    if not os.path.isdir(cfg.resume):
-        raise ConfigError(f"resume={cfg.resume}: no such checkpoint directory.")
-    return cfg.resume
-
-
 class Throughput:
     """Tokens/s, model TFLOP/s per GPU and MFU over a logging interval, and peak memory.
 
@@ -233,20 +285,22 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
     log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{note}")
 
 
-def _train_loop(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput) -> int:
+def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
+                rate: Throughput, stop: StopRequest | None) -> tuple[int, str | None]:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
-    returns the number of skipped (fp16 overflow) steps."""
+    when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns (skipped
+    fp16 steps, the signal that stopped the run or None)."""
     cfg = trainer.cfg
     skipped_steps, interval_steps, first_step = 0, 0, trainer.step
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
-        out = trainer.train_step()
+        out = trainer.train_step(stop=bool(stop and stop.requested))
         skipped_steps += out["skipped"]
         interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
         step = trainer.step
-        if step % cfg.log_interval == 0 or step == cfg.steps:
+        if step % cfg.log_interval == 0 or step == cfg.steps or out["stop"]:
             now = time.time()
             r = rate(interval_steps * trainer.tokens_per_step, now - interval_start)
             record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
@@ -258,19 +312,25 @@ def _train_loop(trainer: Trainer, logger: RunLogger, log: logging.Logger, histor
             interval_start, interval_steps = now, 0
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
-        if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps:
-            log.info(f"saved {trainer.save(cfg.run_dir)}")
-    return skipped_steps
+        if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]:
+            log.info(f"saved {trainer.save(cfg.run_dir, run.data)}")
+        if out["stop"]:
+            why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"
+            log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
+            return skipped_steps, why
+    return skipped_steps, None
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
-               steps_run: int, elapsed: float, skipped_steps: int) -> dict:
+               steps_run: int, elapsed: float, skipped_steps: int, stopped_by: str | None) -> dict:
     """The run's final figures: into summary.json / wandb, and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
                "steps": trainer.step, "skipped_steps": skipped_steps, **r}
+    if stopped_by:
+        summary["stopped_by"] = stopped_by
     logger.summary(summary)
     logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
@@ -291,39 +351,62 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train on every rank of the job; returns the history (losses per step, eval losses)."""
+    """Train on every rank of the job; returns the history (losses per step, eval losses, summary)."""
     rank, world_size, _, _ = launch_env()
-    datasets = check_run(cfg, world_size)[1]
-    resume = _resume_path(cfg)
-    device, backend = setup_device(cfg)
-    init_process_group(device, backend, cfg.timeout_s)
-    mesh = ParallelMesh(cfg.tp, cfg.pp, world_size // (cfg.tp * cfg.pp))
+    follow_parent()
+    run = prepare_run(cfg, rank, world_size)
+    stop = StopRequest() if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _train(cfg, run, rank, world_size, stop)
+    except CommError:
+        if stop and stop.requested:     # the launcher is tearing the job down: the cause is elsewhere
+            raise Terminated() from None
+        raise
+    finally:
+        if run.lock:
+            run.lock.release()
+
+
+def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest | None) -> dict:
+    history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
+    if run.resume and run.resume.meta["step"] >= cfg.steps:
+        if rank == 0:
+            print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to train "
+                  f"(raise steps to train further).", flush=True)
+        return {**history, "checkpoint": run.resume.path}
+    init_process_group(run.device, run.backend, cfg.timeout_s)
+    mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
     log = _setup_logging(cfg.run_dir, rank)
     if rank == 0:
         _write_config(cfg)
-    trainer = Trainer(cfg, mesh, datasets, device)
-    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
-    if resume:
-        trainer.load(resume)
-        log.info(f"resumed from {resume} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+    trainer = Trainer(cfg, mesh, run.datasets, run.device)
+    if run.resume:                     # every rank has chosen (init_process_group waited for all of them)
+        moved = checkpoint.set_aside(run.resume.skipped) if rank == 0 else []
+        for note in run.resume.notes + moved:
+            log.info(f"resume: {note}")
+    if run.resume:
+        trainer.load(run.resume.path)
+        log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0, resume_step=trainer.step)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
-             f"{device} ({backend})")
+             f"{run.device} ({run.backend})")
     _report_memory(trainer, log)
 
-    history = {"loss": [], "val_loss": [], "grad_norm": []}
-    rate = Throughput(cfg, world_size, device)
+    rate = Throughput(cfg, world_size, run.device)
     first_step, start_time = trainer.step, time.time()
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")
     try:
-        skipped_steps = _train_loop(trainer, logger, log, history, rate)
+        skipped_steps, stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop)
     except FloatingPointError as e:
         logger.finish()
-        raise ConfigError(f"Training stopped: {e}. Nothing was saved over the last good checkpoint "
-                          f"({trainer.last_checkpoint or 'none'}); lower the learning rate or use bf16/fp32.") from None
+        advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
+                  if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")
+        raise RunError(f"Training stopped ({cfg.precision.dtype}): {e}. Nothing was saved over the last good "
+                       f"checkpoint ({trainer.last_checkpoint or 'none'}); {advice}.") from None
     summary = _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
-                         skipped_steps)
+                         skipped_steps, stopped_by)
     history.update(summary=summary, checkpoint=trainer.last_checkpoint)
     if rank == 0:
         with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:

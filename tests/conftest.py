@@ -36,3 +36,13 @@ def small_data(tmp_path_factory):
                      val_fraction=0.05, num_workers=1)
     prepare(cfg)
     return cfg
+
+
+@pytest.fixture(scope="session")
+def hooks(tmp_path_factory):
+    """A directory holding the test hooks' sitecustomize.py (tests/commandline.py) for launched runs."""
+    from commandline import SITECUSTOMIZE
+
+    d = tmp_path_factory.mktemp("hooks")
+    (d / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return d

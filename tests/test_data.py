@@ -2,6 +2,7 @@
 
 One small corpus (40 standard-library files copied as .txt, vocab 512) is prepared once per module.
 """
+import dataclasses
 import json
 import platform
 import shutil
@@ -14,10 +15,7 @@ import pytest
 import sentencepiece as spm
 
 from megatron_mini.config import DataConfig
-from megatron_mini.data import (
-    DataError, IndexedDataset, Tokenizer, encode_corpus, get_batch, load_datasets, prepare, read_corpus,
-    split_documents, train_tokenizer,
-)
+from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, get_batch, load_datasets, prepare, read_corpus, rebuild_command, split_documents, train_tokenizer)
 
 VOCAB, SEQ = 512, 32
 
@@ -168,11 +166,33 @@ def test_bad_files_give_one_line_error(copy_of, corrupt):
 
 
 def test_wrong_vocab_size(prepared):
+    """A valid directory built for another vocabulary is never offered for overwriting: the hint builds
+    the asked-for vocabulary in a sibling directory, naming every data key that decides it."""
     cfg, _ = prepared
-    with pytest.raises(DataError, match=r"tokenizer\.model: has 512 tokens, but model\.vocab_size=1024 .*"
-                                        r"data\.vocab_size=1024") as err:
+    with pytest.raises(DataError, match=r"tokenizer\.model: has 512 tokens, but model\.vocab_size=1024") as err:
         load_datasets(cfg, SEQ, seed=1, vocab_size=1024)
-    assert "\n" not in str(err.value)
+    msg = str(err.value)
+    sibling = str(Path(cfg.dir).parent / "corpus-v1024")
+    assert "\n" not in msg and f"{cfg.dir} is left as it is" in msg
+    assert (f"python tools/prepare_data.py data.source={cfg.source} data.dir={sibling} data.vocab_size=1024 "
+            f"and run with data.dir={sibling}") in msg
+
+
+def test_other_source_is_not_overwritten(prepared, tmp_path):
+    cfg, _ = prepared
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match="holds the corpus") as err:
+        load_datasets(dataclasses.replace(cfg, source=str(other)), SEQ, seed=1, vocab_size=VOCAB)
+    sibling = str(Path(cfg.dir).parent / f"other-v{VOCAB}")
+    assert f"data.source={other} data.dir={sibling} data.vocab_size={VOCAB}" in str(err.value)
+
+
+def test_rebuild_command_names_the_directory_the_run_reads():
+    """The built-in data.dir is named too: prepare_data.py's own default depends on data.vocab_size."""
+    assert rebuild_command(DataConfig()) == "make data"
+    assert rebuild_command(DataConfig(vocab_size=4096)) == ("python tools/prepare_data.py data.source=stdlib "
+                                                            "data.dir=data/stdlib-v8192 data.vocab_size=4096")
 
 
 def test_split_and_samples(prepared):

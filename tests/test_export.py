@@ -19,7 +19,7 @@ from megatron_mini import inference  # noqa: E402
 from megatron_mini.config import ModelConfig, TrainConfig  # noqa: E402
 from megatron_mini.mesh import ParallelMesh  # noqa: E402
 from megatron_mini.model import KVCache, build_chunks  # noqa: E402
-from megatron_mini.tensor_parallel import RNGTracker, shard  # noqa: E402
+from megatron_mini.tensor_parallel import RNGTracker  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")

@@ -102,11 +102,10 @@ def test_fp32_main_grads_beat_bf16_accumulation():
     def accumulated(use_buffer):
         w = torch.nn.Parameter(weight.clone())
         w.spec = ParamSpec()
-        if use_buffer:
-            GradBuffer([("w", w)], ParallelMesh(1, 1, 1), torch.bfloat16, zero=False)
+        buffer = GradBuffer([("w", w)], ParallelMesh(1, 1, 1), torch.bfloat16, zero=False) if use_buffer else None
         for x in inputs:
             (x @ w).float().square().sum().backward()
-        return (w.main_grad if use_buffer else w.grad).double()
+        return (buffer.grads_flat.view(w.shape) if use_buffer else w.grad).double()
 
     main_grad_error = ((accumulated(True) - exact).norm() / exact.norm()).item()
     bf16_grad_error = ((accumulated(False) - exact).norm() / exact.norm()).item()

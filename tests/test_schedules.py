@@ -7,7 +7,7 @@ import re
 import pytest
 
 from megatron_mini import schedules
-from megatron_mini.config import ConfigError
+from megatron_mini.config import ConfigError, TrainConfig, validate
 from megatron_mini.schedules import (
     Action, ScheduleError, build_schedule, check_schedule, comm_batches, simulate, simulate_actions,
 )
@@ -162,8 +162,8 @@ def test_one_batch_per_compute_deadlocks_interleaved(monkeypatch, pp):
 def test_check_schedule_rejects_bad_combinations():
     with pytest.raises(ConfigError, match="multiple of 4.*4, 8, 12"):
         check_schedule("1f1b", 4, 2, 6)
-    with pytest.raises(ConfigError, match="Unknown pipeline schedule 'zb'"):
-        check_schedule("zb", 4, 1, 8)
+    with pytest.raises(ConfigError, match="schedule='zb': choose one of gpipe, 1f1b"):
+        validate(TrainConfig(schedule="zb"), 1)          # the choice itself is config.Schedule's
     with pytest.raises(ConfigError, match="num_microbatches >= 1"):
         build_schedule("gpipe", 2, 1, 0, 0)
     with pytest.raises(ConfigError, match="vpp >= 1"):

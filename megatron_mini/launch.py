@@ -1,0 +1,124 @@
+"""The process around training: the launcher's environment, how a run fails, signals, the run lock.
+
+* `launch_env()`: rank, world size, local rank and local world size from torchrun or SLURM.
+* `fail(message, code, reporter)`: the one way a rank ends on an error it can explain. The reporting
+  rank (0 by default) prints `error: <message>` at once; the others wait, so that when every rank
+  knows the same problem the message is printed once (torchrun stops them when the reporter exits).
+  reporter=None prints at once on this rank, for failures that are not shared (a collective that
+  timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE), so the
+  "Root Cause" section of torchrun's report names it instead of `error_file: <N/A>`.
+* `follow_parent()`: a worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
+  stops (after saving, see `StopRequest`) instead of training on as an orphan.
+* `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away) sets a flag that the
+  training loop shares with every rank at the end of a step; then all of them save and exit.
+* `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
+  process dies, so a crash leaves no stale lock).
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+from .config import ConfigError
+
+# how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
+# first and torchrun stops them; they print only if rank 0 is slower or stuck)
+OTHER_RANKS_WAIT_S = 15
+
+
+def launch_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
+    else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
+                int(per_node) if per_node.isdigit() else local_rank + 1)
+    return 0, 1, 0, 1
+
+
+def write_error_file(message: str) -> None:
+    """Hand `message` to torchrun (its per-rank error file), which shows it as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:        # torchrun's format (errors.ErrorHandler); its report shows "py_callstack": our one line
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
+    """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # torchrun stopping the job now ends this rank at once
+    if reporter is not None and launch_env()[0] != reporter:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    write_error_file(message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def follow_parent() -> None:
+    """Ask Linux for SIGTERM when the parent (torchrun's agent) dies; exit now if it already has."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):                                  # not Linux: no parent-death signal
+        return
+    if os.getppid() != parent:         # the launcher died before the request was in place
+        fail("the launcher of this worker exited before training started.", code=1, reporter=None)
+
+
+class Terminated(Exception):
+    """A collective failed after this rank was told to stop (SIGTERM): the launcher is ending the job
+    because of a failure elsewhere, which that rank reports; this one exits quietly."""
+
+
+class StopRequest:
+    """SIGTERM sets `requested`; the training loop decides, with every rank, to save and stop."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+class RunLock:
+    """An exclusive lock on `{run_dir}/.lock`, held for the life of the process (or until release())."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, ".lock")
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ConfigError(
+                f"{run_dir} is in use by another run ({holder}). Two runs must not share a run directory: "
+                f"wait for it to finish, or choose another one with run_name=NAME (or run_dir=PATH).") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()

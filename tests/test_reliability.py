@@ -1,0 +1,338 @@
+"""Reliability as operators meet it: every refusal through torchrun, verified resumes, saves that cannot
+lose the last good checkpoint, one run per run directory, SIGTERM, orphans, stalled ranks, restarts.
+
+Each refusal runs `torchrun ... train.py` and must end with exit code != 0, our one line `error: ...`
+exactly once, torchrun's Root Cause naming it, and no frame of our code (commandline.assert_one_error).
+They run a few at a time (each is a few seconds of process start-up). The runs that train use the test
+model (8 blocks, hidden 64) for a few steps on the test data, in fp32 on CPU ranks, where a resumed
+run must end with bitwise the weights of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from commandline import (assert_one_error, env, finish, model_args, python_train, start,
+                         torchrun_argv, torchrun_train)
+from harness import small_config, train_on_ranks
+from megatron_mini.checkpoint import load_model_tensors
+from megatron_mini.launch import RunLock
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def trained(small_data, tmp_path_factory):
+    """A run of the test model, 3 steps, saving every step and keeping 2: its run directory."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    cfg = small_config(small_data, run_dir, steps=3, save_interval=1, keep_checkpoints=2, gbs=4)
+    train_on_ranks(1, cfg)
+    return cfg
+
+
+def _copy_run(cfg, dest: Path) -> Path:
+    shutil.copytree(cfg.run_dir, dest)
+    (dest / ".lock").unlink(missing_ok=True)
+    return dest
+
+
+def test_saves_keep_the_newest_checkpoints_with_checksums(trained):
+    root = Path(trained.run_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+    meta = json.loads((root / "step_000003" / "meta.json").read_text())
+    assert set(meta["files"]) == {"model_pp00.pt", "optim_pp00.pt", "rng_rank0000.pt"}
+    assert all(len(digest) == 64 for digest in meta["files"].values())
+    assert meta["data"]["tokenizer_sha256"] and meta["data"]["corpus_sha256"]
+
+
+# ------------------------------------------------------------------------------- refusals (torchrun)
+def _corrupt(path: Path, offset: int = 2000) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _refusal_cases(data, trained, tmp: Path) -> list:
+    """(id, nproc, extra args, facts of our line, environment) of every refusal."""
+    ckpt = Path(trained.run_dir) / "checkpoints" / "step_000003"
+
+    def ckpt_copy(name, damage):
+        path = tmp / name
+        shutil.copytree(ckpt, path)
+        damage(path)
+        return path
+
+    bad_tokens = tmp / "bad_tokens"
+    shutil.copytree(data.dir, bad_tokens)
+    tokens = np.memmap(bad_tokens / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[::50] = 60000                                  # ids past the 512-token vocabulary, same file size
+    tokens.flush()
+    del tokens
+    not_a_dir = tmp / "a_file"
+    not_a_dir.write_text("x")
+    empty = tmp / "empty"
+    empty.mkdir()
+    truncated = ckpt_copy("truncated", lambda p: (p / "model_pp00.pt").write_bytes((p / "model_pp00.pt").read_bytes()[:999]))
+    flipped = ckpt_copy("flipped", lambda p: _corrupt(p / "optim_pp00.pt"))
+    bad_meta = ckpt_copy("bad_meta", lambda p: (p / "meta.json").write_text("{not json"))
+    no_optim = ckpt_copy("no_optim", lambda p: (p / "optim_pp00.pt").unlink())
+    resume = [f"resume={ckpt}", "steps=5"]
+    plain, no_interpreter = env(), env(interpreter=False)
+    cases = [
+        ("appended-key", 1, ["+foo=1"], ["Unknown config key foo"]),
+        ("appended-typo", 1, ["+optimizer.lrr=1e-3"], ["Unknown config key optimizer.lrr (did you mean optimizer.lr?)"]),
+        ("device-tpu", 1, ["device=tpu"], ["Invalid value 'tpu', expected one of [auto, cpu, cuda]"]),
+        ("no-layers", 1, ["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
+        ("negative-lr", 1, ["optimizer.lr=-0.001"], ["optimizer.lr=-0.001 must be >= 0"]),
+        ("log-interval-0", 1, ["log_interval=0"], ["log_interval=0 must be >= 1"]),
+        ("eval-iters-0", 1, ["eval_iters=0"], ["eval_iters=0 must be >= 1"]),
+        ("heads-0", 1, ["model.num_heads=0"], ["model.num_heads=0 must be >= 1"]),
+        ("seq-len-0", 1, ["model.seq_len=0"], ["model.seq_len=0 must be >= 1"]),
+        ("timeout-0", 1, ["timeout_s=0"], ["timeout_s=0 must be >= 1"]),
+        ("first-blocks-negative", 1, ["pipeline_first_blocks=-4"], ["pipeline_first_blocks=-4 must be >= 0"]),
+        ("first-blocks-too-many", 3, ["pp=3", "pipeline_first_blocks=10"],
+         ["pipeline_first_blocks=10 + pipeline_last_blocks=0 leave no blocks"]),
+        ("pp3-uneven", 3, ["pp=3"], ["8 blocks must divide over 3 virtual stages", "pipeline_first_blocks=2 gives 2+3+3"]),
+        ("triton-on-cpu", 1, ["kernels=triton"], ["set TRITON_INTERPRET=1", "or use kernels=torch"], no_interpreter),
+        ("unwritable-run-dir", 1, [f"run_dir={not_a_dir}/run"], [f"run_dir={not_a_dir}/run cannot be written"]),
+        ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "
+                                                     f"vocabulary of 512", "rebuild it with:"]),
+        ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
+        ("resume-run-dir", 1, [f"resume={trained.run_dir}"], [f"{trained.run_dir} is not a checkpoint"]),
+        ("resume-truncated", 1, [f"resume={truncated}"], [f"{truncated}/model_pp00.pt does not match its sha256"]),
+        ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/optim_pp00.pt does not match its sha256"]),
+        ("resume-bad-meta", 1, [f"resume={bad_meta}"], [f"{bad_meta}/meta.json is unreadable"]),
+        ("resume-no-optimizer", 1, [f"resume={no_optim}"], [f"{no_optim}/optim_pp00.pt is missing"]),
+        ("resume-more-layers", 1, [*resume, "model.num_layers=4"], ["model.num_layers: 8 -> 4"]),
+        ("resume-other-heads", 1, [*resume, "model.num_heads=2"], ["model.num_heads: 4 -> 2"]),
+        ("resume-other-hidden", 1, [*resume, "model.hidden_size=96"], ["model.hidden_size: 64 -> 96"]),
+        ("resume-other-seed", 1, [*resume, "seed=7"], ["seed: 1234 -> 7 (it draws the train/validation split)"]),
+        ("never-over-checkpoints", 1, [f"run_dir={trained.run_dir}", "resume=never"],
+         [f"resume=never, but {trained.run_dir} already holds checkpoints"]),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
+    return [(i, n, args, facts, (rest[0] if rest else plain)) for i, n, args, facts, *rest in cases]
+
+
+@pytest.fixture(scope="module")
+def refusals(small_data, trained, tmp_path_factory):
+    """Every refusal's torchrun result, run three at a time: {id: (Result, facts)}."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    cases = _refusal_cases(small_data, trained, tmp)
+
+    def run(case):
+        name, nproc, extra, facts, environment = case
+        args = [*model_args(small_data, tmp / name / "run"), *extra]
+        return name, (torchrun_train(nproc, args, environment), facts)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(run, cases))
+
+
+REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "negative-lr", "log-interval-0",
+               "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
+               "pp3-uneven", "triton-on-cpu", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
+               "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
+               "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
+               "never-over-checkpoints", "cuda-without-gpu"]
+
+
+@pytest.mark.parametrize("case", REFUSAL_IDS)
+def test_refusal_under_torchrun(refusals, case):
+    if case not in refusals:
+        pytest.skip("this machine has a GPU")
+    result, facts = refusals[case]
+    assert_one_error(result, facts, "torchrun")
+
+
+def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):
+    assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path)] == \
+        [i for i in REFUSAL_IDS if i != "cuda-without-gpu" or not torch.cuda.is_available()]
+
+
+def test_a_locked_run_dir_is_refused(small_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = RunLock(str(run_dir))                       # another run holds it: this test process
+    try:
+        r = torchrun_train(1, model_args(small_data, run_dir))
+    finally:
+        lock.release()
+    assert_one_error(r, [f"{run_dir} is in use by another run", f"pid {os.getpid()}", "run_name=NAME"], "torchrun")
+
+
+# ------------------------------------------------------------------------------------------- resuming
+def test_auto_resume_takes_the_newest_intact_checkpoint(trained, small_data, tmp_path):
+    """latest missing and the newest checkpoint corrupt: resume=auto takes the one before, says so, and sets
+    the corrupt one aside; the resumed run continues exactly as the original did."""
+    run_dir = _copy_run(trained, tmp_path / "run")
+    (run_dir / "checkpoints" / "latest").unlink()
+    _corrupt(run_dir / "checkpoints" / "step_000003" / "model_pp00.pt")
+    cfg = small_config(small_data, run_dir, steps=3, gbs=4, resume="auto")
+    history = train_on_ranks(1, cfg)
+    original = json.loads((Path(trained.run_dir) / "history.json").read_text())
+    assert history["loss"] == original["loss"][2:]                       # step 3 again, bitwise
+    log = (run_dir / "logs" / "rank0000.log").read_text()
+    assert "skipped" in log and "step_000003/model_pp00.pt does not match its sha256" in log
+    assert "checkpoints/latest is missing; took the newest complete checkpoint" in log and "step_000002" in log
+    assert (run_dir / "checkpoints" / "step_000003.corrupt").is_dir()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
+    records = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records == sorted(set(records))             # step 3 logged once: the lost run's record was dropped
+
+
+def test_a_finished_run_says_so_and_leaves_its_summary(trained, small_data, tmp_path):
+    run_dir = _copy_run(trained, tmp_path / "run")
+    summary = (run_dir / "summary.json").read_bytes()
+    r = python_train([*model_args(small_data, run_dir), "steps=3"])
+    assert r.rc == 0, r
+    assert f"{run_dir}/checkpoints/step_000003 is at step 3, and steps=3: nothing to train" in r.out, r
+    assert (run_dir / "summary.json").read_bytes() == summary
+
+
+# --------------------------------------------------------------------------------- failures mid-run
+def test_a_failed_save_keeps_the_last_good_checkpoint(small_data, tmp_path, hooks):
+    """A checkpoint that cannot be written (files capped at 1 MB, as a full disk would refuse them) stops every
+    rank with one message naming the error and the last good checkpoint; nothing of the failed save remains."""
+    run_dir = tmp_path / "run"
+    assert torchrun_train(2, model_args(small_data, run_dir)).rc == 0          # step 2 saved
+    r = torchrun_train(2, [*model_args(small_data, run_dir), "steps=4"], env(hooks, HOOK_FSIZE_LIMIT=1 << 20))
+    assert_one_error(r, [f"Saving checkpoint {run_dir}/checkpoints/step_000004 failed on rank 0 while writing its "
+                         f"files", "File too large", "last good checkpoint (step_000002)"], "torchrun", code=1,
+                     quick=False)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000002"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def test_fp16_that_cannot_recover_stops(small_data, tmp_path):
+    args = [*model_args(small_data, tmp_path / "run"), "precision=fp16", "precision.initial_loss_scale=4",
+            "precision.max_skips_at_min_scale=3", "optimizer.lr=10000", "optimizer.warmup_steps=0",
+            "optimizer.min_lr=0", "steps=40"]
+    r = torchrun_train(1, args)
+    assert_one_error(r, ["Training stopped (fp16): 3 steps in a row overflowed at the minimum loss scale 1",
+                         "use precision=bf16"], "torchrun", code=1, quick=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _workers(proc) -> list:
+    """The pids of torchrun's worker processes (children of its agent)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def _wait_for(path: Path, text: str = "", limit: float = 90) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{path} did not show {text!r} within {limit} s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+RESUMABLE = ["save_interval=2", "keep_checkpoints=10", "eval_interval=0", "log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_data, tmp_path_factory):
+    """10 steps on 2 ranks, a checkpoint every 2: the weights every interrupted run must end with."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    r = torchrun_train(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"])
+    assert r.rc == 0, r
+    return run_dir / "checkpoints"
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_model_tensors(str(a)), load_model_tensors(str(b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
+    proc = start(torchrun_argv(2, args), env())
+    _wait_for(run_dir / "logs" / "rank0000.log", "step     3/")
+    os.kill(_workers(proc)[1], signal.SIGTERM)            # as Slurm warns a job before it ends it
+    r = finish(proc)
+    assert r.rc == 0, r
+    assert "stopped by SIGTERM (to 1 of 2 ranks) after step" in r.out and "continue with resume=auto" in r.out, r
+    stopped = int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    assert 3 <= stopped < 10 and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
+    again = torchrun_train(2, args)
+    assert again.rc == 0 and f"resumed from {run_dir}/checkpoints/step_{stopped:06d}" in again.out, again
+    _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
+    """kill -9 of torchrun: its workers get SIGTERM (parent-death signal), save and exit; no orphan trains on."""
+    run_dir = tmp_path / "run"
+    proc = start(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400"]), env())
+    _wait_for(run_dir / "logs" / "rank0000.log", "step     2/")
+    workers = _workers(proc)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(w) for w in workers)
+    assert "stopped by SIGTERM (to 2 of 2 ranks)" in (run_dir / "logs" / "rank0000.log").read_text()
+
+
+def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
+    """kill -STOP of one of 2 ranks: the other's collective fails after timeout_s with a message naming the rank,
+    the collective and its group; torchrun then ends the stopped rank (SIGTERM, then SIGKILL after its 30 s
+    grace, as a stopped process cannot act on SIGTERM). The job ends within timeout_s + 30 s + 10 s."""
+    timeout_s = 5
+    run_dir = tmp_path / "run"
+    proc = start(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400",
+                                   f"timeout_s={timeout_s}"]), env())
+    _wait_for(run_dir / "logs" / "rank0000.log", "step     2/")
+    os.kill(_workers(proc)[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    r = finish(proc)
+    assert time.monotonic() - stopped < timeout_s + 30 + 10, r
+    assert_one_error(r, ["rank 0: ", "group (ranks [0, 1]) failed"], "torchrun",
+                     code=1, quick=False)
+
+
+def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, uninterrupted):
+    """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
+    last checkpoint and ends with bitwise the weights of an uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
+    proc = start(torchrun_argv(2, args, "--max-restarts=1"), env())
+    _wait_for(run_dir / "checkpoints" / "latest", "step_000004")
+    os.kill(_workers(proc)[1], signal.SIGKILL)
+    r = finish(proc)
+    assert r.rc == 0, r
+    assert "resumed from" in r.out, r
+    _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, tmp_path, hooks, uninterrupted):
+    """Rank 1 dies (SIGKILL) in the middle of the second save, after writing one file: the half-written
+    step_000004.tmp is never taken; the restarted job resumes from step 2 and ends as the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=6"]
+    r = finish(start(torchrun_argv(2, args, "--max-restarts=1"), env(hooks, HOOK_CRASH_RANK=1, HOOK_CRASH_AT_FSYNC=2)))
+    assert r.rc == 0, r
+    assert f"resumed from {run_dir}/checkpoints/step_000002" in r.out, r
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    _same_weights(run_dir / "checkpoints" / "step_000006", uninterrupted / "step_000006")
