@@ -1,8 +1,8 @@
 """Layout-free, checksummed checkpoints: every tensor stored full, under its parameter's global name.
 
     {run_dir}/checkpoints/step_000100/
-        model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage
-        optim_pp00.pt ...   {global name: {master, exp_avg, exp_avg_sq}}, step count, loss scaler
+        model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage (GradBuffer.full_weights)
+        optim_pp00.pt ...   Optimizer.state_dict(): {global name: {master, exp_avg, exp_avg_sq}}, step, scaler
         rng_rank0000.pt ... each rank's dropout RNG streams (restored when the layout is the same)
         meta.json           step, consumed_samples, layout, config, data identity, sha256 of every file
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
@@ -32,9 +32,6 @@ import torch
 
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
-from .tensor_parallel import gather_full, shard
-
-OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 STEP_DIR = re.compile(r"step_(\d+)$")
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
@@ -215,23 +212,6 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- saving
-def _full_optimizer_states(optimizer) -> dict:
-    """{buffer index: {state: flat tensor over the whole buffer}}, all-gathered over DP with ZeRO."""
-    out = {}
-    for i, buf in enumerate(optimizer.buffers):
-        flat = {k: torch.zeros_like(buf.grads_flat) for k in OPTIM_STATES}
-        for r in (r for r in optimizer.ranges if r.buffer is buf):
-            bucket = next(b for b in buf.buckets if b.start <= r.lo < b.end)
-            for k in OPTIM_STATES:
-                local = getattr(r, k).float()
-                if optimizer.zero and buf.dp > 1:
-                    comm.all_gather_into(flat[k][bucket.start:bucket.end], local.contiguous(), buf.mesh.dp_group)
-                else:
-                    flat[k][r.lo:r.hi] = local
-        out[i] = flat
-    return out
-
-
 def _agree(failure: str | None, mesh, device) -> int | None:
     """Every rank learns which is the first rank whose step failed (None: none failed)."""
     flags = torch.zeros(mesh.world_size, device=device)
@@ -249,10 +229,10 @@ def _try(fn, *args) -> str | None:
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def save(path: str, step: int, consumed_samples: int, optimizer, rng, mesh, config: dict, data: dict,
-         keep: int) -> None:
+def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, rng, mesh, config: dict,
+         data: dict, keep: int) -> None:
     """Write the checkpoint `path` (step_N) of every rank's state; see the module doc."""
-    tmp, device = path + ".tmp", optimizer.buffers[0].grads_flat.device
+    tmp, device = path + ".tmp", buffers[0].grads_flat.device
     previous = os.path.join(os.path.dirname(path), "latest")
     last_good = open(previous).read().strip() if os.path.isfile(previous) else "none"
 
@@ -269,20 +249,12 @@ def save(path: str, step: int, consumed_samples: int, optimizer, rng, mesh, conf
     check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
           "creating its directory")
     comm.barrier(mesh.world_group)
-    model, optim = {}, {}
-    states = _full_optimizer_states(optimizer)
-    for i, buf in enumerate(optimizer.buffers):
-        for p, name in buf.names.items():
-            lo, n = buf.offsets[p], p.numel()
-            model[name] = gather_full(p.detach().float(), p.spec, mesh.tp_group).cpu()
-            optim[name] = {k: gather_full(states[i][k][lo:lo + n].view(p.shape), p.spec, mesh.tp_group).cpu()
-                           for k in OPTIM_STATES}
+    weights = {name: t for buf in buffers for name, t in buf.full_weights().items()}
+    optim = optimizer.state_dict()
     files = {f"rng_rank{mesh.rank:04d}.pt": rng.get_states()}
     if mesh.tp_rank == 0 and mesh.dp_rank == 0:       # one writer per pipeline stage
-        files[f"model_pp{mesh.pp_rank:02d}.pt"] = model
-        files[f"optim_pp{mesh.pp_rank:02d}.pt"] = {
-            "params": optim, "step_count": optimizer.step_count,
-            "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
+        files[f"model_pp{mesh.pp_rank:02d}.pt"] = weights
+        files[f"optim_pp{mesh.pp_rank:02d}.pt"] = optim
     digests = {}
 
     def write():
@@ -321,30 +293,15 @@ def load_model_tensors(path: str) -> dict:
     return tensors
 
 
-@torch.no_grad()
-def load(path: str, optimizer, rng, mesh) -> dict:
+def load(path: str, buffers: list, optimizer, rng, mesh) -> dict:
     """Restore weights and optimizer state (any layout) and, same layout only, RNG; returns meta."""
     meta = read_meta(path)
-    model = load_model_tensors(path)
-    optim = {}
-    for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt"))):
-        saved = torch.load(f, weights_only=True, map_location="cpu")
-        optim.update(saved["params"])
-        optimizer.step_count = saved["step_count"]
-        if optimizer.scaler and saved["scaler"]:
-            optimizer.scaler.load_state_dict(saved["scaler"])
-    for buf in optimizer.buffers:
-        for p, name in buf.names.items():
-            p.copy_(shard(model[name], p.spec, mesh.tp, mesh.tp_rank))
-    for r in optimizer.ranges:
-        for p, name, a, b in r.buffer.segments(r.lo, r.hi):
-            first = r.buffer.offsets[p]
-            for k in OPTIM_STATES:
-                flat = shard(optim[name][k], p.spec, mesh.tp, mesh.tp_rank).reshape(-1)
-                getattr(r, k)[a - r.lo:b - r.lo] = flat[a - first:b - first]
-        if r.master.data_ptr() != r.param.data_ptr():
-            r.param.copy_(r.master)
-    rng_file = os.path.join(path, f"rng_rank{mesh.rank:04d}.pt")
+    weights = load_model_tensors(path)
+    for buf in buffers:
+        buf.load_weights(weights)
+    stages = [torch.load(f, weights_only=True, map_location="cpu")
+              for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
+    optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
     if meta["world_size"] == mesh.world_size and meta["layout"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
-        rng.set_states(torch.load(rng_file, weights_only=True))
+        rng.set_states(torch.load(os.path.join(path, f"rng_rank{mesh.rank:04d}.pt"), weights_only=True))
     return meta

@@ -15,18 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-
-class ConfigError(Exception):
-    """A bad configuration: the message is shown as is, on one rank, and every rank exits 2."""
-
-
-class RunError(Exception):
-    """A failure during a run that every rank knows of (a failed save, say): rank `reporter` prints
-    the message and every rank exits 1."""
-
-    def __init__(self, message: str, reporter: int = 0):
-        super().__init__(message)
-        self.reporter = reporter
+from .errors import ConfigError, RunError  # noqa: F401  (re-exported: the errors of a config and a run)
+from .partition import partition
+from .schedules import KINDS, check_schedule
 
 
 class Choice(str, Enum):
@@ -47,7 +38,7 @@ def choice(name: str, *values: str) -> type:
 Device = choice("Device", "auto", "cpu", "cuda")
 Backend = choice("Backend", "auto", "nccl", "gloo")
 DType = choice("DType", "fp32", "fp16", "bf16")
-Schedule = choice("Schedule", "gpipe", "1f1b")
+Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
 Kernels = choice("Kernels", "auto", "triton", "torch")
@@ -248,9 +239,6 @@ def check_keys(given: dict, schema=None, prefix: str = "") -> None:
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
     ConfigError with one paragraph. Run by every rank before any process group exists."""
-    from .pipeline import partition_for          # the partitioner and the schedules check themselves
-    from .schedules import check_schedule
-
     _choices(cfg)
     for key, (ok, requirement) in RANGES.items():
         value = _get(cfg, key)
@@ -288,7 +276,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")
     if cfg.sp and m.seq_len % cfg.tp:
         raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
-    partition_for(cfg)
+    partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
     return dp
 

@@ -1,4 +1,5 @@
-"""Data: corpus -> sentencepiece tokenizer -> indexed token dataset -> packed, shuffled GPT samples.
+"""Data preparation: corpus -> sentencepiece tokenizer -> indexed token dataset (megatron_mini/dataset.py
+reads it into packed, shuffled GPT samples).
 
 Files in DataConfig.dir, each written atomically (tmp file + os.replace):
   tokenizer.model  sentencepiece BPE; tokenizer.json records what it was trained on (for caching)
@@ -9,7 +10,6 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import platform
 import random
-import shlex
 import struct
 import sys
 import sysconfig
@@ -49,32 +48,6 @@ class DataError(ConfigError):
         return DataError(self.what, self.problem, rebuild)
 
 
-def rebuild_command(cfg: DataConfig, **changes) -> str:
-    """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
-    keys): `make data` for the default data, else prepare_data.py with every key that decides the
-    directory and its contents (source, dir, vocab_size, and the tokenizer keys that differ)."""
-    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
-    for key in ("tokenizer_sample_chars", "tokenizer_seed"):
-        if getattr(cfg, key) != getattr(DataConfig, key):
-            values[key] = getattr(cfg, key)
-    if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
-        return "make data"
-    return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
-
-
-def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
-    """For a valid directory that holds other data than the run asks for: never suggest overwriting
-    it; suggest building `what` in a directory of its own, and reading it from there."""
-    source, vocab = changes.get("source", cfg.source), changes.get("vocab_size", cfg.vocab_size)
-    name = "stdlib" if source == "stdlib" else Path(source).stem or "corpus"
-    new = os.path.join(os.path.dirname(os.path.normpath(cfg.dir)), f"{name}-v{vocab}")   # a sibling of cfg.dir
-    if os.path.normpath(new) == os.path.normpath(cfg.dir):
-        new += "-new"
-    command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
-    return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
-            f"and run with data.dir={new}")
-
-
 # ----------------------------------------------------------------------------------------------- corpus
 
 def read_corpus(source: str) -> tuple[list[str], dict]:
@@ -98,11 +71,11 @@ def read_corpus(source: str) -> tuple[list[str], dict]:
     for d in docs:
         b = d.encode()
         digest.update(len(b).to_bytes(8, "little") + b)
-    return docs, {"source": _source_id(source), "python": platform.python_version(),
+    return docs, {"source": source_id(source), "python": platform.python_version(),
                   "corpus_sha256": digest.hexdigest(), "num_docs": len(docs)}
 
 
-def _source_id(source: str) -> str:
+def source_id(source: str) -> str:
     return source if source == "stdlib" else str(Path(source).resolve())
 
 
@@ -349,7 +322,7 @@ def prepare(cfg: DataConfig) -> dict:
                   "seed": cfg.tokenizer_seed, "corpus_sha256": info["corpus_sha256"], "settings": _TOKENIZER_SETTINGS}
     try:
         tok = Tokenizer(tok_path)
-        cached = _read_json(out / "tokenizer.json") == {**trained_on, "sha256": tok.sha256}
+        cached = read_json(out / "tokenizer.json") == {**trained_on, "sha256": tok.sha256}
     except DataError:
         cached = False
     if cached:
@@ -361,7 +334,7 @@ def prepare(cfg: DataConfig) -> dict:
         _atomic_write(out / "tokenizer.json", json.dumps({**trained_on, "sha256": tok.sha256}, indent=1).encode())
         print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
     try:
-        meta = _open_checked(out, tok)[1]
+        meta = open_checked(out, tok)[1]
         cached = (meta.get("corpus_sha256"), meta.get("source")) == (info["corpus_sha256"], info["source"])
     except DataError:
         cached = False
@@ -376,9 +349,9 @@ def prepare(cfg: DataConfig) -> dict:
     return meta
 
 
-def _open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
+def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
     """The dataset in `out`, checked against its meta.json and the tokenizer that must have encoded it."""
-    meta = _read_json(out / "meta.json")
+    meta = read_json(out / "meta.json")
     if not isinstance(meta, dict):
         raise DataError(out / "meta.json", "missing or not valid JSON")
     ds = IndexedDataset(out / "tokens")
@@ -391,7 +364,7 @@ def _open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
     return ds, meta
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -402,114 +375,3 @@ def _atomic_write(path, data: bytes) -> None:
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------- samples and batches
-
-def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) sorted document ids: round(val_fraction * num_docs) documents (at least 1, at most all
-    but one) drawn by seed go to validation."""
-    if num_docs < 2 or not 0 < val_fraction < 1:
-        raise ValueError(f"cannot hold out val_fraction={val_fraction} of {num_docs} documents")
-    n_val = min(max(1, round(val_fraction * num_docs)), num_docs - 1)
-    perm = np.random.default_rng(seed).permutation(num_docs)
-    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
-
-
-class GPTDataset:
-    """Packed samples over documents `doc_ids` of `indexed`, concatenated in that order (EOS separates them).
-    Sample k is tokens [k*seq_len, k*seq_len + seq_len + 1) of the concatenation: consecutive samples share
-    one token (as in Megatron), so each token but the first is a target exactly once per epoch.
-    len() = samples per epoch; dataset[i] for any i >= 0 is sample perm_e[i % len] of epoch e = i // len,
-    where perm_e is a permutation seeded by (seed, e). Returns np.int64 [seq_len + 1]."""
-
-    def __init__(self, indexed: IndexedDataset, doc_ids, seq_len: int, seed: int):
-        ids = np.asarray(doc_ids, np.int64)
-        # runs of consecutive documents are contiguous in tokens.bin: each run is one segment
-        first = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
-        last = np.concatenate([first[1:] - 1, [len(ids) - 1]])
-        self._seg_start = indexed.offsets[ids[first]]
-        seg_len = indexed.offsets[ids[last]] + indexed.sizes[ids[last]] - self._seg_start
-        self._seg_cum = np.concatenate([[0], np.cumsum(seg_len)])
-        self.indexed, self.seq_len, self.seed = indexed, seq_len, seed
-        self.num_docs, self.num_tokens = len(ids), int(self._seg_cum[-1])
-        self._len = (self.num_tokens - 1) // seq_len
-        if self._len < 1:
-            raise ValueError(f"{len(ids)} documents hold {self.num_tokens} tokens, fewer than one sample of "
-                             f"seq_len + 1 = {seq_len + 1}")
-        self._perm_epoch, self._perm = -1, None
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if i < 0:
-            raise IndexError(f"sample index {i} < 0")
-        epoch, k = divmod(int(i), self._len)
-        if epoch != self._perm_epoch:
-            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self._len)
-        start = int(self._perm[k]) * self.seq_len
-        end, seg = start + self.seq_len + 1, int(np.searchsorted(self._seg_cum, start, side="right")) - 1
-        parts = []
-        while start < end:
-            take = min(end, int(self._seg_cum[seg + 1])) - start
-            parts.append(self.indexed.span(int(self._seg_start[seg]) + start - int(self._seg_cum[seg]), take))
-            start, seg = start + take, seg + 1
-        return np.concatenate(parts).astype(np.int64)
-
-
-def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp_rank: int, dp: int):
-    """This DP rank's share of the global batch that starts at sample `consumed_samples`: global position j
-    is dataset[consumed_samples + j]; rank d takes positions [d*gbs/dp, (d+1)*gbs/dp) in order, as
-    microbatches of mbs. Returns torch.LongTensor [gbs / (dp*mbs), mbs, seq_len + 1]."""
-    import torch  # here, so the data tools and their worker processes do not pay for importing torch
-
-    if gbs % (dp * mbs):
-        raise ValueError(f"gbs={gbs} is not divisible by dp x mbs = {dp} x {mbs}")
-    per_rank = gbs // dp
-    first = consumed_samples + dp_rank * per_rank
-    rows = np.stack([dataset[first + j] for j in range(per_rank)])
-    return torch.from_numpy(rows).view(per_rank // mbs, mbs, rows.shape[1])
-
-
-def check_token_ids(dataset: GPTDataset, first: int, count: int, vocab_size: int, cfg: DataConfig) -> None:
-    """Samples [first, first + count) hold only ids in [0, vocab_size): a damaged tokens.bin fails here,
-    before an id indexes past the embedding."""
-    ids = np.stack([dataset[first + j] for j in range(count)])
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise DataError(dataset.indexed.bin_path, f"holds token id {int(bad[0])}, outside the vocabulary of "
-                        f"{vocab_size} (in samples {first}..{first + count - 1})", rebuild_command(cfg))
-
-
-def data_meta(cfg: DataConfig) -> dict:
-    """meta.json of a prepared data directory (load_datasets has checked it)."""
-    return _read_json(Path(cfg.dir) / "meta.json") or {}
-
-
-def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
-                  vocab_size: int) -> tuple[GPTDataset, GPTDataset, Tokenizer]:
-    """Open cfg.dir (built by prepare(); nothing is rebuilt here), check it against cfg and the model's
-    vocab_size, split documents (cfg.val_fraction, by seed) and return (train, val, tokenizer).
-    Any problem raises a one-line DataError naming the file and the command that rebuilds it."""
-    out = Path(cfg.dir)
-    try:
-        tok = Tokenizer(out / "tokenizer.model")
-        ds, meta = _open_checked(out, tok)
-    except DataError as e:           # missing or broken: rebuilding this very directory repairs it
-        raise e.with_rebuild(rebuild_command(cfg)) from None
-    if meta.get("source") != _source_id(cfg.source):
-        raise DataError(out / "meta.json", f"holds the corpus {meta.get('source')}, but data.source={cfg.source}; "
-                        f"set data.source={meta.get('source')} to train on it, or: "
-                        + new_dir_hint(cfg, f"data.source={cfg.source}"), rebuild=None)
-    for name, want in (("data.vocab_size", cfg.vocab_size), ("model.vocab_size", vocab_size)):
-        if tok.vocab_size != want:
-            raise DataError(tok.path, f"has {tok.vocab_size} tokens, but {name}={want}; set data.vocab_size and "
-                            f"model.vocab_size to {tok.vocab_size} to train on it, or: "
-                            + new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want), rebuild=None)
-    try:
-        train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
-        return GPTDataset(ds, train_ids, seq_len, seed), GPTDataset(ds, val_ids, seq_len, seed + 1), tok
-    except ValueError as e:
-        raise DataError(ds.bin_path, f"{e}; use a larger corpus, a larger data.val_fraction or a shorter sequence",
-                        rebuild=None) from None

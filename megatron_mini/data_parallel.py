@@ -8,7 +8,8 @@ On the last microbatch a bucket is reduced over DP as soon as all its gradients 
 (async, overlapping the rest of backward): an all-reduce, or with ZeRO-1 a reduce-scatter
 that leaves this rank the sum for its 1/dp shard of every bucket. Buckets are padded to a
 multiple of dp. With pp > 1 the tied word embedding has a bucket of its own, so its shards
-line up between the first and last stage for the embedding-group sum.
+line up between the first and last stage for the embedding-group sum. `full_weights()` /
+`load_weights()` turn the buffer's parameters into full tensors by global name and back.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import torch.nn as nn
 
 from . import comm
 from .mesh import ParallelMesh
+from .tensor_parallel import gather_full, shard
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 @dataclass
@@ -52,8 +53,8 @@ class GradBuffer:
                  bucket_numel: int = 1_000_000):
         self.mesh, self.zero, self.dp = mesh, zero, mesh.dp
         named_params = list(reversed(named_params))
-        tied = [(n, p) for n, p in named_params if n == WORD_EMBEDDING and mesh.pp > 1]
-        rest = [(n, p) for n, p in named_params if not (n == WORD_EMBEDDING and mesh.pp > 1)]
+        tied = [(n, p) for n, p in named_params if p.spec.tied and mesh.pp > 1]
+        rest = [(n, p) for n, p in named_params if not (p.spec.tied and mesh.pp > 1)]
         groups, current, size = [], [], 0
         for n, p in rest:
             current.append((n, p))
@@ -90,10 +91,6 @@ class GradBuffer:
                 p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
-
-    @property
-    def params(self) -> list:
-        return list(self.names)
 
     def valid_range(self, bucket: Bucket) -> tuple[int, int]:
         """The part of `bucket` whose reduced gradient this rank holds after the DP sync."""
@@ -161,6 +158,17 @@ class GradBuffer:
             handles.append(comm.all_gather_into(out, self.params_flat[lo:hi].clone(), self.mesh.dp_group, async_op=True))
         for h in handles:
             h.wait()
+
+    def full_weights(self) -> dict:
+        """{global name: full fp32 value} of this buffer's parameters (TP-gathered; every rank of the
+        TP group must call it)."""
+        return {name: gather_full(p.detach().float(), p.spec, self.mesh.tp_group).cpu() for p, name in self.names.items()}
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict) -> None:
+        """Copy this rank's slice of each parameter from {global name: full tensor}."""
+        for p, name in self.names.items():
+            p.copy_(shard(tensors[name], p.spec, self.mesh.tp, self.mesh.tp_rank))
 
     def segments(self, lo: int, hi: int):
         """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""

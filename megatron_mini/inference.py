@@ -18,9 +18,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .data import DataError, Tokenizer
-from .mesh import ParallelMesh
-from .model import GPTChunk, KVCache, build_chunks
-from .tensor_parallel import RNGTracker
+from .model import GPTChunk, KVCache, ParallelContext, build_chunks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,9 +93,9 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
 def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu") -> GPTChunk:
     """megatron_mini's model at tp=pp=dp=1 (torch kernels, fp32, eval mode) with the checkpoint's weights."""
     device = torch.device(device)
-    cfg = dataclasses.replace(ckpt.cfg, tp=1, pp=1, vpp=1, sp=False, recompute="none", kernels="torch")
-    rng = RNGTracker(cfg.seed, 0, 0, device)
-    (model,) = build_chunks(cfg, ParallelMesh(1, 1, 1), [(0, cfg.model.num_layers + 2)], rng, device)
+    m = ckpt.cfg.model
+    (model,) = build_chunks(m, ParallelContext.one_device(device, ckpt.cfg.seed), [(0, m.num_layers + 2)],
+                            ckpt.cfg.seed, device)
     params = dict(model.named_global_parameters())
     missing, unexpected = sorted(params.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - params.keys())
     if missing or unexpected:

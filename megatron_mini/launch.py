@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
 # first and torchrun stops them; they print only if rank 0 is slower or stuck)

@@ -1,4 +1,5 @@
-"""Metrics logging for one rank: a crash-safe `metrics.jsonl` in the run directory, mirrored to wandb.
+"""What a run reports: a crash-safe `metrics.jsonl` in the run directory, mirrored to wandb (rank 0's
+RunLogger), and the throughput figures of the console line (Throughput, step_line).
 
 Every `log()` appends one JSON line (flushed at once) and, when wandb is on, calls `wandb.log`.
 wandb is imported only when it is used, and any wandb failure prints one warning and leaves
@@ -11,10 +12,15 @@ import json
 import netrc
 import os
 import re
+import resource
 import sys
 from urllib.parse import urlsplit
 
-from megatron_mini.config import WandbConfig
+import torch
+
+from .config import TrainConfig, WandbConfig
+from .hardware import peak_tflops
+
 
 def resolve_mode(mode: str) -> str:
     """Turn a WandbConfig.mode (a config.WandbMode, checked by validate) into online | offline | disabled.
@@ -53,33 +59,10 @@ def _plain(value):
     return value if isinstance(value, (int, str)) else float(value)
 
 
-def _keep_records_up_to(path: str, step: int) -> None:
-    """Rewrite metrics.jsonl (atomically) without the records of steps after `step`."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    kept = [line for line in lines if _step_of(line) <= step]
-    if len(kept) < len(lines):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")                 # a torn last line (a crash mid-write) goes too
-
-
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
 
-    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool, resume_step: int = 0):
-        """resume_step: the step the run continues from; records of later steps (logged by the run
-        before it stopped, past its last checkpoint) are dropped from metrics.jsonl, as the run
-        logs those steps again."""
+    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
         self.mode = resolve_mode(wandb_cfg.mode)
         self.enabled = enabled
         self.run_dir = run_dir
@@ -89,9 +72,7 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "metrics.jsonl")
-        _keep_records_up_to(path, resume_step)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
         if self.mode == "disabled":
             return
         name = wandb_cfg.name or os.path.basename(os.path.normpath(run_dir))
@@ -156,3 +137,43 @@ class RunLogger:
         print(f"warning: wandb {what} failed ({type(error).__name__}: {error}); "
               f"continuing with {self.run_dir}/metrics.jsonl only", file=sys.stderr, flush=True)
         self._run = None
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Throughput:
+    """Tokens/s, model TFLOP/s per GPU and MFU over a logging interval, and peak memory.
+
+    TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
+    recomputation is not counted); MFU = that / the device's dense peak (hardware.py, or
+    precision.peak_tflops), None where the peak is unknown (a CPU)."""
+
+    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device):
+        self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
+        self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
+
+    def __call__(self, tokens: int, seconds: float) -> dict:
+        tokens_per_s = tokens / max(seconds, 1e-9)
+        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+        out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "peak_mem_gib": self.peak_memory_gib()}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        return out
+
+    def peak_memory_gib(self) -> float:
+        """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
+
+
+def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, elapsed: float, eta: float,
+               skipped_steps: int) -> str:
+    mfu = f" | MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
+    scale = f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if out["loss_scale"] is not None else ""
+    return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | grad norm {out['grad_norm']:.3f} | "
+            f"{rate['tokens_per_s']:,.0f} tok/s | {rate['tflops']:.3g} TFLOP/s/GPU{mfu} | "
+            f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}{scale}")

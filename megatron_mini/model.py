@@ -20,26 +20,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import TrainConfig
+from .comm import Group, Ledger
+from .config import Kernels, ModelConfig, Recompute
 from .hardware import gpu_key
-from .mesh import ParallelMesh
-from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RNGTracker, RowParallelLinear,
-                              VocabParallelEmbedding, column_parallel_linear, full_shape,
-                              gather_from_tensor_parallel_region, init_full, new_param, shard,
-                              vocab_parallel_cross_entropy)
+from .rng import RNGTracker
+from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_linear, full_shape, gather_from_tensor_parallel_region, init_full,
+                              new_param, shard, vocab_parallel_cross_entropy)
 
 
 @dataclass(frozen=True)
-class Kernels:
-    """Which implementation each fused op uses: Triton (True) or torch (False).
-
-    kernels=torch: torch everywhere (F.layer_norm, F.scaled_dot_product_attention). kernels=triton:
-    the Triton kernels everywhere (on CPU through the interpreter). kernels=auto: torch, except on a
-    GPU where `make bench-kernels` measured the Triton kernel faster than every torch path at this
-    size: an entry of TRITON_WINS. So auto is never slower than kernels=torch by construction.
-    """
-    layer_norm: bool
-    attention: bool
+class TritonOps:
+    """Which fused ops run the Triton kernels (True) rather than torch (False): kernels=torch uses
+    F.layer_norm and F.scaled_dot_product_attention everywhere; kernels=triton the Triton kernels
+    (on CPU through the interpreter); kernels=auto torch, except where `make bench-kernels` measured
+    the Triton kernel faster than every torch path on this GPU at this size (TRITON_WINS), so auto
+    is never slower than kernels=torch."""
+    layer_norm: bool = False
+    attention: bool = False
 
 
 # (op, GPU, size) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
@@ -48,12 +46,30 @@ class Kernels:
 TRITON_WINS: frozenset = frozenset()
 
 
-def select_kernels(cfg: TrainConfig, device: torch.device) -> Kernels:
-    if cfg.kernels != "auto":
-        return Kernels(layer_norm=cfg.kernels == "triton", attention=cfg.kernels == "triton")
-    gpu, m = gpu_key(device), cfg.model
-    return Kernels(layer_norm=("layer_norm", gpu, m.hidden_size) in TRITON_WINS,
-                   attention=("attention", gpu, m.hidden_size // m.num_heads) in TRITON_WINS)
+def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
+    if kernels != "auto":
+        return TritonOps(layer_norm=kernels == "triton", attention=kernels == "triton")
+    gpu = gpu_key(device)
+    return TritonOps(layer_norm=("layer_norm", gpu, model.hidden_size) in TRITON_WINS,
+                     attention=("attention", gpu, model.hidden_size // model.num_heads) in TRITON_WINS)
+
+
+@dataclass
+class ParallelContext:
+    """What the layers need of the parallelisation and the run, beside the ModelConfig (torchtitan's
+    split of model from parallelisation): the TP group, sequence parallelism, activation
+    recompute, which ops run Triton kernels, the dropout RNG streams, torch.compile per block."""
+    tp_group: Group
+    rng: RNGTracker
+    sp: bool = False
+    recompute: Recompute = Recompute.none
+    triton: TritonOps = TritonOps()
+    compile: bool = False
+
+    @classmethod
+    def one_device(cls, device, seed: int = 0) -> "ParallelContext":
+        """No parallelism, torch kernels: a whole model on one device (inference, tests)."""
+        return cls(Group("tp", [0], None, Ledger()), RNGTracker(seed, 0, 0, torch.device(device)))
 
 
 class LayerNorm(nn.Module):
@@ -61,18 +77,18 @@ class LayerNorm(nn.Module):
     `ln.add_and_norm(x, r)` is (h, LN(h)) with h = x + r. Parameters `weight`, `bias` as in
     nn.LayerNorm, marked for the sequence-parallel gradient sum."""
 
-    def __init__(self, cfg: TrainConfig, triton: bool, device):
+    def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
-        h = cfg.model.hidden_size
-        self.eps, self.triton = cfg.model.ln_eps, triton
-        self.weight = new_param((h,), ParamSpec("ones", sequence_parallel=cfg.sp, no_weight_decay=True), device=device)
-        self.bias = new_param((h,), ParamSpec("zeros", sequence_parallel=cfg.sp, no_weight_decay=True), device=device)
+        h = m.hidden_size
+        self.eps, self.triton = m.ln_eps, ctx.triton.layer_norm
+        self.weight = new_param((h,), ParamSpec("ones", sequence_parallel=ctx.sp, no_weight_decay=True), device=device)
+        self.bias = new_param((h,), ParamSpec("zeros", sequence_parallel=ctx.sp, no_weight_decay=True), device=device)
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
     def forward(self, x):
         if self.triton:
-            from kernels.layernorm import layer_norm
+            from .kernels.layernorm import layer_norm
             return layer_norm(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
@@ -81,10 +97,26 @@ class LayerNorm(nn.Module):
         if r is None:
             return x, self(x)
         if self.triton:
-            from kernels.layernorm import add_layer_norm
+            from .kernels.layernorm import add_layer_norm
             return add_layer_norm(x, r, self.weight, self.bias, self.eps)
         h = x + r
         return h, F.layer_norm(h, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class Dropout(nn.Dropout):
+    """Dropout on the residual stream: with sequence parallelism each TP rank holds other tokens, so
+    its mask draws from the TP-rank stream; otherwise the TP ranks hold the same tokens and draw the
+    same mask from the default stream."""
+
+    def __init__(self, p: float, ctx: ParallelContext):
+        super().__init__(p)
+        self.ctx = ctx
+
+    def forward(self, x):
+        if self.ctx.sp and self.p and self.training:
+            with self.ctx.rng.fork():
+                return super().forward(x)
+        return super().forward(x)
 
 
 def recomputed(fn, rng: RNGTracker, *args):
@@ -140,15 +172,14 @@ class Embedding(Layer):
     shard of them with sp), or those after a cache's `length` (inference)."""
     prefix = "embedding"
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device):
+    def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
-        m = cfg.model
-        self.tp_group, self.sp, self.rng = mesh.tp_group, cfg.sp, rng
-        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, mesh.tp_group,
-                                                      sequence_parallel=cfg.sp, std=m.init_std, device=device)
+        self.tp_group, self.sp = ctx.tp_group, ctx.sp
+        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, ctx.tp_group,
+                                                      sequence_parallel=ctx.sp, std=m.init_std, tied=True, device=device)
         self.position_embeddings = new_param((m.seq_len, m.hidden_size),
-                                             ParamSpec("normal", 0.01, sequence_parallel=cfg.sp), device=device)
-        self.dropout = nn.Dropout(m.dropout)
+                                             ParamSpec("normal", 0.01, sequence_parallel=ctx.sp), device=device)
+        self.dropout = Dropout(m.dropout, ctx)
 
     def forward(self, ids, cache: KVCache | None = None):
         x = self.word_embeddings(ids.t())
@@ -161,27 +192,22 @@ class Embedding(Layer):
         if len(positions) < s:
             raise ValueError(f"positions {first}..{first + s - 1} exceed the model's context of "
                              f"{len(self.position_embeddings)}")
-        x = x + positions.unsqueeze(1)
-        if self.sp:
-            with self.rng.fork():
-                return self.dropout(x)
-        return self.dropout(x)
+        return self.dropout(x + positions.unsqueeze(1))
 
 
 class Attention(nn.Module):
     """Causal self-attention with heads split over TP: QKV column-parallel, output row-parallel."""
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, kernels: Kernels, device):
+    def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
-        m = cfg.model
-        h, tp = m.hidden_size, mesh.tp
+        h, tp = m.hidden_size, ctx.tp_group.size
         self.heads, self.head_dim = m.num_heads // tp, h // m.num_heads
-        self.rng, self.attn_dropout = rng, m.dropout
-        self.selective_recompute = cfg.recompute == "selective"
-        self.triton = kernels.attention
-        self.qkv = ColumnParallelLinear(h, 3 * h, mesh.tp_group, sequence_parallel=cfg.sp, std=m.init_std,
+        self.rng, self.attn_dropout = ctx.rng, m.dropout
+        self.selective_recompute = ctx.recompute == "selective"
+        self.triton = ctx.triton.attention
+        self.qkv = ColumnParallelLinear(h, 3 * h, ctx.tp_group, sequence_parallel=ctx.sp, std=m.init_std,
                                         tp_groups=3, device=device)
-        self.proj = RowParallelLinear(h, h, mesh.tp_group, sequence_parallel=cfg.sp,
+        self.proj = RowParallelLinear(h, h, ctx.tp_group, sequence_parallel=ctx.sp,
                                       std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
 
     def core(self, qkv, cache: KVCache | None = None):
@@ -191,7 +217,7 @@ class Attention(nn.Module):
         drop = self.attn_dropout if self.training else 0.0
         with self.rng.fork() if drop else contextlib.nullcontext():
             if self.triton and cache is None:
-                from kernels.attention import flash_attention_qkv
+                from .kernels.attention import flash_attention_qkv
                 return flash_attention_qkv(qkv, self.heads, causal=True, dropout_p=drop)
             s, b = qkv.shape[:2]
             q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
@@ -214,12 +240,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """fc1 (column-parallel, h -> 4h/tp), GELU(tanh), fc2 (row-parallel, 4h/tp -> h)."""
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, device):
+    def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
-        m = cfg.model
-        self.fc1 = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh.tp_group, sequence_parallel=cfg.sp,
+        self.fc1 = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, ctx.tp_group, sequence_parallel=ctx.sp,
                                         std=m.init_std, device=device)
-        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh.tp_group, sequence_parallel=cfg.sp,
+        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, ctx.tp_group, sequence_parallel=ctx.sp,
                                      std=m.init_std / math.sqrt(2 * m.num_layers), device=device)
 
     def forward(self, x):
@@ -232,31 +257,25 @@ class Block(Layer):
         (x, r) -> h = x + r, y = ln1(h);  h = h + drop(attn(y)), y = ln2(h);  -> (h, drop(mlp(y)))
 
     The MLP's output is returned unadded (r of the next block, added by its ln1, or by the chunk
-    at its end); r None means nothing is pending. Residual dropout draws from the stream of its region.
+    at its end); r None means nothing is pending.
     """
 
-    def __init__(self, index: int, cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, kernels: Kernels, device):
+    def __init__(self, index: int, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
         self.prefix = f"blocks.{index}"
-        self.sp, self.rng, self.full_recompute = cfg.sp, rng, cfg.recompute == "full"
-        self.ln1 = LayerNorm(cfg, kernels.layer_norm, device)
-        self.attn = Attention(cfg, mesh, rng, kernels, device)
-        self.ln2 = LayerNorm(cfg, kernels.layer_norm, device)
-        self.mlp = MLP(cfg, mesh, device)
-        self.dropout = nn.Dropout(cfg.model.dropout)
-        if cfg.compile:     # the graphs between the (eager) linears and collectives: LN, residual, GELU, ...
+        self.rng, self.full_recompute = ctx.rng, ctx.recompute == "full"
+        self.ln1 = LayerNorm(m, ctx, device)
+        self.attn = Attention(m, ctx, device)
+        self.ln2 = LayerNorm(m, ctx, device)
+        self.mlp = MLP(m, ctx, device)
+        self.dropout = Dropout(m.dropout, ctx)
+        if ctx.compile:     # the graphs between the (eager) linears and collectives: LN, residual, GELU, ...
             self._forward = torch.compile(self._forward, dynamic=False)
-
-    def _residual_dropout(self, y):
-        if self.sp:
-            with self.rng.fork():
-                return self.dropout(y)
-        return self.dropout(y)
 
     def _forward(self, x, r, cache=None):
         h, y = self.ln1.add_and_norm(x, r)
-        h, y = self.ln2.add_and_norm(h, self._residual_dropout(self.attn(y, cache)))
-        return h, self._residual_dropout(self.mlp(y))
+        h, y = self.ln2.add_and_norm(h, self.dropout(self.attn(y, cache)))
+        return h, self.dropout(self.mlp(y))
 
     def forward(self, x, r=None, cache: KVCache | None = None):
         if self.full_recompute and self.training:
@@ -274,15 +293,13 @@ class Head(Layer):
     """
     prefix = "head"
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, word_embeddings: nn.Parameter | None, kernels: Kernels,
-                 device):
+    def __init__(self, m: ModelConfig, ctx: ParallelContext, word_embeddings: nn.Parameter | None, device):
         super().__init__()
-        m = cfg.model
-        self.tp_group, self.sp, self.vocab_size, self.label_smoothing = mesh.tp_group, cfg.sp, m.vocab_size, m.label_smoothing
-        self.ln_f = LayerNorm(cfg, kernels.layer_norm, device)
+        self.tp_group, self.sp, self.vocab_size, self.label_smoothing = ctx.tp_group, ctx.sp, m.vocab_size, m.label_smoothing
+        self.ln_f = LayerNorm(m, ctx, device)
         if word_embeddings is None:
-            word_embeddings = new_param((m.padded_vocab_size // mesh.tp, m.hidden_size),
-                                        ParamSpec("normal", m.init_std, tp_dim=0, tied=True), device=device)
+            word_embeddings = new_param((m.padded_vocab_size // ctx.tp_group.size, m.hidden_size),
+                                        ParamSpec("normal", m.init_std, tp_dim=0, tied=True, copy=True), device=device)
         self.word_embeddings = word_embeddings
 
     def global_name(self, local: str) -> str:
@@ -331,34 +348,35 @@ class GPTChunk(nn.Module):
                     yield layer.global_name(local), p
 
 
-def build_chunks(cfg: TrainConfig, mesh: ParallelMesh, stage_layers: list, rng: RNGTracker,
+def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed: int,
                  device: torch.device) -> list:
     """Build this rank's model chunks. `stage_layers[c]` = (first, last+1) indices into the
     layer list [Embedding, Block_1..L, Head] for local chunk c. Parameters are initialised to
-    this rank's slice of their full, layout-independent value."""
-    L = cfg.model.num_layers
-    kernels = select_kernels(cfg, device)
+    this rank's slice of their full, layout-independent value (of (seed, global name) alone);
+    on the meta device (memory planning) they are left uninitialised."""
+    L = m.num_layers
     embedding = None
     chunks = []
     for first, end in stage_layers:
         layers = []
         for i in range(first, end):
             if i == 0:
-                embedding = Embedding(cfg, mesh, rng, device)
+                embedding = Embedding(m, ctx, device)
                 layers.append(embedding)
             elif i == L + 1:
                 shared = embedding.word_embeddings.weight if embedding is not None else None
-                layers.append(Head(cfg, mesh, shared, kernels, device))
+                layers.append(Head(m, ctx, shared, device))
             else:
-                layers.append(Block(i - 1, cfg, mesh, rng, kernels, device))
+                layers.append(Block(i - 1, m, ctx, device))
         chunks.append(GPTChunk(layers))
-    initialize(chunks, mesh, cfg.seed)
+    if torch.device(device).type != "meta":
+        initialize(chunks, ctx.tp_group, seed)
     return chunks
 
 
 @torch.no_grad()
-def initialize(chunks: list, mesh: ParallelMesh, seed: int) -> None:
+def initialize(chunks: list, tp_group: Group, seed: int) -> None:
     for chunk in chunks:
         for name, p in chunk.named_global_parameters():
-            full = init_full(name, full_shape(p, mesh.tp), p.spec, seed)
-            p.copy_(shard(full, p.spec, mesh.tp, mesh.tp_rank))
+            full = init_full(name, full_shape(p, tp_group.size), p.spec, seed)
+            p.copy_(shard(full, p.spec, tp_group.size, tp_group.rank))

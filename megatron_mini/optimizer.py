@@ -21,8 +21,11 @@ import torch
 
 from . import comm
 from .config import OptimizerConfig, PrecisionConfig
-from .data_parallel import WORD_EMBEDDING, GradBuffer
+from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
+from .tensor_parallel import gather_full, shard
+
+STATES = ("master", "exp_avg", "exp_avg_sq")   # what Adam keeps per parameter element, in fp32
 
 
 class DynamicLossScaler:
@@ -76,6 +79,11 @@ class Range:
     def param(self) -> torch.Tensor:
         return self.buffer.params_flat[self.lo:self.hi]
 
+    @property
+    def separate_master(self) -> bool:
+        """16-bit weights keep an fp32 master copy; fp32 weights are their own master."""
+        return self.master.data_ptr() != self.param.data_ptr()
+
 
 class Optimizer:
     """AdamW on this rank's ranges through torch's fused multi-tensor kernel (`torch._fused_adamw_`,
@@ -103,10 +111,10 @@ class Optimizer:
                     for group, view in zip(self.groups[not p.spec.no_weight_decay], views):
                         group.append(view)
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0
-                    (self.check_views if replicated_copy or p.spec.tied else self.norm_views).append(views[1])
+                    (self.check_views if replicated_copy or p.spec.copy else self.norm_views).append(views[1])
                     if p.spec.sequence_parallel:
                         r.tp_sum_segments.append((a, b))
-                    r.tied = r.tied or (name == WORD_EMBEDDING and mesh.pp > 1)
+                    r.tied = r.tied or (p.spec.tied and mesh.pp > 1)
                 self.ranges.append(r)
         device = buffers[0].grads_flat.device
         self._step = torch.zeros((), dtype=torch.float32, device=device)          # the kernel's step count
@@ -173,9 +181,55 @@ class Optimizer:
                                     eps=c.eps, amsgrad=False, maximize=False,
                                     grad_scale=self._grad_scale if divide != 1.0 else None, found_inf=None)
         for r in self.ranges:
-            if r.master.data_ptr() != r.param.data_ptr():
+            if r.separate_master:
                 r.param.copy_(r.master)
         for buf in self.buffers:
             buf.all_gather_params()
         self.zero_grad()
         return norm, False
+
+    # -- what it holds, by parameter name
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds: weights, fp32 main grads, optimizer state (a separate fp32 master and
+        Adam's two moments, sharded over DP by ZeRO-1)."""
+        return {"weights": sum(b.params_flat.nbytes for b in self.buffers),
+                "grads": sum(b.grads_flat.nbytes for b in self.buffers),
+                "optimizer": sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes + (r.master.nbytes if r.separate_master else 0)
+                                 for r in self.ranges)}
+
+    def state_dict(self) -> dict:
+        """{"state": {global name: {master, exp_avg, exp_avg_sq: full fp32 tensor}}, "step_count",
+        "scaler"} of this rank's pipeline stage, whatever the layout: TP-gathered and, with ZeRO-1,
+        all-gathered over DP. Collective: every rank of the stage calls it."""
+        state = {}
+        for buf in self.buffers:
+            flat = {k: torch.zeros_like(buf.grads_flat) for k in STATES}
+            for r in (r for r in self.ranges if r.buffer is buf):
+                bucket = next(b for b in buf.buckets if b.start <= r.lo < b.end)
+                for k in STATES:
+                    local = getattr(r, k).float()
+                    if self.zero and buf.dp > 1:
+                        comm.all_gather_into(flat[k][bucket.start:bucket.end], local.contiguous(), self.mesh.dp_group)
+                    else:
+                        flat[k][r.lo:r.hi] = local
+            for p, name in buf.names.items():
+                lo = buf.offsets[p]
+                state[name] = {k: gather_full(flat[k][lo:lo + p.numel()].view(p.shape), p.spec, self.mesh.tp_group).cpu()
+                               for k in STATES}
+        return {"state": state, "step_count": self.step_count,
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict) -> None:
+        """Take this rank's slices of a state_dict() saved in any layout (the weights are loaded already)."""
+        self.step_count = saved["step_count"]
+        if self.scaler and saved["scaler"]:
+            self.scaler.load_state_dict(saved["scaler"])
+        for r in self.ranges:
+            for p, name, a, b in r.buffer.segments(r.lo, r.hi):
+                first = r.buffer.offsets[p]
+                for k in STATES:
+                    flat = shard(saved["state"][name][k], p.spec, self.mesh.tp, self.mesh.tp_rank).reshape(-1)
+                    getattr(r, k)[a - r.lo:b - r.lo] = flat[a - first:b - first]
+            if r.separate_master:
+                r.param.copy_(r.master)

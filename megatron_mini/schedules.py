@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
-from megatron_mini.config import ConfigError, Schedule
+from .errors import ConfigError
 
-KINDS = tuple(Schedule.__members__)      # "gpipe", "1f1b" (config.Schedule is the home of the choice)
+KINDS = ("gpipe", "1f1b")       # config.Schedule, the choice a run makes, is built from these
 COMPUTE_OPS = ("forward", "backward")
 
 

@@ -16,7 +16,6 @@ its full, layout-independent value can be built from (seed, global name) and sli
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import zlib
 from dataclasses import dataclass
@@ -127,8 +126,10 @@ class ParamSpec:
     tp_dim: the dim split over TP (None: replicated). tp_groups: the full tensor is
     `tp_groups` blocks along tp_dim, each split over TP (3 for fused QKV: [q; k; v]).
     init: "normal" (std), "zeros" or "ones". sequence_parallel: replicated but sees only a
-    sequence shard, so its gradient is summed over TP. tied: the output layer's copy of the
-    word embedding on another stage (summed over the embedding group, counted once).
+    sequence shard, so its gradient is summed over TP. tied: the word embedding, which the
+    output layer shares: with pp > 1 the first and last stage each hold it, and its gradient is
+    summed over the embedding group. copy: this is the output layer's copy on the last stage
+    (counted once in the gradient norm, under the embedding's own name).
     """
     init: str = "normal"
     std: float = 0.02
@@ -137,6 +138,7 @@ class ParamSpec:
     sequence_parallel: bool = False
     no_weight_decay: bool = False
     tied: bool = False
+    copy: bool = False
 
 
 def new_param(local_shape, spec: ParamSpec, dtype=torch.float32, device=None) -> nn.Parameter:
@@ -298,13 +300,13 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """ids [s, b] -> [s, b, h] (or [s/tp, b, h] with sp); rank i owns rows [i*V/tp, (i+1)*V/tp)."""
 
-    def __init__(self, num_embeddings, dim, tp_group: Group, *, sequence_parallel=False, std=0.02,
+    def __init__(self, num_embeddings, dim, tp_group: Group, *, sequence_parallel=False, std=0.02, tied=False,
                  dtype=torch.float32, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.per_rank = num_embeddings // tp_group.size
         self.start = tp_group.rank * self.per_rank
-        self.weight = new_param((self.per_rank, dim), ParamSpec("normal", std, tp_dim=0), dtype, device)
+        self.weight = new_param((self.per_rank, dim), ParamSpec("normal", std, tp_dim=0, tied=tied), dtype, device)
 
     def forward(self, ids):
         if self.tp_group.size == 1:
@@ -381,49 +383,3 @@ def vocab_parallel_cross_entropy(logits, target, tp_group: Group, vocab_size: in
         return F.cross_entropy(flat, target.reshape(-1), reduction="none",
                                label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size, label_smoothing)
-
-
-# ----------------------------------------------------------------------------- dropout RNG
-class RNGTracker:
-    """Named RNG streams for dropout.
-
-    "model-parallel" is seeded per TP rank (differs across TP, equal across DP): dropout on
-    local heads and sequence shards. The default torch stream, seeded equally on every TP
-    and DP rank, serves replicated regions.
-    """
-
-    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
-        self.device = device
-        torch.manual_seed(seed + 100 * pp_rank)
-        self.states = {"model-parallel": self._seeded(seed + 2718 + 100 * pp_rank + tp_rank)}
-
-    def _seeded(self, seed: int) -> torch.Tensor:
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            return self._get()
-
-    def _get(self):
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state):
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel"):
-        outer = self._get()
-        self._set(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = self._get()
-            self._set(outer)
-
-    def get_states(self) -> dict:
-        return {"default": self._get(), **{k: v.clone() for k, v in self.states.items()}}
-
-    def set_states(self, states: dict) -> None:
-        self._set(states["default"])
-        self.states = {k: v.clone() for k, v in states.items() if k != "default"}

@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
 import threading
 import time
@@ -25,16 +24,15 @@ import torch.distributed as dist
 from . import checkpoint, comm
 from .comm import CommError
 from .config import ConfigError, RunError, TrainConfig, validate
-from .data import check_token_ids, data_meta, get_batch, load_datasets
+from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .data_parallel import GradBuffer
-from .hardware import peak_tflops
 from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
-from .logger import RunLogger
+from .logger import RunLogger, Throughput, format_duration, step_line
 from .mesh import ParallelMesh, choose_device, init_process_group
-from .model import build_chunks
+from .model import ParallelContext, build_chunks, select_triton_ops
 from .optimizer import Optimizer
 from .pipeline import PipelineEngine, local_stage_layers
-from .tensor_parallel import RNGTracker
+from .rng import RNGTracker, seed_default_stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -114,11 +112,6 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     return Run(dp, device, backend, datasets, data, resume, lock)
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
 class Trainer:
     """Holds the model chunks, optimizer and engine of this rank."""
 
@@ -126,8 +119,11 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train_data, self.val_data, self.tokenizer = datasets
         self.dtype = DTYPES[cfg.precision.dtype]
+        seed_default_stream(cfg.seed, mesh.pp_rank)
         self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
-        self.chunks = build_chunks(cfg, mesh, local_stage_layers(cfg, mesh.pp_rank), self.rng, device)
+        ctx = ParallelContext(mesh.tp_group, self.rng, cfg.sp, cfg.recompute,
+                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
+        self.chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
         seen, self.buffers = set(), []
         for chunk in self.chunks:
             chunk.to(self.dtype)
@@ -183,25 +179,17 @@ class Trainer:
             total += self._global_loss(self.engine.eval_step(batch))[0]
         return total / self.cfg.eval_iters
 
-    def memory_bytes(self) -> dict:
-        """Bytes this rank holds for weights, fp32 main grads and optimizer state (ZeRO-1 shards the last)."""
-        optim = sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes
-                    + (r.master.nbytes if r.master.data_ptr() != r.param.data_ptr() else 0)
-                    for r in self.optimizer.ranges)
-        return {"weights": sum(b.params_flat.nbytes for b in self.buffers),
-                "grads": sum(b.grads_flat.nbytes for b in self.buffers), "optimizer": optim}
-
     def save(self, run_dir: str, data: dict) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
         data's identity (checkpoint.data_identity), checked when the run resumes."""
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
-        checkpoint.save(path, self.step, self.consumed_samples, self.optimizer, self.rng, self.mesh,
+        checkpoint.save(path, self.step, self.consumed_samples, self.buffers, self.optimizer, self.rng, self.mesh,
                         dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints)
         self.last_checkpoint = path
         return path
 
     def load(self, path: str) -> None:
-        meta = checkpoint.load(path, self.optimizer, self.rng, self.mesh)
+        meta = checkpoint.load(path, self.buffers, self.optimizer, self.rng, self.mesh)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
         self.last_checkpoint = path
 
@@ -224,7 +212,7 @@ def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
 
 def _report_memory(trainer: Trainer, log: logging.Logger) -> None:
     """Every rank's weight / main-grad / optimizer-state memory, as one table from rank 0."""
-    mine = trainer.memory_bytes()
+    mine = trainer.optimizer.memory_bytes()
     table = comm.all_gather(torch.tensor([list(mine.values())], dtype=torch.float64), trainer.mesh.world_group)
     lines = [f"  rank {r:>4} (tp {r % trainer.mesh.tp}, dp {r // trainer.mesh.tp % trainer.mesh.dp}, "
              f"pp {r // (trainer.mesh.tp * trainer.mesh.dp)}): " + " | ".join(
@@ -241,41 +229,6 @@ def _write_config(cfg: TrainConfig) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     os.replace(path + ".tmp", path)
-
-
-class Throughput:
-    """Tokens/s, model TFLOP/s per GPU and MFU over a logging interval, and peak memory.
-
-    TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
-    recomputation is not counted); MFU = that / the device's dense peak (hardware.py, or
-    precision.peak_tflops), None where the peak is unknown (a CPU)."""
-
-    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device):
-        self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
-        self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
-
-    def __call__(self, tokens: int, seconds: float) -> dict:
-        tokens_per_s = tokens / max(seconds, 1e-9)
-        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
-        out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "peak_mem_gib": self.peak_memory_gib()}
-        if self.peak:
-            out["mfu"] = tflops / self.peak
-        return out
-
-    def peak_memory_gib(self) -> float:
-        """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
-
-
-def _step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, elapsed: float, eta: float,
-               skipped_steps: int) -> str:
-    mfu = f" | MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
-    scale = f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if out["loss_scale"] is not None else ""
-    return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | grad norm {out['grad_norm']:.3f} | "
-            f"{rate['tokens_per_s']:,.0f} tok/s | {rate['tflops']:.3g} TFLOP/s/GPU{mfu} | "
-            f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}{scale}")
 
 
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
@@ -308,7 +261,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
                 record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
             logger.log(step, record)
             eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
-            log.info(_step_line(step, cfg, out, r, now - start_time, eta, skipped_steps))
+            log.info(step_line(step, cfg, out, r, now - start_time, eta, skipped_steps))
             interval_start, interval_steps = now, 0
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
@@ -387,7 +340,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if run.resume:
         trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
-    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0, resume_step=trainer.step)
+    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend})")

@@ -1,6 +1,5 @@
 """Test session setup: CPU-only Triton runs through the interpreter, set before any Triton import."""
 import os
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # read when torch is imported
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -9,10 +8,6 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 import glob  # noqa: E402
 import shutil  # noqa: E402

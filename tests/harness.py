@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from distributed import spawn
+from ranks import spawn
 from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig, WandbConfig
 
 
@@ -43,7 +43,7 @@ def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
 def make_trainer(cfg: TrainConfig):
     """A Trainer on this spawned rank (the process group exists), without the training loop."""
     import torch.distributed as dist
-    from megatron_mini.data import load_datasets
+    from megatron_mini.dataset import load_datasets
     from megatron_mini.mesh import ParallelMesh
     from megatron_mini.training import Trainer
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention
-from kernels.attention import dropout_keep_mask, flash_attention, flash_attention_qkv, torch_attention
+from megatron_mini.kernels import attention
+from megatron_mini.kernels.attention import dropout_keep_mask, flash_attention, flash_attention_qkv, torch_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}

@@ -15,7 +15,8 @@ import pytest
 import sentencepiece as spm
 
 from megatron_mini.config import DataConfig
-from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, get_batch, load_datasets, prepare, read_corpus, rebuild_command, split_documents, train_tokenizer)
+from megatron_mini.data import DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus, train_tokenizer
+from megatron_mini.dataset import get_batch, load_datasets, rebuild_command, split_documents
 
 VOCAB, SEQ = 512, 32
 

@@ -22,17 +22,16 @@ def test_a_dropped_model_frees_its_buffers():
     import gc
     import weakref
 
-    from megatron_mini.config import ModelConfig, TrainConfig
+    from megatron_mini.config import ModelConfig
     from megatron_mini.data_parallel import GradBuffer
     from megatron_mini.mesh import ParallelMesh
-    from megatron_mini.model import build_chunks
-    from megatron_mini.tensor_parallel import RNGTracker
+    from megatron_mini.model import ParallelContext, build_chunks
 
-    cfg = TrainConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=8, vocab_size=100))
+    model = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=8, vocab_size=100)
     cpu, mesh = torch.device("cpu"), ParallelMesh(1, 1, 1)
 
     def build_and_train():
-        (chunk,) = build_chunks(cfg, mesh, [(0, 3)], RNGTracker(1, 0, 0, cpu), cpu)
+        (chunk,) = build_chunks(model, ParallelContext.one_device(cpu), [(0, 3)], 1, cpu)
         buf = GradBuffer(list(chunk.named_global_parameters()), mesh, torch.float32, zero=False)
         ids = torch.randint(0, 100, (2, 9))
         chunk(ids[:, :-1], ids[:, 1:]).backward()

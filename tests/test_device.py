@@ -9,11 +9,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness import assert_same_training, small_config, train_on_ranks
-from megatron_mini.config import ConfigError, ModelConfig, TrainConfig
+from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini.hardware import GPUS, math_dtype, peak_tflops
-from megatron_mini.mesh import ParallelMesh, choose_device
-from megatron_mini.model import build_chunks
-from megatron_mini.tensor_parallel import RNGTracker
+from megatron_mini.mesh import choose_device
+from megatron_mini.model import ParallelContext, build_chunks
 
 
 @pytest.mark.parametrize("local_world, gpus, expected", [
@@ -65,9 +64,8 @@ def test_flops_per_token_equals_torch_flop_count():
     """ModelConfig.flops_per_token() (6N + 12 L h s) is what torch's FLOP counter measures for one
     forward + backward of the model (tp=1, attention through SDPA's math backend so its matmuls count)."""
     model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=300)
-    cfg = TrainConfig(model=model, kernels="torch")
     cpu = torch.device("cpu")
-    (chunk,) = build_chunks(cfg, ParallelMesh(1, 1, 1), [(0, model.num_layers + 2)], RNGTracker(1, 0, 0, cpu), cpu)
+    (chunk,) = build_chunks(model, ParallelContext.one_device(cpu), [(0, model.num_layers + 2)], 1, cpu)
     b = 3
     ids = torch.randint(0, model.vocab_size, (b, model.seq_len + 1))
     with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):

@@ -13,18 +13,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
-from distributed import spawn  # noqa: E402
+from ranks import spawn  # noqa: E402
 from harness import small_config, train_on_ranks  # noqa: E402
 from megatron_mini import inference  # noqa: E402
-from megatron_mini.config import ModelConfig, TrainConfig  # noqa: E402
+from megatron_mini.config import ModelConfig  # noqa: E402
 from megatron_mini.mesh import ParallelMesh  # noqa: E402
-from megatron_mini.model import KVCache, build_chunks  # noqa: E402
-from megatron_mini.tensor_parallel import RNGTracker  # noqa: E402
+from megatron_mini.model import KVCache, ParallelContext, build_chunks  # noqa: E402
+from megatron_mini.rng import RNGTracker  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = os.path.join(REPO, "tools")
-sys.path.insert(0, TOOLS)                 # the command lines' main(), in process
-import export_hf  # noqa: E402
+import export_hf  # noqa: E402   (tools/, on pytest's pythonpath: the command lines' main(), in process)
 import generate  # noqa: E402
 
 PROMPT = "def main(args):\n    "
@@ -106,10 +103,9 @@ def test_generate_cli(exported, kv_cache):
     """Greedy past the context window: the CLI prints what generate() gives in-process, tokens/s on stderr."""
     ckpt, _, tok = exported[1]
     n = 40
-    pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))   # this checkout's package
-    argv = [sys.executable, os.path.join(TOOLS, "generate.py"), ckpt.path, "--prompt", PROMPT,
+    argv = [sys.executable, generate.__file__, ckpt.path, "--prompt", PROMPT,
             "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"] + ([] if kv_cache else ["--no-kv-cache"])
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=pythonpath))
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     prompt = tok.encode(PROMPT)
     assert len(prompt) + n > ckpt.cfg.model.seq_len
@@ -124,9 +120,9 @@ def _random_model(tp: int = 1, sp: bool = False):
     part at tp (the same full weights at every tp: the init depends on the seed and global names only)."""
     model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=96,
                         vocab_pad_multiple=64)
-    cfg = TrainConfig(model=model, tp=tp, sp=sp, kernels="torch")
     mesh, cpu = ParallelMesh(tp, 1, 1), torch.device("cpu")
-    (chunk,) = build_chunks(cfg, mesh, [(0, model.num_layers + 2)], RNGTracker(cfg.seed, mesh.tp_rank, 0, cpu), cpu)
+    ctx = ParallelContext(mesh.tp_group, RNGTracker(1234, mesh.tp_rank, 0, cpu), sp)
+    (chunk,) = build_chunks(model, ctx, [(0, model.num_layers + 2)], 1234, cpu)
     return chunk.eval()
 
 

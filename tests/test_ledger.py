@@ -5,7 +5,7 @@ those of the full tensor involved (see megatron_mini/comm.py).
 """
 import pytest
 
-from distributed import spawn
+from ranks import spawn
 from harness import make_trainer, small_config
 
 F32 = 4

@@ -1,15 +1,13 @@
 """RunLogger writes metrics.jsonl and a wandb offline run; tools/compare_runs.py reads both back."""
 import json
 import os
-import sys
 
 import pytest
 
 from megatron_mini.config import WandbConfig
 from megatron_mini.logger import RunLogger, resolve_mode, run_id
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import compare_runs  # noqa: E402
+import compare_runs                                 # tools/ (pytest's pythonpath)
 
 
 def fake_training(logger: RunLogger, steps=range(1, 31), offset=0.0) -> list[dict]:

@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_mini.config import ConfigError
-from megatron_mini.pipeline import partition
+from megatron_mini.partition import partition
 
 
 def sizes(bounds):

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from distributed import spawn
+from ranks import spawn
 from harness import make_trainer, small_config, train_on_ranks
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distributed import spawn
+from ranks import spawn
 from harness import make_trainer, small_config, train_on_ranks
 from megatron_mini.config import PrecisionConfig
 from megatron_mini.optimizer import DynamicLossScaler
@@ -125,7 +125,7 @@ def test_nan_loss_stops_without_saving(small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, steps=30, save_interval=1, **{"optimizer.lr": 1e6,
                                                                           "optimizer.warmup_steps": 1,
                                                                           "optimizer.grad_clip": 0.0})
-    with pytest.raises(RuntimeError, match="Training stopped: the (training loss|gradient norm) is (nan|inf)") as err:
+    with pytest.raises(RuntimeError, match=r"Training stopped \(fp32\): the (training loss|gradient norm) is (nan|inf)") as err:
         train_on_ranks(1, cfg)
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*")]
     assert "Nothing was saved over the last good checkpoint" in str(err.value)

@@ -186,8 +186,6 @@ def test_auto_resume_takes_the_newest_intact_checkpoint(trained, small_data, tmp
     assert "checkpoints/latest is missing; took the newest complete checkpoint" in log and "step_000002" in log
     assert (run_dir / "checkpoints" / "step_000003.corrupt").is_dir()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
-    records = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records == sorted(set(records))             # step 3 logged once: the lost run's record was dropped
 
 
 def test_a_finished_run_says_so_and_leaves_its_summary(trained, small_data, tmp_path):

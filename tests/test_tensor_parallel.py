@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import spawn
+from ranks import spawn
 
 WORLD = 8
 MESHES = {"tp4dp2": (4, 2), "tp2dp4": (2, 4), "tp1dp8": (1, 8)}
@@ -242,9 +242,10 @@ def _seeded_full(name: str, shape, spec) -> torch.Tensor:
 def _block_checks(mesh, mesh1) -> dict:
     import torch.distributed as dist
 
-    from megatron_mini.config import ModelConfig, TrainConfig
-    from megatron_mini.model import Block, GPTChunk, initialize, select_kernels
-    from megatron_mini.tensor_parallel import RNGTracker, full_shape, gather_full, shard
+    from megatron_mini.config import ModelConfig
+    from megatron_mini.model import Block, GPTChunk, ParallelContext, initialize
+    from megatron_mini.rng import RNGTracker
+    from megatron_mini.tensor_parallel import full_shape, gather_full, shard
 
     cpu = torch.device("cpu")
     model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=16, vocab_size=64,
@@ -254,8 +255,8 @@ def _block_checks(mesh, mesh1) -> dict:
     X, G = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
 
     def build(m, sp, recompute="none", seeded=True):
-        cfg = TrainConfig(model=model, tp=m.tp, sp=sp, recompute=recompute, kernels="torch")
-        chunk = GPTChunk([Block(0, cfg, m, RNGTracker(11, m.tp_rank, m.pp_rank, cpu), select_kernels(cfg, cpu), cpu)])
+        ctx = ParallelContext(m.tp_group, RNGTracker(11, m.tp_rank, m.pp_rank, cpu), sp, recompute)
+        chunk = GPTChunk([Block(0, model, ctx, cpu)])
         if seeded:
             with torch.no_grad():
                 for name, p in chunk.named_global_parameters():
@@ -300,8 +301,8 @@ def _block_checks(mesh, mesh1) -> dict:
 
     # layout-independent init: model.initialize at tp and at tp=1 give the same full tensors
     c_tp, c_1 = build(mesh, True, seeded=False), build(mesh1, True, seeded=False)
-    initialize([c_tp], mesh, 1234)
-    initialize([c_1], mesh1, 1234)
+    initialize([c_tp], mesh.tp_group, 1234)
+    initialize([c_1], mesh1.tp_group, 1234)
     full_1 = dict(c_1.named_global_parameters())
     init_err = max(_err(gather_full(p.detach(), p.spec, mesh.tp_group), full_1[n])
                    for n, p in c_tp.named_global_parameters())
@@ -320,9 +321,10 @@ def _block_checks(mesh, mesh1) -> dict:
 def _rng_checks(mesh) -> dict:
     import torch.nn.functional as F
 
-    from megatron_mini.tensor_parallel import RNGTracker
+    from megatron_mini.rng import RNGTracker, seed_default_stream
 
     cpu = torch.device("cpu")
+    seed_default_stream(1234, mesh.pp_rank)                            # as the training set-up does
     tracker = RNGTracker(1234, mesh.tp_rank, mesh.pp_rank, cpu)
     start = torch.get_rng_state()
     default1 = torch.rand(64)

@@ -41,11 +41,11 @@ def test_recompute_gives_the_same_training(recompute, small_data, tmp_path):
 
 def _optimizer_bytes(cfg):
     from harness import make_trainer
-    return make_trainer(cfg).memory_bytes()
+    return make_trainer(cfg).optimizer.memory_bytes()
 
 
 def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
-    from distributed import spawn
+    from ranks import spawn
 
     plain = spawn(1, _optimizer_bytes, small_config(small_data, tmp_path))[0]
     for dp in (2, 4):

@@ -21,7 +21,7 @@ Method. Every row is built in this process on cuda:0 (the framework with a Train
 code: wandb disabled, no hydra, a one-rank gloo process group, tp=pp=dp=1), warmed up (3 steps;
 compiled rows 5), then N steps (default 10) are timed one by one with torch.cuda.synchronize and
 perf_counter; a row's figure is the median step. Tokens are tools/bench_train.SyntheticTokens
-(seed 1), batched by megatron_mini.data.get_batch for both projects, so both see the same
+(seed 1), batched by megatron_mini.dataset.get_batch for both projects, so both see the same
 sequences at the same step. Model FLOPs per token = ModelConfig.flops_per_token()
 (6N + 12*L*h*s, N = 12*L*h^2 + V*h); TFLOP/s per GPU = that x tokens/s; MFU = TFLOP/s over
 megatron_mini.hardware.peak_tflops for the device and dtype (or --peak-tflops). Peak memory =
@@ -50,9 +50,6 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (REPO, os.path.join(REPO, "tools")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
@@ -140,7 +137,7 @@ class BaselineRunner:
         self.tf32 = False
 
     def step(self) -> tuple:
-        from megatron_mini.data import get_batch
+        from megatron_mini.dataset import get_batch
         batch = get_batch(self.data, self.consumed, self.gbs, self.mbs, 0, 1)
         self.consumed += self.gbs
         return self.trainer.train_step(batch), False

@@ -8,8 +8,8 @@ Rows (bf16 activations, bf16 weights):
   LayerNorm      y = LN(x)                  x [16384, N], N = 768, 1024, 2048, 4096
   add+LayerNorm  h = x + r, y = LN(h)       x, r [16384, N], same N (both h and y are outputs)
   attention      causal, [b, heads, s, d] = (16, 12, 1024, 64) and (8, 16, 2048, 128)
-Columns: ours (Triton: kernels.layernorm.layer_norm / add_layer_norm, kernels.attention.flash_attention),
-torch eager (F.layer_norm; kernels.layernorm.torch_add_layer_norm; kernels.attention.torch_attention,
+Columns: ours (Triton: megatron_mini.kernels: layernorm.layer_norm / add_layer_norm, attention.flash_attention),
+torch eager (F.layer_norm; layernorm.torch_add_layer_norm; attention.torch_attention,
 which materialises the [s, s] scores), torch.compile of that eager function (mode default,
 dynamic=False), and for attention F.scaled_dot_product_attention with one backend forced through
 torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot run prints '-'
@@ -62,8 +62,6 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 DOC = os.path.join(REPO, "docs", "benchmarks.md")
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
@@ -332,16 +330,16 @@ def max_rel_error(fn, ref, s: dict) -> float:
 
 
 def _load_kernels(ops) -> dict:
-    """kernels.layernorm / kernels.attention, or the reason each cannot be imported."""
+    """megatron_mini.kernels.layernorm / .attention, or the reason each cannot be imported."""
     import importlib
     mods = {}
     for name, needed in (("layernorm", {"ln", "addln"}), ("attention", {"attn"})):
         if not needed & set(ops):
             continue
         try:
-            mods[name] = importlib.import_module(f"kernels.{name}")
+            mods[name] = importlib.import_module(f"megatron_mini.kernels.{name}")
         except Exception as err:  # noqa: BLE001 - an unmerged or broken module: reported in its rows
-            mods[name] = f"kernels.{name} unavailable ({_reason(err)})"
+            mods[name] = f"megatron_mini.kernels.{name} unavailable ({_reason(err)})"
     return mods
 
 

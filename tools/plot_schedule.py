@@ -21,7 +21,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_mini.config import ConfigError  # noqa: E402
 from megatron_mini.schedules import SimResult, simulate  # noqa: E402
 

@@ -6,15 +6,13 @@
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare).
 """
-import os
 import sys
 
 import hydra
 from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_mini.config import register_configs  # noqa: E402
-from megatron_mini.data import DataError, prepare  # noqa: E402
+from megatron_mini.config import register_configs
+from megatron_mini.data import DataError, prepare
 
 register_configs()
 

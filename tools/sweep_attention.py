@@ -26,7 +26,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    from kernels import attention as A
+    from megatron_mini.kernels import attention as A
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")

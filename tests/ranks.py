@@ -3,21 +3,17 @@
     results = spawn(4, fn, arg1, arg2)   # fn(arg1, arg2) runs on every rank; returns [result_rank0, ...]
 
 Each rank is a fresh process (spawn), has OMP_NUM_THREADS=1, a gloo process group on a free
-localhost port (RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the repository on
-sys.path. A failing rank's traceback is raised in the test; a hang ends at `timeout`.
+localhost port (RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the test process's sys.path
+(spawn passes it on). A failing rank's traceback is raised in the test; a hang ends at `timeout`.
 """
 from __future__ import annotations
 
 import os
 import socket
-import sys
 import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,8 +27,6 @@ def _rank_main(rank, world_size, port, fn, args, queue, init_group):
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         WANDB_MODE="disabled",
     )
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
     import torch
     import torch.distributed as dist
 

@@ -278,7 +278,7 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 def _check_device(x: torch.Tensor):
     if not x.is_cuda and not _INTERPRET:
         raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
-                           "before importing kernels.layernorm.")
+                           "before importing megatron_mini.kernels.layernorm.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,26 +381,3 @@ def torch_add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
     """Reference for add_layer_norm in torch eager: h = (x + r) in x's dtype, y = F.layer_norm(h)."""
     h = (x + r).to(x.dtype)
     return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
-
-
-class FusedLayerNorm(torch.nn.Module):
-    """Drop-in for torch.nn.LayerNorm(hidden_size, eps): same `weight`/`bias` parameters and
-    state_dict keys, forward through the fused Triton kernels."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype=None, device=None):
-        super().__init__()
-        self.normalized_shape = (hidden_size,)
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        torch.nn.init.ones_(self.weight)
-        torch.nn.init.zeros_(self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"

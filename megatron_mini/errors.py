@@ -1,0 +1,14 @@
+"""The two failures a run explains in one line (train.py and launch.fail turn them into `error: ...`)."""
+
+
+class ConfigError(Exception):
+    """A bad configuration: the message is shown as is, on one rank, and every rank exits 2."""
+
+
+class RunError(Exception):
+    """A failure during a run that every rank knows of (a failed save, say): rank `reporter` prints
+    the message and every rank exits 1."""
+
+    def __init__(self, message: str, reporter: int = 0):
+        super().__init__(message)
+        self.reporter = reporter

@@ -1,0 +1,12 @@
+"""Triton kernels with autograd wrappers:
+
+- `megatron_mini.kernels.layernorm`: layer_norm, add_layer_norm (residual add + LayerNorm in one pass each way),
+  and torch_add_layer_norm (the eager reference);
+- `megatron_mini.kernels.attention`: flash_attention, flash_attention_qkv (causal FlashAttention-2 with dropout;
+  the model's attention softmax lives here, never as a standalone kernel), and torch_attention
+  (the kernels themselves are in attention_kernels.py).
+
+Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
+can import it. On CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1
+before importing a submodule.
+"""

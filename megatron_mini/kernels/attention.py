@@ -1,0 +1,231 @@
+"""Fused causal attention in Triton: the FlashAttention-2 algorithm (Dao 2023). The kernels are in
+attention_kernels.py; this module launches them, wraps them for autograd and holds the references.
+
+    o = dropout(softmax(scale * q k^T + causal mask)) v          q, k, v, o: [b, heads, s, d]
+
+Forward: each program owns BLOCK_M query rows of one (batch, head) and walks the key blocks
+with an online softmax (running max m and sum l, in fp32), so the [s, s] scores never reach
+memory; it stores o and the log-sum-exp lse = m + log(l) (fp32, [b*heads, s]).
+Backward recomputes P = exp(scale * q k^T - lse) block by block:
+    delta_i = sum_d do_i o_i                        (a small pre-pass)
+    dv = Z^T do,  dZ = do v^T,  dP = dZ * keep / (1 - p_drop),  dS = P * (dP - delta)
+    dk = scale * dS^T q,  dq = scale * dS k         (Z = P * keep / (1 - p_drop))
+one kernel owning a key block (dk, dv), one owning a query block (dq): no atomics, deterministic.
+Dropout on the probabilities draws keep = philox(seed, row * s + col) >= p_drop, the same in the
+backward and in a recomputation; the seed is drawn from torch's current generator on q's device,
+so the RNG tracker's streams (and activation recompute, which replays them) choose the mask.
+Math in fp32 whatever the input dtype (fp16/bf16 operands of the matmuls, fp32 accumulation;
+fp32 inputs use IEEE fp32 matmuls, not TF32). Causal masking is top-left aligned (key j <= query i).
+Head dims up to MAX_HEAD_DIM (128).
+
+Blocks entirely below the diagonal and inside the sequence skip the mask arithmetic; only the
+diagonal blocks and a ragged last block pay for it. Outputs come back in the layout the model
+wants next: o as a [b, heads, s, d] view of an [s, b, heads, d] buffer, and with the packed entry
+point `flash_attention_qkv` (qkv [s, b, 3 * heads * d] -> [s, b, heads * d]) the gradient is one
+[s, b, 3 * heads * d] tensor, with no permute or concatenation copies around the kernels.
+"""
+import math
+import os
+
+import torch
+import triton
+
+from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
+
+# as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+LOG2E = 1.4426950408889634
+MAX_DROPOUT_SEQ = 46340  # dropout offsets row * s + col must fit in int32
+
+
+# ----------------------------------------------------------------------------------- launching
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU (tools/sweep_attention.py)
+GPU_CONFIGS = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2)},
+}
+# fp32 inputs (tests, fp32 runs) take IEEE fp32 dots on the CUDA cores, with tiles of twice the bytes:
+# small blocks, so registers and shared memory fit whatever the head dim (speed is not the point there)
+FP32_CONFIG = (32, 32, 8, 1)
+# under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends,
+# oriented as on the GPU (dk/dv: fewer query rows than keys per block; fwd and dq: more)
+INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+MAX_HEAD_DIM = 128   # the GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
+
+
+def _config(kind: str, q: torch.Tensor):
+    if _INTERPRET:
+        return INTERPRET_CONFIGS[kind]
+    if q.dtype == torch.float32:
+        return FP32_CONFIG
+    table = GPU_CONFIGS[kind]
+    return table[min(d for d in table if d >= q.shape[-1])]
+
+
+def _strides(t: torch.Tensor):
+    """(batch, head, seq) strides of a [b, heads, s, d] tensor with unit stride on d."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _new_bhsd(b, h, s, d, like: torch.Tensor) -> torch.Tensor:
+    """An empty [b, heads, s, d] tensor laid out as [s, b, heads, d] (the model's next layout)."""
+    return torch.empty((s, b, h, d), dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
+
+
+def _check(q, k, v, dropout_p):
+    if not (q.is_cuda or _INTERPRET):
+        raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
+                           "before importing megatron_mini.kernels.attention.")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must be [b, heads, s, d] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+    if dropout_p > 0 and q.shape[2] > MAX_DROPOUT_SEQ:
+        raise ValueError(f"dropout needs s <= {MAX_DROPOUT_SEQ} (int32 RNG offsets), got {q.shape[2]}")
+
+
+def _meta(q, causal, dropout_p):
+    d = q.shape[-1]
+    return dict(CAUSAL=causal, DROPOUT=dropout_p > 0, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=_INTERPRET and q.dtype != torch.float32)
+
+
+def _forward(q, k, v, o, scale, causal, dropout_p, seed):
+    b, h, s, _ = q.shape
+    lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
+    block_m, block_n, warps, stages = _config("fwd", q)
+    _fwd[(triton.cdiv(s, block_m), b * h)](
+        q, k, v, o, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        h, s, scale * LOG2E, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        **_meta(q, causal, dropout_p))
+    return lse
+
+
+def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
+    b, h, s, d = q.shape
+    meta = _meta(q, causal, dropout_p)
+    delta = torch.empty_like(lse)
+    _bwd_delta[(triton.cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
+                                            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
+    block_m, block_n, warps, stages = _config("dkdv", q)
+    _bwd_dkdv[(triton.cdiv(s, block_n), b * h)](
+        q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dk), *_strides(dv), h, s, scale * LOG2E, scale, dropout_p,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
+    block_m, block_n, warps, stages = _config("dq", q)
+    _bwd_dq[(triton.cdiv(s, block_m), b * h)](
+        q, k, v, do, dq, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dq), h, s, scale * LOG2E, scale, dropout_p,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
+
+
+def _draw_seed(device, dropout_p):
+    """A philox seed from torch's current generator on `device` (a tensor: no host sync)."""
+    if dropout_p > 0:
+        return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, dropout_p):
+        q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+        o = _new_bhsd(*q.shape[:3], q.shape[3], q)
+        seed = _draw_seed(q.device, dropout_p)
+        lse = _forward(q, k, v, o, scale, causal, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, o, lse, seed)
+        ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, seed = ctx.saved_tensors
+        dq, dk, dv = (_new_bhsd(*q.shape[:3], q.shape[3], q) for _ in range(3))
+        _backward(q, k, v, o, lse, _unit_d(do), dq, dk, dv, ctx.scale, ctx.causal, ctx.dropout_p, seed)
+        return dq, dk, dv, None, None, None
+
+
+def _split_qkv(qkv: torch.Tensor, heads: int):
+    """[s, b, 3 * heads * d] -> q, k, v views [b, heads, s, d] (blocks [q heads | k heads | v heads])."""
+    s, b, width = qkv.shape
+    d = width // (3 * heads)
+    return qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
+
+
+class _FlashAttentionQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, heads, scale, causal, dropout_p):
+        qkv = qkv.contiguous()
+        q, k, v = _split_qkv(qkv, heads)
+        o = _new_bhsd(*q.shape[:3], q.shape[3], q)
+        seed = _draw_seed(qkv.device, dropout_p)
+        lse = _forward(q, k, v, o, scale, causal, dropout_p, seed)
+        ctx.save_for_backward(qkv, o, lse, seed)
+        ctx.heads, ctx.scale, ctx.causal, ctx.dropout_p = heads, scale, causal, dropout_p
+        s, b = qkv.shape[:2]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)          # a view: o is [s, b, heads, d] in memory
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, o, lse, seed = ctx.saved_tensors
+        s, b = qkv.shape[:2]
+        dqkv = torch.empty_like(qkv)
+        do = do.contiguous().view(s, b, ctx.heads, -1).permute(1, 2, 0, 3)
+        _backward(*_split_qkv(qkv, ctx.heads), o, lse, do, *_split_qkv(dqkv, ctx.heads),
+                  ctx.scale, ctx.causal, ctx.dropout_p, seed)
+        return dqkv, None, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    softmax_scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """dropout(softmax(scale * q k^T [+ causal mask])) v for q, k, v [b, heads, s, d] (any strides
+    with unit stride on d); scale defaults to 1/sqrt(d). Returns [b, heads, s, d] in q's dtype
+    (a view of an [s, b, heads, d] buffer)."""
+    _check(q, k, v, dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _FlashAttention.apply(q, k, v, scale, bool(causal), float(dropout_p))
+
+
+def flash_attention_qkv(qkv: torch.Tensor, heads: int, causal: bool = True, softmax_scale: float | None = None,
+                        dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention on a fused projection qkv [s, b, 3 * heads * d] (the last dim is [q | k | v], each
+    heads x d) -> [s, b, heads * d]; its gradient is one [s, b, 3 * heads * d] tensor."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(f"qkv must be [s, b, 3 * heads * d] with heads={heads}, got {tuple(qkv.shape)}")
+    q, k, v = _split_qkv(qkv, heads)
+    _check(q, k, v, dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _FlashAttentionQKV.apply(qkv, heads, scale, bool(causal), float(dropout_p))
+
+
+def torch_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                    keep: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Reference: the same math materialising P in q's dtype; `keep` [b, heads, s, s] (bool) is an
+    explicit dropout mask (scaled by 1 / (1 - dropout_p)), e.g. from `dropout_keep_mask`."""
+    s, d = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    return p @ v
+
+
+def dropout_keep_mask(seed: torch.Tensor, b: int, heads: int, s: int, dropout_p: float) -> torch.Tensor:
+    """The keep mask [b, heads, s, s] (bool) the kernels draw from `seed` (for tests)."""
+    out = torch.empty((b * heads, s, s), dtype=torch.int8, device=seed.device)
+    _keep_mask[(triton.cdiv(s, 32), b * heads)](out, seed, s, dropout_p, BLOCK=32)
+    return out.view(b, heads, s, s).bool()

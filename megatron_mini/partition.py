@@ -1,0 +1,82 @@
+"""The pipeline partitioner: which layers of [Embedding, Block_1 .. Block_L, Head] each virtual stage holds.
+
+`embedding_stage`:
+    none   the embedding rides on the first block stage, the head on the last (Megatron)
+    layer  the embedding and the head count as one block each when balancing (BLOOM)
+    own    the embedding is a virtual stage of its own, the head another; blocks fill the rest
+A split that cannot be made says which block counts, or which uneven placement, would work.
+"""
+from __future__ import annotations
+
+from .errors import ConfigError
+
+
+def _spread(n: int, stages: int, to_blocks, why: str, uneven: str = "") -> list:
+    """n units evenly over `stages`; if impossible, say which block counts would work (and how to
+    place this count unevenly, `uneven`)."""
+    if stages < 1 or n % stages:
+        lo, hi = n - n % stages, n - n % stages + stages
+        options = ", ".join(str(to_blocks(u)) for u in (lo, hi) if to_blocks(u) > 0)
+        raise ConfigError(f"Cannot split the model evenly over the pipeline: {why} "
+                          f"Block counts that would work here: {options} (or change pp/vpp/embedding_stage"
+                          f"{uneven}).")
+    return [n // stages] * stages
+
+
+def _uneven_hint(blocks: int, stages: int) -> str:
+    """`, or ... pipeline_first_blocks=k`: the most balanced k with the other blocks even over the rest."""
+    if stages < 2:
+        return ""
+    options = [(abs(k - (blocks - k) // (stages - 1)), k) for k in range(1, blocks)
+               if (blocks - k) % (stages - 1) == 0]
+    if not options:
+        return ""
+    first = min(options)[1]
+    rest = (blocks - first) // (stages - 1)
+    return (f", or place the blocks unevenly: pipeline_first_blocks={first} gives "
+            f"{'+'.join([str(first)] + [str(rest)] * (stages - 1))}")
+
+
+def partition(num_layers: int, num_stages: int, embedding_stage: str, first_blocks: int = 0,
+              last_blocks: int = 0) -> list:
+    """(first, end) indices into [Embedding, Block_1..L, Head] for each of the pp*vpp virtual stages.
+
+    first_blocks / last_blocks (embedding_stage none or own): explicit block counts for the first
+    and last block-holding stage; the other blocks spread evenly over the stages between.
+    """
+    L, S = num_layers, num_stages
+    if S == 1:
+        return [(0, L + 2)]
+    if embedding_stage == "layer":
+        if first_blocks or last_blocks:
+            raise ConfigError("pipeline_first_blocks/pipeline_last_blocks need embedding_stage=none or own.")
+        counts = _spread(L + 2, S, lambda u: u - 2,
+                         f"with embedding_stage=layer the {L} blocks + embedding + head = {L + 2} units must divide "
+                         f"over pp x vpp = {S} virtual stages.")
+    else:
+        own = embedding_stage == "own"
+        stages = S - 2 if own else S
+        if stages < 1:
+            raise ConfigError(f"embedding_stage=own needs at least 3 virtual stages (embedding, blocks, head); "
+                              f"pp x vpp = {S}.")
+        fixed = [n for n in (first_blocks, last_blocks) if n]
+        if fixed and len(fixed) >= stages:
+            raise ConfigError(f"pipeline_first_blocks/pipeline_last_blocks need more than {len(fixed)} block stages.")
+        if sum(fixed) >= L:
+            raise ConfigError(f"pipeline_first_blocks={first_blocks} + pipeline_last_blocks={last_blocks} leave no "
+                              f"blocks for the other {stages - len(fixed)} block stages of a {L}-block model.")
+        hint = "" if fixed else _uneven_hint(L, stages)
+        rest = _spread(L - sum(fixed), stages - len(fixed), lambda u: u + sum(fixed),
+                       f"{L - sum(fixed)} blocks must divide over {stages - len(fixed)} virtual stages "
+                       f"(embedding_stage={embedding_stage}, pp x vpp = {S}"
+                       + (f", {sum(fixed)} blocks placed explicitly)." if fixed else ")."), hint)
+        blocks = ([first_blocks] if first_blocks else []) + rest + ([last_blocks] if last_blocks else [])
+        counts = [1] + blocks + [1] if own else blocks
+        if not own:
+            counts[0] += 1
+            counts[-1] += 1
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append((start, start + n))
+        start += n
+    return bounds

@@ -1,0 +1,58 @@
+"""Dropout RNG streams that stay correct under tensor, sequence and pipeline parallelism.
+
+Two streams (Megatron's CUDA RNG tracker, on any device):
+* the default torch stream, seeded equally on every TP and DP rank of a pipeline stage
+  (`seed_default_stream`, called by the training set-up): dropout in replicated regions;
+* "model-parallel" (`RNGTracker.fork()`), seeded per TP rank (differs across TP, equal across DP):
+  dropout on local heads and sequence shards.
+Activation recompute replays a region's dropout by restoring `get_states()` around the rerun.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def seed_default_stream(seed: int, pp_rank: int) -> None:
+    """Seed torch's default stream (every device) for this pipeline stage: equal across TP and DP."""
+    torch.manual_seed(seed + 100 * pp_rank)
+
+
+class RNGTracker:
+    """Named RNG streams for dropout (see the module doc); the constructor leaves the default stream alone."""
+
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
+        self.device = device
+        self.states = {"model-parallel": self._seeded(seed + 2718 + 100 * pp_rank + tp_rank)}
+
+    def _seeded(self, seed: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return self._get()
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state):
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel"):
+        outer = self._get()
+        self._set(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get()
+            self._set(outer)
+
+    def get_states(self) -> dict:
+        return {"default": self._get(), **{k: v.clone() for k, v in self.states.items()}}
+
+    def set_states(self, states: dict) -> None:
+        self._set(states["default"])
+        self.states = {k: v.clone() for k, v in states.items() if k != "default"}
