@@ -5,6 +5,8 @@ A `Group` is one process group seen from this rank (name "tp", "dp", "pp", "emb"
 a step's traffic with the analytic count. Bytes are those of the full tensor involved: the
 reduced tensor (all_reduce), the gathered output (all_gather), the unreduced input
 (reduce_scatter), the message (send/recv). Size-1 groups do nothing and record nothing.
+A virtual group (one of a ParallelMesh built for a rank that is not this process, to plan a
+layout on the meta device) records every call and moves nothing: only shapes matter there.
 """
 from __future__ import annotations
 
@@ -39,12 +41,15 @@ class Ledger:
 class Group:
     name: str
     ranks: list          # global ranks, in group order
-    pg: object           # torch ProcessGroup, or None for a group of one
+    pg: object           # torch ProcessGroup; None for a group of one, or a virtual group
     ledger: Ledger
+    me: int | None = None    # a virtual group's rank (global); None: this process's
 
     def __post_init__(self):
         self.size = len(self.ranks)
-        self.rank = self.ranks.index(dist.get_rank()) if self.size > 1 else 0      # this rank's index
+        self.virtual = self.me is not None and self.size > 1
+        me = self.me if self.me is not None else (dist.get_rank() if self.size > 1 else self.ranks[0])
+        self.rank = self.ranks.index(me)                                  # this rank's index in the group
         # gloo moves CUDA tensors in collectives but not in point-to-point: stage those on the host
         self.p2p_via_host = self.pg is not None and dist.get_backend(self.pg) == "gloo"
 
@@ -74,21 +79,24 @@ def _named(group: Group, op: str):
 
 
 class Work:
-    """An async collective's handle whose wait() fails as a CommError."""
+    """An async collective's handle whose wait() fails as a CommError (None: a virtual group's)."""
 
     def __init__(self, work, group: Group, op: str):
         self.work, self.group, self.op = work, group, op
 
     def wait(self) -> None:
-        with _named(self.group, self.op):
-            self.work.wait()
+        if self.work is not None:
+            with _named(self.group, self.op):
+                self.work.wait()
 
 
 def _run(group: Group, name: str, nbytes: int, fn, *args, async_op: bool = False, **kwargs):
     """Record (group, name, bytes) and run the collective `fn` on the group's process group."""
     group.ledger.record(group.name, name, nbytes)
-    with _named(group, name):
-        work = fn(*args, group=group.pg, async_op=async_op, **kwargs)
+    work = None
+    if not group.virtual:
+        with _named(group, name):
+            work = fn(*args, group=group.pg, async_op=async_op, **kwargs)
     return Work(work, group, name) if async_op else None
 
 
@@ -147,6 +155,8 @@ def batch_p2p(ops: list, group: Group) -> None:
     p2p, staged = [], []
     for kind, tensor, peer in ops:
         group.ledger.record(group.name, kind, _nbytes(tensor))
+        if group.virtual:
+            continue
         wire = tensor
         if group.p2p_via_host and tensor.is_cuda:
             wire = tensor.cpu() if kind == "send" else torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -155,7 +165,7 @@ def batch_p2p(ops: list, group: Group) -> None:
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, wire, group.ranks[peer], group=group.pg))
     with _named(group, "send/recv"):
-        for work in dist.batch_isend_irecv(p2p):
+        for work in dist.batch_isend_irecv(p2p) if p2p else []:
             work.wait()
     for tensor, wire in staged:
         tensor.copy_(wire)

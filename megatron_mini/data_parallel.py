@@ -13,6 +13,7 @@ line up between the first and last stage for the embedding-group sum. `full_weig
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -172,7 +173,12 @@ class GradBuffer:
 
     def segments(self, lo: int, hi: int):
         """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""
-        for p, name in self.names.items():
-            a, b = self.offsets[p], self.offsets[p] + p.numel()
-            if a < hi and b > lo:
-                yield p, name, max(a, lo), min(b, hi)
+        starts = list(self.offsets.values())              # increasing: parameters are laid out in order
+        params = list(self.offsets)
+        for i in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(params)):
+            p = params[i]
+            a, b = starts[i], starts[i] + p.numel()
+            if a >= hi:
+                break
+            if b > lo:
+                yield p, self.names[p], max(a, lo), min(b, hi)

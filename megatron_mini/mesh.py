@@ -23,14 +23,21 @@ from .launch import launch_env
 
 class ParallelMesh:
     """timeout_s: how long a collective of any group may wait before it fails (default: the process
-    group's); every subgroup gets it, so a stalled peer ends the job instead of hanging it."""
+    group's); every subgroup gets it, so a stalled peer ends the job instead of hanging it.
+    virtual_rank: the mesh as rank `virtual_rank` of the layout sees it, without processes (groups
+    that record their calls and move nothing): what the planner builds models on the meta device with."""
 
-    def __init__(self, tp: int, pp: int, dp: int, ledger: Ledger | None = None, timeout_s: int | None = None):
+    def __init__(self, tp: int, pp: int, dp: int, ledger: Ledger | None = None, timeout_s: int | None = None,
+                 virtual_rank: int | None = None):
         self.tp, self.pp, self.dp = tp, pp, dp
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.world_size = tp * pp * dp
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        assert (dist.get_world_size() if dist.is_initialized() else 1) == self.world_size
+        self.virtual = virtual_rank is not None
+        if self.virtual:
+            self.rank = virtual_rank
+        else:
+            self.rank = dist.get_rank() if dist.is_initialized() else 0
+            assert (dist.get_world_size() if dist.is_initialized() else 1) == self.world_size
         self.tp_rank = self.rank % tp
         self.dp_rank = (self.rank // tp) % dp
         self.pp_rank = self.rank // (tp * dp)
@@ -51,9 +58,9 @@ class ParallelMesh:
     def _build(self, name: str, all_ranks: list) -> Group:
         mine = None
         for ranks in all_ranks:
-            pg = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
+            pg = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 and not self.virtual else None
             if self.rank in ranks:
-                mine = Group(name, ranks, pg, self.ledger)
+                mine = Group(name, ranks, pg, self.ledger, me=self.rank if self.virtual else None)
         return mine
 
     @property

@@ -82,7 +82,7 @@ class Range:
     @property
     def separate_master(self) -> bool:
         """16-bit weights keep an fp32 master copy; fp32 weights are their own master."""
-        return self.master.data_ptr() != self.param.data_ptr()
+        return self.buffer.params_flat.dtype != torch.float32
 
 
 class Optimizer:
@@ -136,17 +136,25 @@ class Optimizer:
             if r.tied:
                 comm.all_reduce(r.grad, self.mesh.embedding_group)
 
-    def global_grad_norm(self) -> float:
-        """sqrt of the sum of squares of the whole model's gradient (as it is in the buffers: still
-        loss-scaled with fp16); nan if any gradient element on any rank is inf/nan (replicated
-        copies are checked too, though counted once in the norm). One all-reduce of 2 numbers."""
+    def norm_stats(self) -> torch.Tensor:
+        """[the whole model's sum of squared gradients, a sum that is inf/nan if any gradient element on
+        any rank is]: one all-reduce of 2 numbers (replicated copies are checked, counted once)."""
         stats = torch.zeros(2, dtype=torch.float32, device=self._step.device)
         if self.norm_views:
             stats[0] = torch.stack(torch._foreach_norm(self.norm_views)).square().sum()
         if self.check_views:
             stats[1] = torch.stack(torch._foreach_norm(self.check_views)).sum()
+        return self.reduce_norm_stats(stats)
+
+    def reduce_norm_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum every rank's [squares, check] over the model-parallel group (the world with ZeRO-1)."""
         comm.all_reduce(stats, self.mesh.world_group if self.zero else self.mesh.mp_group)
-        norm_sq, check = stats.tolist()
+        return stats
+
+    def global_grad_norm(self) -> float:
+        """sqrt of the sum of squares of the whole model's gradient (as it is in the buffers: still
+        loss-scaled with fp16); nan if any gradient element on any rank is inf/nan."""
+        norm_sq, check = self.norm_stats().tolist()
         return math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(check) else float("nan")
 
     def zero_grad(self) -> None:

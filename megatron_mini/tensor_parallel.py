@@ -336,7 +336,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = x.shape[-1]
         start = tp_group.rank * per_rank
         padded = torch.arange(start, start + per_rank, device=x.device) >= vocab_size
-        if padded.any():
+        if start + per_rank > vocab_size:                  # this slice holds padding rows
             x = x.masked_fill(padded, float("-inf"))
         x_max = x.max(dim=-1).values
         comm.all_reduce(x_max, tp_group, op=torch.distributed.ReduceOp.MAX)
@@ -367,10 +367,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = probs
         if a:
             grad.sub_((~padded).float() * (a / ctx.vocab_size))
-        rows = grad.view(-1, grad.shape[-1])
-        idx = torch.arange(rows.shape[0], device=rows.device)
-        hit = in_shard.reshape(-1)
-        rows[idx[hit], local_t.reshape(-1)[hit]] -= 1.0 - a
+        target = local_t.clamp(0, grad.shape[-1] - 1).unsqueeze(-1)        # only in-shard targets subtract
+        grad.scatter_add_(-1, target, in_shard.unsqueeze(-1).to(grad.dtype) * -(1.0 - a))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None
 

@@ -112,6 +112,36 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     return Run(dp, device, backend, datasets, data, resume, lock)
 
 
+def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: torch.device,
+               chunks: list | None = None) -> tuple:
+    """This rank's model chunks (in the model dtype, initialised unless on meta), a GradBuffer per
+    chunk and the Optimizer over them: (chunks, buffers, optimizer). The planner builds ranks with it
+    too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
+    dtype = DTYPES[cfg.precision.dtype]
+    if chunks is None:
+        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
+                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
+        chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
+    seen, buffers = set(), []
+    for chunk in chunks:
+        chunk.to(dtype)
+        params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1))
+    return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
+
+
+def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device) -> torch.Tensor:
+    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of
+    ranks asked to stop]: one world all-reduce."""
+    t = torch.zeros(2, device=device)
+    if mesh.is_last_stage and mesh.tp_rank == 0:
+        t[0] = loss_sum.float()
+    t[1] = float(stop)
+    comm.all_reduce(t, mesh.world_group)
+    return t
+
+
 class Trainer:
     """Holds the model chunks, optimizer and engine of this rank."""
 
@@ -121,16 +151,7 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         seed_default_stream(cfg.seed, mesh.pp_rank)
         self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
-        ctx = ParallelContext(mesh.tp_group, self.rng, cfg.sp, cfg.recompute,
-                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
-        self.chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
-        seen, self.buffers = set(), []
-        for chunk in self.chunks:
-            chunk.to(self.dtype)
-            params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
-            seen.update(id(p) for _, p in params)
-            self.buffers.append(GradBuffer(params, mesh, self.dtype, zero=cfg.zero == 1))
-        self.optimizer = Optimizer(self.buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
+        self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, self.rng, device)
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len
@@ -138,15 +159,8 @@ class Trainer:
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
 
     def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int]:
-        """Sum the last stage's token losses over DP, and count the ranks asked to stop, in one world
-        all-reduce; returns (mean loss per token, ranks asked to stop)."""
-        owner = self.mesh.is_last_stage and self.mesh.tp_rank == 0
-        t = torch.zeros(2, device=self.device)
-        if owner:
-            t[0] = loss_sum.float()
-        t[1] = float(stop)
-        comm.all_reduce(t, self.mesh.world_group)
-        loss, stops = t.tolist()
+        """(mean loss per token, ranks asked to stop) of this step (reduce_loss)."""
+        loss, stops = reduce_loss(self.mesh, loss_sum, stop, self.device).tolist()
         return loss / self.tokens_per_step, int(stops)
 
     def train_step(self, stop: bool = False) -> dict:
