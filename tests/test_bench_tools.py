@@ -2,10 +2,10 @@
 mode (tiny shapes, no torch.compile; on a CPU through the Triton interpreter, on the GPU when there is
 one) in subprocesses, and their tables, JSON and doc sections hold the expected rows with finite
 numbers (every LayerNorm, add+LayerNorm and attention row, and the kernels=triton training row);
-tools/baseline_gpt2.py's new device/dtype/compile options keep its CPU defaults. No speed is checked
-here (only a GPU says that).
+tools/baseline_gpt2.py's new device/dtype/compile options keep its CPU defaults; the docs/benchmarks.md
+writers of bench_gpu and bench_train keep what a run did not redo. No speed is checked here (only a
+GPU says that).
 """
-import importlib
 import json
 import math
 import os
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = os.path.join(REPO, "tools")
 
 
 def _run(args, timeout=120):
@@ -90,14 +89,8 @@ def test_bench_gpu_profile_smoke():
     assert all(_finite(float(line.split("|")[3])) for line in table[2:])
 
 
-def _import_tool(name):
-    if TOOLS not in sys.path:        # the tools import each other (bench_gpu -> bench_train, baseline_gpt2)
-        sys.path.append(TOOLS)
-    return importlib.import_module(name)
-
-
 def test_bench_gpu_doc_keeps_models_and_rows_not_rerun(tmp_path):
-    bench_gpu = _import_tool("bench_gpu")
+    import bench_gpu
 
     def rec(model, row, reason, command):
         return {"model": model, "model_name": model, "row": row, "config": row, "status": "skipped",
@@ -125,7 +118,7 @@ def test_bench_gpu_frees_the_trainer():
     """A finished framework row must not keep its parameters or GradBuffers (weights, main grads) alive."""
     import argparse
     import gc
-    bench_gpu = _import_tool("bench_gpu")
+    import bench_gpu
     from megatron_mini.data_parallel import GradBuffer
 
     def live():
@@ -142,7 +135,7 @@ def test_bench_gpu_frees_the_trainer():
 
 
 def test_baseline_options_keep_cpu_defaults():
-    baseline = _import_tool("baseline_gpt2")
+    import baseline_gpt2 as baseline
     BaselineTrainer, GPTConfig = baseline.BaselineTrainer, baseline.GPTConfig
     cfg = GPTConfig(num_layers=1, num_heads=2, hidden_size=32, seq_len=16, vocab_size=64)
     plain = BaselineTrainer(cfg, 2, 2)
@@ -159,3 +152,27 @@ def test_baseline_options_keep_cpu_defaults():
 
 def test_bench_train_help_still_works():
     assert "Training-throughput benchmarks" in _run(["tools/bench_train.py", "--help"])
+
+
+def test_bench_train_doc_keeps_sections_not_rerun(tmp_path):
+    from bench.report import Report, write_train_doc
+
+    def report(section, text, goal):
+        rep = Report(section, f"Section {section}", loads=[1.0])
+        rep.text(text)
+        rep.goal(goal, "1.0", ">= 1", True)
+        rep.finish()
+        return rep
+
+    path = str(tmp_path / "doc.md")
+    with open(path, "w") as f:
+        f.write("# kept\n")
+    write_train_doc(path, [report(1, "S1-v1", "G1-v1"), report(3, "S3-v1", "G3-v1")], "cmd", "a CPU")
+    write_train_doc(path, [report(1, "S1-v2", "G1-v2")], "cmd", "a CPU")
+    text = open(path).read()
+    assert text.startswith("# Training benchmarks") and text.rstrip().endswith("# kept")
+    assert "S1-v2" in text and "S1-v1" not in text and "S3-v1" in text
+    goals = text[text.index("<!-- bench_train goals begin -->"):text.index("<!-- bench_train goals end -->")]
+    assert goals.index("| 1 | G1-v2 |") < goals.index("| 3 | G3-v1 |") and "G1-v1" not in goals
+    for s in range(1, 5):
+        assert text.count(f"<!-- bench_train section {s} begin -->") == 1

@@ -12,7 +12,7 @@ Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a m
 Rows (bf16 unless named):
   default           megatron_mini with its default config (kernels=auto)
   torch / triton    kernels=torch / kernels=triton
-  compile           kernels=auto, compile=true (torch.compile per block), if TrainConfig has `compile`
+  compile           kernels=auto, compile=true (torch.compile per block)
   fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
   baseline-compile  the same with torch.compile (the reference of the ratios)
@@ -20,7 +20,7 @@ Rows (bf16 unless named):
 Method. Every row is built in this process on cuda:0 (the framework with a TrainConfig built in
 code: wandb disabled, no hydra, a one-rank gloo process group, tp=pp=dp=1), warmed up (3 steps;
 compiled rows 5), then N steps (default 10) are timed one by one with torch.cuda.synchronize and
-perf_counter; a row's figure is the median step. Tokens are tools/bench_train.SyntheticTokens
+perf_counter; a row's figure is the median step. Tokens are tools/bench/workload.SyntheticTokens
 (seed 1), batched by megatron_mini.dataset.get_batch for both projects, so both see the same
 sequences at the same step. Model FLOPs per token = ModelConfig.flops_per_token()
 (6N + 12*L*h*s, N = 12*L*h^2 + V*h); TFLOP/s per GPU = that x tokens/s; MFU = TFLOP/s over
@@ -49,12 +49,15 @@ import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
-from bench_kernels import (DOC, command_line, device_line, fmt, markdown_table, read_doc_section,  # noqa: E402
-                           write_doc_section)
+
+from bench.report import (DOC, command_line, device_line, fmt, markdown_table, ratio, read_doc_section,  # noqa: E402
+                          short_error, write_doc_section)
+from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {"small": ("gpt2-small", 16, 8), "medium": ("gpt2-medium", 8, 8), "1.3b": ("gpt3-1.3b", 8, 8)}
 VOCAB = 8192
@@ -71,7 +74,7 @@ FP16_LOSS_SCALE = 2.0 ** 16
 
 
 class RowSkipped(Exception):
-    """The row cannot run in this checkout or mode (reported, not an error)."""
+    """The row cannot run in this mode (reported, not an error)."""
 
 
 # ============================================================================ models and configs
@@ -89,7 +92,6 @@ def model_config(key: str, smoke: bool):
 
 
 def framework_config(row: str, model, mbs: int, m: int, device: str):
-    from bench_train import lib_cfg
     from megatron_mini.config import PrecisionConfig
     precision = dataclasses.replace(PrecisionConfig(), dtype="bf16")
     over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
@@ -112,13 +114,10 @@ def row_dtype(row: str) -> str:
 # ============================================================================ runners
 class FrameworkRunner:
     def __init__(self, cfg, device):
-        from bench_train import SyntheticTokens
         from megatron_mini.mesh import ParallelMesh
         from megatron_mini.training import Trainer
-        data = (SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, 1),
-                SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_len, 2), None)
         self.cfg = cfg
-        self.trainer = Trainer(cfg, ParallelMesh(1, 1, 1), data, device)
+        self.trainer = Trainer(cfg, ParallelMesh(1, 1, 1), synthetic_datasets(cfg.model), device)
         self.tf32 = cfg.precision.tf32
 
     def step(self) -> tuple:
@@ -129,7 +128,6 @@ class FrameworkRunner:
 class BaselineRunner:
     def __init__(self, model, mbs: int, m: int, device, compile: bool):
         from baseline_gpt2 import BaselineTrainer, GPTConfig
-        from bench_train import SyntheticTokens
         cfg = GPTConfig(model.num_layers, model.num_heads, model.hidden_size, model.seq_len, model.padded_vocab_size)
         self.trainer = BaselineTrainer(cfg, mbs, m, device=device, dtype="bf16", compile=compile)
         self.data = SyntheticTokens(model.vocab_size, model.seq_len, 1)     # the framework's training tokens
@@ -164,15 +162,7 @@ def _free(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    try:
-        torch._dynamo.reset()
-    except Exception:  # noqa: BLE001 - nothing compiled, or dynamo unavailable
-        pass
-
-
-def _short(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:200]}" + ("..." if len(text) > 200 else "")
+    torch._dynamo.reset()
 
 
 def measure_row(row: str, key: str, args, device, log) -> dict:
@@ -221,11 +211,11 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
     except RowSkipped as err:
         rec.update(status="skipped", reason=str(err))
     except torch.OutOfMemoryError as err:
-        rec.update(status="OOM", reason=_short(err).split(" Tried")[0][:120])
+        rec.update(status="OOM", reason=short_error(err, 200).split(" Tried")[0][:120])
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     except Exception as err:  # noqa: BLE001 - one broken row must not end the benchmark
-        rec.update(status="failed", reason=_short(err))
+        rec.update(status="failed", reason=short_error(err, 200))
         traceback.print_exc()
     finally:
         runner = None
@@ -283,10 +273,6 @@ def profile_row(row: str, key: str, args, device, log) -> str:
 # ============================================================================ tables and goals
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def ratio(a, b):
-    return a / b if a and b else None
 
 
 def model_table(recs: list) -> str:
@@ -383,7 +369,7 @@ model and step, bf16 autocast, fused AdamW, SDPA), eager and with `torch.compile
 GPU, on the same synthetic tokens and batch. A row's figure is the median of its timed steps
 (torch.cuda.synchronize + perf_counter around each step, after warmup); model FLOPs per token
 6N + 12·L·h·s with N = 12·L·h² + V·h; MFU against the dense peak of the device and dtype
-(megatron_mini.flops); peak memory = torch.cuda.max_memory_allocated over the row's build and steps.
+(megatron_mini.hardware); peak memory = torch.cuda.max_memory_allocated over the row's build and steps.
 The method and the row definitions are in the docstring of tools/bench_gpu.py."""
 
 DOC_FIELDS = ("model", "model_name", "vocab", "row", "config", "dtype", "mbs", "microbatches", "seq_len",
@@ -444,7 +430,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-warmup-extra", type=int, default=2,
                     help="extra warmup steps of compiled rows (default 2)")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
-                    help="the device's dense peak TFLOP/s for MFU (default: megatron_mini.flops' table)")
+                    help="the device's dense peak TFLOP/s for MFU (default: megatron_mini.hardware's table)")
     ap.add_argument("--profile", metavar="ROW", default=None,
                     help="instead of the benchmark: torch.profiler over a few steps of ROW for each model")
     ap.add_argument("--profile-steps", type=int, default=3)

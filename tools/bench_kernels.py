@@ -50,19 +50,16 @@ kernels under TRITON_INTERPRET=1, timed with perf_counter.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(REPO, "docs", "benchmarks.md")
+from bench.report import DOC, command_line, device_line, fmt, markdown_table, short_error, write_doc_section
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -74,69 +71,6 @@ SDPA_BACKENDS = {"cuDNN SDPA": "CUDNN_ATTENTION", "flash SDPA": "FLASH_ATTENTION
 TORCH_PATHS = ("torch eager", "torch.compile") + tuple(SDPA_BACKENDS)
 COLUMNS = ("ours (Triton)",) + TORCH_PATHS
 ERR_WARN = 3e-2     # bf16 outputs: a relative error above this is flagged in the tables
-
-
-# ============================================================================ shared by tools/bench_gpu.py
-def write_doc_section(path: str, tag: str, body: str) -> None:
-    """Replace the text between `<!-- {tag} begin -->` and `<!-- {tag} end -->` in `path` with `body`
-    (the markers are appended at the end of the file when absent)."""
-    begin, end = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
-    text = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    if begin not in text or end not in text:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + f"{begin}\n{end}\n"
-    i, j = text.index(begin) + len(begin), text.index(end)
-    text = text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def read_doc_section(path: str, tag: str) -> str | None:
-    """The text between the markers of `tag` in `path`, or None."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        text = f.read()
-    begin, end = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
-    if begin not in text or end not in text:
-        return None
-    return text[text.index(begin) + len(begin):text.index(end)].strip("\n")
-
-
-def device_line(with_date: bool = True) -> str:
-    """GPU name, SMs, L2, memory; torch, triton and CUDA versions; the date (or the CPU, without CUDA)."""
-    import torch
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
-    date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M") if with_date else ""
-    versions = f"torch {torch.__version__}, triton {triton_version}"
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        l2 = getattr(p, "L2_cache_size", 0)
-        return (f"{torch.cuda.get_device_name()} ({p.multi_processor_count} SMs, {l2 / 1e6:.0f} MB L2, "
-                f"{p.total_memory / 2**30:.0f} GiB), {versions}, CUDA {torch.version.cuda}"
-                + (f", {date}" if date else ""))
-    return f"CPU only ({os.cpu_count()} cores), {versions}" + (f", {date}" if date else "")
-
-
-def command_line(script: str) -> str:
-    return f"python tools/{script}" + "".join(" " + shlex.quote(a) for a in sys.argv[1:])
-
-
-def markdown_table(headers, rows) -> str:
-    return "\n".join(["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def fmt(v, spec=".4g") -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
 
 # ============================================================================ cases
@@ -192,55 +126,27 @@ class Case:
         return amount / (ms * 1e-3) / (1e12 if self.op == "attn" else 1e9)
 
     # ---------------------------------------------------------------- paths
-    def paths(self, kmods: dict, compile_ok: bool) -> dict:
+    def paths(self, compile_ok: bool) -> dict:
         """column -> callable, or the reason (a str) it cannot run."""
         import torch
         import torch.nn.functional as F
-        eps, out = 1e-5, {}
-        ours = eager = None
+        from megatron_mini.kernels import attention, layernorm
+        eps = 1e-5
         if self.op == "ln":
-            ln = kmods.get("layernorm")
-            if isinstance(ln, str):
-                ours = ln
-            else:
-                ours = lambda x, w, b: ln.layer_norm(x, w, b, eps)  # noqa: E731
+            ours = lambda x, w, b: layernorm.layer_norm(x, w, b, eps)  # noqa: E731
             eager = lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)  # noqa: E731
         elif self.op == "addln":
-            ln = kmods.get("layernorm")
-            if isinstance(ln, str):
-                ours = eager = ln
-            else:
-                ours = lambda x, r, w, b: ln.add_layer_norm(x, r, w, b, eps)  # noqa: E731
-                eager = lambda x, r, w, b: ln.torch_add_layer_norm(x, r, w, b, eps)  # noqa: E731
+            ours = lambda x, r, w, b: layernorm.add_layer_norm(x, r, w, b, eps)  # noqa: E731
+            eager = lambda x, r, w, b: layernorm.torch_add_layer_norm(x, r, w, b, eps)  # noqa: E731
         else:
-            at = kmods.get("attention")
-            if isinstance(at, str):
-                ours = eager = at
-            else:
-                ours = lambda q, k, v: at.flash_attention(q, k, v, causal=True)  # noqa: E731
-                eager = lambda q, k, v: at.torch_attention(q, k, v, causal=True)  # noqa: E731
-        out["ours (Triton)"], out["torch eager"] = ours, eager
-        if isinstance(eager, str):
-            out["torch.compile"] = eager
-        elif not compile_ok:
-            out["torch.compile"] = "skipped (--no-compile, or a smoke run)"
-        else:
-            out["torch.compile"] = torch.compile(eager, dynamic=False)
+            ours = lambda q, k, v: attention.flash_attention(q, k, v, causal=True)  # noqa: E731
+            eager = lambda q, k, v: attention.torch_attention(q, k, v, causal=True)  # noqa: E731
+        out = {"ours (Triton)": ours, "torch eager": eager,
+               "torch.compile": torch.compile(eager, dynamic=False) if compile_ok
+               else "skipped (--no-compile, or a smoke run)"}
         for col, name in SDPA_BACKENDS.items():
             out[col] = _sdpa(name) if self.op == "attn" else "n/a"
         return out
-
-    def reference(self, kmods: dict):
-        """The fp32 math (TF32 off) on upcast inputs, or None."""
-        import torch.nn.functional as F
-        eps = 1e-5
-        if self.op == "ln":
-            return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
-        if self.op == "addln":
-            ln = kmods.get("layernorm")
-            return None if isinstance(ln, str) else (lambda x, r, w, b: ln.torch_add_layer_norm(x, r, w, b, eps))
-        at = kmods.get("attention")
-        return None if isinstance(at, str) else (lambda q, k, v: at.torch_attention(q, k, v, causal=True))
 
 
 def _sdpa(backend_name: str):
@@ -256,11 +162,6 @@ def _sdpa(backend_name: str):
 
 def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _reason(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:140]}" + ("..." if len(text) > 140 else "")
 
 
 # ============================================================================ timing
@@ -329,20 +230,6 @@ def max_rel_error(fn, ref, s: dict) -> float:
     return max(errs) if all(math.isfinite(e) for e in errs) else float("nan")   # a NaN must not hide
 
 
-def _load_kernels(ops) -> dict:
-    """megatron_mini.kernels.layernorm / .attention, or the reason each cannot be imported."""
-    import importlib
-    mods = {}
-    for name, needed in (("layernorm", {"ln", "addln"}), ("attention", {"attn"})):
-        if not needed & set(ops):
-            continue
-        try:
-            mods[name] = importlib.import_module(f"megatron_mini.kernels.{name}")
-        except Exception as err:  # noqa: BLE001 - an unmerged or broken module: reported in its rows
-            mods[name] = f"megatron_mini.kernels.{name} unavailable ({_reason(err)})"
-    return mods
-
-
 def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
     import torch
     gpu = torch.cuda.is_available()
@@ -350,7 +237,6 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
     l2 = 50e6
     if gpu:
         l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or l2
-    kmods = _load_kernels(ops)
     cases = []
     for op in ops:
         if op == "attn":
@@ -369,7 +255,7 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
         row = {"op": case.op, "label": case.label, "shape": list(case.shape), "shape_text": case.shape_text,
                "unit": unit, "input_sets": k, "set_mb": case.set_bytes(first) / 1e6, "cells": {}}
         log(f"{case.label} {case.shape_text}: {k} input sets of {row['set_mb']:.1f} MB")
-        for col, fn in case.paths(kmods, compile_ok).items():
+        for col, fn in case.paths(compile_ok).items():
             if isinstance(fn, str):
                 row["cells"][col] = {"reason": fn}
                 if fn != "n/a":
@@ -380,8 +266,8 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
             except Exception as err:  # noqa: BLE001 - e.g. an SDPA backend that does not take this shape
                 if gpu and isinstance(err, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
-                row["cells"][col] = {"reason": _reason(err)}
-                log(f"  {col}: - ({_reason(err)})")
+                row["cells"][col] = {"reason": short_error(err)}
+                log(f"  {col}: - ({short_error(err)})")
                 if col == "ours (Triton)":
                     traceback.print_exc()
                 continue
@@ -397,13 +283,13 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
             for cell in row["cells"].values():
                 if "fwdbwd_ms" in cell:
                     cell["x_best_torch"] = torch_ms[row["best_torch"]] / cell["fwdbwd_ms"]
-        ours, ref = row["cells"].get("ours (Triton)", {}), case.reference(kmods)
-        if "fwdbwd_ms" in ours and ref is not None:
-            ours_fn = case.paths(kmods, False)["ours (Triton)"]
+        ours = row["cells"]["ours (Triton)"]
+        if "fwdbwd_ms" in ours:        # against the eager math in fp32
+            plain = case.paths(compile_ok=False)
             try:
-                ours["max_rel_err"] = max_rel_error(ours_fn, ref, first)
+                ours["max_rel_err"] = max_rel_error(plain["ours (Triton)"], plain["torch eager"], first)
             except Exception as err:  # noqa: BLE001
-                ours["max_rel_err_reason"] = _reason(err)
+                ours["max_rel_err_reason"] = short_error(err)
         results.append(row)
         del sets, first
         if gpu:
