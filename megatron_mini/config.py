@@ -83,9 +83,16 @@ class ModelConfig:
         projections, the MLP, the logits); 12 L h s: q k^T and P v (2 s h each per token and layer,
         x 3 for forward + backward), counted for the full s x s square as Megatron, PaLM and
         nanoGPT count it. Biases, LayerNorm and the embedding lookup are left out."""
-        h, L = self.hidden_size, self.num_layers
-        n = L * (4 * h * h + 2 * h * self.ffn_hidden_size) + self.padded_vocab_size * h
-        return 6 * n + 12 * L * h * self.seq_len
+        f = self.layer_flops_per_token()
+        return self.num_layers * f["block"] + f["head"]
+
+    def layer_flops_per_token(self, recompute: str = "none") -> dict:
+        """flops_per_token() per layer kind, {"embedding", "block", "head"}; recomputation adds what it
+        runs again: a block's whole forward (full), or the attention core's q k^T and P v (selective)."""
+        h, s = self.hidden_size, self.seq_len
+        matmuls, attention = 4 * h * h + 2 * h * self.ffn_hidden_size, 2 * h * s     # per token, forward
+        rerun = {"none": 0, "full": 2 * matmuls + 2 * attention, "selective": 2 * attention}[recompute]
+        return {"embedding": 0, "block": 6 * matmuls + 6 * attention + rerun, "head": 6 * self.padded_vocab_size * h}
 
 
 @dataclass

@@ -7,7 +7,6 @@ planner predicts from meta-device models equals what one training step of the re
   tensors, holding every microbatch the schedule keeps in flight);
 - bubble: equal to the schedule simulator's for any microbatch count.
 """
-import dataclasses
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from harness import make_trainer, small_config
 from megatron_mini.config import TrainConfig
 from megatron_mini.meter import SavedTensorMeter
-from megatron_mini.planner import Planner
+from megatron_mini.plan_meta import Planner
 from megatron_mini.schedules import simulate
 from ranks import spawn
 

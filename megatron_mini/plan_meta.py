@@ -1,0 +1,202 @@
+"""Measuring one rank of a layout on the meta device (shapes and dtypes, no data), with a virtual mesh
+(groups that record their calls and move nothing), by the project's own code: planner.py's figures.
+
+- memory: the rank's chunks, GradBuffers and Optimizer built as training builds them (training.build_rank);
+  Optimizer.memory_bytes() gives the weights, fp32 main grads and optimizer state the run reports;
+- activations: the bytes autograd saves (meter.SavedTensorMeter) over one forward of each layer kind,
+  summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
+- communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
+  microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
+  collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
+  by running those very calls;
+- FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
+- bubble: schedules.simulate (its idle time is the same for any m >= 2 pp, so it runs at that m).
+Attention is measured as a GPU's fused (flash) kernel saves it; the Triton kernels are not planned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from .comm import Ledger
+from .config import TrainConfig
+from .mesh import ParallelMesh
+from .meter import SavedTensorMeter
+from .model import ParallelContext, build_chunks
+from .pipeline import local_stage_layers
+from .rng import RNGTracker
+from .schedules import build_schedule, simulate
+from .training import DTYPES, build_rank, reduce_loss
+
+META = torch.device("meta")
+
+
+_sdpa = F.scaled_dot_product_attention
+
+
+def _fused_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    """On meta, F.scaled_dot_product_attention runs its math fallback, which saves the [s, s] weights;
+    a GPU runs a fused kernel that saves o and the log-sum-exp: that kernel's op has a meta version."""
+    if q.device.type == "meta" and attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+    return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+@dataclass
+class Facts:
+    """One microbatch through one layer or chunk (forward + backward), on one rank; additive."""
+    activation_bytes: int = 0         # saved for backward after the forward
+    flops: float = 0.0                # forward + backward (+ recomputation)
+    ledger: dict = field(default_factory=dict)     # {(group, op): (calls, bytes)}
+
+    def __add__(self, other: "Facts") -> "Facts":
+        return Facts(self.activation_bytes + other.activation_bytes, self.flops + other.flops,
+                     _merged(self.ledger, other.ledger))
+
+    def __sub__(self, other: "Facts") -> "Facts":
+        return Facts(self.activation_bytes - other.activation_bytes, self.flops - other.flops,
+                     _merged(self.ledger, other.ledger, -1))
+
+
+def _merged(a: dict, b: dict, sign: int = 1) -> dict:
+    """The sum (or difference) of two ledgers {(group, op): (calls, bytes)}, without empty entries."""
+    out = {k: (a.get(k, (0, 0))[0] + sign * b.get(k, (0, 0))[0], a.get(k, (0, 0))[1] + sign * b.get(k, (0, 0))[1])
+           for k in a.keys() | b.keys()}
+    return {k: v for k, v in out.items() if v != (0, 0)}
+
+
+@dataclass
+class RankFacts:
+    """What one pipeline rank holds and moves in one training step."""
+    pp_rank: int
+    memory: dict                      # weights, grads, optimizer (bytes); activations (at the peak)
+    in_flight: int                    # (chunk, microbatch) pairs alive at the activation peak
+    flops: float                      # per step
+    ledger: dict                      # per step {(group, op): (calls, bytes)}
+    microbatch_flops: float           # one microbatch through the rank's chunks
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(kind: str, pp: int, vpp: int, m: int, rank: int) -> list:
+    return build_schedule(kind, pp, vpp, m, rank)
+
+
+class Planner:
+    """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
+    sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
+    dtype), each schedule's idle time per (kind, pp, vpp)."""
+
+    def __init__(self):
+        self._layers, self._chunks, self._ranks, self._idle = {}, {}, {}, {}
+
+    def layer_facts(self, cfg: TrainConfig) -> dict:
+        """Facts of one microbatch on TP rank 0 of cfg's layout: "embedding", "head", "first" (a block that
+        starts a chunk: no pending residual) and "block" (one after another block, which hands it the
+        residual it has not added yet). FLOPs are ModelConfig's (per token, over the tokens, over tp)."""
+        flops = cfg.model.layer_flops_per_token(cfg.recompute)
+        tokens = cfg.mbs * cfg.model.seq_len / cfg.tp
+        out = {}
+        for name, first, residual in (("embedding", 0, False), ("first", 1, False), ("block", 1, True),
+                                      ("head", cfg.model.num_layers + 1, False)):
+            key = (name, cfg.tp, cfg.sp, cfg.recompute if first == 1 else "none", cfg.precision.dtype, cfg.mbs,
+                   dataclasses.astuple(cfg.model))
+            if key not in self._layers:
+                self._layers[key] = self._measure(cfg, (first, first + 1), residual)
+            saved, ledger = self._layers[key]
+            out[name] = Facts(saved, tokens * flops["block" if first == 1 else name], ledger)
+        return out
+
+    @staticmethod
+    def _measure(cfg: TrainConfig, layers: tuple, residual: bool) -> tuple:
+        """(bytes saved for backward, ledger) of one microbatch forward + backward of the layer `layers[0]`,
+        on meta; a block gets a pending residual r when `residual` (as every block but a chunk's first)."""
+        mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
+        dtype = DTYPES[cfg.precision.dtype]
+        with torch.random.fork_rng(devices=[]):
+            ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, 0, META), cfg.sp, cfg.recompute)
+            (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
+        (layer,) = chunk.to(dtype).train().layers
+        tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
+
+        def activation():
+            s = cfg.model.seq_len // (cfg.tp if cfg.sp else 1)
+            return torch.empty(s, cfg.mbs, cfg.model.hidden_size, dtype=dtype, device=META, requires_grad=True)
+        args = (tokens,) if chunk.has_embedding else (activation(), tokens) if chunk.has_head else \
+            (activation(), activation() if residual else None)
+        meter = SavedTensorMeter(exclude=chunk.parameters())
+        with mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):  # (recompute calls it again)
+            with meter.hooks():
+                out = layer(*args)
+            saved = meter.live
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+            torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
+        return saved, mesh.ledger.summary()
+
+    def rank_state(self, cfg: TrainConfig, dp: int, pp_rank: int) -> tuple:
+        """(memory bytes, the step's collectives with sequence parallelism, without) of a rank, from its
+        GradBuffers and Optimizer built on meta (recompute and the schedule change neither)."""
+        model_key = (cfg.tp, cfg.pp, cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks,
+                     dp, cfg.precision.dtype, pp_rank, dataclasses.astuple(cfg.model))
+        key = model_key + (cfg.zero,)
+        if key not in self._ranks:
+            layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
+            mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)
+            with torch.random.fork_rng(devices=[]):
+                chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, 0, META), META,
+                                                        self._chunks.get(model_key))
+            self._chunks[model_key] = chunks
+            mesh.ledger.reset()
+            for buf in buffers:                       # the once-per-step collectives, by running them
+                buf.finish_grad_sync()
+            optimizer.finalize_grads()
+            optimizer.reduce_norm_stats(torch.zeros(2, device=META))
+            for buf in buffers:
+                buf.all_gather_params()
+            reduce_loss(mesh, torch.zeros((), device=META), False, META)
+            with_sp = mesh.ledger.summary()
+            without_sp = {k: v for k, v in with_sp.items() if k != ("tp", "all_reduce")}   # the SP-parameter sum
+            self._ranks[key] = optimizer.memory_bytes(), with_sp, without_sp
+        return self._ranks[key]
+
+    def measure_rank(self, cfg: TrainConfig, dp: int, pp_rank: int) -> RankFacts:
+        """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
+        memory, with_sp, without_sp = self.rank_state(cfg, dp, pp_rank)
+        layers, L = self.layer_facts(cfg), cfg.model.num_layers
+        def kind(i: int, first: int) -> str:
+            return "embedding" if i == 0 else "head" if i == L + 1 else "first" if i == max(first, 1) else "block"
+        chunks = [sum((layers[kind(i, a)] for i in range(a, b)), Facts()) for a, b in local_stage_layers(cfg, pp_rank)]
+        act_bytes = (cfg.model.seq_len // (cfg.tp if cfg.sp else 1)) * cfg.mbs * cfg.model.hidden_size \
+            * DTYPES[cfg.precision.dtype].itemsize               # the engine's p2p message (its act_shape)
+        sends = Counter()
+        live = peak = peak_pairs = pairs = 0
+        for a in _schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank):
+            if a.op == "forward":                                   # the actions in the engine's order
+                live, pairs = live + chunks[a.chunk].activation_bytes, pairs + 1
+                if live > peak:
+                    peak, peak_pairs = live, pairs
+            elif a.op == "backward":
+                live, pairs = live - chunks[a.chunk].activation_bytes, pairs - 1
+            else:
+                sends[a.op.split("_")[0]] += 1
+        m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
+        ledger = {key: (m * calls, m * nbytes) for key, (calls, nbytes) in sum(chunks, Facts()).ledger.items()}
+        ledger = _merged(ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
+        ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
+        flops = sum(c.flops for c in chunks)
+        return RankFacts(pp_rank, {**memory, "activations": peak}, peak_pairs, m * flops, ledger, flops)
+
+    def bubble(self, cfg: TrainConfig, m: int) -> float:
+        """The simulator's idle / busy time of cfg's schedule for m microbatches: its idle time is the
+        same for every m >= 2 pp, so it is simulated at that m (or at m when smaller)."""
+        small = min(m, 2 * cfg.pp)
+        key = (cfg.schedule, cfg.pp, cfg.vpp, small)
+        if key not in self._idle:
+            sim = simulate(cfg.schedule, cfg.pp, cfg.vpp, small)
+            self._idle[key] = (sim.makespan - sim.busy) * small / sim.busy     # idle, in microbatches of work
+        return self._idle[key] / m

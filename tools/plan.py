@@ -1,0 +1,197 @@
+"""Which layout for this model on this cluster (megatron_mini/planner.py): every valid (tp, pp, vpp, dp,
+ZeRO, recompute, sp, embedding_stage), its memory per rank and predicted step time, the best ones.
+
+    python tools/plan.py model=gpt3-175b gbs=2048 mbs=1 precision=bf16 cluster.gpus=384 cluster.gpus_per_node=8 cluster.gpu=a100-80gb
+    python tools/plan.py model=bloom-176b gbs=2048 mbs=1 precision=bf16 cluster=jean-zay-a100 \\
+        --layout tp=4,pp=12,zero=1,embedding_stage=layer --csv plan.csv --plot docs/plan_bloom.png
+
+The positional arguments are train.py's keys (model, gbs, mbs, precision, seed, ...) and the cluster's:
+cluster=a100-80gb|h100-80gb|jean-zay-a100 (conf/cluster/), or cluster.gpu, cluster.gpus,
+cluster.gpus_per_node, cluster.intra_node_gbps, cluster.inter_node_gbps, cluster.efficiency,
+cluster.memory_gib. --layout explains one layout (and where it ranks); --csv writes every layout;
+--plot draws predicted step time against memory per rank, one point per layout.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import os
+import sys
+import time
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from megatron_mini.config import ConfigError, check_keys, validate
+from megatron_mini.hardware import GPUS
+from megatron_mini.planner import GiB, Estimate, Plan, PlanConfig, estimate, model_bytes, plan, register_configs
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+TERMS = ("compute", "tp", "pp", "bubble", "dp", "emb")
+
+
+def load_config(overrides: list) -> PlanConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        composed = compose(config_name="plan", overrides=overrides)
+    check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
+    return OmegaConf.to_object(composed)
+
+
+def parse_layout(text: str, base: PlanConfig) -> PlanConfig:
+    """"tp=4,pp=12,zero=1" -> base with those keys (the others as the enumeration's defaults)."""
+    changes = dict(vpp=1, sp=False, zero=0, recompute="none", embedding_stage="none")
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        field = {f.name: f for f in dataclasses.fields(PlanConfig)}.get(key)
+        if field is None or not _:
+            raise ConfigError(f"--layout {text}: {item!r} is not key=value of a layout key (tp, pp, vpp, sp, zero, "
+                              f"recompute, embedding_stage, schedule, pipeline_first_blocks, pipeline_last_blocks)")
+        changes[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    cfg = dataclasses.replace(base, **changes)
+    validate(cfg, base.cluster.gpus)
+    return cfg
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f}"
+
+
+def table(rows: list, head: list) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))   # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def summary_row(i: int, e: Estimate) -> list:
+    return [i, e.layout_args(), f"dp={e.dp}", gib(e.memory_gib * GiB), f"{e.step_s:.2f}", f"{e.tokens_per_s:,.0f}",
+            f"{100 * e.mfu:.0f}%"] + [f"{e.times[t]:.2f}" for t in TERMS]
+
+
+def explain(e: Estimate, rank: int | None) -> str:
+    """One layout: memory of its measured ranks, traffic per step and group, the time terms."""
+    lines = [f"{e.layout_args()}  (dp={e.dp}, {e.cfg.num_microbatches(e.dp)} microbatches of {e.cfg.mbs})"
+             + (f": rank {rank} of the layouts that fit" if rank else ": does not fit" if not e.fits else "")]
+    rows = [[f"pp rank {r.pp_rank}", *(gib(r.memory[k]) for k in ("weights", "grads", "optimizer", "activations")),
+             r.in_flight, gib(sum(r.memory.values()))] for r in e.ranks]
+    lines += ["", table(rows, ["rank", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
+                                "in flight", "total GiB"])]
+    worst = e.worst
+    traffic = {}
+    for (group, op), (calls, nbytes) in sorted(worst.ledger.items()):
+        traffic.setdefault(group, []).append(f"{op} {calls} x = {gib(nbytes)} GiB")
+    lines += ["", f"communication per step of pp rank {worst.pp_rank} (as comm.py's ledger counts it):"]
+    lines += [f"  {group:>5}: " + ", ".join(ops) for group, ops in traffic.items()]
+    lines += ["", f"bubble {100 * e.bubble:.1f}% of the busy time; step {e.step_s:.2f} s = "
+              + " + ".join(f"{t} {e.times[t]:.2f}" for t in TERMS)]
+    return "\n".join(lines)
+
+
+def why_others_lost(p: Plan) -> str:
+    """The layouts that fit but are slower than the best, by the term that costs them most over it."""
+    best, lost = p.fitting[0], {}
+    for e in p.fitting[1:]:
+        term = max(TERMS, key=lambda t: e.times[t] - best.times[t])
+        label = {"compute": "compute (recomputation, an unbalanced stage)", "tp": "TP/SP communication",
+                 "pp": "pipeline sends", "bubble": "the pipeline bubble", "dp": "DP/ZeRO communication",
+                 "emb": "the embedding-group sum"}[term]
+        lost.setdefault(label, []).append(e)
+    lines = [f"  {len(p.estimates) - len(p.fitting)} do not fit in {p.capacity_gib:.0f} GiB"]
+    for label, es in sorted(lost.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  {len(es)} lose most to {label}, e.g. {es[0].layout_args()} (+{es[0].step_s - best.step_s:.2f} s)")
+    return "\n".join(lines)
+
+
+def torchrun(e: Estimate, overrides: list) -> str:
+    c = e.cfg.cluster
+    nodes = max(1, c.gpus // c.gpus_per_node)
+    keys = [o for o in overrides if not o.startswith("cluster")]
+    return (f"torchrun --nnodes={nodes} --nproc_per_node={min(c.gpus, c.gpus_per_node)} --rdzv-backend=c10d "
+            f"--rdzv-endpoint=$MASTER_ADDR:29500 train.py {' '.join(keys)} {e.layout_args()}")
+
+
+def write_csv(path: str, p: Plan) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["layout", "dp", "fits", "memory_gib", "step_s", "tokens_per_s", "bubble", *TERMS,
+                    *(f"{k}_gib" for k in ("weights", "grads", "optimizer", "activations"))])
+        for e in p.estimates:
+            worst = e.worst
+            w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.3f}", f"{e.step_s:.4f}", f"{e.tokens_per_s:.1f}",
+                        f"{e.bubble:.5f}", *(f"{e.times[t]:.4f}" for t in TERMS),
+                        *(f"{worst.memory[k] / GiB:.3f}" for k in ("weights", "grads", "optimizer", "activations"))])
+
+
+def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fits, color, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
+        es = [e for e in p.estimates if e.fits == fits]
+        ax.scatter([e.memory_gib for e in es], [e.step_s for e in es], s=12, c=color, alpha=0.6, label=label)
+    best = p.fitting[0] if p.fitting else None
+    for e, mark, text in ((best, "*", f"best: {best.layout_args()}" if best else ""),
+                          (chosen, "D", f"--layout: {chosen.layout_args()}" if chosen else "")):
+        if e is not None:
+            ax.scatter([e.memory_gib], [e.step_s], marker=mark, s=160, c="tab:red", label=text, zorder=3)
+    ax.axvline(p.capacity_gib, color="k", ls="--", lw=1, label="GPU memory")
+    ax.set_xlabel("memory of the largest rank (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"{p.base.model.name} on {p.base.cluster.gpus} x {p.base.cluster.gpu}: every valid layout")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="train.py keys and cluster keys, key=value")
+    ap.add_argument("--layout", help="explain one layout, e.g. tp=4,pp=12,zero=1,embedding_stage=layer")
+    ap.add_argument("--top", type=int, default=10, help="how many of the layouts that fit to list")
+    ap.add_argument("--csv", help="write every layout to this CSV file")
+    ap.add_argument("--plot", help="draw step time against memory per rank into this PNG")
+    args = ap.parse_args(argv)
+    start = time.time()
+    try:
+        base = load_config(args.overrides)
+        chosen = parse_layout(args.layout, base) if args.layout else None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    p = plan(base)
+    c = base.cluster
+    sizes = model_bytes(base, p.planner)
+    print(f"{base.model.name}: {base.model.num_params() / 1e9:.2f}B parameters; gbs {base.gbs} x {base.model.seq_len} "
+          f"tokens, mbs {base.mbs}, {base.precision.dtype}; {c.gpus} x {GPUS[c.gpu].name} ({c.gpus_per_node} per node, "
+          f"{c.intra_node_gbps:g} / {c.inter_node_gbps:g} GB/s inside / between nodes, efficiency {c.efficiency:g})")
+    print(f"checkpoint: {sizes['weights'] / GiB:,.1f} GiB of {base.precision.dtype} weights; with the fp32 master "
+          f"weights and Adam state {(sizes['weights'] + sizes['optimizer']) / 2**40:.2f} TiB")
+    print(f"{len(p.estimates)} valid layouts, {len(p.fitting)} fit in {p.capacity_gib:.0f} GiB; "
+          f"{sum(p.refused.values())} refused: " + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
+    if p.fitting:
+        head = ["#", "layout", "dp", "memory GiB", "step s", "tokens/s", "MFU", *(f"{t} s" for t in TERMS)]
+        print("\n" + table([summary_row(i + 1, e) for i, e in enumerate(p.fitting[:args.top])], head))
+        for i, e in enumerate(p.fitting[:3]):
+            print("\n" + explain(e, i + 1))
+        print("\nwhy the others lost (against the best):\n" + why_others_lost(p))
+        print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
+    found = None
+    if chosen:
+        found = estimate(p.planner, chosen, c)
+        rank = 1 + sum(e.step_s < found.step_s for e in p.fitting) if found.fits else None
+        print("\n--layout " + args.layout + ":\n" + explain(found, rank))
+    if args.csv:
+        write_csv(args.csv, p)
+        print(f"\nwrote {args.csv}")
+    if args.plot:
+        draw(args.plot, p, found)
+        print(f"wrote {args.plot}")
+    print(f"({time.time() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
