@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -172,6 +173,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 8
+    memory_plan: bool = True         # rank 0 prints the layout planner's memory per rank next to the run's
     save_interval: int = 0           # 0: only at the end
     keep_checkpoints: int = 2        # the newest N complete checkpoints are kept
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
@@ -213,18 +215,25 @@ def _get(cfg, key: str):
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _choice_fields(cls) -> tuple:
+    """(name, the Choice enum of its values or None for a nested dataclass) of cls's fields that need it."""
+    return tuple((f.name, type(f.default) if isinstance(f.default, Choice) else None) for f in dataclasses.fields(cls)
+                 if isinstance(f.default, Choice) or f.default_factory is not dataclasses.MISSING)
+
+
 def _choices(obj) -> None:
     """Turn the plain strings of Choice fields into their members (tests build configs with strings)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _choices(value)
-        elif isinstance(f.default, Choice) and not isinstance(value, Choice):
-            kind = type(f.default)
+    for name, kind in _choice_fields(type(obj)):
+        value = getattr(obj, name)
+        if kind is None:
+            if dataclasses.is_dataclass(value):
+                _choices(value)
+        elif not isinstance(value, Choice):
             try:
-                setattr(obj, f.name, kind(value))
+                setattr(obj, name, kind(value))
             except ValueError:
-                raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(kind.__members__)}.") from None
+                raise ConfigError(f"{name}={value!r}: choose one of {', '.join(kind.__members__)}.") from None
 
 
 def check_keys(given: dict, schema=None, prefix: str = "") -> None:

@@ -74,6 +74,7 @@ class GradBuffer:
                 bucket.params.append(p)
             bucket.end = offset = offset + (-(offset - bucket.start)) % self.dp
             self.buckets.append(bucket)
+        self._order, self._starts = list(self.offsets), list(self.offsets.values())    # increasing offsets
         device = named_params[0][1].device
         self.params_flat = torch.zeros(offset, dtype=dtype, device=device)
         self.grads_flat = torch.zeros(offset, dtype=torch.float32, device=device)
@@ -173,8 +174,7 @@ class GradBuffer:
 
     def segments(self, lo: int, hi: int):
         """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""
-        starts = list(self.offsets.values())              # increasing: parameters are laid out in order
-        params = list(self.offsets)
+        starts, params = self._starts, self._order
         for i in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(params)):
             p = params[i]
             a, b = starts[i], starts[i] + p.numel()

@@ -104,10 +104,12 @@ class Optimizer:
                 lo, hi = buf.valid_range(bucket)
                 param = buf.params_flat[lo:hi]
                 master = param if param.dtype == torch.float32 else param.float()
-                r = Range(buf, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master), [], False)
+                exp_avg, exp_avg_sq = torch.zeros(2, hi - lo, dtype=torch.float32, device=param.device)
+                r = Range(buf, lo, hi, master, exp_avg, exp_avg_sq, [], False)
+                grad = r.grad
                 for p, name, a, b in buf.segments(lo, hi):
                     a, b = a - lo, b - lo
-                    views = (r.master[a:b], r.grad[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
+                    views = (master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b])
                     for group, view in zip(self.groups[not p.spec.no_weight_decay], views):
                         group.append(view)
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0

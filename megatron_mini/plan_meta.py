@@ -1,7 +1,7 @@
 """Measuring one rank of a layout on the meta device (shapes and dtypes, no data), with a virtual mesh
 (groups that record their calls and move nothing), by the project's own code: planner.py's figures.
 
-- memory: the rank's chunks, GradBuffers and Optimizer built as training builds them (training.build_rank);
+- memory: the rank's chunks, GradBuffers and Optimizer built as training builds them (rank.build_rank);
   Optimizer.memory_bytes() gives the weights, fp32 main grads and optimizer state the run reports;
 - activations: the bytes autograd saves (meter.SavedTensorMeter) over one forward of each layer kind,
   summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
@@ -30,9 +30,9 @@ from .mesh import ParallelMesh
 from .meter import SavedTensorMeter
 from .model import ParallelContext, build_chunks
 from .pipeline import local_stage_layers
+from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
 from .schedules import build_schedule, simulate
-from .training import DTYPES, build_rank, reduce_loss
 
 META = torch.device("meta")
 
@@ -59,6 +59,9 @@ class Facts:
         return Facts(self.activation_bytes + other.activation_bytes, self.flops + other.flops,
                      _merged(self.ledger, other.ledger))
 
+    def __mul__(self, n: int) -> "Facts":
+        return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()})
+
     def __sub__(self, other: "Facts") -> "Facts":
         return Facts(self.activation_bytes - other.activation_bytes, self.flops - other.flops,
                      _merged(self.ledger, other.ledger, -1))
@@ -83,44 +86,30 @@ class RankFacts:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(kind: str, pp: int, vpp: int, m: int, rank: int) -> list:
-    return build_schedule(kind, pp, vpp, m, rank)
+def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
+    """(the distinct vectors of in-flight microbatches per chunk right after each forward of the rank's
+    schedule, in the order they first occur; the pipeline sends and receives counted by direction): the
+    activation peak of any per-chunk sizes is the largest dot product with one of those vectors."""
+    live, vectors, sends = [0] * vpp, {}, Counter()
+    for a in build_schedule(kind, pp, vpp, m, rank):          # the actions in the engine's order
+        if a.op in ("forward", "backward"):
+            live[a.chunk] += 1 if a.op == "forward" else -1
+            if a.op == "forward":
+                vectors.setdefault(tuple(live), None)
+        else:
+            sends[a.op.split("_")[0]] += 1
+    return list(vectors), dict(sends)
 
 
-class Planner:
-    """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
-    sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    dtype), each schedule's idle time per (kind, pp, vpp)."""
-
-    def __init__(self):
-        self._layers, self._chunks, self._ranks, self._idle = {}, {}, {}, {}
-
-    def layer_facts(self, cfg: TrainConfig) -> dict:
-        """Facts of one microbatch on TP rank 0 of cfg's layout: "embedding", "head", "first" (a block that
-        starts a chunk: no pending residual) and "block" (one after another block, which hands it the
-        residual it has not added yet). FLOPs are ModelConfig's (per token, over the tokens, over tp)."""
-        flops = cfg.model.layer_flops_per_token(cfg.recompute)
-        tokens = cfg.mbs * cfg.model.seq_len / cfg.tp
-        out = {}
-        for name, first, residual in (("embedding", 0, False), ("first", 1, False), ("block", 1, True),
-                                      ("head", cfg.model.num_layers + 1, False)):
-            key = (name, cfg.tp, cfg.sp, cfg.recompute if first == 1 else "none", cfg.precision.dtype, cfg.mbs,
-                   dataclasses.astuple(cfg.model))
-            if key not in self._layers:
-                self._layers[key] = self._measure(cfg, (first, first + 1), residual)
-            saved, ledger = self._layers[key]
-            out[name] = Facts(saved, tokens * flops["block" if first == 1 else name], ledger)
-        return out
-
-    @staticmethod
-    def _measure(cfg: TrainConfig, layers: tuple, residual: bool) -> tuple:
-        """(bytes saved for backward, ledger) of one microbatch forward + backward of the layer `layers[0]`,
-        on meta; a block gets a pending residual r when `residual` (as every block but a chunk's first)."""
+def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> tuple:
+    """(bytes saved for backward, ledger) of one microbatch forward + backward of the layer `layers[0]`,
+    on meta; a block gets a pending residual r when `residual` (as every block but a chunk's first).
+    The CPU stream is restored after (recomputation sets it; the GPUs' are not touched)."""
+    with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
         dtype = DTYPES[cfg.precision.dtype]
-        with torch.random.fork_rng(devices=[]):
-            ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, 0, META), cfg.sp, cfg.recompute)
-            (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
+        ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, 0, META), cfg.sp, cfg.recompute)
+        (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
         (layer,) = chunk.to(dtype).train().layers
         tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
 
@@ -130,13 +119,48 @@ class Planner:
         args = (tokens,) if chunk.has_embedding else (activation(), tokens) if chunk.has_head else \
             (activation(), activation() if residual else None)
         meter = SavedTensorMeter(exclude=chunk.parameters())
-        with mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):  # (recompute calls it again)
-            with meter.hooks():
-                out = layer(*args)
-            saved = meter.live
-            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
-            torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
-        return saved, mesh.ledger.summary()
+        with meter.hooks():
+            out = layer(*args)
+        saved = meter.live
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])     # (recompute calls sdpa again)
+    return saved, mesh.ledger.summary()
+
+
+class Planner:
+    """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
+    sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
+    dtype), each schedule's idle time per (kind, pp, vpp)."""
+
+    def __init__(self, layers: dict | None = None):
+        self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
+        self._chunks, self._ranks, self._idle = {}, {}, {}
+
+    def layer_jobs(self, cfg: TrainConfig) -> list:
+        """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
+        block that starts a chunk: no pending residual) and "block" (one after another block, which hands it
+        the residual it has not added yet); each measured once per key (model, tp, sp, recompute of the
+        blocks, dtype, mbs)."""
+        jobs = []
+        for name, first, residual in (("embedding", 0, False), ("first", 1, False), ("block", 1, True),
+                                      ("head", cfg.model.num_layers + 1, False)):
+            key = (name, cfg.tp, cfg.sp, cfg.recompute if first == 1 else "none", cfg.precision.dtype, cfg.mbs,
+                   dataclasses.astuple(cfg.model))
+            jobs.append((name, key, (cfg, (first, first + 1), residual)))
+        return jobs
+
+    def layer_facts(self, cfg: TrainConfig) -> dict:
+        """{kind: Facts of one microbatch through it} (layer_jobs) on TP rank 0 of cfg's layout.
+        FLOPs are ModelConfig's (per token, over the tokens, over tp)."""
+        flops = cfg.model.layer_flops_per_token(cfg.recompute)
+        tokens = cfg.mbs * cfg.model.seq_len / cfg.tp
+        out = {}
+        for name, key, job in self.layer_jobs(cfg):
+            if key not in self.layers:
+                self.layers[key] = measure_layer(*job)
+            saved, ledger = self.layers[key]
+            out[name] = Facts(saved, tokens * flops["block" if name == "first" else name], ledger)
+        return out
 
     def rank_state(self, cfg: TrainConfig, dp: int, pp_rank: int) -> tuple:
         """(memory bytes, the step's collectives with sequence parallelism, without) of a rank, from its
@@ -147,10 +171,9 @@ class Planner:
         if key not in self._ranks:
             layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
             mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)
-            with torch.random.fork_rng(devices=[]):
-                chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, 0, META), META,
-                                                        self._chunks.get(model_key))
-            self._chunks[model_key] = chunks
+            chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, 0, META), META,
+                                                    self._chunks.get(model_key))
+            self._chunks = {model_key: chunks}        # for the same rank with(out) ZeRO, enumerated next
             mesh.ledger.reset()
             for buf in buffers:                       # the once-per-step collectives, by running them
                 buf.finish_grad_sync()
@@ -168,24 +191,22 @@ class Planner:
         """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
         memory, with_sp, without_sp = self.rank_state(cfg, dp, pp_rank)
         layers, L = self.layer_facts(cfg), cfg.model.num_layers
-        def kind(i: int, first: int) -> str:
-            return "embedding" if i == 0 else "head" if i == L + 1 else "first" if i == max(first, 1) else "block"
-        chunks = [sum((layers[kind(i, a)] for i in range(a, b)), Facts()) for a, b in local_stage_layers(cfg, pp_rank)]
+        def chunk(a: int, b: int) -> Facts:          # layers [a, b): embedding, blocks (the first, the rest), head
+            blocks = max(min(b, L + 1) - max(a, 1), 0)
+            return (layers["embedding"] * (a == 0) + layers["first"] * (blocks > 0)
+                    + layers["block"] * max(blocks - 1, 0) + layers["head"] * (b == L + 2))
+        chunks = [chunk(a, b) for a, b in local_stage_layers(cfg, pp_rank)]
         act_bytes = (cfg.model.seq_len // (cfg.tp if cfg.sp else 1)) * cfg.mbs * cfg.model.hidden_size \
             * DTYPES[cfg.precision.dtype].itemsize               # the engine's p2p message (its act_shape)
-        sends = Counter()
-        live = peak = peak_pairs = pairs = 0
-        for a in _schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank):
-            if a.op == "forward":                                   # the actions in the engine's order
-                live, pairs = live + chunks[a.chunk].activation_bytes, pairs + 1
-                if live > peak:
-                    peak, peak_pairs = live, pairs
-            elif a.op == "backward":
-                live, pairs = live - chunks[a.chunk].activation_bytes, pairs - 1
-            else:
-                sends[a.op.split("_")[0]] += 1
+        vectors, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
+        sizes = [c.activation_bytes for c in chunks]
+        peak = peak_pairs = 0
+        for v in vectors:
+            live = sum(n * b for n, b in zip(v, sizes))
+            if live > peak:
+                peak, peak_pairs = live, sum(v)
         m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
-        ledger = {key: (m * calls, m * nbytes) for key, (calls, nbytes) in sum(chunks, Facts()).ledger.items()}
+        ledger = (sum(chunks, Facts()) * m).ledger
         ledger = _merged(ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
         ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
         flops = sum(c.flops for c in chunks)
@@ -200,3 +221,10 @@ class Planner:
             sim = simulate(cfg.schedule, cfg.pp, cfg.vpp, small)
             self._idle[key] = (sim.makespan - sim.busy) * small / sim.busy     # idle, in microbatches of work
         return self._idle[key] / m
+
+
+def planned_memory(cfg: TrainConfig, dp: int) -> list:
+    """[{weights, grads, optimizer, activations} bytes] of every pipeline rank of cfg's layout, by pp rank
+    (the first TP and DP rank of a stage speaks for it): what tools/plan.py predicts for the layout."""
+    planner = Planner()
+    return [planner.measure_rank(cfg, dp, r).memory for r in range(cfg.pp)]

@@ -18,13 +18,18 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
 from __future__ import annotations
 
 import dataclasses
+import gc
+import multiprocessing
+import os
+import sys
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from .config import ConfigError, TrainConfig, validate
 from .hardware import GPUS, math_dtype
 from .pipeline import partition_for
-from .plan_meta import Planner, RankFacts
+from .plan_meta import Planner, RankFacts, measure_layer
 
 GiB = 2 ** 30
 
@@ -42,6 +47,18 @@ class ClusterConfig:
     efficiency: float = 0.5
     memory_gib: float = 0.0          # 0: the GPU's
 
+    def check(self) -> None:
+        """One ConfigError for a value that cannot describe a cluster."""
+        if self.gpu not in GPUS:
+            raise ConfigError(f"cluster.gpu={self.gpu!r}: choose one of {', '.join(GPUS)} (megatron_mini/hardware.py).")
+        for key in ("gpus", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "efficiency"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0.")
+        if self.efficiency > 1 or self.memory_gib < 0:
+            raise ConfigError("cluster.efficiency must be in (0, 1] and cluster.memory_gib >= 0 (0: the GPU's).")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ConfigError(f"cluster.gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}.")
+
 
 @dataclass
 class PlanConfig(TrainConfig):
@@ -55,7 +72,6 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="plan_config", node=PlanConfig)
 
 
-# ----------------------------------------------------------------------------- measuring on meta
 # ----------------------------------------------------------------------------- the layouts
 @dataclass
 class Estimate:
@@ -211,13 +227,63 @@ class Plan:
         return self.base.cluster.memory_gib or GPUS[self.base.cluster.gpu].memory_gib
 
 
-def plan(base: PlanConfig, planner: Planner | None = None) -> Plan:
-    """Estimate every valid layout of base's model on base.cluster; those that fit first, by step time."""
+def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None = None) -> Plan:
+    """Estimate every valid layout of base's model on base.cluster; those that fit first, by step time.
+    With many layouts the work (a meta forward of each layer kind, a meta build of each distinct rank)
+    is shared among `workers` processes (default: the CPU count, up to 8)."""
+    base.cluster.check()
     planner = planner or Planner()
     valid, refused = layouts(base)
-    estimates = [estimate(planner, cfg, base.cluster) for cfg in valid]
+    workers = min(workers or os.cpu_count() or 1, 8, max(len(valid) // 16, 1))
+    if workers == 1:
+        estimates = [estimate(planner, cfg, base.cluster) for cfg in valid]
+    else:
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived
+            estimates = _in_processes(pool, planner, valid, base.cluster, workers)
     estimates.sort(key=lambda e: (not e.fits, e.step_s))
     return Plan(base, estimates, refused, planner)
+
+
+def _in_processes(pool: ProcessPoolExecutor, planner: Planner, cfgs: list, cluster: ClusterConfig,
+                  workers: int) -> list:
+    """[estimate(cfg) for cfg in cfgs] in the pool's processes: first the layer kinds (dealt out), then the
+    layouts (in shares of about equal work); the layers measured come back into `planner`."""
+    jobs = list({key: job for cfg in cfgs for _, key, job in planner.layer_jobs(cfg) if key not in planner.layers}.items())
+    for measured in pool.map(_measure_layers, [jobs[w::workers] for w in range(workers)]):
+        planner.layers.update(measured)
+    shares = _shares(cfgs, workers)
+    parts = pool.map(_estimates, [planner.layers] * workers, [[cfgs[i] for i in share] for share in shares],
+                     [cluster] * workers)
+    by_index = {i: e for share, part in zip(shares, parts) for i, e in zip(share, part)}
+    return [by_index[i] for i in range(len(cfgs))]
+
+
+def _measure_layers(jobs: list) -> dict:
+    return {key: measure_layer(*job) for key, job in jobs}
+
+
+def _estimates(layers: dict, cfgs: list, cluster: ClusterConfig) -> list:
+    """Estimates of `cfgs` by a Planner that knows `layers` (a worker's share of plan())."""
+    planner = Planner(layers)
+    return [estimate(planner, cfg, cluster) for cfg in cfgs]
+
+
+def _shares(cfgs: list, workers: int) -> list:
+    """Indices of cfgs in `workers` shares of about equal work: layouts that differ only in ZeRO, recompute
+    and sp share their rank builds, so they stay together; a group costs its blocks per rank."""
+    groups = {}
+    for i, c in enumerate(cfgs):
+        groups.setdefault((c.tp, c.pp, c.vpp, c.embedding_stage), []).append(i)
+    def cost(members: list) -> float:                # rank builds (one per ZeRO setting) of ~ L / pp blocks
+        c = cfgs[members[0]]
+        return len({cfgs[i].zero for i in members}) * (1 + c.model.num_layers / c.pp)
+    shares, load = [[] for _ in range(workers)], [0.0] * workers
+    for members in sorted(groups.values(), key=cost, reverse=True):     # longest first, to the least loaded
+        w = load.index(min(load))
+        shares[w] += members
+        load[w] += cost(members)
+    return shares
 
 
 def model_bytes(base: TrainConfig, planner: Planner | None = None) -> dict:

@@ -27,9 +27,9 @@ class RNGTracker:
         self.states = {"model-parallel": self._seeded(seed + 2718 + 100 * pp_rank + tp_rank)}
 
     def _seeded(self, seed: int) -> torch.Tensor:
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            return self._get()
+        """The state of a stream seeded with `seed`, from a generator of its own: no stream of this
+        process (CPU or any GPU's) is touched, so a planner's meta-device model leaves training's alone."""
+        return torch.Generator(self.device if self.device.type == "cuda" else "cpu").manual_seed(seed).get_state()
 
     def _get(self):
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()

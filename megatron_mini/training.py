@@ -21,20 +21,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, comm
+from . import checkpoint
 from .comm import CommError
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
-from .data_parallel import GradBuffer
 from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
 from .logger import RunLogger, Throughput, format_duration, step_line
+from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
-from .model import ParallelContext, build_chunks, select_triton_ops
-from .optimizer import Optimizer
-from .pipeline import PipelineEngine, local_stage_layers
+from .pipeline import PipelineEngine
+from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker, seed_default_stream
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -110,36 +107,6 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
             lock.release()
         raise
     return Run(dp, device, backend, datasets, data, resume, lock)
-
-
-def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: torch.device,
-               chunks: list | None = None) -> tuple:
-    """This rank's model chunks (in the model dtype, initialised unless on meta), a GradBuffer per
-    chunk and the Optimizer over them: (chunks, buffers, optimizer). The planner builds ranks with it
-    too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
-    dtype = DTYPES[cfg.precision.dtype]
-    if chunks is None:
-        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
-                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
-        chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
-    seen, buffers = set(), []
-    for chunk in chunks:
-        chunk.to(dtype)
-        params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
-        seen.update(id(p) for _, p in params)
-        buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1))
-    return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
-
-
-def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device) -> torch.Tensor:
-    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of
-    ranks asked to stop]: one world all-reduce."""
-    t = torch.zeros(2, device=device)
-    if mesh.is_last_stage and mesh.tp_rank == 0:
-        t[0] = loss_sum.float()
-    t[1] = float(stop)
-    comm.all_reduce(t, mesh.world_group)
-    return t
 
 
 class Trainer:
@@ -224,16 +191,6 @@ def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
     return log
 
 
-def _report_memory(trainer: Trainer, log: logging.Logger) -> None:
-    """Every rank's weight / main-grad / optimizer-state memory, as one table from rank 0."""
-    mine = trainer.optimizer.memory_bytes()
-    table = comm.all_gather(torch.tensor([list(mine.values())], dtype=torch.float64), trainer.mesh.world_group)
-    lines = [f"  rank {r:>4} (tp {r % trainer.mesh.tp}, dp {r // trainer.mesh.tp % trainer.mesh.dp}, "
-             f"pp {r // (trainer.mesh.tp * trainer.mesh.dp)}): " + " | ".join(
-                 f"{k} {v / 2**20:8.2f} MiB" for k, v in zip(mine, row.tolist())) for r, row in enumerate(table)]
-    log.info("memory per rank:\n" + "\n".join(lines))
-
-
 def _write_config(cfg: TrainConfig) -> None:
     """Rank 0 alone records the run's config (ranks must not race on one file)."""
     from omegaconf import OmegaConf
@@ -253,7 +210,7 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
 
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
-                rate: Throughput, stop: StopRequest | None) -> tuple[int, str | None]:
+                rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> tuple[int, str | None]:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
     when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns (skipped
     fp16 steps, the signal that stopped the run or None)."""
@@ -261,7 +218,8 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
     skipped_steps, interval_steps, first_step = 0, 0, trainer.step
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
-        out = trainer.train_step(stop=bool(stop and stop.requested))
+        with memory.first_step():                 # (measures the first step only)
+            out = trainer.train_step(stop=bool(stop and stop.requested))
         skipped_steps += out["skipped"]
         interval_steps += 1
         history["loss"].append(out["loss"])
@@ -358,14 +316,15 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend})")
-    _report_memory(trainer, log)
+    memory = MemoryReport(trainer, log, cfg.memory_plan)
+    memory.start()
 
     rate = Throughput(cfg, world_size, run.device)
     first_step, start_time = trainer.step, time.time()
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")
     try:
-        skipped_steps, stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop)
+        skipped_steps, stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
     except FloatingPointError as e:
         logger.finish()
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
@@ -374,7 +333,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                        f"checkpoint ({trainer.last_checkpoint or 'none'}); {advice}.") from None
     summary = _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
                          skipped_steps, stopped_by)
-    history.update(summary=summary, checkpoint=trainer.last_checkpoint)
+    history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
     if rank == 0:
         with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:
             json.dump(history, f)

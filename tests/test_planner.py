@@ -8,13 +8,19 @@ planner predicts from meta-device models equals what one training step of the re
 - bubble: equal to the schedule simulator's for any microbatch count.
 """
 
+import csv
+import dataclasses
+import itertools
+
 import pytest
 import torch
 
-from harness import make_trainer, small_config
-from megatron_mini.config import TrainConfig
+from harness import make_trainer, small_config, train_on_ranks
+from megatron_mini.config import ConfigError, TrainConfig, validate
 from megatron_mini.meter import SavedTensorMeter
+from megatron_mini.pipeline import partition_for
 from megatron_mini.plan_meta import Planner
+from megatron_mini.planner import estimate, layouts, model_bytes, plan
 from megatron_mini.schedules import simulate
 from ranks import spawn
 
@@ -81,3 +87,108 @@ def test_meter_counts_meta_like_real_tensors():
         del z
         y = None
         assert meter.live == 0, device
+
+
+# ----------------------------------------------------------------------------- the enumeration
+def _cluster_config(small_data, tmp_path, gpus: int, **cluster):
+    from megatron_mini.planner import ClusterConfig, PlanConfig
+
+    cfg = small_config(small_data, tmp_path, gbs=64, mbs=1)
+    return PlanConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)},
+                      cluster=ClusterConfig(gpus=gpus, **cluster))
+
+
+def test_every_valid_layout_is_enumerated_once(small_data, tmp_path):
+    """Against brute force: every (tp, pp, vpp, embedding_stage, zero, recompute, sp) that validate()
+    accepts, with tp inside a node, is in the plan's list once up to embedding stages that split alike."""
+    base = _cluster_config(small_data, tmp_path, 16, gpus_per_node=4)
+    valid, refused = layouts(base)
+    key = lambda c: (c.tp, c.pp, c.vpp, c.zero, c.recompute, c.sp, tuple(partition_for(c)))   # noqa: E731
+    listed = [key(c) for c in valid]
+    assert len(listed) == len(set(listed))
+    accepted = set()
+    for tp, pp, vpp, stage, zero, recompute, sp in itertools.product(
+            (1, 2, 4, 8, 16), (1, 2, 4, 8, 16), range(1, 9), ("none", "layer", "own"), (0, 1),
+            ("none", "selective", "full"), (False, True)):
+        cfg = dataclasses.replace(base, tp=tp, pp=pp, vpp=vpp, embedding_stage=stage, zero=zero,
+                                  recompute=recompute, sp=sp)
+        try:
+            dp = validate(cfg, 16)
+        except ConfigError:
+            continue
+        if tp <= 4 and (vpp == 1 or pp > 1) and (zero == 0 or dp > 1) and (not sp or tp > 1):
+            accepted.add(key(cfg))
+    assert set(listed) == accepted
+    assert refused["tp larger than a node"] == 2 and sum(refused.values()) > 2      # tp = 8, 16
+
+
+def test_workers_plan_what_one_process_plans(small_data, tmp_path):
+    base = _cluster_config(small_data, tmp_path, 32)
+    one, two = plan(base, workers=1), plan(base, workers=2)
+    assert len(one.estimates) >= 32                       # enough for plan() to use the two workers
+    assert [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in one.estimates] == \
+        [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in two.estimates]
+
+
+# ----------------------------------------------------------------------------- BLOOM, the worked example
+@pytest.fixture(scope="module")
+def bloom():
+    from plan import load_config, parse_layout
+
+    base = load_config(["model=bloom-176b", "gbs=2048", "mbs=1", "precision=bf16", "cluster=jean-zay-a100"])
+    return base, parse_layout("tp=4,pp=12,zero=1,embedding_stage=layer", base)
+
+
+def test_bloom_checkpoint_sizes(bloom):
+    """BLOOM's training notes: 329 GB of bf16 weights; 2.3 TB with the fp32 weights and optimizer state
+    (binary units). The planner's byte counts of the same model, from the optimizer's own allocation."""
+    base, _ = bloom
+    sizes = model_bytes(base)
+    assert sizes["weights"] == pytest.approx(329 * 2**30, rel=0.03)
+    assert sizes["weights"] + sizes["optimizer"] == pytest.approx(2.3 * 2**40, rel=0.03)
+    assert sizes["weights"] == 2 * base.model.num_params()            # bf16, nothing padded at tp=1
+
+
+def test_bloom_layout_fits_its_cluster(bloom):
+    """tp=4 pp=12 dp=8, ZeRO-1, bf16 on 384 A100-80GB: fits, its largest rank the first or the second stage."""
+    base, chosen = bloom
+    e = estimate(Planner(), chosen, base.cluster)
+    assert e.dp == 8 and e.fits and 30 < e.memory_gib < 80
+    assert e.worst.pp_rank in (0, 1)
+    assert e.worst.memory["optimizer"] == pytest.approx(12 * e.worst.memory["weights"] / 2 / 8, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- the command line
+def test_plan_command_line(small_data, tmp_path, capsys):
+    from plan import main
+
+    args = ["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=16", "cluster.gpus_per_node=8"]
+    out_csv, out_png = tmp_path / "plan.csv", tmp_path / "plan.png"
+    assert main(args + ["--layout", "tp=2,pp=2,zero=1", "--csv", str(out_csv), "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    assert "torchrun --nnodes=2 --nproc_per_node=8" in printed and "--layout tp=2,pp=2,zero=1:" in printed
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
+    assert out_png.stat().st_size > 10_000
+    assert main(args + ["--layout", "tp=3"]) == 2
+    assert "tp x pp = 3 x 1" in capsys.readouterr().err
+    assert main(args + ["cluster.gpu=a100"]) == 2                  # not a GPU of hardware.GPUS
+    assert main(args + ["cluster.gpus_per_nod=8"]) == 2
+    assert "did you mean cluster.gpus_per_node" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- train.py's start-up report
+def test_training_prints_the_plan_next_to_the_run(small_data, tmp_path):
+    """Planned weights, grads and optimizer state equal what every rank holds; planned activations are
+    within 10% of the first step's; and planning changes nothing in the run."""
+    layout = dict(tp=2, pp=2, sp=True, steps=2)
+    planned = train_on_ranks(4, small_config(small_data, tmp_path / "plan", memory_plan=True, **layout))
+    plain = train_on_ranks(4, small_config(small_data, tmp_path / "plain", **layout))
+    assert planned["loss"] == plain["loss"] and planned["grad_norm"] == plain["grad_norm"]
+    assert [r["rank"] for r in planned["memory"]] == [0, 1, 2, 3]
+    for r in planned["memory"]:
+        assert {k: r["planned"][k] for k in ("weights", "grads", "optimizer")} == \
+            {k: r["measured"][k] for k in ("weights", "grads", "optimizer")}, r
+        assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
+    assert "planned" not in plain["memory"][0] and "activations" not in plain["memory"][0]["measured"]

@@ -13,15 +13,21 @@ cluster.memory_gib. --layout explains one layout (and where it ranks); --csv wri
 """
 from __future__ import annotations
 
+import time
+
+START = time.time()                               # the imports included in the time it prints
+
 import argparse
 import csv
 import dataclasses
+import functools
 import os
 import sys
-import time
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_mini.config import ConfigError, check_keys, validate
 from megatron_mini.hardware import GPUS
@@ -32,11 +38,23 @@ TERMS = ("compute", "tp", "pp", "bubble", "dp", "emb")
 
 
 def load_config(overrides: list) -> PlanConfig:
+    """conf/plan.yaml with the command line; a key or value Hydra refuses becomes one ConfigError."""
     register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        composed = compose(config_name="plan", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=CONF, version_base=None):
+            composed = compose(config_name="plan", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ or e
+        key = getattr(cause, "full_key", None)
+        if key and "not in" in str(cause):             # an unknown key: check_keys names the close ones
+            check_keys(functools.reduce(lambda inner, part: {part: inner}, reversed(key.split(".")), None), PlanConfig)
+        text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+        text = text.split(" full_key:")[0].split(" Config search path:")[0]
+        raise ConfigError((f"{key}: " if key else "") + text) from None
     check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
-    return OmegaConf.to_object(composed)
+    cfg = OmegaConf.to_object(composed)
+    cfg.cluster.check()
+    return cfg
 
 
 def parse_layout(text: str, base: PlanConfig) -> PlanConfig:
@@ -133,10 +151,13 @@ def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
         es = [e for e in p.estimates if e.fits == fits]
         ax.scatter([e.memory_gib for e in es], [e.step_s for e in es], s=12, c=color, alpha=0.6, label=label)
     best = p.fitting[0] if p.fitting else None
-    for e, mark, text in ((best, "*", f"best: {best.layout_args()}" if best else ""),
-                          (chosen, "D", f"--layout: {chosen.layout_args()}" if chosen else "")):
+    for e, style, text in ((best, dict(marker="*", s=260, c="gold", edgecolors="k"), "best"),
+                           (chosen, dict(marker="D", s=90, facecolors="none", edgecolors="tab:red", linewidths=2),
+                            "--layout")):
         if e is not None:
-            ax.scatter([e.memory_gib], [e.step_s], marker=mark, s=160, c="tab:red", label=text, zorder=3)
+            ax.scatter([e.memory_gib], [e.step_s], zorder=3, label=f"{text}: {e.layout_args()}", **style)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.axvline(p.capacity_gib, color="k", ls="--", lw=1, label="GPU memory")
     ax.set_xlabel("memory of the largest rank (GiB)")
     ax.set_ylabel("predicted step time (s)")
@@ -154,7 +175,6 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", help="write every layout to this CSV file")
     ap.add_argument("--plot", help="draw step time against memory per rank into this PNG")
     args = ap.parse_args(argv)
-    start = time.time()
     try:
         base = load_config(args.overrides)
         chosen = parse_layout(args.layout, base) if args.layout else None
@@ -180,7 +200,7 @@ def main(argv=None) -> int:
         print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
     found = None
     if chosen:
-        found = estimate(p.planner, chosen, c)
+        found = next((e for e in p.estimates if e.cfg == chosen), None) or estimate(p.planner, chosen, c)
         rank = 1 + sum(e.step_s < found.step_s for e in p.fitting) if found.fits else None
         print("\n--layout " + args.layout + ":\n" + explain(found, rank))
     if args.csv:
@@ -189,7 +209,7 @@ def main(argv=None) -> int:
     if args.plot:
         draw(args.plot, p, found)
         print(f"wrote {args.plot}")
-    print(f"({time.time() - start:.1f} s)")
+    print(f"({time.time() - START:.1f} s)")
     return 0
 
 

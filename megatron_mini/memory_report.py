@@ -1,0 +1,86 @@
+"""Memory per rank, as the layout planner predicts it (plan_meta.py, on the meta device) next to what
+this run holds, so that a run that departs from its plan shows it at once:
+
+- at start-up: weights, fp32 main grads and optimizer state (Optimizer.memory_bytes of every rank);
+- after the first step: the activations autograd saved at the step's peak (meter.SavedTensorMeter
+  around it; not with compile=true, whose graphs keep their own), and on a GPU the allocator's peak.
+
+Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from . import comm
+from .meter import SavedTensorMeter
+
+MiB = 2 ** 20
+STATE = ("weights", "grads", "optimizer")
+
+
+class MemoryReport:
+    def __init__(self, trainer, log: logging.Logger, plan: bool):
+        self.trainer, self.log, self.mesh = trainer, log, trainer.mesh
+        self.planned = None
+        if plan and self.mesh.rank == 0:
+            from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
+            self.planned = planned_memory(trainer.cfg, self.mesh.dp)
+        self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
+            if plan and not trainer.cfg.compile else None
+        self.ranks = []           # per rank: {"rank", "pp", "planned": {...}, "measured": {...}}
+
+    def _gather(self, values: list) -> list:
+        """Every rank's `values` (floats), in rank order."""
+        mine = torch.tensor([values], dtype=torch.float64, device=self.trainer.device)
+        return comm.all_gather(mine, self.mesh.world_group).tolist()
+
+    def _label(self, r: int) -> str:
+        tp, dp = self.mesh.tp, self.mesh.dp
+        return f"rank {r:>4} (tp {r % tp}, dp {r // tp % dp}, pp {r // (tp * dp)})"
+
+    def _planned(self, r: int, key: str) -> str:
+        pp_rank = r // (self.mesh.tp * self.mesh.dp)
+        return f"{self.planned[pp_rank][key] / MiB:.2f}" if self.planned else "-"
+
+    def start(self) -> None:
+        """Weights, main grads and optimizer state of every rank: planned | held."""
+        rows = self._gather([self.trainer.optimizer.memory_bytes()[k] for k in STATE])
+        self.ranks = [{"rank": r, "measured": dict(zip(STATE, row))} for r, row in enumerate(rows)]
+        head = "memory per rank, MiB" + (" (planned | held)" if self.planned else "")
+        self.log.info(head + ":\n" + "\n".join(
+            f"  {self._label(r)}: " + ", ".join(f"{k} {self._planned(r, k) + ' | ' if self.planned else ''}"
+                                                 f"{v / MiB:.2f}" for k, v in zip(STATE, row))
+            for r, row in enumerate(rows)))
+
+    @contextlib.contextmanager
+    def first_step(self):
+        """Around the first training step: the activations saved at its peak, planned | measured."""
+        if self.meter is None:
+            yield
+            return
+        with self.meter.hooks():
+            yield
+        cuda = self.trainer.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.trainer.device) if cuda else 0
+        rows = self._gather([self.meter.peak, peak])
+        self.meter = None
+        lines = []
+        for r, (saved, allocated) in enumerate(rows):
+            self.ranks[r]["measured"]["activations"] = saved
+            gpu = ""
+            if cuda:
+                self.ranks[r]["measured"]["allocated_peak"] = allocated
+                total = (f"{sum(self.planned[r // (self.mesh.tp * self.mesh.dp)].values()) / MiB:.0f} | "
+                         if self.planned else "")
+                gpu = f"; all memory {total}{allocated / MiB:.0f} (the allocator's peak)"
+            lines.append(f"  {self._label(r)}: activations {self._planned(r, 'activations')} | {saved / MiB:.2f}{gpu}")
+        self.log.info("memory at the first step's peak, MiB (planned | measured):\n" + "\n".join(lines))
+
+    def history(self) -> list:
+        """Per rank: what was measured and (from rank 0's planner) planned, for history.json."""
+        for row in self.ranks:
+            if self.planned:
+                row["planned"] = self.planned[row["rank"] // (self.mesh.tp * self.mesh.dp)]
+        return self.ranks

@@ -1,0 +1,47 @@
+"""What one rank holds for training: its model chunks, a GradBuffer per chunk and the Optimizer over
+them (build_rank), and the step's loss all-reduce (reduce_loss). Training builds its ranks with these;
+the layout planner (plan_meta.py) builds the ranks of a layout on the meta device with them too."""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .config import TrainConfig
+from .data_parallel import GradBuffer
+from .mesh import ParallelMesh
+from .model import ParallelContext, build_chunks, select_triton_ops
+from .optimizer import Optimizer
+from .pipeline import local_stage_layers
+from .rng import RNGTracker
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: torch.device,
+               chunks: list | None = None) -> tuple:
+    """This rank's model chunks (in the model dtype, initialised unless on meta), a GradBuffer per
+    chunk and the Optimizer over them: (chunks, buffers, optimizer). The planner builds ranks with it
+    too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
+    dtype = DTYPES[cfg.precision.dtype]
+    if chunks is None:
+        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
+                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
+        chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
+    seen, buffers = set(), []
+    for chunk in chunks:
+        chunk.to(dtype)
+        params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1))
+    return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
+
+
+def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device) -> torch.Tensor:
+    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of
+    ranks asked to stop]: one world all-reduce."""
+    t = torch.zeros(2, device=device)
+    if mesh.is_last_stage and mesh.tp_rank == 0:
+        t[0] = loss_sum.float()
+    t[1] = float(stop)
+    comm.all_reduce(t, mesh.world_group)
+    return t
