@@ -120,11 +120,12 @@ def torchrun_train(nproc: int, args: list, environment: dict | None = None) -> R
 
 
 def model_args(data, run_dir) -> list:
-    """The test model (8 blocks, hidden 64, 4 heads, sequence 32) on the test data, 2 steps."""
+    """The test model (8 blocks, hidden 64, 4 heads, sequence 32) on the test data, 2 steps, no memory plan."""
     return [f"data.source={data.source}", f"data.dir={data.dir}", f"data.vocab_size={data.vocab_size}",
             f"data.val_fraction={data.val_fraction}", "data.num_workers=1",
             "model.num_layers=8", "model.hidden_size=64", "model.num_heads=4", "model.seq_len=32",
-            "steps=2", "eval_iters=1", f"run_dir={run_dir}", "device=cpu"]   # a config that wrongly passes ends soon
+            "steps=2", "eval_iters=1", f"run_dir={run_dir}", "device=cpu",   # a config that wrongly passes ends soon
+            "memory_plan=false"]   # the planner's report (seconds on rank 0): test_two_rank_run_succeeds, test_planner
 
 
 _FRAME = re.compile(r'File "([^"]+)", line \d+')

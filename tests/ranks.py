@@ -2,9 +2,11 @@
 
     results = spawn(4, fn, arg1, arg2)   # fn(arg1, arg2) runs on every rank; returns [result_rank0, ...]
 
-Each rank is a fresh process (spawn), has OMP_NUM_THREADS=1, a gloo process group on a free
+Each rank is a fresh process forked from a fork server that imported torch and the library once
+(forkserver: nothing CUDA-initialised is ever forked, so ranks may use a GPU; importing torch in every
+rank would cost seconds of CPU each), has OMP_NUM_THREADS=1, a gloo process group on a free
 localhost port (RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the test process's sys.path
-(spawn passes it on). A failing rank's traceback is raised in the test; a hang ends at `timeout`.
+(the fork server takes it on). A failing rank's traceback is raised in the test; a hang ends at `timeout`.
 """
 from __future__ import annotations
 
@@ -42,10 +44,20 @@ def _rank_main(rank, world_size, port, fn, args, queue, init_group):
             dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "megatron_mini.training", "megatron_mini.plan_meta", "pytest", "harness"]
+
+
+def _context():
+    """The fork-server context, its server preloading PRELOAD (started once, on first use)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def spawn(world_size: int, fn, *args, timeout: float = 600, init_group: bool = True):
     """Run fn(*args) on `world_size` ranks; return the list of per-rank results (rank order)."""
     assert 1 <= world_size <= 8, "tests keep world sizes at 8 or fewer"
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, init_group))

@@ -118,8 +118,11 @@ def test_message_survives_slow_rank0(small_data, tmp_path, hooks):
 
 def test_two_rank_run_succeeds(small_data, tmp_path):
     run_dir = tmp_path / "run"
-    r = torchrun_train(2, [*model_args(small_data, run_dir), "resume=never"])
+    args = [a for a in model_args(small_data, run_dir) if a != "memory_plan=false"]   # the default, as users run
+    r = torchrun_train(2, [*args, "resume=never"])
     assert r.rc == 0, r
+    assert re.search(r"memory per rank, MiB \(planned \| held\):\n  rank    0 .*\n  rank    1 \(tp 0, dp 1, pp 0\): weights ", r.out), r
+    assert "memory at the first step's peak, MiB (planned | measured)" in r.out, r
     assert "Traceback" not in r.all, r
     assert len(re.findall(r"^done: 2 steps", r.out, re.M)) == 1, r   # the summary comes from rank 0 only
     assert "dp=0/2" in r.out and "dp=1/2" not in r.all, r
