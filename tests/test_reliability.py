@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -290,7 +291,8 @@ def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
     while any(_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(_alive(w) for w in workers)
-    assert "stopped by SIGTERM (to 2 of 2 ranks)" in (run_dir / "logs" / "rank0000.log").read_text()
+    # both get the signal at once, but a step's stop vote may count one of them before the other's arrives
+    assert re.search(r"stopped by SIGTERM \(to [12] of 2 ranks\)", (run_dir / "logs" / "rank0000.log").read_text())
 
 
 def test_a_stalled_rank_ends_the_job(small_data, tmp_path):

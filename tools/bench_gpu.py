@@ -53,7 +53,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
 
-from bench.report import (DOC, command_line, device_line, fmt, markdown_table, ratio, read_doc_section,  # noqa: E402
+from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table, ratio, read_doc_section,  # noqa: E402
                           short_error, write_doc_section)
 from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
 
@@ -438,10 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="with --profile: also write a chrome trace here")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per row, no compile "
                     "(automatic without CUDA); exercises the code only")
-    ap.add_argument("--out", default=None, help="directory for bench_gpu.md and bench_gpu.json")
-    ap.add_argument("--doc", nargs="?", const="", default=None,
-                    help="update the bench_gpu section of this markdown file (default docs/benchmarks.md); "
-                         "a smoke run writes only to an explicitly named file")
+    add_output_args(ap, "bench_gpu")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     keys = [k.strip() for k in args.models.split(",") if k.strip()]

@@ -59,7 +59,8 @@ import sys
 import time
 import traceback
 
-from bench.report import DOC, command_line, device_line, fmt, markdown_table, short_error, write_doc_section
+from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table, short_error,
+                          write_doc_section)
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -419,10 +420,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
-    ap.add_argument("--out", default=None, help="directory for bench_kernels.md and bench_kernels.json")
-    ap.add_argument("--doc", nargs="?", const="", default=None,
-                    help="update the bench_kernels section of this markdown file (default docs/benchmarks.md); "
-                         "a smoke run writes only to an explicitly named file")
+    add_output_args(ap, "bench_kernels")
     args = ap.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]

@@ -37,25 +37,39 @@ def _keep(seed, rows, cols, seq_len, p_drop):
 
 
 @triton.jit
+def _tile_ok(idx, offs_d, seq_len, MASK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK, BLOCK_D] load mask of the q/k/v tile at sequence positions `idx` (rows past the end, padded
+    head-dim columns)."""
+    if MASK:
+        ok = (idx < seq_len)[:, None]
+    else:
+        ok = tl.full([idx.shape[0], 1], 1, tl.int1)
+    if not EVEN_D:
+        ok = ok & (offs_d < HEAD_DIM)[None, :]
+    return ok
+
+
+@triton.jit
+def _score_ok(rows, cols, seq_len, CAUSAL: tl.constexpr):
+    """[len(rows), len(cols)]: which (query, key) scores exist (key inside the sequence, causal: key <= query)."""
+    ok = (cols < seq_len)[None, :]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None])
+    return ok
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seq_len, qk_scale,
                seed, p_drop, stride_ks, stride_vs,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block of the online softmax: returns the updated (acc, m_i, l_i)."""
     cols = start_n + offs_n
-    if MASK:
-        kv_ok = (cols < seq_len)[:, None]
-    else:
-        kv_ok = tl.full([offs_n.shape[0], 1], 1, tl.int1)
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
+    kv_ok = _tile_ok(cols, offs_d, seq_len, MASK, EVEN_D, HEAD_DIM)
     k = _load(k_ptrs + start_n * stride_ks, kv_ok, UPCAST)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale          # [BLOCK_M, BLOCK_N], log2 units
     if MASK:
-        ok = (cols < seq_len)[None, :]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= offs_m[:, None])
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(_score_ok(offs_m, cols, seq_len, CAUSAL), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # exp2 is the GPU's approximate ex2 (~2 ulp), as in FlashAttention: harmless next to the 16-bit P
     p = tl.math.exp2(s - m_new[:, None])
@@ -140,12 +154,7 @@ def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs
                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One query block's contribution to dk, dv of this program's key block (transposed: [BLOCK_N, BLOCK_M])."""
     rows = start_m + offs_m
-    if MASK:
-        q_ok = (rows < seq_len)[:, None]
-    else:
-        q_ok = tl.full([offs_m.shape[0], 1], 1, tl.int1)
-    if not EVEN_D:
-        q_ok = q_ok & (offs_d < HEAD_DIM)[None, :]
+    q_ok = _tile_ok(rows, offs_d, seq_len, MASK, EVEN_D, HEAD_DIM)
     q = _load(q_ptrs + start_m * stride_qs, q_ok, UPCAST)
     do = _load(do_ptrs + start_m * stride_dos, q_ok, UPCAST)
     if MASK:
@@ -237,21 +246,13 @@ def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, of
               HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block's contribution to dq of this program's query block."""
     cols = start_n + offs_n
-    if MASK:
-        kv_ok = (cols < seq_len)[:, None]
-    else:
-        kv_ok = tl.full([offs_n.shape[0], 1], 1, tl.int1)
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
+    kv_ok = _tile_ok(cols, offs_d, seq_len, MASK, EVEN_D, HEAD_DIM)
     k = _load(k_ptrs + start_n * stride_ks, kv_ok, UPCAST)
     v = _load(v_ptrs + start_n * stride_vs, kv_ok, UPCAST)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.math.exp2(s - lse[:, None])                 # approximate ex2: as in _fwd_block
     if MASK:
-        ok = (cols < seq_len)[None, :]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= offs_m[:, None])
-        p = tl.where(ok, p, 0.0)
+        p = tl.where(_score_ok(offs_m, cols, seq_len, CAUSAL), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         dp = tl.where(_keep(seed, offs_m[:, None], cols[None, :], seq_len, p_drop), dp * (1.0 / (1.0 - p_drop)), 0.0)

@@ -22,6 +22,14 @@ def _markers(tag: str) -> tuple:
     return f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
 
 
+def add_output_args(ap, tag: str) -> None:
+    """The --out / --doc options every GPU bench takes (`tag`: its section in the markdown file)."""
+    ap.add_argument("--out", default=None, help=f"directory for {tag}.md and {tag}.json")
+    ap.add_argument("--doc", nargs="?", const="", default=None,
+                    help=f"update the {tag} section of this markdown file (default docs/benchmarks.md); "
+                         "a smoke run writes only to an explicitly named file")
+
+
 def write_doc_section(path: str, tag: str, body: str) -> None:
     """Replace the text between `<!-- {tag} begin -->` and `<!-- {tag} end -->` in `path` with `body`
     (the markers are appended at the end of the file when absent)."""
