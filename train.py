@@ -17,9 +17,9 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_mini.comm import CommError
-from megatron_mini.config import ConfigError, RunError, TrainConfig, check_keys, register_configs
-from megatron_mini.launch import Terminated, fail
+from megatron_mini.config import TrainConfig, check_keys, register_configs, validate
+from megatron_mini.errors import CommError, ConfigError, RunError
+from megatron_mini.launch import Terminated, fail, launch_env
 
 register_configs()
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
@@ -54,6 +54,7 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+        validate(cfg, launch_env()[1])     # a bad config is refused in well under a second: torch is not loaded yet
         from megatron_mini.training import train
         train(cfg)
     except ConfigError as e:               # every rank finds the same problem before any collective

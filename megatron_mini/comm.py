@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .errors import CommError
+
 
 @dataclass
 class Ledger:
@@ -61,10 +63,6 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class CommError(RuntimeError):
-    """A collective or transfer that failed: a peer died, or stalled past the groups' timeout."""
 
 
 @contextlib.contextmanager

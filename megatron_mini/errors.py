@@ -1,4 +1,5 @@
-"""The two failures a run explains in one line (train.py and launch.fail turn them into `error: ...`)."""
+"""The failures a run explains in one line (train.py and launch.fail turn them into `error: ...`); no torch
+here, so that train.py refuses a bad config before it imports torch."""
 
 
 class ConfigError(Exception):
@@ -12,3 +13,8 @@ class RunError(Exception):
     def __init__(self, message: str, reporter: int = 0):
         super().__init__(message)
         self.reporter = reporter
+
+
+class CommError(RuntimeError):
+    """A collective or transfer that failed: a peer died, or stalled past the groups' timeout (comm.py
+    names the rank, the op and the group)."""

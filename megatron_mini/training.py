@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .comm import CommError
+from .errors import CommError
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
