@@ -59,6 +59,19 @@ def _score_ok(rows, cols, seq_len, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_range(pid_m, seq_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(n_full, hi) for query block pid_m: key blocks [0, n_full) need no mask (below the diagonal and
+    inside the sequence), [n_full, hi) do."""
+    if CAUSAL:
+        n_full = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
+    else:
+        n_full = seq_len // BLOCK_N * BLOCK_N
+        hi = seq_len
+    return n_full, hi
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seq_len, qk_scale,
                seed, p_drop, stride_ks, stride_vs,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
@@ -99,9 +112,7 @@ def _fwd(Q, K, V, O, LSE, Seed, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    q_ok = (offs_m < seq_len)[:, None]
-    if not EVEN_D:
-        q_ok = q_ok & (offs_d < HEAD_DIM)[None, :]
+    q_ok = _tile_ok(offs_m, offs_d, seq_len, True, EVEN_D, HEAD_DIM)
     q = _load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], q_ok, UPCAST)
     k_ptrs = K + b * sk_b + h * sk_h + offs_n[:, None] * sk_s + offs_d[None, :]
     v_ptrs = V + b * sv_b + h * sv_h + offs_n[:, None] * sv_s + offs_d[None, :]
@@ -109,13 +120,7 @@ def _fwd(Q, K, V, O, LSE, Seed, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # key blocks that need no mask: below the diagonal (causal) and inside the sequence
-    if CAUSAL:
-        n_full = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
-    else:
-        n_full = seq_len // BLOCK_N * BLOCK_N
-        hi = seq_len
+    n_full, hi = _key_range(pid_m, seq_len, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seq_len,
                                    qk_scale, seed, p_drop, sk_s, sv_s, False, CAUSAL, DROPOUT, EVEN_D,
@@ -278,9 +283,7 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta, Seed,
     offs_d = tl.arange(0, BLOCK_D)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     row_ok = offs_m < seq_len
-    q_ok = row_ok[:, None]
-    if not EVEN_D:
-        q_ok = q_ok & (offs_d < HEAD_DIM)[None, :]
+    q_ok = _tile_ok(offs_m, offs_d, seq_len, True, EVEN_D, HEAD_DIM)
     q = _load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], q_ok, UPCAST)
     do = _load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_s + offs_d[None, :], q_ok, UPCAST)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
@@ -289,12 +292,7 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta, Seed,
     v_ptrs = V + b * sv_b + h * sv_h + offs_n[:, None] * sv_s + offs_d[None, :]
     seed = _head_seed(Seed, bh) if DROPOUT else 0
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        n_full = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
-    else:
-        n_full = seq_len // BLOCK_N * BLOCK_N
-        hi = seq_len
+    n_full, hi = _key_range(pid_m, seq_len, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seq_len, qk_scale,
                        seed, p_drop, sk_s, sv_s, False, CAUSAL, DROPOUT, EVEN_D, HEAD_DIM, PRECISION, UPCAST)
