@@ -29,20 +29,21 @@ class MemoryReport:
             self.planned = planned_memory(trainer.cfg, self.mesh.dp)
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
             if plan and not trainer.cfg.compile else None
-        self.ranks = []           # per rank: {"rank", "pp", "planned": {...}, "measured": {...}}
+        self.ranks = []           # per rank: {"rank", "measured": {...}, "planned": {...}}
 
     def _gather(self, values: list) -> list:
         """Every rank's `values` (floats), in rank order."""
         mine = torch.tensor([values], dtype=torch.float64, device=self.trainer.device)
         return comm.all_gather(mine, self.mesh.world_group).tolist()
 
+    def _pp_rank(self, r: int) -> int:
+        return self.mesh.coords(r)[2]
+
     def _label(self, r: int) -> str:
-        tp, dp = self.mesh.tp, self.mesh.dp
-        return f"rank {r:>4} (tp {r % tp}, dp {r // tp % dp}, pp {r // (tp * dp)})"
+        return "rank {:>4} (tp {}, dp {}, pp {})".format(r, *self.mesh.coords(r))
 
     def _planned(self, r: int, key: str) -> str:
-        pp_rank = r // (self.mesh.tp * self.mesh.dp)
-        return f"{self.planned[pp_rank][key] / MiB:.2f}" if self.planned else "-"
+        return f"{self.planned[self._pp_rank(r)][key] / MiB:.2f}" if self.planned else "-"
 
     def start(self) -> None:
         """Weights, main grads and optimizer state of every rank: planned | held."""
@@ -72,7 +73,7 @@ class MemoryReport:
             gpu = ""
             if cuda:
                 self.ranks[r]["measured"]["allocated_peak"] = allocated
-                total = (f"{sum(self.planned[r // (self.mesh.tp * self.mesh.dp)].values()) / MiB:.0f} | "
+                total = (f"{sum(self.planned[self._pp_rank(r)].values()) / MiB:.0f} | "
                          if self.planned else "")
                 gpu = f"; all memory {total}{allocated / MiB:.0f} (the allocator's peak)"
             lines.append(f"  {self._label(r)}: activations {self._planned(r, 'activations')} | {saved / MiB:.2f}{gpu}")
@@ -82,5 +83,5 @@ class MemoryReport:
         """Per rank: what was measured and (from rank 0's planner) planned, for history.json."""
         for row in self.ranks:
             if self.planned:
-                row["planned"] = self.planned[row["rank"] // (self.mesh.tp * self.mesh.dp)]
+                row["planned"] = self.planned[self._pp_rank(row["rank"])]
         return self.ranks

@@ -38,9 +38,7 @@ class ParallelMesh:
         else:
             self.rank = dist.get_rank() if dist.is_initialized() else 0
             assert (dist.get_world_size() if dist.is_initialized() else 1) == self.world_size
-        self.tp_rank = self.rank % tp
-        self.dp_rank = (self.rank // tp) % dp
-        self.pp_rank = self.rank // (tp * dp)
+        self.tp_rank, self.dp_rank, self.pp_rank = self.coords(self.rank)
         self.ledger = ledger or Ledger()
         # Every rank creates every group in the same order (new_group is collective).
         rank_of = self.rank_of
@@ -54,6 +52,10 @@ class ParallelMesh:
 
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank: rank_of's inverse."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
 
     def _build(self, name: str, all_ranks: list) -> Group:
         mine = None

@@ -62,16 +62,12 @@ class Facts:
     def __mul__(self, n: int) -> "Facts":
         return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()})
 
-    def __sub__(self, other: "Facts") -> "Facts":
-        return Facts(self.activation_bytes - other.activation_bytes, self.flops - other.flops,
-                     _merged(self.ledger, other.ledger, -1))
 
-
-def _merged(a: dict, b: dict, sign: int = 1) -> dict:
-    """The sum (or difference) of two ledgers {(group, op): (calls, bytes)}, without empty entries."""
-    out = {k: (a.get(k, (0, 0))[0] + sign * b.get(k, (0, 0))[0], a.get(k, (0, 0))[1] + sign * b.get(k, (0, 0))[1])
-           for k in a.keys() | b.keys()}
-    return {k: v for k, v in out.items() if v != (0, 0)}
+def _merged(a: dict, b: dict) -> dict:
+    """The sum of two ledgers {(group, op): (calls, bytes)}, without empty entries (a layer counted 0 times)."""
+    zero = (0, 0)
+    out = {k: (a.get(k, zero)[0] + b.get(k, zero)[0], a.get(k, zero)[1] + b.get(k, zero)[1]) for k in a.keys() | b.keys()}
+    return {k: v for k, v in out.items() if v != zero}
 
 
 @dataclass
@@ -82,7 +78,7 @@ class RankFacts:
     in_flight: int                    # (chunk, microbatch) pairs alive at the activation peak
     flops: float                      # per step
     ledger: dict                      # per step {(group, op): (calls, bytes)}
-    microbatch_flops: float           # one microbatch through the rank's chunks
+    microbatch_flops: float           # one microbatch through the rank's chunks (the DP overlap window)
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,6 +47,11 @@ class ClusterConfig:
     efficiency: float = 0.5
     memory_gib: float = 0.0          # 0: the GPU's
 
+    @property
+    def capacity_gib(self) -> float:
+        """Memory per GPU: memory_gib, or the GPU's."""
+        return self.memory_gib or GPUS[self.gpu].memory_gib
+
     def check(self) -> None:
         """One ConfigError for a value that cannot describe a cluster."""
         if self.gpu not in GPUS:
@@ -197,17 +202,16 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     for rank in ranks:
         comm = _comm_s(cfg, cluster, dp, rank.ledger)
         compute = rank.flops / peak
-        pipe = compute + comm["tp"] + max(comm["pp"] / 2, 0.0)       # sends and receives overlap (duplex)
+        pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
-        t = {"compute": compute, "tp": comm["tp"], "pp": comm["pp"] / 2, "bubble": pipe * bubble,
+        t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,
              "dp": max(comm["dp"] - last_backward, 0.0), "emb": comm["emb"] + comm["mp"] + comm["world"]}
         if times is None or sum(t.values()) > sum(times.values()):
             times = t
-    capacity = cluster.memory_gib or gpu.memory_gib
     memory = max(sum(r.memory.values()) for r in ranks) / GiB
     step = sum(times.values())
     mfu = cfg.model.flops_per_token() * cfg.gbs * cfg.model.seq_len / step / cluster.gpus / (peak / cluster.efficiency)
-    return Estimate(cfg, dp, ranks, bubble, times, step, memory, memory <= capacity, mfu)
+    return Estimate(cfg, dp, ranks, bubble, times, step, memory, memory <= cluster.capacity_gib, mfu)
 
 
 # ----------------------------------------------------------------------------- the whole plan
@@ -221,10 +225,6 @@ class Plan:
     @property
     def fitting(self) -> list:
         return [e for e in self.estimates if e.fits]
-
-    @property
-    def capacity_gib(self) -> float:
-        return self.base.cluster.memory_gib or GPUS[self.base.cluster.gpu].memory_gib
 
 
 def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None = None) -> Plan:

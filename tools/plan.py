@@ -115,7 +115,7 @@ def why_others_lost(p: Plan) -> str:
                  "pp": "pipeline sends", "bubble": "the pipeline bubble", "dp": "DP/ZeRO communication",
                  "emb": "the embedding-group sum"}[term]
         lost.setdefault(label, []).append(e)
-    lines = [f"  {len(p.estimates) - len(p.fitting)} do not fit in {p.capacity_gib:.0f} GiB"]
+    lines = [f"  {len(p.estimates) - len(p.fitting)} do not fit in {p.base.cluster.capacity_gib:.0f} GiB"]
     for label, es in sorted(lost.items(), key=lambda kv: -len(kv[1])):
         lines.append(f"  {len(es)} lose most to {label}, e.g. {es[0].layout_args()} (+{es[0].step_s - best.step_s:.2f} s)")
     return "\n".join(lines)
@@ -158,7 +158,7 @@ def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
             ax.scatter([e.memory_gib], [e.step_s], zorder=3, label=f"{text}: {e.layout_args()}", **style)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.axvline(p.capacity_gib, color="k", ls="--", lw=1, label="GPU memory")
+    ax.axvline(p.base.cluster.capacity_gib, color="k", ls="--", lw=1, label="GPU memory")
     ax.set_xlabel("memory of the largest rank (GiB)")
     ax.set_ylabel("predicted step time (s)")
     ax.set_title(f"{p.base.model.name} on {p.base.cluster.gpus} x {p.base.cluster.gpu}: every valid layout")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
           f"{c.intra_node_gbps:g} / {c.inter_node_gbps:g} GB/s inside / between nodes, efficiency {c.efficiency:g})")
     print(f"checkpoint: {sizes['weights'] / GiB:,.1f} GiB of {base.precision.dtype} weights; with the fp32 master "
           f"weights and Adam state {(sizes['weights'] + sizes['optimizer']) / 2**40:.2f} TiB")
-    print(f"{len(p.estimates)} valid layouts, {len(p.fitting)} fit in {p.capacity_gib:.0f} GiB; "
+    print(f"{len(p.estimates)} valid layouts, {len(p.fitting)} fit in {p.base.cluster.capacity_gib:.0f} GiB; "
           f"{sum(p.refused.values())} refused: " + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
     if p.fitting:
         head = ["#", "layout", "dp", "memory GiB", "step s", "tokens/s", "MFU", *(f"{t} s" for t in TERMS)]
