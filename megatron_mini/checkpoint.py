@@ -32,6 +32,7 @@ import torch
 
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
+from .files import atomic_write
 STEP_DIR = re.compile(r"step_(\d+)$")
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
@@ -61,21 +62,21 @@ def set_aside(skipped) -> list:
 
 
 # ----------------------------------------------------------------------------- files
+def _read_latest(root: str) -> str | None:
+    """The checkpoint name in `root`/latest, or None when there is no such file."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class _Writer:
@@ -150,8 +151,7 @@ def newest(run_dir: str) -> Resume | None:
     """The newest checkpoint of `run_dir` that verifies (whatever `latest` says), with notes on what was
     skipped; None when the run has no checkpoint; CheckpointError when it has some but none is good."""
     candidates, notes, skipped = checkpoints_of(run_dir), [], []
-    pointer = os.path.join(run_dir, "checkpoints", "latest")
-    named = open(pointer).read().strip() if os.path.isfile(pointer) else None
+    named = _read_latest(os.path.join(run_dir, "checkpoints"))
     for path in candidates:
         try:
             meta = verify(path)
@@ -234,7 +234,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
     """Write the checkpoint `path` (step_N) of every rank's state; see the module doc."""
     tmp, device = path + ".tmp", buffers[0].grads_flat.device
     previous = os.path.join(os.path.dirname(path), "latest")
-    last_good = open(previous).read().strip() if os.path.isfile(previous) else "none"
+    last_good = _read_latest(os.path.dirname(path)) or "none"
 
     def check(failure: str | None, what: str) -> None:
         first = _agree(failure, mesh, device)
@@ -247,8 +247,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
                        f"({last_good}).", reporter=first)
 
     check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
-          "creating its directory")
-    comm.barrier(mesh.world_group)
+          "creating its directory")            # (an all-reduce that rank 0 joins once the directory exists)
     weights = {name: t for buf in buffers for name, t in buf.full_weights().items()}
     optim = optimizer.state_dict()
     files = {f"rng_rank{mesh.rank:04d}.pt": rng.get_states()}
@@ -273,10 +272,10 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
                 "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config, "data": data,
                 "files": dict(sorted(pairs))}
-        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=2))
+        atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        _atomic_write_text(previous, os.path.basename(path))
+        atomic_write(previous, os.path.basename(path))
         root = os.path.dirname(path)
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
         for old in checkpoints_of(os.path.dirname(root))[keep:] + stale:

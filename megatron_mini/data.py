@@ -27,6 +27,7 @@ import numpy as np
 import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
+from megatron_mini.files import atomic_write
 
 _MAGIC = b"MMINIIDX"
 _VERSION = 1
@@ -159,7 +160,7 @@ def train_tokenizer(docs: list[str], vocab_size: int, sample_chars: int, seed: i
     except RuntimeError as e:
         raise DataError(path, f"could not train a {vocab_size}-token tokenizer on {total:,} characters ({e})",
                         rebuild=None) from None
-    _atomic_write(path, model.getvalue())
+    atomic_write(path, model.getvalue())
 
 
 def _chunks(doc: str) -> list[str]:
@@ -236,7 +237,7 @@ def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
     sizes = np.array(sizes, np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     os.replace(tmp, bin_path)
-    _atomic_write(idx_path, _HEADER.pack(_MAGIC, _VERSION, code, len(sizes)) + sizes.tobytes() + offsets.tobytes())
+    atomic_write(idx_path, _HEADER.pack(_MAGIC, _VERSION, code, len(sizes)) + sizes.tobytes() + offsets.tobytes())
     return len(sizes), int(sizes.sum())
 
 
@@ -331,7 +332,7 @@ def prepare(cfg: DataConfig) -> dict:
         t = time.time()
         train_tokenizer(docs, cfg.vocab_size, cfg.tokenizer_sample_chars, cfg.tokenizer_seed, tok_path)
         tok = Tokenizer(tok_path)
-        _atomic_write(out / "tokenizer.json", json.dumps({**trained_on, "sha256": tok.sha256}, indent=1).encode())
+        atomic_write(out / "tokenizer.json", json.dumps({**trained_on, "sha256": tok.sha256}, indent=1).encode())
         print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
     try:
         meta = open_checked(out, tok)[1]
@@ -344,7 +345,7 @@ def prepare(cfg: DataConfig) -> dict:
         n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers)
         meta = {**info, "num_docs": n_docs, "num_tokens": n_tokens, "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size))}
-        _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+        atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
     print(f"data ready in {out} ({time.time() - t0:.1f} s)")
     return meta
 
@@ -369,9 +370,3 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _atomic_write(path, data: bytes) -> None:
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

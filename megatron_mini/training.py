@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .errors import CommError
+from .files import atomic_write
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
@@ -196,10 +197,7 @@ def _write_config(cfg: TrainConfig) -> None:
     from omegaconf import OmegaConf
 
     os.makedirs(os.path.join(cfg.run_dir, ".hydra"), exist_ok=True)
-    path = os.path.join(cfg.run_dir, ".hydra", "config.yaml")
-    with open(path + ".tmp", "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    os.replace(path + ".tmp", path)
+    atomic_write(os.path.join(cfg.run_dir, ".hydra", "config.yaml"), OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
@@ -309,7 +307,6 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         moved = checkpoint.set_aside(run.resume.skipped) if rank == 0 else []
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")
-    if run.resume:
         trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)

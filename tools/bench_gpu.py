@@ -55,6 +55,7 @@ from megatron_mini.hardware import peak_tflops  # noqa: E402
 
 from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table, ratio, read_doc_section,  # noqa: E402
                           short_error, write_doc_section)
+from bench.harness import free_port  # noqa: E402
 from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -524,15 +525,10 @@ def _write_out(out: str, dev_text: str, command: str, results: list, by_model: d
 
 def _init_one_rank_group() -> None:
     """A one-rank gloo group (size-1 groups make no collectives; it is there for code that asks the group)."""
-    import socket
-
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def _destroy_group() -> None:

@@ -29,6 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bench.report import text_table
 from megatron_mini.config import ConfigError, check_keys, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.planner import GiB, Estimate, Plan, PlanConfig, estimate, model_bytes, plan, register_configs
@@ -76,12 +77,6 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f}"
 
 
-def table(rows: list, head: list) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))   # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def summary_row(i: int, e: Estimate) -> list:
     return [i, e.layout_args(), f"dp={e.dp}", gib(e.memory_gib * GiB), f"{e.step_s:.2f}", f"{e.tokens_per_s:,.0f}",
             f"{100 * e.mfu:.0f}%"] + [f"{e.times[t]:.2f}" for t in TERMS]
@@ -93,8 +88,8 @@ def explain(e: Estimate, rank: int | None) -> str:
              + (f": rank {rank} of the layouts that fit" if rank else ": does not fit" if not e.fits else "")]
     rows = [[f"pp rank {r.pp_rank}", *(gib(r.memory[k]) for k in ("weights", "grads", "optimizer", "activations")),
              r.in_flight, gib(sum(r.memory.values()))] for r in e.ranks]
-    lines += ["", table(rows, ["rank", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
-                                "in flight", "total GiB"])]
+    lines += ["", text_table(["rank", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
+                              "in flight", "total GiB"], rows)]
     worst = e.worst
     traffic = {}
     for (group, op), (calls, nbytes) in sorted(worst.ledger.items()):
@@ -193,7 +188,7 @@ def main(argv=None) -> int:
           f"{sum(p.refused.values())} refused: " + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
     if p.fitting:
         head = ["#", "layout", "dp", "memory GiB", "step s", "tokens/s", "MFU", *(f"{t} s" for t in TERMS)]
-        print("\n" + table([summary_row(i + 1, e) for i, e in enumerate(p.fitting[:args.top])], head))
+        print("\n" + text_table(head, [summary_row(i + 1, e) for i, e in enumerate(p.fitting[:args.top])]))
         for i, e in enumerate(p.fitting[:3]):
             print("\n" + explain(e, i + 1))
         print("\nwhy the others lost (against the best):\n" + why_others_lost(p))

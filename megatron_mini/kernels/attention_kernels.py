@@ -205,9 +205,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta, Seed,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    kv_ok = (offs_n < seq_len)[:, None]
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < HEAD_DIM)[None, :]
+    kv_ok = _tile_ok(offs_n, offs_d, seq_len, True, EVEN_D, HEAD_DIM)
     k = _load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_s + offs_d[None, :], kv_ok, UPCAST)
     v = _load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_s + offs_d[None, :], kv_ok, UPCAST)
     q_ptrs = Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]

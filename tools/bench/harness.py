@@ -86,6 +86,13 @@ def _pool_rank(rank: int, world: int, port: int, commands, results):
     torch.distributed.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Pool:
     """`world` spawned gloo ranks (1 thread each), kept alive across commands."""
 
@@ -104,9 +111,7 @@ class Pool:
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(self.world)]
         self.procs = [ctx.Process(target=_pool_rank, args=(r, self.world, port, self.commands[r], self.results),

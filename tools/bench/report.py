@@ -107,14 +107,16 @@ def markdown_table(headers, rows) -> str:
                      + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
-def print_table(headers, rows) -> None:
-    """The table with aligned columns, on the console."""
+def text_table(headers, rows, indent: str = "") -> str:
+    """The table with aligned columns, as console text."""
     rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    print("  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  " + "  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    line = lambda cells: indent + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))   # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def print_table(headers, rows) -> None:
+    print(text_table(headers, rows, indent="  "))
 
 
 def fmt(v, spec=".4g") -> str:
