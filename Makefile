@@ -11,7 +11,7 @@ ARGS    ?=
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 RUN_ENV := OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
-.PHONY: venv data train test bench bench-kernels bench-gpu compare-precision demo-48 plot-schedule clean-venv
+.PHONY: venv data train test bench bench-kernels bench-gpu check-kernels compare-precision demo-48 plot-schedule clean-venv
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -39,6 +39,10 @@ bench-kernels: venv
 
 bench-gpu: venv
 	$(PYTHON) tools/bench_gpu.py $(ARGS)
+
+# every Triton kernel launch compiled for an H100 (sm_90) on any machine: registers, spills, shared memory
+check-kernels: venv
+	$(PYTHON) tools/check_kernels.py $(ARGS)
 
 # fp32 vs fp16 vs bf16 on the tiny model: same seed, same data, one wandb group; then the overlay.
 # CPUs have no fast fp16 matmul (20-40x slower than fp32), so the CPU default is short; on a GPU

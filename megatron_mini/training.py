@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import checkpoint
 from .errors import CommError
 from .files import atomic_write
+from .kernels import interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
@@ -53,7 +54,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     if cfg.kernels == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("kernels=triton needs the triton package (Linux with a GPU); use kernels=torch or auto.")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+        if device.type == "cpu" and not interpreting():
             raise ConfigError("kernels=triton on the CPU runs the kernels in Triton's interpreter (slow; for tests): "
                               "set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
     if device.type == "cuda":

@@ -59,15 +59,26 @@ def test_non_causal_odd_head_dim_and_scale():
     _check(2, 1, 50, 24, torch.float32, causal=False, scale=0.3)
 
 
+def _gpu_table(name: str, d: int) -> dict:
+    """{kind: (BLOCK_M, BLOCK_N, warps, stages)} that attention._config picks on a GPU at head dim d."""
+    if name == "FP32_CONFIGS":
+        return {kind: attention.FP32_CONFIGS[d] for kind in attention.GPU_CONFIGS}
+    return {kind: table[d] for kind, table in getattr(attention, name).items()}
+
+
+@pytest.mark.parametrize("tables", ["GPU_CONFIGS", "DROPOUT_CONFIGS", "FP32_CONFIGS"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_block_sizes(monkeypatch, d):
-    """The GPU's 16-bit block sizes (GPU_CONFIGS) on a sequence that spans several blocks with a ragged
-    end: the causal block ranges with 64- and 128-row blocks (on CPU, through the interpreter)."""
+def test_gpu_block_sizes(monkeypatch, d, tables):
+    """The GPU's block sizes (GPU_CONFIGS; DROPOUT_CONFIGS, used with dropout; FP32_CONFIGS, for fp32
+    inputs) on a sequence that spans several blocks with a ragged end: the causal block ranges with
+    16- to 128-row blocks (on CPU, through the interpreter)."""
     if DEVICE == "cpu":
-        monkeypatch.setattr(attention, "INTERPRET_CONFIGS",
-                            {kind: table[d] for kind, table in attention.GPU_CONFIGS.items()})
+        monkeypatch.setattr(attention, "INTERPRET_CONFIGS", _gpu_table(tables, d))
         _check(1, 1, 300, d, torch.float32)
+    elif tables == "FP32_CONFIGS":
+        _check(1, 2, 300, d, torch.float32)
     else:
+        monkeypatch.setattr(attention, "GPU_CONFIGS", getattr(attention, tables))
         _check(1, 2, 300, d, torch.bfloat16)
 
 

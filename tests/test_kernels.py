@@ -207,12 +207,15 @@ def test_add_layer_norm_gpu_launch_config(gpu_launch_config, shape):
     _check_add_layer_norm(*_add_inputs(shape))
 
 
+_FWD_BUDGET = (layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.FWD_REGS)
+_BWD_BUDGET = (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.BWD_REGS)
+
+
 def _gpu_configs(block_n=1024):
     """Every GPU autotune candidate that fits rows of block_n, for the forward and the backward."""
     params = []
-    for kernel, tile, per_thread in (("fwd", layernorm.FWD_TILE, layernorm.FWD_PER_THREAD),
-                                     ("bwd", layernorm.BWD_TILE, layernorm.BWD_PER_THREAD)):
-        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread):
+    for kernel, budget in (("fwd", _FWD_BUDGET), ("bwd", _BWD_BUDGET)):
+        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, *budget):
             params.append(pytest.param(kernel, c, id=f"{kernel}-BLOCK_M{c.kwargs['BLOCK_M']}-warps{c.num_warps}"))
     return params
 
@@ -246,17 +249,19 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
 @pytest.mark.parametrize("block_n", [2**k for k in range(15)])
 def test_gpu_configs_fit_every_width(block_n):
     """Every fused width gets candidates (an empty list would leave the autotuner nothing) within the
-    tile and per-thread bounds."""
-    for tile, per_thread, widest in ((layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.MAX_FUSED_N),
-                                     (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.MAX_FUSED_BWD_N)):
+    tile and per-thread bounds, each within its per-thread register share (64 K / threads, <= 255)."""
+    for (tile, per_thread, regs), widest in ((_FWD_BUDGET, layernorm.MAX_FUSED_N),
+                                             (_BWD_BUDGET, layernorm.MAX_FUSED_BWD_N)):
         if block_n > widest:
             continue
-        fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread)
+        fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread, regs)
         assert fit
         for c in fit:
             elems = c.kwargs["BLOCK_M"] * block_n
+            per = elems // (32 * c.num_warps)
             assert min(tile[0], block_n) <= elems <= max(tile[1], block_n)
-            assert per_thread[0] <= elems // (32 * c.num_warps) <= per_thread[1]
+            assert per_thread[0] <= per <= per_thread[1]
+            assert regs[0] + regs[1] * per <= min(255, 65536 // (32 * c.num_warps))
 
 
 def test_add_layer_norm_rejects_mismatched_shapes():

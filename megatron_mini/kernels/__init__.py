@@ -7,6 +7,13 @@
   (the kernels themselves are in attention_kernels.py).
 
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
-can import it. On CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1
+can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1
 before importing a submodule.
 """
+import os
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as @triton.jit reads it when
+    a kernel module is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

@@ -25,41 +25,50 @@ point `flash_attention_qkv` (qkv [s, b, 3 * heads * d] -> [s, b, heads * d]) the
 [s, b, 3 * heads * d] tensor, with no permute or concatenation copies around the kernels.
 """
 import math
-import os
 
 import torch
 import triton
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
+from . import interpreting
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+_INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
 MAX_DROPOUT_SEQ = 46340  # dropout offsets row * s + col must fit in int32
 
 
 # ----------------------------------------------------------------------------------- launching
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU (tools/sweep_attention.py)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU, 16-bit inputs. Each compiles
+# for sm_90 without spilling registers (tools/check_kernels.py; the dk/dv kernel holds two [BLOCK_N, d] fp32
+# accumulators, so at d = 128 only 32-row query blocks in 8 warps fit); speed: tools/sweep_attention.py.
 GPU_CONFIGS = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
-    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2)},
+    "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2)},
 }
+# with dropout (the Philox draws take registers too): the no-spill configurations of the same sweep
+DROPOUT_CONFIGS = {
+    "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
+    "dkdv": {64: (32, 128, 8, 2), 128: (16, 128, 8, 1)},
+    "dq": {64: (128, 32, 8, 3), 128: (128, 32, 8, 2)},
+}
 # fp32 inputs (tests, fp32 runs) take IEEE fp32 dots on the CUDA cores, with tiles of twice the bytes:
-# small blocks, so registers and shared memory fit whatever the head dim (speed is not the point there)
-FP32_CONFIG = (32, 32, 8, 1)
+# small blocks, so registers and shared memory fit (speed is not the point there); 32 x 32 spills at d = 128
+FP32_CONFIGS = {64: (32, 32, 8, 1), 128: (16, 16, 4, 1)}
 # under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends,
 # oriented as on the GPU (dk/dv: fewer query rows than keys per block; fwd and dq: more)
 INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 MAX_HEAD_DIM = 128   # the GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
 
 
-def _config(kind: str, q: torch.Tensor):
+def _config(kind: str, q: torch.Tensor, dropout_p: float):
     if _INTERPRET:
         return INTERPRET_CONFIGS[kind]
     if q.dtype == torch.float32:
-        return FP32_CONFIG
-    table = GPU_CONFIGS[kind]
+        table = FP32_CONFIGS
+    else:
+        table = (DROPOUT_CONFIGS if dropout_p > 0 else GPU_CONFIGS)[kind]
     return table[min(d for d in table if d >= q.shape[-1])]
 
 
@@ -104,7 +113,7 @@ def _meta(q, causal, dropout_p):
 def _forward(q, k, v, o, scale, causal, dropout_p, seed):
     b, h, s, _ = q.shape
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _config("fwd", q)
+    block_m, block_n, warps, stages = _config("fwd", q, dropout_p)
     _fwd[(triton.cdiv(s, block_m), b * h)](
         q, k, v, o, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         h, s, scale * LOG2E, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
@@ -118,12 +127,12 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     delta = torch.empty_like(lse)
     _bwd_delta[(triton.cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
                                             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
-    block_m, block_n, warps, stages = _config("dkdv", q)
+    block_m, block_n, warps, stages = _config("dkdv", q, dropout_p)
     _bwd_dkdv[(triton.cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), h, s, scale * LOG2E, scale, dropout_p,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
-    block_m, block_n, warps, stages = _config("dq", q)
+    block_m, block_n, warps, stages = _config("dq", q, dropout_p)
     _bwd_dq[(triton.cdiv(s, block_m), b * h)](
         q, k, v, do, dq, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dq), h, s, scale * LOG2E, scale, dropout_p,

@@ -26,21 +26,23 @@ Division: Triton's fp32 `/` is approximate on GPUs (div.full.f32), so every per-
 divides with tl.math.div_rn (IEEE round to nearest, as the interpreter does; one per row).
 """
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
-MAX_FUSED_BWD_N = 8192    # the same for the backward (x, dy, dw, db and w per column)
+MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
+                          # candidate spills (below) or holds a row in too few threads
 LOOP_BLOCK_N = 8192       # chunk width of the looped kernels
 LOOP_WARPS = 16
 BWD_PROGRAMS_PER_SM = 2   # backward programs: each writes one fp32 partial row of dw and db...
 MIN_BWD_ROWS = 32         # ...and covers >= this many rows, so partials stay <= ~8% of its traffic
 # as @triton.jit reads it at import: kernels below are interpreted (CPU) when set
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+_INTERPRET = interpreting()
 
 
 # ----------------------------------------------------------------------------------- configs
@@ -49,26 +51,36 @@ CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16, 
            for w in (4, 8, 16, 32)]
 FWD_TILE, BWD_TILE = (4096, 8192), (2048, 8192)     # elements per tile (BLOCK_M x BLOCK_N)
 FWD_PER_THREAD, BWD_PER_THREAD = (8, 32), (8, 16)   # 8: one 16-byte load of 16-bit values per thread
+# registers per thread ~ base + per element held (sm_90, from tools/check_kernels.py: the backward
+# needs 94-108 at 8 elements, 151-178 at 16); a block of W warps may use at most 64 K / (32 W)
+# (<= 255) each, and a config past that spills to local memory
+FWD_REGS, BWD_REGS = (24, 2), (40, 8)
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
 # the wrappers take their GPU path; otherwise _launch picks BLOCK_M there)
 INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 2}, num_warps=4)]
 
 
-def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple) -> list:
+def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple, regs: tuple) -> list:
     """The configs whose tile (BLOCK_M rows of block_n) holds tile[0]..tile[1] elements (one row when
-    wider) at per_thread[0]..per_thread[1] elements per thread: enough bytes in flight per program,
-    few enough registers not to spill."""
+    wider) at per_thread[0]..per_thread[1] elements per thread, enough bytes in flight per program,
+    and whose registers, regs[0] + regs[1] per element, fit the per-thread share of the block (no spill)."""
     lo, hi = min(tile[0], block_n), max(tile[1], block_n)
-    fit = [c for c in configs if lo <= c.kwargs["BLOCK_M"] * block_n <= hi
-           and per_thread[0] <= c.kwargs["BLOCK_M"] * block_n // (32 * c.num_warps) <= per_thread[1]]
+
+    def fits(c):
+        elems = c.kwargs["BLOCK_M"] * block_n
+        per = elems // (32 * c.num_warps)
+        return (lo <= elems <= hi and per_thread[0] <= per <= per_thread[1]
+                and regs[0] + regs[1] * per <= min(255, 65536 // (32 * c.num_warps)))
+
+    fit = [c for c in configs if fits(c)]
     return fit or [triton.Config({"BLOCK_M": max(1, tile[0] // block_n)}, num_warps=4)]
 
 
-def _autotune(key, tile, per_thread):
+def _autotune(key, tile, per_thread, regs):
     """triton.autotune (timings cached on disk) over the CONFIGS that fit the row width, BLOCK_N;
     under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
-        return fitting_configs(configs, kwargs["BLOCK_N"], tile, per_thread)
+        return fitting_configs(configs, kwargs["BLOCK_N"], tile, per_thread, regs)
 
     return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=key,
                            prune_configs_by={"early_config_prune": prune}, cache_results=True)
@@ -85,7 +97,7 @@ def _load_h(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
     return x
 
 
-@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD)
+@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD, FWD_REGS)
 @triton.jit
 def _fwd(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_rows, n_cols, eps,
          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -134,7 +146,7 @@ def _bwd_tile(X, DY, DH, Mu, Rstd, tile, cols, col_ok, n_rows, stride_x, stride_
     return x, x0, dy, dh, mu, rstd
 
 
-@_autotune(["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD)
+@_autotune(["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD, BWD_REGS)
 @triton.jit
 def _bwd(X, DY, DH, DX, W, Mu, Rstd, Part, stride_x, stride_dy, stride_dh, stride_dx, n_rows, n_cols,
          HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

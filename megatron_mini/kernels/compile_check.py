@@ -1,0 +1,286 @@
+"""Compile every kernel launch the wrappers can make for a GPU architecture, on any machine.
+
+The Triton interpreter runs the kernels' arithmetic on a CPU but never compiles them, so a kernel
+that does not lower (a dot shape the tensor cores refuse, a type the compiler rejects), that needs
+more shared memory than a block may have, or that spills registers to local memory passes every
+CPU test and fails or crawls on the GPU. Triton compiles without a device: its NVIDIA backend
+lowers to PTX and the ptxas it ships assembles a cubin for the target (sm_90 = H100/H200). Per launch:
+
+    mma       the tensor-core instruction the dots became: wgmma (Hopper's asynchronous warpgroup MMA),
+              mma (mma.sync, Ampere's), or - (none: CUDA-core FMAs, as fp32 IEEE dots are)
+    regs      registers per thread (<= 255; the SM has 64 K)
+    spill     local-memory bytes per thread (register spills; 0 is the goal)
+    smem      dynamic shared memory per block (<= 227 KiB on sm_90)
+    blocks    resident blocks per SM = min(64 K regs / (regs * threads), 228 KiB / (smem + 1 KiB),
+              64 warps / warps, 32), with registers allocated per warp in units of 256
+    occupancy blocks * warps / 64
+
+`launches()` lists what `layernorm.py` and `attention.py` launch on a GPU (the LayerNorm autotune
+candidates that survive their pruning at each width, the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at
+each head dim, each with and without residual / causal / dropout), with the arguments' real dtypes
+and strides, so Triton specialises them as at run time. Run it in its own process with
+TRITON_INTERPRET unset (`tools/check_kernels.py`): compiling installs a stand-in driver for the target.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from . import attention as A
+from . import attention_kernels as AK
+from . import layernorm as LN
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one SM of a GPU architecture holds (CUDA occupancy limits)."""
+    name: str
+    cc: int                   # compute capability, e.g. 90
+    regs_per_sm: int = 65536
+    max_regs_per_thread: int = 255
+    smem_per_block: int = 232448     # opt-in maximum of dynamic shared memory per block (bytes)
+    smem_per_sm: int = 233472
+    smem_reserved: int = 1024        # per block, by the system
+    warps_per_sm: int = 64
+    blocks_per_sm: int = 32
+
+
+ARCHS = {"sm90": Arch("H100/H200 (sm_90)", 90), "sm80": Arch("A100 (sm_80)", 80, smem_per_block=166912,
+                                                              smem_per_sm=167936)}
+
+
+@dataclass
+class Launch:
+    """One kernel launch: the kernel, its runtime arguments and its constexprs / launch options."""
+    op: str                    # e.g. "ln fwd", "attn dkdv"
+    case: str                  # e.g. "N=768 bf16 +res"
+    kernel: object             # a triton JITFunction
+    args: tuple
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> str:
+        keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+        return " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={self.meta[k]}" for k in keys if k in self.meta)
+
+
+@dataclass
+class Compiled:
+    launch: Launch
+    seconds: float
+    mma: str = "-"
+    regs: int = 0
+    spill: int = 0
+    smem: int = 0
+    error: str = ""
+
+    def blocks_per_sm(self, arch: Arch) -> int:
+        warps = self.launch.meta.get("num_warps", 4)
+        regs_per_warp = -(-self.regs * 32 // 256) * 256
+        by_regs = arch.regs_per_sm // max(1, regs_per_warp * warps)
+        by_smem = arch.smem_per_sm // (self.smem + arch.smem_reserved)
+        return min(by_regs, by_smem, arch.warps_per_sm // warps, arch.blocks_per_sm)
+
+    def problems(self, arch: Arch) -> list[str]:
+        """Why this launch would fail or spill on `arch` (empty when it is fine)."""
+        if self.error:
+            return [f"does not compile: {self.error}"]
+        out = []
+        if self.smem > arch.smem_per_block:
+            out.append(f"shared memory {self.smem} B > {arch.smem_per_block} B per block")
+        if self.spill:
+            out.append(f"spills {self.spill} B per thread to local memory")
+        if self.blocks_per_sm(arch) < 1:
+            out.append("no block fits on an SM")
+        return out
+
+
+# ----------------------------------------------------------------------------------- the launches
+def _ptr(dtype: torch.dtype) -> torch.Tensor:
+    """A pointer argument: Triton reads only the dtype and the address's alignment (16 B here)."""
+    return torch.empty(16, dtype=dtype)
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _candidates(tuned, block_n: int) -> list:
+    """The configs an autotuned LayerNorm kernel times at rows of block_n (its own pruning)."""
+    return tuned.early_config_prune(tuned.configs, None, BLOCK_N=block_n)
+
+
+def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtypes=("bf16", "fp16", "fp32"),
+                       rows: int = 16384) -> list[Launch]:
+    """LayerNorm and add+LayerNorm, forward and backward, at each row width: every autotune candidate
+    that survives `fitting_configs` (fused kernels), or the looped kernels past MAX_FUSED_N."""
+    out = []
+    f32 = _ptr(torch.float32)
+    for n in widths:
+        for name in dtypes:
+            x = _ptr(_DTYPES[name])
+            block_n = triton.next_power_of_2(n)
+            for res in (False, True):
+                case = f"N={n} {name}{' +res' if res else ''}"
+                fwd = (x, x, x, x, x, x, f32, f32, n, n, n, n)
+                if n > LN.MAX_FUSED_N:
+                    out.append(Launch("ln fwd", case, LN._fwd_looped, fwd + (n, 1e-5),
+                                      dict(HAS_RESIDUAL=res, BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)))
+                else:
+                    for c in _candidates(LN._fwd, block_n):
+                        out.append(Launch("ln fwd", case, LN._fwd.fn, fwd + (rows, n, 1e-5),
+                                          dict(HAS_RESIDUAL=res, BLOCK_N=block_n, **c.all_kwargs())))
+                bwd = (x, x, x, x, x, f32, f32, f32, n, n, n, n)
+                if n > LN.MAX_FUSED_BWD_N:
+                    loop = dict(BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)
+                    if not res:   # the row sums do not see the residual gradient
+                        out.append(Launch("ln bwd sums", case, LN._bwd_row_sums, (x, x, x, f32, f32, f32, f32, n, n, n),
+                                          loop))
+                    out.append(Launch("ln bwd", case, LN._bwd_looped,
+                                      (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n, 128),
+                                      dict(HAS_DRES=res, **loop)))
+                else:
+                    for c in _candidates(LN._bwd, block_n):
+                        out.append(Launch("ln bwd", case, LN._bwd.fn, bwd + (rows, n),
+                                          dict(HAS_DRES=res, BLOCK_N=block_n, **c.all_kwargs())))
+    return out
+
+
+def attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128), (8, 20, 2048, 80)),
+                       dtypes=("bf16", "fp16", "fp32"), causal=(True, False),
+                       configs: dict | None = None) -> list[Launch]:
+    """The flash attention kernels as `flash_attention_qkv` launches them (q, k, v views of one packed
+    [s, b, 3 * heads * d] tensor; o, dq, dk, dv in the [s, b, heads, d] layout), for each shape
+    (b, heads, s, d), dtype, causal (or not) and dropout. `configs` ({kind: (BLOCK_M, BLOCK_N, warps, stages)})
+    replaces the wrappers' choice (to check candidates before a sweep)."""
+    out = []
+    f32, seed = _ptr(torch.float32), _ptr(torch.int64)
+    for b, h, s, d in shapes:
+        qkv = (3 * h * d, d, b * 3 * h * d)          # (batch, head, seq) strides of q, k, v
+        o = (h * d, d, b * h * d)                    # of o, do, dq, dk, dv
+        for name in dtypes:
+            t = _ptr(_DTYPES[name])
+            q = torch.empty((1, 1, 1, d), dtype=_DTYPES[name])   # what the wrappers read their choices from
+            for is_causal in causal:
+                for dropout in (0.0, 0.1):
+                    meta = A._meta(q, is_causal, dropout)
+                    case = f"{b},{h},{s},{d} {name}{' causal' if is_causal else ''}{' dropout' if dropout else ''}"
+
+                    def cfg(kind):
+                        m, n, w, st = (configs or {}).get(kind) or A._config(kind, q, dropout)
+                        return dict(meta, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+
+                    scales = (0.125 * A.LOG2E, 0.125, dropout)
+                    out.append(Launch("attn fwd", case, AK._fwd, (t, t, t, t, f32, seed, *qkv, *qkv, *qkv, *o,
+                                                                 h, s, 0.125 * A.LOG2E, dropout), cfg("fwd")))
+                    out.append(Launch("attn dkdv", case, AK._bwd_dkdv,
+                                      (t, t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, *qkv, h, s, *scales),
+                                      cfg("dkdv")))
+                    out.append(Launch("attn dq", case, AK._bwd_dq,
+                                      (t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, h, s, *scales),
+                                      cfg("dq")))
+            out.append(Launch("attn delta", f"{b},{h},{s},{d} {name}", AK._bwd_delta, (t, t, f32, *o, *o, h, s),
+                              dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=64)))
+    return out
+
+
+def launches(quick: bool = False) -> list[Launch]:
+    """Everything the wrappers launch on a GPU; `quick`: bf16 at the benchmark shapes only."""
+    if quick:
+        return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",))
+                + attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128)), dtypes=("bf16",),
+                                     causal=(True,)))
+    return layernorm_launches() + attention_launches()
+
+
+# ----------------------------------------------------------------------------------- compiling
+class _TargetDriver:
+    """Stands in for Triton's CUDA driver: names the target, launches nothing."""
+
+    def __init__(self, cc: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", cc, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resources(cubin: bytes) -> dict:
+    """REG, LOCAL (spill) bytes of a cubin, from the cuobjdump that ships with Triton."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(kv.split(":", 1) for kv in text.split() if ":" in kv and kv.split(":", 1)[1].isdigit())
+    return {"regs": int(fields["REG"]), "spill": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0))}
+
+
+def _mma(ptx: str) -> str:
+    return "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "-"
+
+
+def _compile(item: Launch) -> tuple:
+    """(seconds, mma, regs, spill, smem, error) of one launch compiled for the active (stand-in) target."""
+    t0 = time.perf_counter()
+    try:
+        k = item.kernel.warmup(*item.args, grid=(1,), **item.meta)
+        res = _resources(k.asm["cubin"])
+        return time.perf_counter() - t0, _mma(k.asm["ptx"]), res["regs"], res["spill"], k.metadata.shared, ""
+    except Exception as e:  # noqa: BLE001 (a compile error is the finding)
+        msg = " ".join(str(e).split())
+        return time.perf_counter() - t0, "-", 0, 0, 0, f"{type(e).__name__}: {msg[:300]}"
+
+
+_FORKED: list = []   # the launches a forked worker compiles, by index
+
+
+def _compile_forked(i: int) -> tuple:
+    return _compile(_FORKED[i])
+
+
+def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compiled]:
+    """Compile each launch for `arch` (no GPU needed), in `workers` forked processes; a compile error
+    is recorded, not raised."""
+    if LN._INTERPRET or A._INTERPRET:
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset (the kernels were built for the interpreter)")
+    from triton.runtime import driver
+    previous = driver._active
+    driver.set_active(_TargetDriver(arch.cc))
+    try:
+        if workers > 1:
+            import multiprocessing
+            _FORKED[:] = items
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                raw = pool.map(_compile_forked, range(len(items)), chunksize=1)
+            _FORKED.clear()
+        else:
+            raw = [_compile(item) for item in items]
+    finally:
+        driver._active = previous
+    return [Compiled(item, *r) for item, r in zip(items, raw)]
+
+
+def available() -> str | None:
+    """None when this machine can compile for a GPU target, else why not."""
+    if not os.path.exists(_cuobjdump()):
+        return f"no cuobjdump in Triton's NVIDIA backend ({_cuobjdump()})"
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as e:
+        return f"this Triton cannot compile ahead of time: {e}"
+    return None

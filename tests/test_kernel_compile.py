@@ -1,0 +1,84 @@
+"""The kernels compile for an H100 (sm_90) without one: tools/check_kernels.py lowers every launch the
+wrappers make (LayerNorm autotune candidates, attention configurations) through Triton's NVIDIA backend
+and the ptxas it ships, and reads registers, spills and shared memory from the cubin. The interpreter
+the other kernel tests use never compiles, so only this sees a kernel that does not lower, a block
+over its shared memory, or register spills. Subprocesses: the kernels must be built with
+TRITON_INTERPRET unset, which conftest sets for this process.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _python(args, timeout=600):
+    return subprocess.run([sys.executable] + args, cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _can_compile():
+    proc = _python(["-c", "from megatron_mini.kernels import compile_check as C; print(C.available() or '')"])
+    return proc.stdout.strip() if proc.returncode == 0 else proc.stderr[-500:]
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    why = _can_compile()
+    if why:
+        pytest.skip(f"cannot compile for a GPU target here: {why}")
+
+
+def test_every_gpu_launch_compiles_for_sm90_without_spills(compiler):
+    """bf16 at the benchmark shapes (`--quick`): LayerNorm at N = 768, 4096 (fused) and 24576 (looped),
+    attention at head dims 64 and 128, with and without dropout; `make check-kernels` does every dtype."""
+    proc = _python(["tools/check_kernels.py", "--quick", "--workers", "2"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for op in ("ln fwd", "ln bwd", "ln bwd sums", "attn fwd", "attn dkdv", "attn dq", "attn delta"):
+        assert f"\n{op}  " in out, f"no row for {op}:\n{out}"
+    assert "PROBLEM" not in out and ", 0 problems," in out
+
+
+SNIPPET = """
+import json, torch
+from megatron_mini.kernels import compile_check as C
+from megatron_mini.kernels import layernorm as LN
+arch = C.ARCHS["sm90"]
+x, f = torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
+# a backward tile of 8 rows x 1024 in 32 warps: 8 elements per thread need ~100 registers, the block allows 64
+spilling = C.Launch("ln bwd", "N=768", LN._bwd.fn, (x, x, x, x, x, f, f, f, 768, 768, 768, 768, 16384, 768),
+                    dict(HAS_DRES=False, BLOCK_N=1024, BLOCK_M=8, num_warps=32))
+fitting = C.Launch("ln bwd", "N=768", LN._bwd.fn, spilling.args, dict(HAS_DRES=False, BLOCK_N=1024, BLOCK_M=2, num_warps=8))
+def fwd(config, d):
+    return [l for l in C.attention_launches(shapes=((1, 1, 256, d),), dtypes=("bf16",), causal=(True,),
+                                            configs={"fwd": config}) if l.op == "attn fwd"][0]
+# 4 stages of 128-key K and V tiles at d = 128 (256 KiB) do not fit a block's 227 KiB of shared memory
+big = fwd((128, 128, 8, 4), 128)
+# tl.arange needs a power-of-2 length: a 48-key block does not lower
+ragged = fwd((64, 48, 4, 1), 64)
+res = C.compile_all([spilling, fitting, big, ragged], arch)
+print(json.dumps([dict(mma=r.mma, regs=r.regs, spill=r.spill, smem=r.smem, error=r.error, problems=r.problems(arch),
+                       blocks=r.blocks_per_sm(arch) if not r.error else None) for r in res]))
+"""
+
+
+def test_the_check_reports_spills_and_compile_errors(compiler):
+    """The check is not vacuous: a tile too big for its block's register share spills, the same tile in
+    a config the pruning keeps does not, a pipeline too deep for shared memory is refused, and a block
+    that cannot lower is reported as a compile error."""
+    proc = _python(["-c", SNIPPET])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spilling, fitting, big, ragged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert spilling["regs"] <= 64 and spilling["spill"] > 0
+    assert any("spills" in p for p in spilling["problems"])
+    assert fitting["spill"] == 0 and fitting["problems"] == [] and fitting["blocks"] >= 1
+    assert 0 < fitting["regs"] <= 255
+    assert big["mma"] == "wgmma"          # a 16-bit dot on sm_90 is Hopper's warpgroup MMA
+    assert fitting["mma"] == "-"          # LayerNorm has no dot
+    assert big["smem"] > 232448 and any("shared memory" in p for p in big["problems"])
+    assert ragged["error"] and ragged["problems"][0].startswith("does not compile")

@@ -1,0 +1,73 @@
+"""Compile every Triton kernel launch for a GPU, without one (`make check-kernels`).
+
+    python tools/check_kernels.py [--arch sm90|sm80] [--quick] [--all] [--attention fwd=128,64,4,3 ...]
+
+Prints, per kernel and configuration, the tensor-core instruction of its dots, registers per thread, spilled bytes, shared memory, resident
+blocks per SM and the compile time (megatron_mini/kernels/compile_check.py says how), then every
+launch that would not compile, would not fit, or spills. Exit status 1 when there is one.
+`--quick`: bf16 at the benchmark shapes only. `--all`: one row per launch, not per configuration.
+`--attention KIND=M,N,WARPS,STAGES`: check an attention configuration instead of GPU_CONFIGS
+(e.g. a sweep candidate), at the benchmark shapes.
+"""
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be built for a GPU, not the interpreter
+
+from bench.report import text_table  # noqa: E402
+from megatron_mini.kernels import compile_check as C  # noqa: E402
+
+
+def _attention_configs(specs):
+    out = {}
+    for spec in specs:
+        kind, _, values = spec.partition("=")
+        if kind not in ("fwd", "dkdv", "dq") or len(values.split(",")) != 4:
+            sys.exit(f"error: --attention wants KIND=M,N,WARPS,STAGES with KIND fwd|dkdv|dq, got {spec!r}")
+        out[kind] = tuple(int(v) for v in values.split(","))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90")
+    ap.add_argument("--quick", action="store_true", help="bf16 at the benchmark shapes only")
+    ap.add_argument("--all", action="store_true", help="one row per launch")
+    ap.add_argument("--attention", nargs="*", default=[], metavar="KIND=M,N,WARPS,STAGES")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
+    args = ap.parse_args()
+    why = C.available()
+    if why:
+        sys.exit(f"error: cannot compile ahead of time here: {why}")
+    arch = C.ARCHS[args.arch]
+    if args.attention:
+        items = C.attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128)), dtypes=("bf16",),
+                                     causal=(True,), configs=_attention_configs(args.attention))
+    else:
+        items = C.launches(quick=args.quick)
+    print(f"compiling {len(items)} launches for {arch.name} ...", flush=True)
+    results = C.compile_all(items, arch, workers=args.workers)
+
+    groups = {}   # (op, config) -> results, or one per launch with --all
+    for r in results:
+        key = (r.launch.op, r.launch.case, r.launch.config) if args.all else (r.launch.op, r.launch.config)
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        ok = [r for r in rs if not r.error]
+        rows.append(list(key) + [len(rs), "/".join(sorted({r.mma for r in ok})) or "-", max((r.regs for r in ok), default="-"), max((r.spill for r in ok), default="-"),
+                                 max((f"{r.smem / 1024:.1f}" for r in ok), default="-", key=float),
+                                 min((r.blocks_per_sm(arch) for r in ok), default="-"),
+                                 f"{sum(r.seconds for r in rs):.1f}"])
+    headers = ["op", "case", "config"] if args.all else ["op", "config"]
+    print(text_table(headers + ["launches", "mma", "regs", "spill B", "smem KiB", "blocks/SM", "compile s"], rows))
+    bad = [(r, p) for r in results for p in r.problems(arch)]
+    for r, p in bad:
+        print(f"PROBLEM {r.launch.op} [{r.launch.case}] {r.launch.config}: {p}")
+    print(f"{len(results)} launches, {len(bad)} problems, {sum(r.seconds for r in results):.0f} s of compiling")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
