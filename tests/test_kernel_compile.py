@@ -53,7 +53,10 @@ x, f = torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
 # a backward tile of 8 rows x 1024 in 32 warps: 8 elements per thread need ~100 registers, the block allows 64
 spilling = C.Launch("ln bwd", "N=768", LN._bwd.fn, (x, x, x, x, x, f, f, f, 768, 768, 768, 768, 16384, 768),
                     dict(HAS_DRES=False, BLOCK_N=1024, BLOCK_M=8, num_warps=32))
-fitting = C.Launch("ln bwd", "N=768", LN._bwd.fn, spilling.args, dict(HAS_DRES=False, BLOCK_N=1024, BLOCK_M=2, num_warps=8))
+fitting = C.Launch("ln bwd", "N=768", LN._bwd.fn, spilling.args,
+                   dict(HAS_DRES=False, BLOCK_N=1024, BLOCK_M=2, num_warps=8))
+
+
 def fwd(config, d):
     return [l for l in C.attention_launches(shapes=((1, 1, 256, d),), dtypes=("bf16",), causal=(True,),
                                             configs={"fwd": config}) if l.op == "attn fwd"][0]

@@ -1,10 +1,12 @@
-"""Compile every Triton kernel launch for a GPU, without one (`make check-kernels`).
+"""Compile the Triton kernels' GPU launches for a GPU, without one (`make check-kernels`).
 
-    python tools/check_kernels.py [--arch sm90|sm80] [--quick] [--all] [--attention fwd=128,64,4,3 ...]
+    python tools/check_kernels.py [--arch sm90|sm80] [--quick] [--all] [--workers N]
+    python tools/check_kernels.py --attention fwd=128,64,4,3 dkdv=32,128,8,2   # candidates
 
-Prints, per kernel and configuration, the tensor-core instruction of its dots, registers per thread, spilled bytes, shared memory, resident
-blocks per SM and the compile time (megatron_mini/kernels/compile_check.py says how), then every
-launch that would not compile, would not fit, or spills. Exit status 1 when there is one.
+Prints, per kernel and configuration, the tensor-core instruction of its dots, registers per thread,
+spilled bytes, shared memory, resident blocks per SM and the compile time (what is compiled, and how:
+megatron_mini/kernels/compile_check.py), then every launch that would not compile, would not fit,
+or spills. Exit status 1 when there is one.
 `--quick`: bf16 at the benchmark shapes only. `--all`: one row per launch, not per configuration.
 `--attention KIND=M,N,WARPS,STAGES`: check an attention configuration instead of GPU_CONFIGS
 (e.g. a sweep candidate), at the benchmark shapes.
@@ -42,29 +44,16 @@ def main():
         sys.exit(f"error: cannot compile ahead of time here: {why}")
     arch = C.ARCHS[args.arch]
     if args.attention:
-        items = C.attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128)), dtypes=("bf16",),
-                                     causal=(True,), configs=_attention_configs(args.attention))
+        items = C.attention_launches(shapes=C.BENCH_SHAPES, dtypes=("bf16",), causal=(True,),
+                                     configs=_attention_configs(args.attention))
     else:
         items = C.launches(quick=args.quick)
     print(f"compiling {len(items)} launches for {arch.name} ...", flush=True)
     results = C.compile_all(items, arch, workers=args.workers)
-
-    groups = {}   # (op, config) -> results, or one per launch with --all
-    for r in results:
-        key = (r.launch.op, r.launch.case, r.launch.config) if args.all else (r.launch.op, r.launch.config)
-        groups.setdefault(key, []).append(r)
-    rows = []
-    for key, rs in groups.items():
-        ok = [r for r in rs if not r.error]
-        rows.append(list(key) + [len(rs), "/".join(sorted({r.mma for r in ok})) or "-", max((r.regs for r in ok), default="-"), max((r.spill for r in ok), default="-"),
-                                 max((f"{r.smem / 1024:.1f}" for r in ok), default="-", key=float),
-                                 min((r.blocks_per_sm(arch) for r in ok), default="-"),
-                                 f"{sum(r.seconds for r in rs):.1f}"])
-    headers = ["op", "case", "config"] if args.all else ["op", "config"]
-    print(text_table(headers + ["launches", "mma", "regs", "spill B", "smem KiB", "blocks/SM", "compile s"], rows))
-    bad = [(r, p) for r in results for p in r.problems(arch)]
-    for r, p in bad:
-        print(f"PROBLEM {r.launch.op} [{r.launch.case}] {r.launch.config}: {p}")
+    headers, rows, bad = C.summary(results, arch, per_launch=args.all)
+    print(text_table(headers, rows))
+    for line in bad:
+        print(f"PROBLEM {line}")
     print(f"{len(results)} launches, {len(bad)} problems, {sum(r.seconds for r in results):.0f} s of compiling")
     sys.exit(1 if bad else 0)
 

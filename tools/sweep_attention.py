@@ -1,14 +1,19 @@
-"""Sweep the launch configurations of the Triton flash attention on a GPU (picks GPU_CONFIGS).
+"""Sweep the launch configurations of the Triton flash attention on a GPU (picks GPU_CONFIGS, or
+DROPOUT_CONFIGS with --dropout).
 
-    python tools/sweep_attention.py [--shapes 16,12,1024,64 8,16,2048,128] [--quick]
+    python tools/sweep_attention.py [--shapes 16,12,1024,64 8,16,2048,128] [--quick] [--dropout 0.1]
 
 For each shape (b, heads, s, d), causal, bf16: checks the kernel against fp32 SDPA math (relative
 error of o, dq, dk, dv), then times, as medians of triton.testing.do_bench with rotating inputs,
 the forward, the dk/dv kernel and the dq kernel for each candidate (BLOCK_M, BLOCK_N, warps,
 stages), and prints the best of each next to cuDNN and flash SDPA (fwd+bwd). FLOPs: causal
-fwd 2*b*h*s^2*d (half of 4*b*h*s^2*d), bwd 2.5x fwd.
+fwd 2*b*h*s^2*d (half of 4*b*h*s^2*d), bwd 2.5x fwd. With --dropout the kernels and SDPA drop
+probabilities (the value check is skipped: tests/test_attention.py checks dropout against its mask).
+A fast candidate may still spill registers: check the winner with
+`python tools/check_kernels.py --attention KIND=M,N,WARPS,STAGES` before putting it in the table.
 """
 import argparse
+import functools
 import itertools
 import sys
 
@@ -19,6 +24,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["16,12,1024,64", "8,16,2048,128"])
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout of the sweep (tunes DROPOUT_CONFIGS)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_attention.py needs a CUDA GPU")
@@ -27,6 +33,9 @@ def main():
     import torch.nn.functional as F
 
     from megatron_mini.kernels import attention as A
+
+    table = A.DROPOUT_CONFIGS if args.dropout > 0 else A.GPU_CONFIGS   # the table _config reads (mutated here)
+    ours = functools.partial(A.flash_attention, dropout_p=args.dropout)
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -37,18 +46,18 @@ def main():
         sets = [[torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
                 for _ in range(3)]
         do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
-        # correctness
-        q, k, v = sets[0][:3]
-        o = A.flash_attention(q, k, v)
-        g = torch.autograd.grad(o, (q, k, v), do)
-        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.MATH):
-            orf = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
-        gr = torch.autograd.grad(orf, (qf, kf, vf), do.float())
-        err = lambda a, r: ((a.float() - r).norm() / r.norm()).item()
-        print(f"shape {shape}: rel err o {err(o, orf):.2e} dq {err(g[0], gr[0]):.2e} dk {err(g[1], gr[1]):.2e} "
-              f"dv {err(g[2], gr[2]):.2e}", flush=True)
-        del qf, kf, vf, orf, gr
+        if args.dropout == 0:  # correctness
+            q, k, v = sets[0][:3]
+            o = A.flash_attention(q, k, v)
+            g = torch.autograd.grad(o, (q, k, v), do)
+            qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.MATH):
+                orf = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+            gr = torch.autograd.grad(orf, (qf, kf, vf), do.float())
+            err = lambda a, r: ((a.float() - r).norm() / r.norm()).item()   # noqa: E731
+            print(f"shape {shape}: rel err o {err(o, orf):.2e} dq {err(g[0], gr[0]):.2e} dk {err(g[1], gr[1]):.2e} "
+                  f"dv {err(g[2], gr[2]):.2e}", flush=True)
+            del qf, kf, vf, orf, gr
 
         it = itertools.cycle(range(3))
 
@@ -74,14 +83,14 @@ def main():
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sdpa(q, k, v, backend=backend):
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=args.dropout)
             try:
                 fb, f = bench(fwd_bwd(sdpa)), bench(fwd_only(sdpa))
                 rows.append((f"SDPA {name}", f, fb - f, fb))
             except Exception as e:  # noqa: BLE001
                 print(f"SDPA {name}: {type(e).__name__}: {str(e)[:100]}")
-        default = {k: dict(v) for k, v in A.GPU_CONFIGS.items()}
-        fb, f = bench(fwd_bwd(A.flash_attention)), bench(fwd_only(A.flash_attention))
+        default = {k: dict(v) for k, v in table.items()}
+        fb, f = bench(fwd_bwd(ours)), bench(fwd_only(ours))
         rows.append(("triton (defaults)", f, fb - f, fb))
         stages = [3] if args.quick else [2, 3]
         candidates = {
@@ -93,14 +102,14 @@ def main():
         results = {kind: [] for kind in candidates}
         for kind, cfgs in candidates.items():
             for cfg in cfgs:
-                A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
-                A.GPU_CONFIGS[kind][d] = cfg
+                table.update({k: dict(v) for k, v in default.items()})
+                table[kind][d] = cfg
                 try:
-                    t = bench(fwd_only(A.flash_attention) if kind == "fwd" else fwd_bwd(A.flash_attention))
+                    t = bench(fwd_only(ours) if kind == "fwd" else fwd_bwd(ours))
                 except Exception:  # noqa: BLE001 (out of shared memory etc.)
                     continue
                 results[kind].append((round(t, 4), cfg))
-        A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
+        table.update({k: dict(v) for k, v in default.items()})
         best = {}
         for kind, res in results.items():
             res.sort()
@@ -108,10 +117,10 @@ def main():
             print(f"  {kind}: best {res[:4]}", flush=True)
         for kind, cfg in best.items():
             if cfg:
-                A.GPU_CONFIGS[kind][d] = cfg
-        fb, f = bench(fwd_bwd(A.flash_attention)), bench(fwd_only(A.flash_attention))
+                table[kind][d] = cfg
+        fb, f = bench(fwd_bwd(ours)), bench(fwd_only(ours))
         rows.append((f"triton (best {best})", f, fb - f, fb))
-        A.GPU_CONFIGS.update({k: dict(v) for k, v in default.items()})
+        table.update({k: dict(v) for k, v in default.items()})
         print(f"| {shape} | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s |")
         for name, f, bw, fb in rows:
             print(f"| {name} | {f:.3f} | {bw:.3f} | {fb:.3f} | {3.5 * flops_fwd / fb / 1e9:.0f} |", flush=True)

@@ -47,7 +47,8 @@ GPU_CONFIGS = {
     "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2)},
 }
-# with dropout (the Philox draws take registers too): the no-spill configurations of the same sweep
+# with dropout (the Philox draws take registers too): configurations that compile without spills on sm_90
+# (tools/check_kernels.py), not yet timed (tools/sweep_attention.py --dropout on a GPU)
 DROPOUT_CONFIGS = {
     "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
     "dkdv": {64: (32, 128, 8, 2), 128: (16, 128, 8, 1)},
@@ -63,6 +64,8 @@ MAX_HEAD_DIM = 128   # the GPU configs are sized for head dims up to 128 (shared
 
 
 def _config(kind: str, q: torch.Tensor, dropout_p: float):
+    """(BLOCK_M, BLOCK_N, warps, stages) of kernel `kind` for q's dtype, head dim (the table's smallest
+    head dim >= d) and dropout."""
     if _INTERPRET:
         return INTERPRET_CONFIGS[kind]
     if q.dtype == torch.float32:

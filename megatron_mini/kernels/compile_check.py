@@ -1,4 +1,4 @@
-"""Compile every kernel launch the wrappers can make for a GPU architecture, on any machine.
+"""Compile the kernels' GPU launches for a GPU architecture, on any machine (no GPU needed).
 
 The Triton interpreter runs the kernels' arithmetic on a CPU but never compiles them, so a kernel
 that does not lower (a dot shape the tensor cores refuse, a type the compiler rejects), that needs
@@ -15,11 +15,14 @@ lowers to PTX and the ptxas it ships assembles a cubin for the target (sm_90 = H
               64 warps / warps, 32), with registers allocated per warp in units of 256
     occupancy blocks * warps / 64
 
-`launches()` lists what `layernorm.py` and `attention.py` launch on a GPU (the LayerNorm autotune
-candidates that survive their pruning at each width, the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at
-each head dim, each with and without residual / causal / dropout), with the arguments' real dtypes
-and strides, so Triton specialises them as at run time. Run it in its own process with
-TRITON_INTERPRET unset (`tools/check_kernels.py`): compiling installs a stand-in driver for the target.
+`launches()` lists what `layernorm.py` and `attention.py` launch on a GPU: the LayerNorm autotune
+candidates that survive their pruning at 7 widths (x [16384, N], weights in x's dtype, as the model
+holds them), and the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at BENCH_SHAPES and a
+head dim of 80 (the packed-qkv layout of `flash_attention_qkv`, which the model uses), each in bf16,
+fp16 and fp32, with and without residual / causal / dropout. The arguments carry the run's dtypes,
+strides and sizes, so Triton specialises them as at run time (16-byte alignment, sizes divisible by
+16 or not). Run it in its own process with TRITON_INTERPRET unset (`tools/check_kernels.py`):
+compiling swaps in a stand-in for Triton's driver (`driver._active`, as in Triton 3.x).
 """
 from __future__ import annotations
 
@@ -108,6 +111,8 @@ def _ptr(dtype: torch.dtype) -> torch.Tensor:
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BENCH_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 128))   # attention (b, heads, s, d) of make bench-kernels
+H100_SMS = 132
 
 
 def _candidates(tuned, block_n: int) -> list:
@@ -116,7 +121,7 @@ def _candidates(tuned, block_n: int) -> list:
 
 
 def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtypes=("bf16", "fp16", "fp32"),
-                       rows: int = 16384) -> list[Launch]:
+                       rows: int = 16384, sms: int = H100_SMS) -> list[Launch]:
     """LayerNorm and add+LayerNorm, forward and backward, at each row width: every autotune candidate
     that survives `fitting_configs` (fused kernels), or the looped kernels past MAX_FUSED_N."""
     out = []
@@ -138,12 +143,13 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
                 bwd = (x, x, x, x, x, f32, f32, f32, n, n, n, n)
                 if n > LN.MAX_FUSED_BWD_N:
                     loop = dict(BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)
+                    groups = LN._backward_programs(rows, triton.cdiv(n, LN.LOOP_BLOCK_N), sms)
                     if not res:   # the row sums do not see the residual gradient
-                        out.append(Launch("ln bwd sums", case, LN._bwd_row_sums, (x, x, x, f32, f32, f32, f32, n, n, n),
-                                          loop))
+                        out.append(Launch("ln bwd sums", case, LN._bwd_row_sums,
+                                          (x, x, x, f32, f32, f32, f32, n, n, n), loop))
                     out.append(Launch("ln bwd", case, LN._bwd_looped,
-                                      (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n, 128),
-                                      dict(HAS_DRES=res, **loop)))
+                                      (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n,
+                                       triton.cdiv(rows, groups)), dict(HAS_DRES=res, **loop)))
                 else:
                     for c in _candidates(LN._bwd, block_n):
                         out.append(Launch("ln bwd", case, LN._bwd.fn, bwd + (rows, n),
@@ -151,13 +157,13 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
     return out
 
 
-def attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128), (8, 20, 2048, 80)),
+def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
                        dtypes=("bf16", "fp16", "fp32"), causal=(True, False),
                        configs: dict | None = None) -> list[Launch]:
     """The flash attention kernels as `flash_attention_qkv` launches them (q, k, v views of one packed
     [s, b, 3 * heads * d] tensor; o, dq, dk, dv in the [s, b, heads, d] layout), for each shape
-    (b, heads, s, d), dtype, causal (or not) and dropout. `configs` ({kind: (BLOCK_M, BLOCK_N, warps, stages)})
-    replaces the wrappers' choice (to check candidates before a sweep)."""
+    (b, heads, s, d), dtype, causal (or not) and dropout. `configs` ({kind: (BLOCK_M, BLOCK_N, warps,
+    stages)}) replaces the wrappers' choice (to check candidates before a sweep)."""
     out = []
     f32, seed = _ptr(torch.float32), _ptr(torch.int64)
     for b, h, s, d in shapes:
@@ -179,8 +185,8 @@ def attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128), (8, 20, 2
                     out.append(Launch("attn fwd", case, AK._fwd, (t, t, t, t, f32, seed, *qkv, *qkv, *qkv, *o,
                                                                  h, s, 0.125 * A.LOG2E, dropout), cfg("fwd")))
                     out.append(Launch("attn dkdv", case, AK._bwd_dkdv,
-                                      (t, t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, *qkv, h, s, *scales),
-                                      cfg("dkdv")))
+                                      (t, t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, *qkv,
+                                       h, s, *scales), cfg("dkdv")))
                     out.append(Launch("attn dq", case, AK._bwd_dq,
                                       (t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, h, s, *scales),
                                       cfg("dq")))
@@ -193,8 +199,7 @@ def launches(quick: bool = False) -> list[Launch]:
     """Everything the wrappers launch on a GPU; `quick`: bf16 at the benchmark shapes only."""
     if quick:
         return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",))
-                + attention_launches(shapes=((16, 12, 1024, 64), (8, 16, 2048, 128)), dtypes=("bf16",),
-                                     causal=(True,)))
+                + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,)))
     return layernorm_launches() + attention_launches()
 
 
@@ -246,7 +251,11 @@ def _compile(item: Launch) -> tuple:
         return time.perf_counter() - t0, "-", 0, 0, 0, f"{type(e).__name__}: {msg[:300]}"
 
 
-_FORKED: list = []   # the launches a forked worker compiles, by index
+_FORKED: list = []   # in a forked worker: the launches it compiles, by index (set by its initializer)
+
+
+def _fork_init(items: list) -> None:
+    _FORKED[:] = items
 
 
 def _compile_forked(i: int) -> tuple:
@@ -264,10 +273,9 @@ def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compi
     try:
         if workers > 1:
             import multiprocessing
-            _FORKED[:] = items
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            ctx = multiprocessing.get_context("fork")    # the launches reach the workers unpickled
+            with ctx.Pool(workers, initializer=_fork_init, initargs=(items,)) as pool:
                 raw = pool.map(_compile_forked, range(len(items)), chunksize=1)
-            _FORKED.clear()
         else:
             raw = [_compile(item) for item in items]
     finally:
@@ -275,10 +283,31 @@ def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compi
     return [Compiled(item, *r) for item, r in zip(items, raw)]
 
 
+def summary(results: list[Compiled], arch: Arch, per_launch: bool = False) -> tuple[list, list, list]:
+    """(headers, rows, problems) for a table: one row per (kernel, config), or per launch; the worst
+    case of each column over its launches. problems: "op [case] config: why" lines."""
+    groups = {}
+    for r in results:
+        key = (r.launch.op, r.launch.case, r.launch.config) if per_launch else (r.launch.op, r.launch.config)
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        ok = [r for r in rs if not r.error]
+        worst = lambda f, pick=max: pick((f(r) for r in ok), default="-")   # noqa: E731
+        rows.append(list(key) + [len(rs), "/".join(sorted({r.mma for r in ok})) or "-", worst(lambda r: r.regs),
+                                 worst(lambda r: r.spill), worst(lambda r: round(r.smem / 1024, 1)),
+                                 worst(lambda r: r.blocks_per_sm(arch), min), f"{sum(r.seconds for r in rs):.1f}"])
+    headers = (["op", "case", "config"] if per_launch else ["op", "config"]) + [
+        "launches", "mma", "regs", "spill B", "smem KiB", "blocks/SM", "compile s"]
+    problems = [f"{r.launch.op} [{r.launch.case}] {r.launch.config}: {p}" for r in results for p in r.problems(arch)]
+    return headers, rows, problems
+
+
 def available() -> str | None:
     """None when this machine can compile for a GPU target, else why not."""
-    if not os.path.exists(_cuobjdump()):
-        return f"no cuobjdump in Triton's NVIDIA backend ({_cuobjdump()})"
+    for tool in (_cuobjdump(), os.path.join(os.path.dirname(_cuobjdump()), "ptxas")):
+        if not os.path.exists(tool):
+            return f"Triton's NVIDIA backend has no {tool}"
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as e:
