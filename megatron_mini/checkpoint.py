@@ -3,7 +3,7 @@
     {run_dir}/checkpoints/step_000100/
         model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage (GradBuffer.full_weights)
         optim_pp00.pt ...   Optimizer.state_dict(): {global name: {master, exp_avg, exp_avg_sq}}, step, scaler
-        rng_rank0000.pt ... each rank's dropout RNG streams (restored when the layout is the same)
+        rng_rank0000.pt ... each rank's dropout RNG streams (restored when the layout and the kind of device are the same)
         meta.json           step, consumed_samples, layout, config, data identity, sha256 of every file
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
 
@@ -293,7 +293,8 @@ def load_model_tensors(path: str) -> dict:
 
 
 def load(path: str, buffers: list, optimizer, rng, mesh) -> dict:
-    """Restore weights and optimizer state (any layout) and, same layout only, RNG; returns meta."""
+    """Restore weights and optimizer state (any layout) and, same layout and kind of device only, the
+    RNG streams; returns meta."""
     meta = read_meta(path)
     weights = load_model_tensors(path)
     for buf in buffers:
@@ -302,5 +303,7 @@ def load(path: str, buffers: list, optimizer, rng, mesh) -> dict:
               for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
     optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
     if meta["world_size"] == mesh.world_size and meta["layout"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
-        rng.set_states(torch.load(os.path.join(path, f"rng_rank{mesh.rank:04d}.pt"), weights_only=True))
+        states = torch.load(os.path.join(path, f"rng_rank{mesh.rank:04d}.pt"), weights_only=True)
+        if rng.compatible(states):          # not when saved on another kind of device (CPU vs CUDA)
+            rng.set_states(states)
     return meta

@@ -56,3 +56,19 @@ def peak_tflops(device: torch.device, dtype: str, tf32: bool, override: float = 
         return override
     key = gpu_key(device)
     return GPUS[key].tflops[math_dtype(dtype, tf32)] if key else None
+
+
+def set_tf32(enabled: bool) -> bool:
+    """Let fp32 matmuls on CUDA run on TF32 tensor cores (or not); returns whether they did before.
+    torch >= 2.9 has `matmul.fp32_precision`, and once it is set, reading the legacy `allow_tf32`
+    raises (as inductor does), so only one of the two APIs is ever used. Convolutions (cuDNN) are
+    left alone: the model has none."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        before = matmul.fp32_precision == "tf32"
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = enabled
+    return before
+

@@ -1,6 +1,7 @@
 """The process around training: the launcher's environment, how a run fails, signals, the run lock.
 
-* `launch_env()`: rank, world size, local rank and local world size from torchrun or SLURM.
+* `launch_env()`: rank, world size, local rank and local world size from torchrun or SLURM;
+  `gpu_slot()`: which of the GPUs this process sees are its own.
 * `fail(message, code, reporter)`: the one way a rank ends on an error it can explain. The reporting
   rank (0 by default) prints `error: <message>` at once; the others wait, so that when every rank
   knows the same problem the message is printed once (torchrun stops them when the reporter exits).
@@ -45,6 +46,17 @@ def launch_env() -> tuple[int, int, int, int]:
         return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
                 int(per_node) if per_node.isdigit() else local_rank + 1)
     return 0, 1, 0, 1
+
+
+def gpu_slot() -> tuple[int, int]:
+    """(this rank's index among the ranks that see the same GPUs, how many ranks see them): the local
+    rank and local world size, except under SLURM with GPUs bound per task (--gpus-per-task, which
+    sets SLURM_GPUS_PER_TASK and gives each task its own CUDA_VISIBLE_DEVICES): (0, 1)."""
+    _, _, local_rank, local_world_size = launch_env()
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and env.get("SLURM_GPUS_PER_TASK"):
+        return 0, 1
+    return local_rank, local_world_size
 
 
 def write_error_file(message: str) -> None:

@@ -66,6 +66,9 @@ class PipelineEngine:
         pp, vpp = self.mesh.pp, self.cfg.vpp
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        # the step's tokens reach the device in one copy, and only where a chunk reads them
+        if any(c.has_embedding or c.has_head for c in self.chunks):
+            batch = batch.to(self.device)
         self.trace = []
         for a in comm_batches(actions):
             if isinstance(a, tuple):
@@ -74,7 +77,7 @@ class PipelineEngine:
             start = time.perf_counter()
             chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
             if a.op == "forward":
-                tokens = batch[a.microbatch].to(self.device)
+                tokens = batch[a.microbatch]
                 x = tokens[:, :-1] if chunk.has_embedding else inputs[key]
                 out = chunk(x, tokens[:, 1:] if chunk.has_head else None)
                 if chunk.has_head:

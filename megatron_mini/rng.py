@@ -53,6 +53,11 @@ class RNGTracker:
     def get_states(self) -> dict:
         return {"default": self._get(), **{k: v.clone() for k, v in self.states.items()}}
 
+    def compatible(self, states: dict) -> bool:
+        """Whether `states` (get_states of some run) fit this tracker's device: a CUDA generator's state
+        is 16 bytes, a CPU one's 5056, so a checkpoint saved on one kind of device cannot seed the other."""
+        return all(v.shape == self.states["model-parallel"].shape for v in states.values())
+
     def set_states(self, states: dict) -> None:
         self._set(states["default"])
         self.states = {k: v.clone() for k, v in states.items() if k != "default"}

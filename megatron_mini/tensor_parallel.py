@@ -190,15 +190,47 @@ def gather_full(t: torch.Tensor, spec: ParamSpec, tp_group: Group) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------- layers
+def _addmm_fp32_out(out, a, b):
+    torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+
+
+def _mm_fp32_then_add(out, a, b):
+    out.add_(torch.mm(a, b, out_dtype=out.dtype))
+
+
+def _mm_then_add(out, a, b):
+    out.add_(a @ b)
+
+
+GEMM_INTO_FP32 = {"addmm": _addmm_fp32_out, "mm": _mm_fp32_then_add, "cast": _mm_then_add}
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_into_fp32(device_type: str, dtype: torch.dtype) -> str:
+    """How this torch adds a product of two `dtype` matrices into an fp32 tensor on `device_type`:
+    "addmm" (one GEMM with an fp32 output that adds into it: CUDA, torch >= 2.10), "mm" (an fp32-output
+    GEMM, then an add: torch 2.8, 2.9, whose addmm wants self in the inputs' dtype), or "cast" (a product
+    in `dtype`, then an add: the CPU, older torch). Probed once on small matrices."""
+    a = torch.ones(16, 16, dtype=dtype, device=device_type)
+    for way in ("addmm", "mm"):
+        out = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
+        try:
+            GEMM_INTO_FP32[way](out, a, a)
+        except (TypeError, RuntimeError, NotImplementedError):
+            continue
+        if torch.equal(out, torch.full_like(out, 16.0)):
+            return way
+    return "cast"
+
+
 def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out += a @ b with `out` fp32 and a, b in the model dtype: on CUDA one GEMM with an fp32 output
-    that adds into `out` (no 16-bit product, no separate add), else a matmul and an add."""
+    """out += a @ b with `out` fp32 and a, b in the model dtype: one GEMM with an fp32 output that adds
+    into `out` where torch has it (no 16-bit product, no separate add; gemm_into_fp32), else the
+    nearest this torch offers."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-    elif a.is_cuda:
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
-        out.add_(a @ b)
+        GEMM_INTO_FP32[gemm_into_fp32(a.device.type, a.dtype)](out, a, b)
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):

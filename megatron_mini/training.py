@@ -24,10 +24,11 @@ import torch.distributed as dist
 from . import checkpoint
 from .errors import CommError
 from .files import atomic_write
+from .hardware import set_tf32
 from .kernels import interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
-from .launch import RunLock, StopRequest, Terminated, follow_parent, launch_env
+from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
@@ -48,9 +49,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     """This rank's device and the process-group backend (mesh.choose_device), and the fp32 matmul
     precision on CUDA: TF32 tensor cores unless precision.tf32=false."""
-    _, _, local_rank, local_world_size = launch_env()
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    device, backend = choose_device(cfg.device, cfg.dist_backend, local_rank, local_world_size, gpus)
+    device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
     if cfg.kernels == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("kernels=triton needs the triton package (Linux with a GPU); use kernels=torch or auto.")
@@ -58,8 +58,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
             raise ConfigError("kernels=triton on the CPU runs the kernels in Triton's interpreter (slow; for tests): "
                               "set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
+        set_tf32(cfg.precision.tf32)
     return device, backend
 
 

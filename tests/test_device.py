@@ -10,8 +10,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
-from megatron_mini.hardware import GPUS, math_dtype, peak_tflops
+from megatron_mini.hardware import GPUS, math_dtype, peak_tflops, set_tf32
+from megatron_mini.launch import gpu_slot
 from megatron_mini.mesh import choose_device
+from megatron_mini.rng import RNGTracker
 from megatron_mini.model import ParallelContext, build_chunks
 
 
@@ -49,6 +51,57 @@ def test_device_cuda_shares_gpus_over_gloo():
 def test_impossible_device_choices_are_refused(device, backend, local_world, gpus, fact):
     with pytest.raises(ConfigError, match=fact):
         choose_device(device, backend, 0, local_world, gpus)
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_PER_TASK")
+
+
+@pytest.mark.parametrize("env, slot, device", [
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (1, 4), "cuda:1"),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4"}, (1, 4), "cuda:1"),
+    # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4",
+      "SLURM_GPUS_PER_TASK": "1"}, (0, 1), "cuda:0"),
+], ids=["torchrun", "slurm", "slurm-gpus-per-task"])
+def test_gpu_slot_under_each_launcher(monkeypatch, env, slot, device):
+    """With 4 GPUs visible (torchrun, plain srun) ranks take cuda:local_rank on NCCL; with one GPU bound
+    per SLURM task (device_count() = 1 in each of 4 tasks) every task takes its own cuda:0, on NCCL, not
+    a refusal for 4 ranks on 1 GPU."""
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert gpu_slot() == slot
+    gpus = 1 if "SLURM_GPUS_PER_TASK" in env else 4
+    assert [str(x) for x in choose_device("auto", "auto", *gpu_slot(), gpus)] == [device, "nccl"]
+
+
+def test_set_tf32_uses_one_api_and_returns_the_previous_setting():
+    """The switch round-trips, and afterwards torch's TF32 state can still be read through the API it
+    was set with (torch >= 2.9 raises when the legacy and new APIs are mixed)."""
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    raw = matmul.fp32_precision if new_api else matmul.allow_tf32      # restored as it was ("none" included)
+    try:
+        set_tf32(True)
+        assert set_tf32(False) is True
+        assert set_tf32(True) is False
+        assert (matmul.fp32_precision == "tf32") if new_api else matmul.allow_tf32
+    finally:
+        if new_api:
+            matmul.fp32_precision = raw
+        else:
+            matmul.allow_tf32 = raw
+
+
+def test_rng_states_of_another_kind_of_device_are_not_restored():
+    """A CUDA generator's state (16 bytes) cannot seed a CPU one (5056): a checkpoint saved on a GPU and
+    resumed on the CPU (or the other way) keeps this run's streams instead of crashing in set_rng_state."""
+    cpu = RNGTracker(seed=1, tp_rank=0, pp_rank=0, device=torch.device("cpu"))
+    assert cpu.compatible(cpu.get_states())
+    cuda_like = {"default": torch.zeros(16, dtype=torch.uint8), "model-parallel": torch.zeros(16, dtype=torch.uint8)}
+    assert not cpu.compatible(cuda_like)
 
 
 def test_peak_table_and_tf32():

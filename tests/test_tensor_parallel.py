@@ -584,3 +584,47 @@ def test_rng_tracker_streams(res, mesh):
                 assert same, f"ranks {g} and {h} (tp_rank {t}, DP replicas) drew different dropout masks"
             else:
                 assert not same, f"ranks {g} and {h} (tp_ranks {t}, {t2}) drew the same dropout mask"
+
+
+# ----------------------------------------------------------------------------- gradient accumulation GEMM
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_accumulate_matmul_adds_the_product_into_fp32(device, dtype):
+    """main_grad += dy^T x in whatever way this torch offers on the device (gemm_into_fp32): the fp64
+    product of the 16-bit inputs added to what was there, to fp32 accumulation rounding, plus one rounding
+    of the product to `dtype` where the way is "cast"."""
+    from megatron_mini.tensor_parallel import accumulate_matmul, gemm_into_fp32
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for shape in ((64, 96), (96, 48)))
+    out = torch.randn(64, 48, generator=g).to(device)
+    product = a.double() @ b.double()
+    expected = out.double() + product
+    bound = 2.0 ** -20 * (a.double().abs() @ b.double().abs() + out.double().abs())
+    if gemm_into_fp32(device, dtype) == "cast":
+        bound += product.abs() * torch.finfo(dtype).eps / 2
+    accumulate_matmul(out, a, b)
+    assert out.dtype == torch.float32
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_gemm_probe_skips_ways_that_fail_or_are_wrong(monkeypatch):
+    """A way this torch refuses (TypeError, as addmm without out_dtype) or that computes something else
+    is not chosen; the 16-bit product then an add always works."""
+    from megatron_mini import tensor_parallel as tp_mod
+
+    def refuses(out, a, b):
+        raise TypeError("addmm() got an unexpected keyword argument 'out_dtype'")
+
+    def wrong(out, a, b):
+        out.add_(1.0)
+
+    monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "addmm", refuses)
+    monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "mm", wrong)
+    tp_mod.gemm_into_fp32.cache_clear()
+    try:
+        assert tp_mod.gemm_into_fp32("cpu", torch.bfloat16) == "cast"
+        monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "mm", tp_mod._mm_then_add)   # a correct "mm" is taken
+        tp_mod.gemm_into_fp32.cache_clear()
+        assert tp_mod.gemm_into_fp32("cpu", torch.bfloat16) == "mm"
+    finally:
+        tp_mod.gemm_into_fp32.cache_clear()

@@ -13,7 +13,7 @@ times it side by side with the framework on CPU, tools/bench_gpu.py on a GPU.
 On a GPU, as nanoGPT runs it: `--dtype bf16` is torch.autocast(bfloat16) around the forward with
 fp32 weights, gradients and AdamW state; AdamW is the fused implementation (`fused=True`);
 `--compile` wraps the model in torch.compile (mode default); fp32 on CUDA turns TF32 matmuls on
-(torch.backends.cuda.matmul / cudnn .allow_tf32, process-wide). The weights are initialised on the
+(megatron_mini.hardware.set_tf32, process-wide). The weights are initialised on the
 CPU from the seed and then moved, so every device starts from the same model, and the batch
 tokens are drawn on the CPU generator seeded with the seed.
 """
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from megatron_mini.hardware import set_tf32
 
 
 @dataclass
@@ -140,8 +142,7 @@ class BaselineTrainer:
         self.device, self.dtype = resolve_device(device), dtype
         cuda = self.device.type == "cuda"
         if cuda and dtype == "fp32":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            set_tf32(True)    # the library's switch: one TF32 API in a process that also runs megatron_mini
         self.model = GPT(cfg).to(self.device)       # initialised on the CPU: the same weights on any device
         self.forward = torch.compile(self.model) if compile else self.model
         self.optimizer = make_optimizer(self.model, fused=cuda)

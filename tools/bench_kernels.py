@@ -214,16 +214,17 @@ def bench_path(fn, sets: list, timer: Timer) -> dict:
 def max_rel_error(fn, ref, s: dict) -> float:
     """max |fn - ref| / max |ref| over outputs and input gradients; ref runs in fp32 (TF32 off)."""
     import torch
+
+    from megatron_mini.hardware import set_tf32
     outs = _as_tuple(fn(*s["args"]))
     grads = torch.autograd.grad(outs, s["leaves"], s["douts"])
     up = [t.detach().float().requires_grad_() for t in s["leaves"]]    # every arg is a leaf here
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    tf32 = set_tf32(False)
     try:
         routs = _as_tuple(ref(*up))
         rgrads = torch.autograd.grad(routs, up, [d.float() for d in s["douts"]])
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        set_tf32(tf32)
     errs = []
     for a, r in zip(list(outs) + list(grads), list(routs) + list(rgrads)):
         scale = r.detach().abs().max().item()
