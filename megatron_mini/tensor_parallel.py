@@ -208,9 +208,9 @@ GEMM_INTO_FP32 = {"addmm": _addmm_fp32_out, "mm": _mm_fp32_then_add, "cast": _mm
 @functools.lru_cache(maxsize=None)
 def gemm_into_fp32(device_type: str, dtype: torch.dtype) -> str:
     """How this torch adds a product of two `dtype` matrices into an fp32 tensor on `device_type`:
-    "addmm" (one GEMM with an fp32 output that adds into it: CUDA, torch >= 2.10), "mm" (an fp32-output
-    GEMM, then an add: torch 2.8, 2.9, whose addmm wants self in the inputs' dtype), or "cast" (a product
-    in `dtype`, then an add: the CPU, older torch). Probed once on small matrices."""
+    "addmm" (one GEMM with an fp32 output that adds into it: CUDA, with pytorch#167931, Nov 2025), "mm"
+    (an fp32-output GEMM, then an add: CUDA from torch 2.8, where addmm still wants self in the inputs'
+    dtype), or "cast" (a product in `dtype`, then an add: the CPU, older torch). Probed once."""
     a = torch.ones(16, 16, dtype=dtype, device=device_type)
     for way in ("addmm", "mm"):
         out = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
