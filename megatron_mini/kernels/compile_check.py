@@ -13,7 +13,6 @@ lowers to PTX and the ptxas it ships assembles a cubin for the target (sm_90 = H
     smem      dynamic shared memory per block (<= 227 KiB on sm_90)
     blocks    resident blocks per SM = min(64 K regs / (regs * threads), 228 KiB / (smem + 1 KiB),
               64 warps / warps, 32), with registers allocated per warp in units of 256
-    occupancy blocks * warps / 64
 
 `launches()` lists what `layernorm.py` and `attention.py` launch on a GPU: the LayerNorm autotune
 candidates that survive their pruning at 7 widths (x [16384, N], weights in x's dtype, as the model
@@ -46,7 +45,6 @@ class Arch:
     name: str
     cc: int                   # compute capability, e.g. 90
     regs_per_sm: int = 65536
-    max_regs_per_thread: int = 255
     smem_per_block: int = 232448     # opt-in maximum of dynamic shared memory per block (bytes)
     smem_per_sm: int = 233472
     smem_reserved: int = 1024        # per block, by the system
@@ -75,6 +73,7 @@ class Launch:
 
 @dataclass
 class Compiled:
+    """What the compiler made of one launch (or why it could not)."""
     launch: Launch
     seconds: float
     mma: str = "-"
