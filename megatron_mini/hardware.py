@@ -60,9 +60,8 @@ def peak_tflops(device: torch.device, dtype: str, tf32: bool, override: float = 
 
 def set_tf32(enabled: bool) -> bool:
     """Let fp32 matmuls on CUDA run on TF32 tensor cores (or not); returns whether they did before.
-    torch >= 2.9 has `matmul.fp32_precision`, and once it is set, reading the legacy `allow_tf32`
-    raises (as inductor does), so only one of the two APIs is ever used. Convolutions (cuDNN) are
-    left alone: the model has none."""
+    Newer torch has `matmul.fp32_precision`, and once it is set, reading the legacy `allow_tf32` raises,
+    so only one of the two APIs is ever used. Convolutions (cuDNN) are left alone: the model has none."""
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         before = matmul.fp32_precision == "tf32"
@@ -71,4 +70,3 @@ def set_tf32(enabled: bool) -> bool:
         before = matmul.allow_tf32
         matmul.allow_tf32 = enabled
     return before
-

@@ -207,14 +207,10 @@ def test_add_layer_norm_gpu_launch_config(gpu_launch_config, shape):
     _check_add_layer_norm(*_add_inputs(shape))
 
 
-_FWD_BUDGET = (layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.FWD_REGS)
-_BWD_BUDGET = (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.BWD_REGS)
-
-
 def _gpu_configs(block_n=1024):
     """Every GPU autotune candidate that fits rows of block_n, for the forward and the backward."""
     params = []
-    for kernel, budget in (("fwd", _FWD_BUDGET), ("bwd", _BWD_BUDGET)):
+    for kernel, budget in (("fwd", layernorm.FWD_BUDGET), ("bwd", layernorm.BWD_BUDGET)):
         for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, *budget):
             params.append(pytest.param(kernel, c, id=f"{kernel}-BLOCK_M{c.kwargs['BLOCK_M']}-warps{c.num_warps}"))
     return params
@@ -250,8 +246,8 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
 def test_gpu_configs_fit_every_width(block_n):
     """Every fused width gets candidates (an empty list would leave the autotuner nothing) within the
     tile and per-thread bounds, each within its per-thread register share (64 K / threads, <= 255)."""
-    for (tile, per_thread, regs), widest in ((_FWD_BUDGET, layernorm.MAX_FUSED_N),
-                                             (_BWD_BUDGET, layernorm.MAX_FUSED_BWD_N)):
+    for (tile, per_thread, regs), widest in ((layernorm.FWD_BUDGET, layernorm.MAX_FUSED_N),
+                                             (layernorm.BWD_BUDGET, layernorm.MAX_FUSED_BWD_N)):
         if block_n > widest:
             continue
         fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread, regs)

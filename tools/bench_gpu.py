@@ -53,8 +53,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
 
-from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table, ratio, read_doc_section,  # noqa: E402
-                          short_error, write_doc_section)
+from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table,  # noqa: E402
+                          ratio, read_doc_section, short_error, write_doc_section)
 from bench.harness import free_port  # noqa: E402
 from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
 

@@ -7,8 +7,8 @@
   (the kernels themselves are in attention_kernels.py).
 
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
-can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1
-before importing a submodule.
+can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter:
+set TRITON_INTERPRET=1 before importing a submodule.
 """
 import os
 

@@ -55,6 +55,8 @@ FWD_PER_THREAD, BWD_PER_THREAD = (8, 32), (8, 16)   # 8: one 16-byte load of 16-
 # 104 at 32 elements, the backward up to 124 at 8 and 206 at 16); a block of W warps may use at most
 # 64 K / (32 W) (<= 255) each, and a config past that spills to local memory
 FWD_REGS, BWD_REGS = (24, 2.5), (40, 11)
+FWD_BUDGET = (FWD_TILE, FWD_PER_THREAD, FWD_REGS)   # what fitting_configs holds each pass's configs to
+BWD_BUDGET = (BWD_TILE, BWD_PER_THREAD, BWD_REGS)
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
 # the wrappers take their GPU path; otherwise _launch picks BLOCK_M there)
 INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 2}, num_warps=4)]
@@ -77,11 +79,11 @@ def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple, regs:
     return fit or [triton.Config({"BLOCK_M": max(1, tile[0] // block_n)}, num_warps=4)]
 
 
-def _autotune(key, tile, per_thread, regs):
+def _autotune(key, budget):
     """triton.autotune (timings cached on disk) over the CONFIGS that fit the row width, BLOCK_N;
     under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
-        return fitting_configs(configs, kwargs["BLOCK_N"], tile, per_thread, regs)
+        return fitting_configs(configs, kwargs["BLOCK_N"], *budget)
 
     return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=key,
                            prune_configs_by={"early_config_prune": prune}, cache_results=True)
@@ -98,7 +100,7 @@ def _load_h(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
     return x
 
 
-@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_TILE, FWD_PER_THREAD, FWD_REGS)
+@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_BUDGET)
 @triton.jit
 def _fwd(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_rows, n_cols, eps,
          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -147,7 +149,7 @@ def _bwd_tile(X, DY, DH, Mu, Rstd, tile, cols, col_ok, n_rows, stride_x, stride_
     return x, x0, dy, dh, mu, rstd
 
 
-@_autotune(["n_cols", "HAS_DRES"], BWD_TILE, BWD_PER_THREAD, BWD_REGS)
+@_autotune(["n_cols", "HAS_DRES"], BWD_BUDGET)
 @triton.jit
 def _bwd(X, DY, DH, DX, W, Mu, Rstd, Part, stride_x, stride_dy, stride_dh, stride_dx, n_rows, n_cols,
          HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
