@@ -64,9 +64,12 @@ class Facts:
 
 
 def _merged(a: dict, b: dict) -> dict:
-    """The sum of two ledgers {(group, op): (calls, bytes)}, without empty entries (a layer counted 0 times)."""
+    """The sum of two ledgers {(group, op): (calls, bytes)}, without empty entries (a layer counted 0 times),
+    in key order (a set's order follows the string hash, which differs between processes, and so would
+    the order of the float sums over the ledger: spawned planner workers would differ in the last bit)."""
     zero = (0, 0)
-    out = {k: (a.get(k, zero)[0] + b.get(k, zero)[0], a.get(k, zero)[1] + b.get(k, zero)[1]) for k in a.keys() | b.keys()}
+    out = {k: (a.get(k, zero)[0] + b.get(k, zero)[0], a.get(k, zero)[1] + b.get(k, zero)[1])
+           for k in sorted(a.keys() | b.keys())}
     return {k: v for k, v in out.items() if v != zero}
 
 

@@ -238,7 +238,11 @@ def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None =
     if workers == 1:
         estimates = [estimate(planner, cfg, base.cluster) for cfg in valid]
     else:
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        # fork is quick, but where a GPU is visible autograd's first backward starts a thread per device, and
+        # torch refuses autograd in a child forked after that: spawn there (seen on an H100 in pytest)
+        import torch
+        fork = sys.platform == "linux" and not torch.cuda.is_available()
+        context = multiprocessing.get_context("fork" if fork else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived
             estimates = _in_processes(pool, planner, valid, base.cluster, workers)
     estimates.sort(key=lambda e: (not e.fits, e.step_s))

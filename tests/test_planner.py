@@ -122,7 +122,12 @@ def test_every_valid_layout_is_enumerated_once(small_data, tmp_path):
     assert refused["tp larger than a node"] == 2 and sum(refused.values()) > 2      # tp = 8, 16
 
 
-def test_workers_plan_what_one_process_plans(small_data, tmp_path):
+@pytest.mark.parametrize("gpu_visible", [False, True], ids=["fork", "spawn"])
+def test_workers_plan_what_one_process_plans(small_data, tmp_path, monkeypatch, gpu_visible):
+    """Workers forked (CPU-only machines) or spawned (a GPU visible: torch refuses autograd in a child forked
+    after a backward there) plan bit for bit what one process plans (spawned workers hash strings with
+    another seed: no float sum may follow a set's order)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_visible)
     base = _cluster_config(small_data, tmp_path, 32)
     one, two = plan(base, workers=1), plan(base, workers=2)
     assert len(one.estimates) >= 32                       # enough for plan() to use the two workers

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet):
+#
+#   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
+#   tools/gpu_session.sh suite    # the other tests with CUDA visible, and `make train`'s run on 1 GPU
+#   tools/gpu_session.sh bench    # make bench-kernels and make bench-gpu, written into docs/benchmarks.md
+#
+# It needs hydra-core/omegaconf wheels in .gpu/wheels and, for `suite`, the prepared data in data/
+# (both ignored; carried with the call). The stage's logs and result files are packed into
+# $OUT/session.tgz; the last lines printed are a short summary.
+set -u
+STAGE=${1:?stage: check, suite or bench}
+OUT=${OUT:-/tmp/gpu_out}
+LOGS=/tmp/session
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
+PY=python3
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+  >"$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site
+
+step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__,
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
+  nproc; } >"$LOGS/env.txt" 2>&1
+
+# pytest on the GPU machine: -v (names as they finish), and the thread timeout, which ends a test stuck in a
+# CUDA call and prints every stack (the signal one cannot); tests run in parallel (-n), or the kernel tests'
+# compiles alone outlast a call (seen: 46 tests in 200 s)
+PYTEST="$PY -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout-method=thread"
+K="tests/test_kernels.py tests/test_attention.py tests/test_model_kernels.py tests/test_device.py tests/test_kernel_compile.py"
+case $STAGE in
+check)
+  $PY -c "import torch; from megatron_mini.tensor_parallel import gemm_into_fp32 as g
+print('gemm_into_fp32 cuda bf16:', g('cuda', torch.bfloat16), '| fp16:', g('cuda', torch.float16))" >>"$LOGS/env.txt" 2>&1
+  step pytest_gpu 240 $PYTEST --timeout 150 -n 4 $K tests/test_tensor_parallel.py
+  step bench_kernels 140 env TRITON_PRINT_AUTOTUNING=1 $PY tools/bench_kernels.py --no-compile --rep 60 --out "$LOGS"
+  step bench_gpu 170 $PY tools/bench_gpu.py --models small --rows default,torch,triton,baseline-compile \
+    --steps 8 --out "$LOGS"
+  tails="pytest_gpu"
+  tables="bench_kernels.md bench_gpu.md"
+  ;;
+suite)
+  step pytest_rest 360 $PYTEST --timeout 120 -n 8 --durations=10 $(for f in $K; do echo "--ignore=$f"; done)
+  # make train's run (no venv: the machine has no internet), on the carried data/
+  step train_1gpu 100 $PY -m torch.distributed.run --standalone --nproc_per_node=1 train.py run_name=gpu-tiny \
+    resume=never wandb.mode=disabled
+  tails="pytest_rest train_1gpu"
+  tables=""
+  ;;
+bench)
+  cp docs/benchmarks.md "$LOGS/"
+  step bench_kernels 260 $PY tools/bench_kernels.py --out "$LOGS" --doc "$LOGS/benchmarks.md"
+  step bench_gpu 300 $PY tools/bench_gpu.py --out "$LOGS" --doc "$LOGS/benchmarks.md"
+  tails=""
+  tables="bench_kernels.md bench_gpu.md"
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+
+tar czf "$OUT/session.tgz" -C "$LOGS" .
+echo "================ summary ($STAGE)"
+cat "$LOGS/env.txt" "$LOGS/steps.txt"
+for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|Timeout|[0-9]+ (passed|failed)|^done:' "$LOGS/$t.log" | cut -c1-200; done
+for t in $tables; do echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | head -60; done
