@@ -42,7 +42,7 @@ DType = choice("DType", "fp32", "fp16", "bf16")
 Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
-Kernels = choice("Kernels", "auto", "triton", "torch")
+Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention")   # the last two: Triton for that op only
 WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
 
 
@@ -160,7 +160,8 @@ class TrainConfig:
     pipeline_first_blocks: int = 0   # explicit block count of the first block stage (0: balanced)
     pipeline_last_blocks: int = 0    # explicit block count of the last block stage (0: balanced)
     recompute: Recompute = Recompute.none
-    kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU
+    kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
+                                     # attention: Triton for that op, torch for the other
     compile: bool = False            # torch.compile each block (collectives and linears stay eager)
     # batch and schedule
     mbs: int = 4

@@ -33,7 +33,8 @@ from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear
 class TritonOps:
     """Which fused ops run the Triton kernels (True) rather than torch (False): kernels=torch uses
     F.layer_norm and F.scaled_dot_product_attention everywhere; kernels=triton the Triton kernels
-    (on CPU through the interpreter); kernels=auto torch, except where `make bench-kernels` measured
+    (on CPU through the interpreter); kernels=layer_norm or attention the Triton kernel of that op
+    only; kernels=auto torch, except where `make bench-kernels` measured
     the Triton kernel faster than every torch path on this GPU at this size (TRITON_WINS), so auto
     is never slower than kernels=torch."""
     layer_norm: bool = False
@@ -48,7 +49,7 @@ TRITON_WINS: frozenset = frozenset()
 
 def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
     if kernels != "auto":
-        return TritonOps(layer_norm=kernels == "triton", attention=kernels == "triton")
+        return TritonOps(layer_norm=kernels in ("triton", "layer_norm"), attention=kernels in ("triton", "attention"))
     gpu = gpu_key(device)
     return TritonOps(layer_norm=("layer_norm", gpu, model.hidden_size) in TRITON_WINS,
                      attention=("attention", gpu, model.hidden_size // model.num_heads) in TRITON_WINS)

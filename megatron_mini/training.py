@@ -51,12 +51,13 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     precision on CUDA: TF32 tensor cores unless precision.tf32=false."""
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
-    if cfg.kernels == "triton":
+    if cfg.kernels not in ("auto", "torch"):
         if importlib.util.find_spec("triton") is None:
-            raise ConfigError("kernels=triton needs the triton package (Linux with a GPU); use kernels=torch or auto.")
+            raise ConfigError(f"kernels={cfg.kernels} needs the triton package (Linux with a GPU); use kernels=torch "
+                              "or auto.")
         if device.type == "cpu" and not interpreting():
-            raise ConfigError("kernels=triton on the CPU runs the kernels in Triton's interpreter (slow; for tests): "
-                              "set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
+            raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter (slow; for "
+                              "tests): set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
     if device.type == "cuda":
         set_tf32(cfg.precision.tf32)
     return device, backend

@@ -12,6 +12,7 @@ Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a m
 Rows (bf16 unless named):
   default           megatron_mini with its default config (kernels=auto)
   torch / triton    kernels=torch / kernels=triton
+  layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention
   compile           kernels=auto, compile=true (torch.compile per block)
   fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
@@ -62,10 +63,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {"small": ("gpt2-small", 16, 8), "medium": ("gpt2-medium", 8, 8), "1.3b": ("gpt3-1.3b", 8, 8)}
 VOCAB = 8192
-ROWS = ["default", "torch", "triton", "compile", "fp16", "baseline", "baseline-compile"]
+ROWS = ["default", "torch", "triton", "layer_norm", "compile", "fp16", "baseline", "baseline-compile"]
 ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto), bf16",
             "torch": "megatron_mini, kernels=torch, bf16",
             "triton": "megatron_mini, kernels=triton, bf16",
+            "layer_norm": "megatron_mini, kernels=layer_norm (Triton LayerNorm, torch attention), bf16",
             "compile": "megatron_mini, kernels=auto, compile=true, bf16",
             "fp16": "megatron_mini, kernels=auto, fp16",
             "baseline": "plain GPT-2 (tools/baseline_gpt2.py), eager, bf16 autocast",
@@ -96,10 +98,8 @@ def framework_config(row: str, model, mbs: int, m: int, device: str):
     from megatron_mini.config import PrecisionConfig
     precision = dataclasses.replace(PrecisionConfig(), dtype="bf16")
     over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
-    if row == "torch":
-        over["kernels"] = "torch"
-    elif row == "triton":
-        over["kernels"] = "triton"
+    if row in ("torch", "triton", "layer_norm"):
+        over["kernels"] = row
     elif row == "compile":
         over["compile"] = True
     elif row == "fp16":
