@@ -1,5 +1,6 @@
-"""kernels=triton trains the same model as the torch reference path: on the GPU when there is one
-(fp32 with TF32 off, so both paths do IEEE fp32 math), else on CPU under the Triton interpreter."""
+"""Which ops each `kernels` setting gives to Triton, and kernels=triton training the same model as the torch
+reference path: on the GPU when there is one (fp32 with TF32 off, so both paths do IEEE fp32 math), else on
+CPU under the Triton interpreter."""
 import pytest
 import torch
 
