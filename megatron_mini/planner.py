@@ -26,6 +26,8 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from .config import ConfigError, TrainConfig, validate
 from .hardware import GPUS, math_dtype
 from .pipeline import partition_for
@@ -240,7 +242,6 @@ def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None =
     else:
         # fork is quick, but where a GPU is visible autograd's first backward starts a thread per device, and
         # torch refuses autograd in a child forked after that: spawn there (seen on an H100 in pytest)
-        import torch
         fork = sys.platform == "linux" and not torch.cuda.is_available()
         context = multiprocessing.get_context("fork" if fork else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived

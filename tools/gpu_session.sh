@@ -3,13 +3,16 @@
 #
 #   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
 #   tools/gpu_session.sh suite    # the other tests with CUDA visible, and `make train`'s run on 1 GPU
-#   tools/gpu_session.sh bench    # make bench-kernels and make bench-gpu, written into docs/benchmarks.md
+#   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
+#                                         # a call has 10 minutes), their tables written into a copy of
+#                                         # docs/benchmarks.md in session.tgz
 #
 # It needs hydra-core/omegaconf wheels in .gpu/wheels and, for `suite`, the prepared data in data/
 # (both ignored; carried with the call). The stage's logs and result files are packed into
 # $OUT/session.tgz; the last lines printed are a short summary.
 set -u
 STAGE=${1:?stage: check, suite or bench}
+MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
 mkdir -p "$OUT" "$LOGS"
@@ -60,7 +63,7 @@ suite)
 bench)
   cp docs/benchmarks.md "$LOGS/"
   step bench_kernels 260 $PY tools/bench_kernels.py --out "$LOGS" --doc "$LOGS/benchmarks.md"
-  step bench_gpu 300 $PY tools/bench_gpu.py --out "$LOGS" --doc "$LOGS/benchmarks.md"
+  step bench_gpu 300 $PY tools/bench_gpu.py --models "$MODELS" --out "$LOGS" --doc "$LOGS/benchmarks.md"
   tails=""
   tables="bench_kernels.md bench_gpu.md"
   ;;
