@@ -162,7 +162,8 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
                                      # attention: Triton for that op, torch for the other
-    compile: bool = False            # torch.compile each block (collectives and linears stay eager)
+    compile: Optional[bool] = None   # torch.compile each block (collectives stay eager); unset: on CUDA unless
+                                     # a Triton kernel is chosen (model.select_compile)
     # batch and schedule
     mbs: int = 4
     gbs: int = 32

@@ -47,6 +47,16 @@ class TritonOps:
 TRITON_WINS: frozenset = frozenset()
 
 
+def select_compile(compile: bool | None, triton: TritonOps, device: torch.device) -> bool:
+    """compile=true/false as given; unset (auto): torch.compile the blocks on CUDA, where inductor's
+    fused LayerNorm, residual, GELU and bias-gradient kernels beat eager (docs/benchmarks.md: gpt2-small
+    on an H100, 227 ms against 265 ms a step), unless one of the project's Triton kernels is chosen
+    (those run eagerly)."""
+    if compile is not None:
+        return compile
+    return torch.device(device).type == "cuda" and not (triton.layer_norm or triton.attention)
+
+
 def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
     if kernels != "auto":
         return TritonOps(layer_norm=kernels in ("triton", "layer_norm"), attention=kernels in ("triton", "attention"))
@@ -71,6 +81,13 @@ class ParallelContext:
     def one_device(cls, device, seed: int = 0) -> "ParallelContext":
         """No parallelism, torch kernels: a whole model on one device (inference, tests)."""
         return cls(Group("tp", [0], None, Ledger()), RNGTracker(seed, 0, 0, torch.device(device)))
+
+    @property
+    def compile_chunks(self) -> bool:
+        """compile=true compiles a chunk's run of blocks as one graph where nothing in it needs to stay
+        eager (no TP collective, no full recompute): the per-call cost of a compiled region (guards,
+        the autograd wrapper) is then paid once per microbatch, not once per block. Else each block."""
+        return self.compile and self.tp_group.size == 1 and self.recompute != Recompute.full
 
 
 class LayerNorm(nn.Module):
@@ -270,7 +287,7 @@ class Block(Layer):
         self.ln2 = LayerNorm(m, ctx, device)
         self.mlp = MLP(m, ctx, device)
         self.dropout = Dropout(m.dropout, ctx)
-        if ctx.compile:     # the graphs between the (eager) linears and collectives: LN, residual, GELU, ...
+        if ctx.compile and not ctx.compile_chunks:    # a graph per block between the (eager) collectives
             self._forward = torch.compile(self._forward, dynamic=False)
 
     def _forward(self, x, r, cache=None):
@@ -302,6 +319,9 @@ class Head(Layer):
             word_embeddings = new_param((m.padded_vocab_size // ctx.tp_group.size, m.hidden_size),
                                         ParamSpec("normal", m.init_std, tp_dim=0, tied=True, copy=True), device=device)
         self.word_embeddings = word_embeddings
+        self.cross_entropy = vocab_parallel_cross_entropy
+        if ctx.compile and ctx.tp_group.size == 1:   # F.cross_entropy on fp32 logits: inductor fuses the cast
+            self.cross_entropy = torch.compile(vocab_parallel_cross_entropy, dynamic=False)   # and the log-softmax
 
     def global_name(self, local: str) -> str:
         return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
@@ -314,29 +334,35 @@ class Head(Layer):
                                         self.tp_group, self.sp, fuse_wgrad=False)
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
-                                            self.label_smoothing).sum()
+        return self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing).sum()
 
 
 class GPTChunk(nn.Module):
     """A contiguous slice of the layer list, run by one (virtual) pipeline stage."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, compile_blocks: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.has_embedding = isinstance(layers[0], Embedding)
         self.has_head = isinstance(layers[-1], Head)
+        self.blocks = [layer for layer in layers if isinstance(layer, Block)]   # contiguous (a plain list)
+        if compile_blocks and self.blocks:      # ParallelContext.compile_chunks: the blocks as one graph
+            self._blocks = torch.compile(self._blocks, dynamic=False)
+
+    def _blocks(self, x, cache):
+        r = None                           # a block's output not yet added to the residual stream x
+        for block in self.blocks:
+            x, r = block(x, r, cache)
+        return x, r
 
     def forward(self, x, labels=None, cache: KVCache | None = None):
-        """The layers in turn: the head's loss (labels) or logits (no labels), else the last activation."""
-        r = None                           # a block's output not yet added to the residual stream x
-        for layer in self.layers:
-            if isinstance(layer, Block):
-                x, r = layer(x, r, cache)
-            elif isinstance(layer, Head):
-                return layer(x, labels, r)
-            else:
-                x = layer(x, cache)
+        """Embedding, blocks, head, those this chunk has: the head's loss (labels) or logits (no labels),
+        else the last activation."""
+        if self.has_embedding:
+            x = self.layers[0](x, cache)
+        x, r = self._blocks(x, cache)
+        if self.has_head:
+            return self.layers[-1](x, labels, r)
         return x if r is None else x + r
 
     def named_global_parameters(self):
@@ -369,7 +395,7 @@ def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed:
                 layers.append(Head(m, ctx, shared, device))
             else:
                 layers.append(Block(i - 1, m, ctx, device))
-        chunks.append(GPTChunk(layers))
+        chunks.append(GPTChunk(layers, ctx.compile_chunks))
     if torch.device(device).type != "meta":
         initialize(chunks, ctx.tp_group, seed)
     return chunks

@@ -258,17 +258,15 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         return dx, None, None
 
 
-@eager                      # its backward calls back into the GradBuffer
-def _accumulating_linear(x, weight, bias):
-    return _LinearWithGradAccumulation.apply(x, weight, bias)
-
-
 def linear(x, weight, bias=None):
     """F.linear, with the gradient-accumulation fusion when the parameters have fp32 main grads
-    (training under a GradBuffer); plain autograd otherwise (a bare model, inference)."""
+    (training under a GradBuffer); plain autograd otherwise (a bare model, inference), and under
+    torch.compile (compile=true), where the linear stays in the block's graph (a graph break per
+    linear costs more host time than the fusion saves) and AccumulateGrad's hook moves the
+    16-bit .grad into the main grad."""
     if (weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
-            and (bias is None or hasattr(bias, "main_grad"))):
-        return _accumulating_linear(x, weight, bias)
+            and (bias is None or hasattr(bias, "main_grad")) and not torch.compiler.is_compiling()):
+        return _LinearWithGradAccumulation.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -9,6 +9,7 @@ shared with every rank at the end of a step (in the loss all-reduce); then all s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import logging
@@ -33,7 +34,7 @@ from .logger import RunLogger, Throughput, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
 from .pipeline import PipelineEngine
-from .rank import DTYPES, build_rank, reduce_loss
+from .rank import DTYPES, build_rank, parallel_context, reduce_loss
 from .rng import RNGTracker, seed_default_stream
 
 
@@ -120,12 +121,14 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         seed_default_stream(cfg.seed, mesh.pp_rank)
         self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
+        self.compiled = parallel_context(cfg, mesh, self.rng, device).compile    # torch.compile per block
         self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, self.rng, device)
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
+        self.gc_frozen = False
 
     def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int]:
         """(mean loss per token, ranks asked to stop) of this step (reduce_loss)."""
@@ -151,6 +154,12 @@ class Trainer:
                                      f"{scaler.min_scale:g} (step {self.step + 1}): the gradients are not finite at any scale")
         self.step += 1
         self.consumed_samples += cfg.gbs
+        if not self.gc_frozen:
+            # what the first step built (compiled graphs, autotuned kernels: millions of objects) is set
+            # aside from the garbage collector, whose full passes would otherwise walk it mid-step
+            gc.collect()
+            gc.freeze()
+            self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
 
     def evaluate(self) -> float:
@@ -313,7 +322,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
-             f"{run.device} ({run.backend})")
+             f"{run.device} ({run.backend}){' | torch.compile per block' if trainer.compiled else ''}")
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 
