@@ -162,8 +162,7 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
                                      # attention: Triton for that op, torch for the other
-    compile: Optional[bool] = None   # torch.compile each block (collectives stay eager); unset: on CUDA unless
-                                     # a Triton kernel is chosen (model.select_compile)
+    compile: bool = False            # torch.compile: at tp=1 a chunk's blocks as one graph, else each block
     # batch and schedule
     mbs: int = 4
     gbs: int = 32

@@ -28,7 +28,7 @@ class MemoryReport:
             from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
             self.planned = planned_memory(trainer.cfg, self.mesh.dp)
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
-            if plan and not trainer.compiled else None
+            if plan and not trainer.cfg.compile else None
         self.ranks = []           # per rank: {"rank", "measured": {...}, "planned": {...}}
 
     def _gather(self, values: list) -> list:

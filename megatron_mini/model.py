@@ -47,16 +47,6 @@ class TritonOps:
 TRITON_WINS: frozenset = frozenset()
 
 
-def select_compile(compile: bool | None, triton: TritonOps, device: torch.device) -> bool:
-    """compile=true/false as given; unset (auto): torch.compile the blocks on CUDA, where inductor's
-    fused LayerNorm, residual, GELU and bias-gradient kernels beat eager (docs/benchmarks.md: gpt2-small
-    on an H100, 227 ms against 265 ms a step), unless one of the project's Triton kernels is chosen
-    (those run eagerly)."""
-    if compile is not None:
-        return compile
-    return torch.device(device).type == "cuda" and not (triton.layer_norm or triton.attention)
-
-
 def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
     if kernels != "auto":
         return TritonOps(layer_norm=kernels in ("triton", "layer_norm"), attention=kernels in ("triton", "attention"))

@@ -9,19 +9,12 @@ from . import comm
 from .config import TrainConfig
 from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
-from .model import ParallelContext, build_chunks, select_compile, select_triton_ops
+from .model import ParallelContext, build_chunks, select_triton_ops
 from .optimizer import Optimizer
 from .pipeline import local_stage_layers
 from .rng import RNGTracker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parallel_context(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: torch.device) -> ParallelContext:
-    """What the layers see of the run, with kernels=auto and compile=auto resolved for `device`."""
-    triton = select_triton_ops(cfg.kernels, cfg.model, device)
-    return ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute, triton,
-                           select_compile(cfg.compile, triton, device))
 
 
 def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: torch.device,
@@ -31,8 +24,9 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
     dtype = DTYPES[cfg.precision.dtype]
     if chunks is None:
-        chunks = build_chunks(cfg.model, parallel_context(cfg, mesh, rng, device), local_stage_layers(cfg, mesh.pp_rank),
-                              cfg.seed, device)
+        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
+                              select_triton_ops(cfg.kernels, cfg.model, device), cfg.compile)
+        chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
     seen, buffers = set(), []
     for chunk in chunks:
         chunk.to(dtype)

@@ -34,7 +34,7 @@ from .logger import RunLogger, Throughput, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
 from .pipeline import PipelineEngine
-from .rank import DTYPES, build_rank, parallel_context, reduce_loss
+from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker, seed_default_stream
 
 
@@ -121,7 +121,6 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         seed_default_stream(cfg.seed, mesh.pp_rank)
         self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
-        self.compiled = parallel_context(cfg, mesh, self.rng, device).compile    # torch.compile per block
         self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, self.rng, device)
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
@@ -322,7 +321,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
-             f"{run.device} ({run.backend}){' | torch.compile per block' if trainer.compiled else ''}")
+             f"{run.device} ({run.backend}){' | torch.compile' if cfg.compile else ''}")
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 

@@ -65,15 +65,16 @@ def test_bench_gpu_smoke(tmp_path):
     out = _run(["tools/bench_gpu.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])
     data = json.loads((tmp_path / "bench_gpu.json").read_text())
     recs = {r["row"]: r for r in data["results"]}
-    assert list(recs) == ["default", "eager", "torch", "triton", "layer_norm", "fp16", "baseline", "baseline-compile"]
-    must_run = ["default", "eager", "torch", "triton", "layer_norm", "fp16", "baseline"]
+    assert list(recs) == ["default", "torch", "triton", "layer_norm", "compile", "fp16", "baseline", "baseline-compile"]
+    must_run = ["default", "torch", "triton", "layer_norm", "fp16", "baseline"]
     for row in must_run:
         r = recs[row]
         assert r["status"] == "ok", (row, r.get("reason"))
         assert r["steps"] == 2 and all(_finite(t) and t > 0 for t in r["step_s"])
         assert _finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and _finite(r["model_tflops"])
         assert _finite(r["first_loss"]) and _finite(r["last_loss"]) and 4 < r["first_loss"] < 7   # ~ln(256)
-    assert recs["baseline-compile"]["status"] == "skipped"
+    for row in ("compile", "baseline-compile"):
+        assert recs[row]["status"] == "skipped"
     for row in must_run:
         assert f"| {row} | " in out
     text = doc.read_text()

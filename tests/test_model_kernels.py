@@ -8,7 +8,7 @@ from harness import small_config, train_on_ranks
 from ranks import spawn
 from megatron_mini import model
 from megatron_mini.config import ModelConfig
-from megatron_mini.model import TritonOps, select_compile, select_triton_ops
+from megatron_mini.model import TritonOps, select_triton_ops
 
 
 @pytest.mark.parametrize("kernels, ops", [("torch", (False, False)), ("triton", (True, True)),
@@ -38,14 +38,6 @@ def test_triton_kernels_train_like_torch(small_data, tmp_path):
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
 
 
-def test_compile_auto_is_on_for_cuda_without_triton_kernels():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert select_compile(None, TritonOps(), cuda) and not select_compile(None, TritonOps(), cpu)
-    assert not select_compile(None, TritonOps(layer_norm=True), cuda)
-    assert not select_compile(None, TritonOps(attention=True), cuda)
-    assert select_compile(True, TritonOps(), cpu) and not select_compile(False, TritonOps(), cuda)
-
-
 def _train_counting_graphs(cfg):
     """train(cfg) on this rank: (rank 0's history, dynamo's graph breaks, dynamo's graphs)."""
     from torch._dynamo.utils import counters
@@ -55,7 +47,7 @@ def _train_counting_graphs(cfg):
 
 def test_compiled_blocks_train_like_eager(small_data, tmp_path):
     """compile=true (torch.compile per block, inductor) trains the same model as eager (inductor's fused
-    kernels round like eager to ~1e-7 per op), on one rank and at tp=2 sp x pp=2 with selective
+    kernels round like eager to ~1e-7 per op), on one rank and at tp=2 with sp and selective
     recompute (a graph per block between the collectives). On one rank the chunk's blocks are one graph
     without a break (a break per linear, then a graph per block, cost more host time than eager gains:
     538 and 255 ms a step against 273 eager on an H100), and the cross-entropy another."""
@@ -64,9 +56,8 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
     (one, breaks, graphs), = spawn(1, _train_counting_graphs, small_config(small_data, tmp_path / "one", compile=True,
                                                                           **overrides), init_group=False)
     assert (breaks, graphs) == (0, 2)
-    layout = small_config(small_data, tmp_path / "tp2pp2", compile=True, tp=2, sp=True, pp=2, recompute="selective",
-                          **overrides)
-    four = spawn(4, _train_counting_graphs, layout, init_group=False)[0][0]
-    for run in (one, four):
+    layout = small_config(small_data, tmp_path / "tp2", compile=True, tp=2, sp=True, recompute="selective", **overrides)
+    two = spawn(2, _train_counting_graphs, layout, init_group=False)[0][0]
+    for run in (one, two):
         a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())

@@ -10,13 +10,11 @@ Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a m
   medium  gpt2-medium  mbs 8 x 8 x 1024                     (65,536)
   1.3b    gpt3-1.3b    mbs 8 x 8 x 2048                     (131,072)
 Rows (bf16 unless named):
-  default           megatron_mini with its default config (kernels=auto, compile=auto: torch.compile per
-                    block on CUDA, unless a Triton kernel is chosen)
-  eager             the default config with compile=false
-  torch             kernels=torch, compile=false
-  triton            kernels=triton (eager: compile=auto stays off with the project's Triton kernels)
-  layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention (eager)
-  fp16              the default config in fp16 (dynamic loss scaling from 2^16, so no step is skipped)
+  default           megatron_mini with its default config (kernels=auto)
+  torch / triton    kernels=torch / kernels=triton
+  layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention
+  compile           kernels=auto, compile=true (torch.compile per block)
+  fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
   baseline-compile  the same with torch.compile (the reference of the ratios)
 
@@ -65,17 +63,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {"small": ("gpt2-small", 16, 8), "medium": ("gpt2-medium", 8, 8), "1.3b": ("gpt3-1.3b", 8, 8)}
 VOCAB = 8192
-ROWS = ["default", "eager", "torch", "triton", "layer_norm", "fp16", "baseline", "baseline-compile"]
-ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto, compile=auto: compiled on CUDA), bf16",
-            "eager": "megatron_mini, kernels=auto, compile=false, bf16",
-            "torch": "megatron_mini, kernels=torch, compile=false, bf16",
-            "triton": "megatron_mini, kernels=triton (eager), bf16",
-            "layer_norm": "megatron_mini, kernels=layer_norm (Triton LayerNorm, torch attention; eager), bf16",
-            "fp16": "megatron_mini, default config, fp16",
+ROWS = ["default", "torch", "triton", "layer_norm", "compile", "fp16", "baseline", "baseline-compile"]
+ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto), bf16",
+            "torch": "megatron_mini, kernels=torch, bf16",
+            "triton": "megatron_mini, kernels=triton, bf16",
+            "layer_norm": "megatron_mini, kernels=layer_norm (Triton LayerNorm, torch attention), bf16",
+            "compile": "megatron_mini, kernels=auto, compile=true, bf16",
+            "fp16": "megatron_mini, kernels=auto, fp16",
             "baseline": "plain GPT-2 (tools/baseline_gpt2.py), eager, bf16 autocast",
             "baseline-compile": "plain GPT-2 + torch.compile, bf16 autocast"}
 REFERENCE = "baseline-compile"
-COMPILED = ("default", "fp16", "baseline-compile")      # on CUDA; a smoke run compiles nothing
 FP16_LOSS_SCALE = 2.0 ** 16
 
 
@@ -103,8 +100,8 @@ def framework_config(row: str, model, mbs: int, m: int, device: str):
     over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
     if row in ("torch", "triton", "layer_norm"):
         over["kernels"] = row
-    if row in ("eager", "torch"):
-        over["compile"] = False
+    elif row == "compile":
+        over["compile"] = True
     elif row == "fp16":
         precision = dataclasses.replace(precision, dtype="fp16", initial_loss_scale=FP16_LOSS_SCALE)
     over["precision"] = precision
@@ -146,12 +143,12 @@ class BaselineRunner:
 
 
 def build(row: str, model, mbs: int, m: int, device, smoke: bool):
-    if row == "baseline-compile" and smoke:
+    compiled = row in ("compile", "baseline-compile")
+    if compiled and smoke:
         raise RowSkipped("smoke run: no torch.compile")
     if row.startswith("baseline"):
-        return BaselineRunner(model, mbs, m, device, compile=row == "baseline-compile")
-    cfg = framework_config(row, model, mbs, m, device.type)
-    return FrameworkRunner(dataclasses.replace(cfg, compile=False) if smoke else cfg, device)
+        return BaselineRunner(model, mbs, m, device, compile=compiled)
+    return FrameworkRunner(framework_config(row, model, mbs, m, device.type), device)
 
 
 # ============================================================================ measuring
@@ -181,7 +178,8 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         rec["mem_at_start_gib"] = torch.cuda.memory_allocated(device) / 2 ** 30   # > 0: an earlier row leaked
-    warmup = args.warmup + (args.compile_warmup_extra if row in COMPILED else 0)
+    compiled = "compile" in row
+    warmup = args.warmup + (args.compile_warmup_extra if compiled else 0)
     try:
         t0 = time.perf_counter()
         runner = build(row, model, mbs, m, device, args.smoke)
@@ -234,7 +232,7 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     model, mbs, m = model_config(key, args.smoke)
     runner = build(row, model, mbs, m, device, args.smoke)
     try:
-        warmup = args.warmup + (args.compile_warmup_extra if row in COMPILED else 0)
+        warmup = args.warmup + (args.compile_warmup_extra if "compile" in row else 0)
         for _ in range(warmup):
             runner.step()
         _sync(device)
@@ -326,8 +324,8 @@ def model_goals(key: str, recs: list, smoke: bool) -> list:
         add(f"issue 10: {name} default / compiled baseline (tokens/s)", tok("default"), tok(REFERENCE), 1.15)
     if key == "small":
         add(f"issue 10: {name} default MFU", mfu("default"), 1, 0.43, "%")
-        add(f"issue 9: {name} kernels=auto / kernels=torch (both eager)", tok("eager"), tok("torch"), 1.0)
-        add(f"issue 9: {name} kernels=triton / kernels=torch (both eager)", tok("triton"), tok("torch"), 1.1)
+        add(f"issue 9: {name} kernels=auto / kernels=torch", tok("default"), tok("torch"), 1.0)
+        add(f"issue 9: {name} kernels=triton / kernels=torch", tok("triton"), tok("torch"), 1.1)
     if key == "1.3b":
         add(f"issue 10: {name} default MFU", mfu("default"), 1, 0.62, "%")
     add(f"issue 10: {name} fp16 / bf16 (default config)", tok("fp16"), tok("default"), 0.97)
