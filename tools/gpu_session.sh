@@ -47,7 +47,7 @@ check)
 print('gemm_into_fp32 cuda bf16:', g('cuda', torch.bfloat16), '| fp16:', g('cuda', torch.float16))" >>"$LOGS/env.txt" 2>&1
   step pytest_gpu 240 $PYTEST --timeout 150 -n 4 $K tests/test_tensor_parallel.py
   step bench_kernels 140 env TRITON_PRINT_AUTOTUNING=1 $PY tools/bench_kernels.py --no-compile --rep 60 --out "$LOGS"
-  step bench_gpu 170 $PY tools/bench_gpu.py --models small --rows torch,triton,layer_norm,baseline-compile \
+  step bench_gpu 170 $PY tools/bench_gpu.py --models small --rows default,compile,layer_norm,baseline-compile \
     --steps 8 --out "$LOGS"
   tails="pytest_gpu"
   tables="bench_kernels.md bench_gpu.md"

@@ -1,7 +1,7 @@
 """(Run as python docs/probes/train_step_host_2026-11-23.py ROWS MBS from the repository root, on a GPU.)
 Host vs GPU time of one training step: the same step at mbs 16 and mbs 1 (GPU work /16, launches the
 same), split into the engine's forward/backward (host return, then sync) and the optimizer."""
-import os, sys, statistics, time, dataclasses
+import os, sys, statistics, time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 os.environ.setdefault("WANDB_MODE", "disabled")
 import torch
