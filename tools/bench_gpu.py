@@ -13,7 +13,7 @@ Rows (bf16 unless named):
   default           megatron_mini with its default config (kernels=auto)
   torch / triton    kernels=torch / kernels=triton
   layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention
-  compile           kernels=auto, compile=true (torch.compile per block)
+  compile           kernels=auto, compile=true (torch.compile: at tp=1 the blocks as one graph)
   fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
   baseline-compile  the same with torch.compile (the reference of the ratios)
