@@ -79,6 +79,13 @@ class ParallelContext:
         the autograd wrapper) is then paid once per microbatch, not once per block. Else each block."""
         return self.compile and self.tp_group.size == 1 and self.recompute != Recompute.full
 
+    def dropout_stream(self, per_tp_rank: bool):
+        """The RNG stream a dropout draws from: the TP-rank stream (RNGTracker.fork) when its tensor differs
+        across TP ranks (`per_tp_rank`: local heads, a sequence shard) and there are several; else the
+        default stream. At tp=1 there is one rank, so no fork is needed, and none keeps a compiled graph
+        whole (switching generator state is a graph break)."""
+        return self.rng.fork() if per_tp_rank and self.tp_group.size > 1 else contextlib.nullcontext()
+
 
 class LayerNorm(nn.Module):
     """LayerNorm over h (fp32 statistics), with a fused residual add: `ln(x)` is LN(x) and
@@ -114,21 +121,23 @@ class LayerNorm(nn.Module):
 class Dropout(nn.Dropout):
     """Dropout on the residual stream: with sequence parallelism each TP rank holds other tokens, so
     its mask draws from the TP-rank stream; otherwise the TP ranks hold the same tokens and draw the
-    same mask from the default stream."""
+    same mask from the default stream (ParallelContext.dropout_stream)."""
 
     def __init__(self, p: float, ctx: ParallelContext):
         super().__init__(p)
         self.ctx = ctx
 
     def forward(self, x):
-        if self.ctx.sp and self.p and self.training:
-            with self.ctx.rng.fork():
-                return super().forward(x)
-        return super().forward(x)
+        with self.ctx.dropout_stream(self.ctx.sp and self.p > 0 and self.training):
+            return super().forward(x)
 
 
-def recomputed(fn, rng: RNGTracker, *args):
-    """Run fn(*args) under activation checkpointing, replaying the same dropout masks in backward."""
+def recomputed(fn, rng: RNGTracker | None, *args):
+    """Run fn(*args) under activation checkpointing, replaying the same dropout masks in backward; rng None
+    when fn draws nothing random (no dropout, or eval): no RNG state is saved or restored, so under
+    torch.compile the checkpoint stays inside the graph (reading generator state is a graph break)."""
+    if rng is None:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     saved = rng.get_states()
     calls = [0]
 
@@ -210,7 +219,7 @@ class Attention(nn.Module):
         super().__init__()
         h, tp = m.hidden_size, ctx.tp_group.size
         self.heads, self.head_dim = m.num_heads // tp, h // m.num_heads
-        self.rng, self.attn_dropout = ctx.rng, m.dropout
+        self.ctx, self.attn_dropout = ctx, m.dropout
         self.selective_recompute = ctx.recompute == "selective"
         self.triton = ctx.triton.attention
         self.qkv = ColumnParallelLinear(h, 3 * h, ctx.tp_group, sequence_parallel=ctx.sp, std=m.init_std,
@@ -221,14 +230,18 @@ class Attention(nn.Module):
     def core(self, qkv, cache: KVCache | None = None):
         """softmax(q k^T / sqrt(d) + causal mask) v: qkv [s, b, 3 * heads * d] (local heads) -> [s, b, heads * d].
         With a cache (torch SDPA) the keys are the t - s cached ones then these s: query i sees keys 0 .. t - s + i.
-        Dropout on the probabilities draws from the TP-rank stream (the heads differ per rank)."""
+        Dropout on the probabilities draws from the TP-rank stream at tp > 1 (the heads differ per rank)."""
         drop = self.attn_dropout if self.training else 0.0
-        with self.rng.fork() if drop else contextlib.nullcontext():
+        with self.ctx.dropout_stream(drop > 0):
             if self.triton and cache is None:
                 from .kernels.attention import flash_attention_qkv
                 return flash_attention_qkv(qkv, self.heads, causal=True, dropout_p=drop)
             s, b = qkv.shape[:2]
-            q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
+            # [b, heads, s, d] views of the three column blocks. Split (not unbind of a [s, b, 3, ...] view):
+            # SDPA (cuDNN, CPU) returns each gradient laid out as its input, [s, b, heads, d], so the qkv
+            # gradient is one cat; through unbind it was a stack and then a copy of the permuted result.
+            q, k, v = (t.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)
+                       for t in qkv.split(self.heads * self.head_dim, dim=-1))
             if cache is None:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)   # [b, heads, s, d]
             else:
@@ -241,7 +254,7 @@ class Attention(nn.Module):
     def forward(self, x, cache: KVCache | None = None):
         qkv = self.qkv(x)                                        # [s, b, 3 * heads * d] (local heads)
         if self.selective_recompute and self.training:
-            return self.proj(recomputed(self.core, self.rng, qkv))
+            return self.proj(recomputed(self.core, self.ctx.rng if self.attn_dropout else None, qkv))
         return self.proj(self.core(qkv, cache))
 
 
@@ -271,7 +284,8 @@ class Block(Layer):
     def __init__(self, index: int, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
         self.prefix = f"blocks.{index}"
-        self.rng, self.full_recompute = ctx.rng, ctx.recompute == "full"
+        self.rng = ctx.rng if m.dropout else None      # for recomputed(): None when nothing is random
+        self.full_recompute = ctx.recompute == "full"
         self.ln1 = LayerNorm(m, ctx, device)
         self.attn = Attention(m, ctx, device)
         self.ln2 = LayerNorm(m, ctx, device)

@@ -1,6 +1,8 @@
 """Which ops each `kernels` setting gives to Triton, and kernels=triton training the same model as the torch
 reference path: on the GPU when there is one (fp32 with TF32 off, so both paths do IEEE fp32 math), else on
 CPU under the Triton interpreter."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,25 +41,45 @@ def test_triton_kernels_train_like_torch(small_data, tmp_path):
 
 
 def _train_counting_graphs(cfg):
-    """train(cfg) on this rank: (rank 0's history, dynamo's graph breaks, dynamo's graphs)."""
+    """train(cfg) on this rank: (rank 0's history, dynamo's graph breaks, dynamo's graphs). Inductor draws
+    random numbers with aten's generator (fallback_random), so a compiled dropout mask is eager's."""
+    import torch._inductor.config
     from torch._dynamo.utils import counters
     from megatron_mini.training import train
+    torch._inductor.config.fallback_random = True
     return train(cfg), sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
 def test_compiled_blocks_train_like_eager(small_data, tmp_path):
-    """compile=true (torch.compile, inductor) trains the same model as eager (inductor's fused kernels
-    round like eager to ~1e-7 per op), on one rank and at tp=2 with sp and selective recompute (a graph
-    per block between the collectives). On one rank the chunk's blocks are one graph without a break,
-    and the cross-entropy another: on an H100 a break per linear cost more host time than eager's
-    (gpt2-small 538 ms a step against 273), and so did a graph per block at gpt2-medium (468 against 387)."""
-    overrides = {"model.num_layers": 2, "steps": 3, "gbs": 4, "kernels": "torch"}
-    eager = train_on_ranks(1, small_config(small_data, tmp_path / "eager", compile=False, **overrides))
-    (one, breaks, graphs), = spawn(1, _train_counting_graphs, small_config(small_data, tmp_path / "one", compile=True,
-                                                                          **overrides), init_group=False)
-    assert (breaks, graphs) == (0, 2)
-    layout = small_config(small_data, tmp_path / "tp2", compile=True, tp=2, sp=True, recompute="selective", **overrides)
-    two = spawn(2, _train_counting_graphs, layout, init_group=False)[0][0]
-    for run in (one, two):
+    """compile=true (torch.compile, inductor) trains the same model as eager, dropout masks included (inductor's
+    fused kernels round like eager to ~1e-7 per op): on one rank, where the chunk's blocks are one graph without
+    a break (dropout at tp=1 stays on the default stream) and the cross-entropy another; and at tp=2 with sp and
+    selective recompute (a graph per block between the collectives; the recompute replays the masks). On an
+    H100 a break per linear cost more host time than eager's (gpt2-small 538 ms a step against 273), and so
+    did a graph per block at gpt2-medium (468 against 387)."""
+    overrides = {"steps": 3, "gbs": 4, "kernels": "torch", "model.dropout": 0.1}
+    layouts = {"one": {"model.num_layers": 2},         # 2 blocks: the run of blocks is one graph
+               "tp2": {"model.num_layers": 1, "tp": 2, "sp": True, "recompute": "selective"}}
+    for name, layout in layouts.items():
+        world = layout.get("tp", 1)
+        eager = train_on_ranks(world, small_config(small_data, tmp_path / f"eager-{name}", compile=False,
+                                                   **overrides, **layout))
+        cfg = small_config(small_data, tmp_path / name, compile=True, **overrides, **layout)
+        run, breaks, graphs = spawn(world, _train_counting_graphs, cfg, init_group=False)[0]
+        if world == 1:
+            assert (breaks, graphs) == (0, 2)
         a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
-        assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
+        assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
+
+
+@pytest.mark.parametrize("recompute, dropout", [("none", 0.1), ("selective", 0.0)])
+def test_a_chunk_traces_as_one_graph(recompute, dropout):
+    """At tp=1 a chunk's blocks trace without a graph break (what compile_chunks relies on): with dropout (no
+    switch of RNG stream at tp=1) and with selective recompute when nothing is random (no RNG state to save).
+    Selective recompute with dropout saves the RNG states and breaks the graph there."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=128, dropout=dropout)
+    ctx = dataclasses.replace(model.ParallelContext.one_device("cpu"), recompute=recompute)
+    (chunk,) = model.build_chunks(cfg, ctx, [(1, 3)], seed=0, device="cpu")
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    explained = torch._dynamo.explain(chunk.train()._blocks)(x, None)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
