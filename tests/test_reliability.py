@@ -1,9 +1,11 @@
-"""Reliability as operators meet it: every refusal through torchrun, verified resumes, saves that cannot
+"""Reliability as operators meet it: every refusal from the command line, verified resumes, saves that cannot
 lose the last good checkpoint, one run per run directory, SIGTERM, orphans, stalled ranks, restarts.
 
-Each refusal runs `torchrun ... train.py` and must end with exit code != 0, our one line `error: ...`
-exactly once, torchrun's Root Cause naming it, and no frame of our code (commandline.assert_one_error).
-They run a few at a time (each is a few seconds of process start-up). The runs that train use the test
+Each refusal runs `python train.py` or `torchrun ... train.py` and must end with exit code != 0, our one
+line `error: ...` exactly once, no frame of our code, and under torchrun its Root Cause naming our line
+(commandline.assert_one_error). Multi-rank refusals and one of each kind (hydra, a config value, the run
+directory, the data, a checkpoint) run under torchrun; the other one-rank ones run plain `python train.py`,
+the same code path without torchrun's 3 s of start-up. They run a few at a time. The runs that train use the test
 model (8 blocks, hidden 64) for a few steps on the test data, in fp32 on CPU ranks, where a resumed
 run must end with bitwise the weights of an uninterrupted one.
 """
@@ -126,14 +128,16 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
 
 @pytest.fixture(scope="module")
 def refusals(small_data, trained, tmp_path_factory):
-    """Every refusal's torchrun result, run three at a time: {id: (Result, facts)}."""
+    """Every refusal's result, run three at a time: {id: (Result, facts, launcher)}."""
     tmp = tmp_path_factory.mktemp("refusals")
     cases = _refusal_cases(small_data, trained, tmp)
 
     def run(case):
         name, nproc, extra, facts, environment = case
         args = [*model_args(small_data, tmp / name / "run"), *extra]
-        return name, (torchrun_train(nproc, args, environment), facts)
+        if nproc > 1 or name in UNDER_TORCHRUN:
+            return name, (torchrun_train(nproc, args, environment), facts, "torchrun")
+        return name, (python_train(args, environment), facts, "python")
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         return dict(pool.map(run, cases))
@@ -147,12 +151,16 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "never-over-checkpoints", "cuda-without-gpu"]
 
 
+# one-rank refusals that run under torchrun: one of each kind (the multi-rank ones always do)
+UNDER_TORCHRUN = {"appended-key", "no-layers", "unwritable-run-dir", "token-ids", "resume-truncated"}
+
+
 @pytest.mark.parametrize("case", REFUSAL_IDS)
-def test_refusal_under_torchrun(refusals, case):
+def test_refusal(refusals, case):
     if case not in refusals:
         pytest.skip("this machine has a GPU")
-    result, facts = refusals[case]
-    assert_one_error(result, facts, "torchrun")
+    result, facts, launcher = refusals[case]
+    assert_one_error(result, facts, launcher)
 
 
 def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):

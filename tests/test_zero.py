@@ -29,12 +29,19 @@ def test_zero1_checkpoint_resumes_without_zero(small_data, tmp_path):
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
 
 
+RECOMPUTE_RUN = dict(steps=6, tp=2, sp=True, **{"model.dropout": 0.1})
+
+
+@pytest.fixture(scope="module")
+def without_recompute(small_data, tmp_path_factory):
+    return train_on_ranks(2, small_config(small_data, tmp_path_factory.mktemp("none"), **RECOMPUTE_RUN))
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_gives_the_same_training(recompute, small_data, tmp_path):
+def test_recompute_gives_the_same_training(recompute, small_data, tmp_path, without_recompute):
     """Bitwise the same, with dropout on: recomputation replays the same dropout masks."""
-    kw = dict(steps=6, tp=2, sp=True, **{"model.dropout": 0.1})
-    none = train_on_ranks(2, small_config(small_data, tmp_path / "none", **kw))
-    again = train_on_ranks(2, small_config(small_data, tmp_path / recompute, recompute=recompute, **kw))
+    none = without_recompute
+    again = train_on_ranks(2, small_config(small_data, tmp_path / recompute, recompute=recompute, **RECOMPUTE_RUN))
     assert none["loss"] == again["loss"] and none["grad_norm"] == again["grad_norm"]
     assert_same_training(none, again, rtol=0, wtol=0)
 
