@@ -3,6 +3,8 @@
 #
 #   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
 #   tools/gpu_session.sh suite    # the other tests with CUDA visible, and `make train`'s run on 1 GPU
+#   tools/gpu_session.sh compile  # compile=true against eager and the compiled baseline at the three sizes,
+#                                 # and docs/probes/eager_glue.py (bias gradients, the qkv split)
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
 #                                         # a call has 10 minutes), their tables written into a copy of
 #                                         # docs/benchmarks.md in session.tgz
@@ -11,7 +13,7 @@
 # (both ignored; carried with the call). The stage's logs and result files are packed into
 # $OUT/session.tgz; the last lines printed are a short summary.
 set -u
-STAGE=${1:?stage: check, suite or bench}
+STAGE=${1:?stage: check, suite, compile or bench}
 MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
@@ -59,6 +61,16 @@ suite)
     resume=never wandb.mode=disabled
   tails="pytest_rest train_1gpu"
   tables=""
+  ;;
+compile)
+  cp docs/benchmarks.md "$LOGS/"
+  B="$PY tools/bench_gpu.py --doc $LOGS/benchmarks.md"
+  step glue 60 $PY docs/probes/eager_glue.py
+  step bench_small 150 $B --models small --rows default,compile,fp16,baseline-compile --steps 8 --out "$LOGS/small"
+  step bench_medium 160 $B --models medium --rows default,compile,baseline-compile --steps 8 --out "$LOGS/medium"
+  step bench_1.3b 200 $B --models 1.3b --rows default,compile,baseline-compile --steps 6 --out "$LOGS/1.3b"
+  tails=""
+  tables="glue.log small/bench_gpu.md medium/bench_gpu.md 1.3b/bench_gpu.md"
   ;;
 bench)
   cp docs/benchmarks.md "$LOGS/"
