@@ -40,32 +40,37 @@ def test_triton_kernels_train_like_torch(small_data, tmp_path):
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
 
 
-def _train_counting_graphs(cfg):
-    """train(cfg) on this rank: (rank 0's history, dynamo's graph breaks, dynamo's graphs). Inductor draws
-    random numbers with aten's generator (fallback_random), so a compiled dropout mask is eager's."""
+def _train_counting_graphs(cfg, backend):
+    """train(cfg) on this rank with torch.compile's `backend`: (rank 0's history, dynamo's graph breaks, dynamo's
+    graphs). Inductor draws random numbers with aten's generator (fallback_random), so a compiled dropout mask
+    is eager's; "aot_eager" captures the same graphs (dynamo, AOTAutograd) and runs them op by op."""
     import torch._inductor.config
     from torch._dynamo.utils import counters
     from megatron_mini.training import train
     torch._inductor.config.fallback_random = True
+    if backend != "inductor":
+        compile_ = torch.compile
+        torch.compile = lambda fn, **kw: compile_(fn, backend=backend, **kw)
     return train(cfg), sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
 def test_compiled_blocks_train_like_eager(small_data, tmp_path):
-    """compile=true (torch.compile, inductor) trains the same model as eager, dropout masks included (inductor's
-    fused kernels round like eager to ~1e-7 per op): on one rank, where the chunk's blocks are one graph without
-    a break (dropout at tp=1 stays on the default stream) and the cross-entropy another; and at tp=2 with sp and
-    selective recompute (a graph per block between the collectives; the recompute replays the masks). On an
-    H100 a break per linear cost more host time than eager's (gpt2-small 538 ms a step against 273), and so
-    did a graph per block at gpt2-medium (468 against 387)."""
+    """compile=true trains the same model as eager, dropout masks included: on one rank with inductor (its fused
+    kernels round like eager to ~1e-7 per op), where the chunk's blocks are one graph without a break (dropout at
+    tp=1 stays on the default stream) and the cross-entropy another; and at tp=2 with sp and selective recompute,
+    where each block is a graph between the collectives and the recompute replays the masks (captured as inductor
+    would, run by aot_eager: what is particular to tp=2 is the capture, and inductor's C++ build costs 20 s here).
+    On an H100 a break per linear cost more host time than eager's (gpt2-small 538 ms a step against 273), and
+    so did a graph per block at gpt2-medium (468 against 387)."""
     overrides = {"steps": 3, "gbs": 4, "kernels": "torch", "model.dropout": 0.1}
-    layouts = {"one": {"model.num_layers": 2},         # 2 blocks: the run of blocks is one graph
-               "tp2": {"model.num_layers": 1, "tp": 2, "sp": True, "recompute": "selective"}}
-    for name, layout in layouts.items():
+    layouts = {"one": ("inductor", {"model.num_layers": 2}),        # 2 blocks: the run of blocks is one graph
+               "tp2": ("aot_eager", {"model.num_layers": 1, "tp": 2, "sp": True, "recompute": "selective"})}
+    for name, (backend, layout) in layouts.items():
         world = layout.get("tp", 1)
         eager = train_on_ranks(world, small_config(small_data, tmp_path / f"eager-{name}", compile=False,
                                                    **overrides, **layout))
         cfg = small_config(small_data, tmp_path / name, compile=True, **overrides, **layout)
-        run, breaks, graphs = spawn(world, _train_counting_graphs, cfg, init_group=False)[0]
+        run, breaks, graphs = spawn(world, _train_counting_graphs, cfg, backend, init_group=False)[0]
         if world == 1:
             assert (breaks, graphs) == (0, 2)
         a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
