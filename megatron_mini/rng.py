@@ -4,7 +4,8 @@ Two streams (Megatron's CUDA RNG tracker, on any device):
 * the default torch stream, seeded equally on every TP and DP rank of a pipeline stage
   (`seed_default_stream`, called by the training set-up): dropout in replicated regions;
 * "model-parallel" (`RNGTracker.fork()`), seeded per TP rank (differs across TP, equal across DP):
-  dropout on local heads and sequence shards.
+  dropout on local heads and sequence shards, when tp > 1 (at tp=1 the default stream serves:
+  ParallelContext.dropout_stream).
 Activation recompute replays a region's dropout by restoring `get_states()` around the rerun.
 """
 from __future__ import annotations
