@@ -134,7 +134,7 @@ class Dropout(nn.Dropout):
 
 def recomputed(fn, rng: RNGTracker | None, *args):
     """Run fn(*args) under activation checkpointing, replaying the same dropout masks in backward; rng None
-    when fn draws nothing random (no dropout, or eval): no RNG state is saved or restored, so under
+    when fn draws nothing random (no dropout): no RNG state is saved or restored, so under
     torch.compile the checkpoint stays inside the graph (reading generator state is a graph break)."""
     if rng is None:
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)

@@ -164,6 +164,7 @@ def test_refusal(refusals, case):
 
 
 def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):
+    assert UNDER_TORCHRUN <= set(REFUSAL_IDS)
     assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path)] == \
         [i for i in REFUSAL_IDS if i != "cuda-without-gpu" or not torch.cuda.is_available()]
 

@@ -29,19 +29,32 @@ def test_zero1_checkpoint_resumes_without_zero(small_data, tmp_path):
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
 
 
-RECOMPUTE_RUN = dict(steps=6, tp=2, sp=True, **{"model.dropout": 0.1})
+RECOMPUTE_RUN = dict(steps=6, **{"model.dropout": 0.1})
+RECOMPUTE_LAYOUTS = {"tp1": {}, "tp2-sp": dict(tp=2, sp=True)}   # dropout on the default stream at tp=1
 
 
 @pytest.fixture(scope="module")
 def without_recompute(small_data, tmp_path_factory):
-    return train_on_ranks(2, small_config(small_data, tmp_path_factory.mktemp("none"), **RECOMPUTE_RUN))
+    """{layout: history} of the runs without recompute (each computed on first use)."""
+    runs = {}
+
+    def get(layout):
+        if layout not in runs:
+            kw = RECOMPUTE_LAYOUTS[layout]
+            runs[layout] = train_on_ranks(kw.get("tp", 1), small_config(small_data, tmp_path_factory.mktemp(layout),
+                                                                         **RECOMPUTE_RUN, **kw))
+        return runs[layout]
+    return get
 
 
+@pytest.mark.parametrize("layout", RECOMPUTE_LAYOUTS)
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_gives_the_same_training(recompute, small_data, tmp_path, without_recompute):
+def test_recompute_gives_the_same_training(recompute, layout, small_data, tmp_path, without_recompute):
     """Bitwise the same, with dropout on: recomputation replays the same dropout masks."""
-    none = without_recompute
-    again = train_on_ranks(2, small_config(small_data, tmp_path / recompute, recompute=recompute, **RECOMPUTE_RUN))
+    kw = RECOMPUTE_LAYOUTS[layout]
+    none = without_recompute(layout)
+    again = train_on_ranks(kw.get("tp", 1), small_config(small_data, tmp_path / recompute, recompute=recompute,
+                                                         **RECOMPUTE_RUN, **kw))
     assert none["loss"] == again["loss"] and none["grad_norm"] == again["grad_norm"]
     assert_same_training(none, again, rtol=0, wtol=0)
 
