@@ -42,7 +42,8 @@ DType = choice("DType", "fp32", "fp16", "bf16")
 Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
-Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention")   # the last two: Triton for that op only
+Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention", "cross_entropy")   # the last three:
+                                                                                # Triton for that op only
 WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
 
 
@@ -161,7 +162,7 @@ class TrainConfig:
     pipeline_last_blocks: int = 0    # explicit block count of the last block stage (0: balanced)
     recompute: Recompute = Recompute.none
     kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
-                                     # attention: Triton for that op, torch for the other
+                                     # attention / cross_entropy: Triton for that op, torch for the others
     compile: bool = False            # torch.compile: at tp=1 a chunk's blocks as one graph, else each block
     # batch and schedule
     mbs: int = 4

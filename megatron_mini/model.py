@@ -12,6 +12,7 @@ the cached ones and attends to the cached keys and values as well.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,27 +33,29 @@ from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear
 @dataclass(frozen=True)
 class TritonOps:
     """Which fused ops run the Triton kernels (True) rather than torch (False): kernels=torch uses
-    F.layer_norm and F.scaled_dot_product_attention everywhere; kernels=triton the Triton kernels
-    (on CPU through the interpreter); kernels=layer_norm or attention the Triton kernel of that op
-    only; kernels=auto torch, except where `make bench-kernels` measured
-    the Triton kernel faster than every torch path on this GPU at this size (TRITON_WINS), so auto
-    is never slower than kernels=torch."""
+    F.layer_norm, F.scaled_dot_product_attention and F.cross_entropy (its vocab-parallel form at tp > 1)
+    everywhere; kernels=triton the Triton kernels (on CPU through the interpreter); kernels=layer_norm,
+    attention or cross_entropy the Triton kernel of that op only; kernels=auto torch, except where
+    `make bench-kernels` measured the Triton kernel faster than every torch path on this GPU at this size
+    (TRITON_WINS), so auto is never slower than kernels=torch."""
     layer_norm: bool = False
     attention: bool = False
+    cross_entropy: bool = False
 
 
 # (op, GPU, size) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
-# (docs/benchmarks.md): op "layer_norm" (size: hidden) or "attention" (size: head dim), GPU a key of
-# hardware.GPUS. Empty until the kernels have been measured on a GPU.
+# (docs/benchmarks.md): op "layer_norm" (size: hidden), "attention" (size: head dim) or "cross_entropy"
+# (size: padded vocabulary), GPU a key of hardware.GPUS. Empty until the kernels have been measured on a GPU.
 TRITON_WINS: frozenset = frozenset()
 
 
 def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
+    sizes = {"layer_norm": model.hidden_size, "attention": model.hidden_size // model.num_heads,
+             "cross_entropy": model.padded_vocab_size}
     if kernels != "auto":
-        return TritonOps(layer_norm=kernels in ("triton", "layer_norm"), attention=kernels in ("triton", "attention"))
+        return TritonOps(**{op: kernels in ("triton", op) for op in sizes})
     gpu = gpu_key(device)
-    return TritonOps(layer_norm=("layer_norm", gpu, model.hidden_size) in TRITON_WINS,
-                     attention=("attention", gpu, model.hidden_size // model.num_heads) in TRITON_WINS)
+    return TritonOps(**{op: (op, gpu, size) in TRITON_WINS for op, size in sizes.items()})
 
 
 @dataclass
@@ -324,7 +327,9 @@ class Head(Layer):
                                         ParamSpec("normal", m.init_std, tp_dim=0, tied=True, copy=True), device=device)
         self.word_embeddings = word_embeddings
         self.cross_entropy = vocab_parallel_cross_entropy
-        if ctx.compile and ctx.tp_group.size == 1:   # F.cross_entropy on fp32 logits: inductor fuses the cast
+        if ctx.triton.cross_entropy:                 # the Triton kernels: the logits read once each way
+            self.cross_entropy = functools.partial(vocab_parallel_cross_entropy, fused=True)
+        elif ctx.compile and ctx.tp_group.size == 1:   # F.cross_entropy on fp32 logits: inductor fuses the cast
             self.cross_entropy = torch.compile(vocab_parallel_cross_entropy, dynamic=False)   # and the log-softmax
 
     def global_name(self, local: str) -> str:

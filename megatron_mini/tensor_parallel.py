@@ -403,9 +403,52 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, tp_group: Group, vocab_size: int, label_smoothing: float = 0.0):
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss and gradient through the Triton kernels of kernels/cross_entropy.py: the forward reads
+    the logits once for each row's (max m, sum-exp s, target logit, logit sum), the backward reads them again
+    and writes dx; what is saved is the logits themselves and lse [s*b]. Over TP ranks the rows' stats combine
+    as M = max_r m_r, S = sum_r s_r exp(m_r - M) (two all-reduces of the torch path's sizes): lse = M + log S."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, vocab_size, label_smoothing):
+        from .kernels.cross_entropy import row_stats
+        per_rank = logits.shape[-1]
+        start = tp_group.rank * per_rank
+        rows = logits.reshape(-1, per_rank)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        local_t = (target - start).reshape(-1).contiguous()
+        n_valid = min(per_rank, vocab_size - start)
+        m, s, x_t, x_sum = row_stats(rows, local_t, n_valid, label_smoothing > 0)
+        if tp_group.size > 1:
+            m_all = m.clone()
+            comm.all_reduce(m_all, tp_group, op=torch.distributed.ReduceOp.MAX)
+            sums = torch.stack([s * torch.exp(m - m_all), x_t] + ([x_sum] if label_smoothing else []))
+            comm.all_reduce(sums, tp_group)
+            m, s, x_t, x_sum = m_all, sums[0], sums[1], (sums[2] if label_smoothing else None)
+        lse = m + s.log()
+        loss = lse - (1 - label_smoothing) * x_t
+        if label_smoothing:
+            loss -= label_smoothing * x_sum / vocab_size
+        ctx.save_for_backward(rows, local_t, lse)
+        ctx.label_smoothing, ctx.vocab_size, ctx.n_valid, ctx.shape = label_smoothing, vocab_size, n_valid, logits.shape
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        from .kernels.cross_entropy import logits_grad
+        rows, local_t, lse = ctx.saved_tensors
+        g = grad_loss.reshape(-1).float().contiguous()
+        dx = logits_grad(rows, local_t, lse, g, ctx.n_valid, ctx.label_smoothing, ctx.vocab_size)
+        return dx.view(ctx.shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group: Group, vocab_size: int, label_smoothing: float = 0.0,
+                                 fused: bool = False):
     """Per-token loss [s, b] in fp32 from logits [s, b, V_padded/tp] and targets [s, b].
-    At tp=1 the same math is F.cross_entropy's fused kernel on the unpadded vocabulary."""
+    fused: the Triton kernels (_FusedVocabParallelCrossEntropy). Otherwise, at tp=1, the same math is
+    F.cross_entropy's fused kernel on the unpadded vocabulary."""
+    if fused:
+        return _FusedVocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size, label_smoothing)
     if tp_group.size == 1:
         flat = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].float()
         return F.cross_entropy(flat, target.reshape(-1), reduction="none",

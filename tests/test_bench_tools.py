@@ -37,7 +37,7 @@ def test_bench_kernels_smoke(tmp_path):
     data = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert data["smoke"] is True
     rows = {(r["op"], tuple(r["shape"])): r for r in data["results"]}
-    assert {op for op, _ in rows} == {"ln", "addln", "attn"}
+    assert {op for op, _ in rows} == {"ln", "addln", "attn", "ce"}
     for (op, shape), row in rows.items():
         ours, eager = row["cells"]["ours (Triton)"], row["cells"]["torch eager"]
         for name, cell in (("ours", ours), ("eager", eager)):
@@ -53,6 +53,7 @@ def test_bench_kernels_smoke(tmp_path):
         assert (op, (64, 128)) in rows and (op, (48, 200)) in rows
     table = out[out.index("| op | shape |"):]
     assert "| LayerNorm | [64, 128] |" in table and "| add+LayerNorm |" in table and "| attention |" in table
+    assert "| cross-entropy | [64, 300] |" in table
     assert "n/a (smoke run" in table                  # goals are never judged on a smoke run
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept text\n")
@@ -65,8 +66,9 @@ def test_bench_gpu_smoke(tmp_path):
     out = _run(["tools/bench_gpu.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])
     data = json.loads((tmp_path / "bench_gpu.json").read_text())
     recs = {r["row"]: r for r in data["results"]}
-    assert list(recs) == ["default", "torch", "triton", "layer_norm", "compile", "fp16", "baseline", "baseline-compile"]
-    must_run = ["default", "torch", "triton", "layer_norm", "fp16", "baseline"]
+    assert list(recs) == ["default", "torch", "triton", "layer_norm", "cross_entropy", "compile", "fp16", "baseline",
+                          "baseline-compile"]
+    must_run = ["default", "torch", "triton", "layer_norm", "cross_entropy", "fp16", "baseline"]
     for row in must_run:
         r = recs[row]
         assert r["status"] == "ok", (row, r.get("reason"))

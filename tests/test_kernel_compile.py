@@ -35,11 +35,13 @@ def compiler():
 
 def test_every_gpu_launch_compiles_for_sm90_without_spills(compiler):
     """bf16 at the benchmark shapes (`--quick`): LayerNorm at N = 768, 4096 (fused) and 24576 (looped),
-    attention at head dims 64 and 128, with and without dropout; `make check-kernels` does every dtype."""
+    attention at head dims 64 and 128, with and without dropout, the cross-entropy at a vocabulary of 8192;
+    `make check-kernels` does every dtype."""
     proc = _python(["tools/check_kernels.py", "--quick", "--workers", "2"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
-    for op in ("ln fwd", "ln bwd", "ln bwd sums", "attn fwd", "attn dkdv", "attn dq", "attn delta"):
+    for op in ("ln fwd", "ln bwd", "ln bwd sums", "attn fwd", "attn dkdv", "attn dq", "attn delta", "ce stats",
+               "ce grad"):
         assert f"\n{op}  " in out, f"no row for {op}:\n{out}"
     assert "PROBLEM" not in out and ", 0 problems," in out
 

@@ -13,23 +13,26 @@ from megatron_mini.config import ModelConfig
 from megatron_mini.model import TritonOps, select_triton_ops
 
 
-@pytest.mark.parametrize("kernels, ops", [("torch", (False, False)), ("triton", (True, True)),
-                                          ("layer_norm", (True, False)), ("attention", (False, True))])
+@pytest.mark.parametrize("kernels, ops", [("torch", (False, False, False)), ("triton", (True, True, True)),
+                                          ("layer_norm", (True, False, False)), ("attention", (False, True, False)),
+                                          ("cross_entropy", (False, False, True))])
 def test_kernels_setting_picks_the_ops(kernels, ops):
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=128)
     assert select_triton_ops(kernels, cfg, torch.device("cpu")) == TritonOps(*ops)
 
 
 def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
-    """kernels=auto: torch, except (op, GPU, size) in TRITON_WINS; sizes are hidden for LayerNorm and head
-    dim for attention."""
-    cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=128)
+    """kernels=auto: torch, except (op, GPU, size) in TRITON_WINS; sizes are hidden for LayerNorm, head
+    dim for attention and the padded vocabulary for the cross-entropy."""
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=100)   # padded to 128
     monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, False)
-    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("layer_norm", "h100", 64), ("attention", "h100", 64)}))
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(True, False)   # head dim is 32
-    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32)}))
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, True)
+    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, False, False)
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("layer_norm", "h100", 64), ("attention", "h100", 64),
+                                                         ("cross_entropy", "h100", 100)}))
+    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(True, False, False)   # head dim 32
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32), ("cross_entropy", "h100", 128),
+                                                         ("layer_norm", "a100", 64)}))
+    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, True, True)
 
 
 def test_triton_kernels_train_like_torch(small_data, tmp_path):

@@ -19,6 +19,7 @@ ranks only ends the spawn within a minute with that traceback (see `_guard`), ne
 """
 from __future__ import annotations
 
+import itertools
 import traceback
 import zlib
 
@@ -45,6 +46,7 @@ LAYER_TOL = 1e-6           # fp32, relative to the reference's largest entry
 BARRIER_TIMEOUT_S = 60     # between sections; generous for a loaded machine
 BLOCK_TOL = 1e-5
 CE_VOCAB, CE_PADDED = 50, 64
+CE_CASES = (("ls=0", 0.0, torch.float32), ("ls=0.1", 0.1, torch.float32), ("ls=0.1,bf16", 0.1, torch.bfloat16))
 
 
 def rank_tensor(g: int, shape, offset: float = 0.0) -> torch.Tensor:
@@ -208,8 +210,8 @@ def _ce_checks(mesh) -> dict:
     grad_loss = torch.rand(S, B, generator=gen) + 0.5
     cols = torch.arange(VP).chunk(T)[r]
     res = {}
-    for case, ls, dtype in (("ls=0", 0.0, torch.float32), ("ls=0.1", 0.1, torch.float32),
-                            ("ls=0.1,bf16", 0.1, torch.bfloat16)):
+    for (case, ls, dtype), fused in itertools.product(CE_CASES, (False, True)):
+        case += ",fused" if fused else ""
         full = logits.to(dtype).float()
         lr = full.clone().requires_grad_()
         loss_ref = F.cross_entropy(lr[..., :V].reshape(-1, V), tgt.reshape(-1), reduction="none",
@@ -218,7 +220,7 @@ def _ce_checks(mesh) -> dict:
         local = logits.to(dtype).chunk(T, -1)[r].clone().requires_grad_()
         before = local.detach().clone()
         mesh.ledger.reset()
-        loss = vocab_parallel_cross_entropy(local, tgt, grp, V, ls)
+        loss = vocab_parallel_cross_entropy(local, tgt, grp, V, ls, fused=fused)
         fwd = _summary(mesh.ledger)
         mesh.ledger.reset()
         loss.backward(grad_loss)
@@ -511,9 +513,10 @@ def test_column_gather_output_refuses_fused_groups():
 
 # ============================================================================ cross entropy
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("case", ["ls=0", "ls=0.1", "ls=0.1,bf16"])
+@pytest.mark.parametrize("case", [c[0] + f for c in CE_CASES for f in ("", ",fused")])
 def test_vocab_parallel_cross_entropy(res, mesh, case):
-    """Loss and d(logits) vs F.cross_entropy on the 50 real classes of a vocabulary padded to 64."""
+    """Loss and d(logits) vs F.cross_entropy on the 50 real classes of a vocabulary padded to 64, by the torch
+    path and by the Triton kernels (",fused"; on CPU through the interpreter)."""
     tp = MESHES[mesh][0]
     tol = (1e-5, 1e-2) if "bf16" in case else (LAYER_TOL, LAYER_TOL)
     for g, r in enumerate(section(res, ("ce", mesh))):

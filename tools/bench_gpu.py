@@ -13,6 +13,7 @@ Rows (bf16 unless named):
   default           megatron_mini with its default config (kernels=auto)
   torch / triton    kernels=torch / kernels=triton
   layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention
+  cross_entropy     kernels=cross_entropy: the Triton cross-entropy, torch's kernels otherwise
   compile           kernels=auto, compile=true (torch.compile: at tp=1 the blocks as one graph)
   fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
@@ -63,11 +64,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {"small": ("gpt2-small", 16, 8), "medium": ("gpt2-medium", 8, 8), "1.3b": ("gpt3-1.3b", 8, 8)}
 VOCAB = 8192
-ROWS = ["default", "torch", "triton", "layer_norm", "compile", "fp16", "baseline", "baseline-compile"]
+ROWS = ["default", "torch", "triton", "layer_norm", "cross_entropy", "compile", "fp16", "baseline", "baseline-compile"]
 ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto), bf16",
             "torch": "megatron_mini, kernels=torch, bf16",
             "triton": "megatron_mini, kernels=triton, bf16",
             "layer_norm": "megatron_mini, kernels=layer_norm (Triton LayerNorm, torch attention), bf16",
+            "cross_entropy": "megatron_mini, kernels=cross_entropy (Triton cross-entropy, torch otherwise), bf16",
             "compile": "megatron_mini, kernels=auto, compile=true, bf16",
             "fp16": "megatron_mini, kernels=auto, fp16",
             "baseline": "plain GPT-2 (tools/baseline_gpt2.py), eager, bf16 autocast",
@@ -98,7 +100,7 @@ def framework_config(row: str, model, mbs: int, m: int, device: str):
     from megatron_mini.config import PrecisionConfig
     precision = dataclasses.replace(PrecisionConfig(), dtype="bf16")
     over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
-    if row in ("torch", "triton", "layer_norm"):
+    if row in ("torch", "triton", "layer_norm", "cross_entropy"):
         over["kernels"] = row
     elif row == "compile":
         over["compile"] = True

@@ -1,16 +1,19 @@
-"""Kernel benchmarks (`make bench-kernels`): the Triton LayerNorm, fused residual-add + LayerNorm and
-flash attention against every torch path, side by side in one run on one GPU.
+"""Kernel benchmarks (`make bench-kernels`): the Triton LayerNorm, fused residual-add + LayerNorm, flash
+attention and cross-entropy against every torch path, side by side in one run on one GPU.
 
-    python tools/bench_kernels.py [--doc] [--out DIR] [--no-compile] [--ops ln,addln,attn]
+    python tools/bench_kernels.py [--doc] [--out DIR] [--no-compile] [--ops ln,addln,attn,ce]
     python tools/bench_kernels.py --smoke          # CPU: tiny shapes through the Triton interpreter
 
 Rows (bf16 activations, bf16 weights):
   LayerNorm      y = LN(x)                  x [16384, N], N = 768, 1024, 2048, 4096
   add+LayerNorm  h = x + r, y = LN(h)       x, r [16384, N], same N (both h and y are outputs)
   attention      causal, [b, heads, s, d] = (16, 12, 1024, 64) and (8, 16, 2048, 128)
-Columns: ours (Triton: megatron_mini.kernels: layernorm.layer_norm / add_layer_norm, attention.flash_attention),
-torch eager (F.layer_norm; layernorm.torch_add_layer_norm; attention.torch_attention,
-which materialises the [s, s] scores), torch.compile of that eager function (mode default,
+  cross-entropy  per-token loss of logits x [16384, V], V = 8192 (bench_gpu's vocabulary) and 50304 (GPT-2's,
+                 padded), int64 targets; the loss is fp32
+Columns: ours (Triton: megatron_mini.kernels: layernorm.layer_norm / add_layer_norm, attention.flash_attention;
+tensor_parallel.vocab_parallel_cross_entropy(fused=True) on one rank), torch eager (F.layer_norm;
+layernorm.torch_add_layer_norm; attention.torch_attention, which materialises the [s, s] scores;
+F.cross_entropy of the fp32 logits, the model's tp=1 path), torch.compile of that eager function (mode default,
 dynamic=False), and for attention F.scaled_dot_product_attention with one backend forced through
 torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot run prints '-'
 and the reason.
@@ -31,6 +34,8 @@ memory once). e = 2 bytes per activation element, ew = 2 per weight element, M r
                  bwd: read x, dy, write dx                3*M*N*e + 3*N*ew (w; dw, db) + 8*M
   add+LayerNorm  fwd: read x, r, write h, y               4*M*N*e + 2*N*ew + 8*M
                  bwd: read h, dh, dy, write dx (= dr)     4*M*N*e + 3*N*ew + 8*M
+  cross-entropy  fwd: read x, t, write the loss           M*N*e + 12*M
+                 bwd: read x, write dx (t, dloss, lse)    2*M*N*e + 16*M
 The fwd+bwd GB/s divides the sum of both passes by the fwd+bwd time.
 
 FLOP convention (TFLOP/s; FlashAttention's): a non-causal forward is 4*b*h*s^2*d (q k^T and P v,
@@ -38,7 +43,9 @@ FLOP convention (TFLOP/s; FlashAttention's): a non-causal forward is 4*b*h*s^2*d
 causal attention counts half: fwd 2*b*h*s^2*d, bwd 5*b*h*s^2*d, fwd+bwd 7*b*h*s^2*d.
 
 Goals (issue 9, H100, fwd+bwd): attention >= 1.0x cuDNN SDPA at (16, 12, 1024, 64) and >= 0.8x at
-(8, 16, 2048, 128); LayerNorm >= 2x torch eager; add+LayerNorm >= 2.5x torch eager.
+(8, 16, 2048, 128); LayerNorm >= 2x torch eager; add+LayerNorm >= 2.5x torch eager. The cross-entropy
+has no goal of its own: its rows decide kernels=auto's TRITON_WINS (issue 10's profile: 11.8 ms a
+gpt2-small step in the fp32 cast and softmax).
 
 `--doc` replaces the section between `<!-- bench_kernels begin -->` and `<!-- bench_kernels end -->`
 of docs/benchmarks.md (appended when absent) with the tables, the goals and the device line.
@@ -66,7 +73,9 @@ LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
 SMOKE_LN_SIZES = [(64, 128), (48, 200)]           # 200: a row width that is not a power of two
 SMOKE_ATTN_SHAPES = [(1, 2, 48, 32)]              # 48: a sequence that is not a multiple of the block
-OPS = {"ln": "LayerNorm", "addln": "add+LayerNorm", "attn": "attention"}
+CE_SIZES = [(16384, 8192), (16384, 50304)]
+SMOKE_CE_SIZES = [(64, 300)]
+OPS = {"ln": "LayerNorm", "addln": "add+LayerNorm", "attn": "attention", "ce": "cross-entropy"}
 SDPA_BACKENDS = {"cuDNN SDPA": "CUDNN_ATTENTION", "flash SDPA": "FLASH_ATTENTION",
                  "efficient SDPA": "EFFICIENT_ATTENTION"}
 TORCH_PATHS = ("torch eager", "torch.compile") + tuple(SDPA_BACKENDS)
@@ -97,6 +106,9 @@ class Case:
             q, k, v = (rnd(*self.shape) for _ in range(3))
             return {"args": (q, k, v), "leaves": (q, k, v), "douts": (rnd(*self.shape, grad=False),)}
         m, n = self.shape
+        if self.op == "ce":
+            x, t = rnd(m, n), torch.randint(0, n, (m,), device=self.dev)
+            return {"args": (x, t), "leaves": (x,), "douts": (torch.rand(m, device=self.dev) + 0.5,)}
         w, b = rnd(n), rnd(n)
         if self.op == "ln":
             x = rnd(m, n)
@@ -119,6 +131,8 @@ class Case:
         e = ew = 2
         if self.op == "ln":
             return 2 * m * n * e + 2 * n * ew + 8 * m, 3 * m * n * e + 3 * n * ew + 8 * m, "GB/s"
+        if self.op == "ce":
+            return m * n * e + 12 * m, 2 * m * n * e + 16 * m, "GB/s"
         return 4 * m * n * e + 2 * n * ew + 8 * m, 4 * m * n * e + 3 * n * ew + 8 * m, "GB/s"
 
     def rate(self, amount: float, ms: float | None) -> float | None:
@@ -131,7 +145,9 @@ class Case:
         """column -> callable, or the reason (a str) it cannot run."""
         import torch
         import torch.nn.functional as F
+        from megatron_mini.comm import Group, Ledger
         from megatron_mini.kernels import attention, layernorm
+        from megatron_mini.tensor_parallel import vocab_parallel_cross_entropy
         eps = 1e-5
         if self.op == "ln":
             ours = lambda x, w, b: layernorm.layer_norm(x, w, b, eps)  # noqa: E731
@@ -139,6 +155,10 @@ class Case:
         elif self.op == "addln":
             ours = lambda x, r, w, b: layernorm.add_layer_norm(x, r, w, b, eps)  # noqa: E731
             eager = lambda x, r, w, b: layernorm.torch_add_layer_norm(x, r, w, b, eps)  # noqa: E731
+        elif self.op == "ce":
+            one, n = Group("tp", [0], None, Ledger()), self.shape[1]
+            ours = lambda x, t: vocab_parallel_cross_entropy(x, t, one, n, fused=True)  # noqa: E731
+            eager = lambda x, t: F.cross_entropy(x.float(), t, reduction="none")  # noqa: E731
         else:
             ours = lambda q, k, v: attention.flash_attention(q, k, v, causal=True)  # noqa: E731
             eager = lambda q, k, v: attention.torch_attention(q, k, v, causal=True)  # noqa: E731
@@ -212,16 +232,19 @@ def bench_path(fn, sets: list, timer: Timer) -> dict:
 
 
 def max_rel_error(fn, ref, s: dict) -> float:
-    """max |fn - ref| / max |ref| over outputs and input gradients; ref runs in fp32 (TF32 off)."""
+    """max |fn - ref| / max |ref| over outputs and input gradients; ref runs in fp32 (TF32 off) on the
+    leaves upcast (other args, the cross-entropy's targets, as they are)."""
     import torch
 
     from megatron_mini.hardware import set_tf32
     outs = _as_tuple(fn(*s["args"]))
     grads = torch.autograd.grad(outs, s["leaves"], s["douts"])
-    up = [t.detach().float().requires_grad_() for t in s["leaves"]]    # every arg is a leaf here
+    up = [t.detach().float().requires_grad_() for t in s["leaves"]]
+    leaf_ids = [id(t) for t in s["leaves"]]
+    args = [up[leaf_ids.index(id(a))] if id(a) in leaf_ids else a for a in s["args"]]
     tf32 = set_tf32(False)
     try:
-        routs = _as_tuple(ref(*up))
+        routs = _as_tuple(ref(*args))
         rgrads = torch.autograd.grad(routs, up, [d.float() for d in s["douts"]])
     finally:
         set_tf32(tf32)
@@ -243,6 +266,8 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
     for op in ops:
         if op == "attn":
             cases += [Case(op, s, dev) for s in (SMOKE_ATTN_SHAPES if smoke else ATTN_SHAPES)]
+        elif op == "ce":
+            cases += [Case(op, s, dev) for s in (SMOKE_CE_SIZES if smoke else CE_SIZES)]
         else:
             cases += [Case(op, s, dev) for s in (SMOKE_LN_SIZES if smoke else LN_SIZES)]
     results = []
@@ -312,6 +337,8 @@ def goals(results: list, smoke: bool) -> list:
                 ref, target = "cuDNN SDPA", 0.8
             else:
                 ref, target = "cuDNN SDPA", None
+        elif op == "ce":
+            ref, target = "torch eager", None
         else:
             ref, target = "torch eager", (2.0 if op == "ln" else 2.5)
         name = f"{row['label']} {row['shape_text']} fwd+bwd vs {ref}"
@@ -417,7 +444,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no torch.compile (automatic without CUDA, "
                     "then through the Triton interpreter); exercises the script, claims no speed")
-    ap.add_argument("--ops", default="ln,addln,attn", help="comma list of ln, addln, attn (default: all)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default: all)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")

@@ -14,11 +14,12 @@ lowers to PTX and the ptxas it ships assembles a cubin for the target (sm_90 = H
     blocks    resident blocks per SM = min(64 K regs / (regs * threads), 228 KiB / (smem + 1 KiB),
               64 warps / warps, 32), with registers allocated per warp in units of 256
 
-`launches()` lists what `layernorm.py` and `attention.py` launch on a GPU: the LayerNorm autotune
-candidates that survive their pruning at 7 widths (x [16384, N], weights in x's dtype, as the model
-holds them), and the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at BENCH_SHAPES and a
-head dim of 80 (the packed-qkv layout of `flash_attention_qkv`, which the model uses), each in bf16,
-fp16 and fp32, with and without residual / causal / dropout. The arguments carry the run's dtypes,
+`launches()` lists what `layernorm.py`, `attention.py` and `cross_entropy.py` launch on a GPU: the
+LayerNorm autotune candidates that survive their pruning at 7 widths (x [16384, N], weights in x's
+dtype, as the model holds them), the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at
+BENCH_SHAPES and a head dim of 80 (the packed-qkv layout of `flash_attention_qkv`, which the model
+uses), and the cross-entropy candidates at vocabulary widths 8192 and 50304, each in bf16, fp16 and
+fp32, with and without residual / causal / dropout / label smoothing. The arguments carry the run's dtypes,
 strides and sizes, so Triton specialises them as at run time (16-byte alignment, sizes divisible by
 16 or not). Run it in its own process with TRITON_INTERPRET unset (`tools/check_kernels.py`):
 compiling swaps in a stand-in for Triton's driver (`driver._active`, as in Triton 3.x).
@@ -36,6 +37,7 @@ import triton
 
 from . import attention as A
 from . import attention_kernels as AK
+from . import cross_entropy as CE
 from . import layernorm as LN
 
 
@@ -67,7 +69,7 @@ class Launch:
 
     @property
     def config(self) -> str:
-        keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+        keys = ("BLOCK_M", "BLOCK_N", "BLOCK_R", "BLOCK_V", "num_warps", "num_stages")
         return " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={self.meta[k]}" for k in keys if k in self.meta)
 
 
@@ -194,12 +196,32 @@ def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
     return out
 
 
+def cross_entropy_launches(widths=(8192, 50304), dtypes=("bf16", "fp16", "fp32"), smoothing=(False, True),
+                           rows: int = 16384) -> list[Launch]:
+    """The cross-entropy's stats and gradient kernels at each vocabulary width (logits [16384, V]): every
+    autotune candidate `fitting_configs` keeps."""
+    out = []
+    f32, i64 = _ptr(torch.float32), _ptr(torch.int64)
+    for n in widths:
+        for name in dtypes:
+            x = _ptr(_DTYPES[name])
+            for smooth in smoothing:
+                case = f"V={n} {name}{' smoothing' if smooth else ''}"
+                for c in CE.fitting_configs(CE.CONFIGS, n):
+                    meta = dict(SMOOTHING=smooth, **c.all_kwargs())
+                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, n), meta))
+                    out.append(Launch("ce grad", case, CE._grad.fn, (x, i64, f32, f32, x, n, n, rows, n, n, 0.9, 1e-5),
+                                      meta))
+    return out
+
+
 def launches(quick: bool = False) -> list[Launch]:
     """Everything the wrappers launch on a GPU; `quick`: bf16 at the benchmark shapes only."""
     if quick:
         return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",))
-                + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,)))
-    return layernorm_launches() + attention_launches()
+                + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,))
+                + cross_entropy_launches(widths=(8192,), dtypes=("bf16",), smoothing=(False,)))
+    return layernorm_launches() + attention_launches() + cross_entropy_launches()
 
 
 # ----------------------------------------------------------------------------------- compiling
@@ -264,7 +286,7 @@ def _compile_forked(i: int) -> tuple:
 def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compiled]:
     """Compile each launch for `arch` (no GPU needed), in `workers` forked processes; a compile error
     is recorded, not raised."""
-    if LN._INTERPRET or A._INTERPRET:
+    if LN._INTERPRET or A._INTERPRET or CE._INTERPRET:
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset (the kernels were built for the interpreter)")
     from triton.runtime import driver
     previous = driver._active

@@ -1,0 +1,98 @@
+"""The Triton cross-entropy (kernels/cross_entropy.py, through tensor_parallel's fused path) against
+F.cross_entropy in float64, on a GPU when there is one, else under the Triton interpreter. Its vocab-parallel
+form over TP ranks is checked with the torch path in test_tensor_parallel.py (",fused" cases)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_mini.comm import Group, Ledger
+from megatron_mini.kernels import cross_entropy as ce
+from megatron_mini.tensor_parallel import vocab_parallel_cross_entropy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ONE = Group("tp", [0], None, Ledger())
+# d(logits) lies in [-1, 1]: 16-bit results are compared within an ulp or two of the output dtype
+GRAD_TOL = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def _inputs(rows, padded, vocab, dtype, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2, padded, generator=g) * scale).to(dtype)
+    x[..., vocab:] = 30.0                                   # garbage in the padding: never counted
+    t = torch.randint(0, vocab, (rows, 2), generator=g)
+    grad_loss = torch.rand(rows, 2, generator=g) + 0.5
+    return x.to(DEVICE), t.to(DEVICE), grad_loss.to(DEVICE)
+
+
+def _check(x, t, grad_loss, vocab, smoothing):
+    """Loss (fp32) and d(logits) (x's dtype, 0 on padding) vs F.cross_entropy on float64 copies."""
+    a = x.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(a, t, ONE, vocab, smoothing, fused=True)
+    loss.backward(grad_loss)
+    b = x.double().requires_grad_()
+    ref = F.cross_entropy(b[..., :vocab].flatten(0, 1), t.flatten(), reduction="none",
+                          label_smoothing=smoothing).view(t.shape)
+    ref.backward(grad_loss.double())
+    assert loss.dtype == torch.float32 and loss.shape == t.shape and a.grad.dtype == x.dtype
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=GRAD_TOL[x.dtype] * grad_loss.max().item())
+    assert torch.equal(a.grad[..., vocab:], torch.zeros_like(a.grad[..., vocab:]))
+    assert torch.equal(a.detach(), x)                       # the logits are left as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("vocab, padded", [(300, 384), (1000, 1000), (5, 128)])
+def test_fused_cross_entropy_matches_float64(dtype, smoothing, vocab, padded):
+    """Rows of several chunks (BLOCK_V is 128 under the interpreter), a ragged last chunk, padding."""
+    _check(*_inputs(5, padded, vocab, dtype), vocab, smoothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_cross_entropy_large_logits(dtype):
+    """Logits of +-1e4 (the online max rescales the running sum; nothing overflows)."""
+    x, t, g = _inputs(4, 384, 300, dtype, scale=3000.0)
+    _check(x, t, g, 300, 0.1)
+
+
+def test_row_stats_of_a_shard_with_targets_elsewhere_or_only_padding():
+    """Per shard: a target column past the row (it lives in a later shard) counts 0, even where the last
+    chunk reaches past the row; a shard of padding only gives m = -inf, s = 0 (weighed 0 when the
+    ranks' stats combine) and a zero gradient."""
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    t = torch.tensor([5, 203, -7], device=DEVICE)             # in the shard, in a later one, in an earlier one
+    m, s, x_t, x_sum = ce.row_stats(x, t, 200, smoothing=True)
+    torch.testing.assert_close(m, x.max(-1).values)
+    torch.testing.assert_close(s, (x - m[:, None]).exp().sum(-1))
+    torch.testing.assert_close(x_t, torch.stack([x[0, 5], x.new_zeros(()), x.new_zeros(())]))
+    torch.testing.assert_close(x_sum, x.sum(-1))
+    m, s, x_t, x_sum = ce.row_stats(x, t, 0, smoothing=True)
+    assert torch.all(m == -math.inf) and not s.any() and not x_t.any() and not x_sum.any()
+    lse, g = torch.full((3,), 2.0, device=DEVICE), torch.ones(3, device=DEVICE)
+    assert not ce.logits_grad(x, t, lse, g, 0, 0.1, 1000).any()
+
+
+def _gpu_configs():
+    return [pytest.param(c, id=f"BLOCK_V{c.kwargs['BLOCK_V']}-warps{c.num_warps}")
+            for c in ce.fitting_configs(ce.CONFIGS, 8192)]
+
+
+@pytest.mark.parametrize("config", _gpu_configs())
+def test_each_gpu_config(monkeypatch, config):
+    """Each autotune candidate at gpt2's vocabulary width computes the same function."""
+    for tuned in (ce._stats, ce._grad):
+        monkeypatch.setattr(tuned, "configs", [config])
+        monkeypatch.setattr(tuned, "cache", {})
+    _check(*_inputs(2, 8192, 8000, torch.bfloat16), 8000, 0.1)
+
+
+@pytest.mark.parametrize("n_cols", [1, 100, 1024, 8192, 50304, 262144])
+def test_gpu_configs_fit_every_width(n_cols):
+    """Every width gets candidates within the per-thread bounds, none much wider than the row."""
+    fit = ce.fitting_configs(ce.CONFIGS, n_cols)
+    assert fit
+    for c in fit:
+        assert ce.PER_THREAD[0] <= c.kwargs["BLOCK_V"] // (32 * c.num_warps) <= ce.PER_THREAD[1]
+        assert c.kwargs["BLOCK_V"] <= max(1024, 2 * n_cols)
