@@ -45,13 +45,15 @@ class TritonOps:
 
 # (op, GPU, size) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
 # (docs/benchmarks.md): op "layer_norm" (size: hidden), "attention" (size: head dim) or "cross_entropy"
-# (size: padded vocabulary), GPU a key of hardware.GPUS. Empty until the kernels have been measured on a GPU.
+# (size: the vocabulary columns of a rank, padded vocabulary / tp; the bench measures one rank against
+# F.cross_entropy, and at tp > 1 the torch path is the unfused vocab-parallel one), GPU a key of
+# hardware.GPUS. Empty until the kernels have been measured on a GPU.
 TRITON_WINS: frozenset = frozenset()
 
 
-def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device) -> TritonOps:
+def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device, tp: int = 1) -> TritonOps:
     sizes = {"layer_norm": model.hidden_size, "attention": model.hidden_size // model.num_heads,
-             "cross_entropy": model.padded_vocab_size}
+             "cross_entropy": model.padded_vocab_size // tp}
     if kernels != "auto":
         return TritonOps(**{op: kernels in ("triton", op) for op in sizes})
     gpu = gpu_key(device)

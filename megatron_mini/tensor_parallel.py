@@ -404,10 +404,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
-    """The same loss and gradient through the Triton kernels of kernels/cross_entropy.py: the forward reads
-    the logits once for each row's (max m, sum-exp s, target logit, logit sum), the backward reads them again
-    and writes dx; what is saved is the logits themselves and lse [s*b]. Over TP ranks the rows' stats combine
-    as M = max_r m_r, S = sum_r s_r exp(m_r - M) (two all-reduces of the torch path's sizes): lse = M + log S."""
+    """The same loss and gradient through the Triton kernels of kernels/cross_entropy.py (its docstring
+    states the math): the forward reads the logits once for each row's max m, sum-exp s, target logit and
+    logit sum, shifted by m; the backward reads them again and writes dx. What is saved is the logits
+    themselves and (M, log S) [2, s*b]. Over TP ranks the stats combine to the row's max M (an all-reduce)
+    and S = sum_r s_r exp(m_r - M), with the shifted target logit and logit sum (a second): the torch
+    path's two all-reduces, of its sizes."""
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, vocab_size, label_smoothing):
@@ -417,28 +419,31 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         rows = logits.reshape(-1, per_rank)
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
         local_t = (target - start).reshape(-1).contiguous()
-        n_valid = min(per_rank, vocab_size - start)
-        m, s, x_t, x_sum = row_stats(rows, local_t, n_valid, label_smoothing > 0)
+        n_valid = min(per_rank, vocab_size - start)        # <= 0: this shard is all padding
+        m, s, dt, xs = row_stats(rows, local_t, n_valid, label_smoothing > 0)
         if tp_group.size > 1:
             m_all = m.clone()
             comm.all_reduce(m_all, tp_group, op=torch.distributed.ReduceOp.MAX)
-            sums = torch.stack([s * torch.exp(m - m_all), x_t] + ([x_sum] if label_smoothing else []))
+            shift = m - m_all                               # this shard's max against the row's
+            in_shard = ((local_t >= 0) & (local_t < n_valid)).float()
+            parts = [s * shift.exp(), dt + shift * in_shard] + ([xs + n_valid * shift] if label_smoothing else [])
+            sums = torch.stack(parts) if n_valid > 0 else torch.zeros(len(parts), m.numel(), device=m.device)
             comm.all_reduce(sums, tp_group)
-            m, s, x_t, x_sum = m_all, sums[0], sums[1], (sums[2] if label_smoothing else None)
-        lse = m + s.log()
-        loss = lse - (1 - label_smoothing) * x_t
+            m, s, dt, xs = m_all, sums[0], sums[1], (sums[2] if label_smoothing else None)
+        log_s = s.log()
+        loss = log_s - (1 - label_smoothing) * dt
         if label_smoothing:
-            loss -= label_smoothing * x_sum / vocab_size
-        ctx.save_for_backward(rows, local_t, lse)
+            loss -= label_smoothing / vocab_size * xs
+        ctx.save_for_backward(rows, local_t, torch.stack([m, log_s]))
         ctx.label_smoothing, ctx.vocab_size, ctx.n_valid, ctx.shape = label_smoothing, vocab_size, n_valid, logits.shape
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         from .kernels.cross_entropy import logits_grad
-        rows, local_t, lse = ctx.saved_tensors
+        rows, local_t, shift = ctx.saved_tensors
         g = grad_loss.reshape(-1).float().contiguous()
-        dx = logits_grad(rows, local_t, lse, g, ctx.n_valid, ctx.label_smoothing, ctx.vocab_size)
+        dx = logits_grad(rows, local_t, shift, g, ctx.n_valid, ctx.label_smoothing, ctx.vocab_size)
         return dx.view(ctx.shape), None, None, None, None
 
 

@@ -17,9 +17,9 @@ ONE = Group("tp", [0], None, Ledger())
 GRAD_TOL = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 
 
-def _inputs(rows, padded, vocab, dtype, scale=3.0, seed=0):
+def _inputs(rows, padded, vocab, dtype, scale=3.0, seed=0, offset=0.0):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, 2, padded, generator=g) * scale).to(dtype)
+    x = (torch.randn(rows, 2, padded, generator=g) * scale + offset).to(dtype)
     x[..., vocab:] = 30.0                                   # garbage in the padding: never counted
     t = torch.randint(0, vocab, (rows, 2), generator=g)
     grad_loss = torch.rand(rows, 2, generator=g) + 0.5
@@ -57,21 +57,29 @@ def test_fused_cross_entropy_large_logits(dtype):
     _check(x, t, g, 300, 0.1)
 
 
+def test_fused_cross_entropy_large_offset_keeps_fp32_accuracy():
+    """fp32 logits of 1e4 + N(0, 1): a softmax that is not one-hot on top of a large common offset. The sums
+    are shifted by the row's max, so the loss and gradient keep torch's accuracy; unshifted, lse = m + log S
+    alone rounds to ulp(1e4) ~ 1e-3 (a first version that summed unshifted logits failed here by 5.2e-4)."""
+    x, t, g = _inputs(4, 384, 300, torch.float32, scale=1.0, offset=1e4)
+    _check(x, t, g, 300, 0.1)
+
+
 def test_row_stats_of_a_shard_with_targets_elsewhere_or_only_padding():
     """Per shard: a target column past the row (it lives in a later shard) counts 0, even where the last
     chunk reaches past the row; a shard of padding only gives m = -inf, s = 0 (weighed 0 when the
     ranks' stats combine) and a zero gradient."""
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     t = torch.tensor([5, 203, -7], device=DEVICE)             # in the shard, in a later one, in an earlier one
-    m, s, x_t, x_sum = ce.row_stats(x, t, 200, smoothing=True)
+    m, s, dt, xs = ce.row_stats(x, t, 200, smoothing=True)
     torch.testing.assert_close(m, x.max(-1).values)
     torch.testing.assert_close(s, (x - m[:, None]).exp().sum(-1))
-    torch.testing.assert_close(x_t, torch.stack([x[0, 5], x.new_zeros(()), x.new_zeros(())]))
-    torch.testing.assert_close(x_sum, x.sum(-1))
-    m, s, x_t, x_sum = ce.row_stats(x, t, 0, smoothing=True)
-    assert torch.all(m == -math.inf) and not s.any() and not x_t.any() and not x_sum.any()
-    lse, g = torch.full((3,), 2.0, device=DEVICE), torch.ones(3, device=DEVICE)
-    assert not ce.logits_grad(x, t, lse, g, 0, 0.1, 1000).any()
+    torch.testing.assert_close(dt, torch.stack([x[0, 5] - m[0], x.new_zeros(()), x.new_zeros(())]))
+    torch.testing.assert_close(xs, (x - m[:, None]).sum(-1))
+    m, s, dt, xs = ce.row_stats(x, t, 0, smoothing=True)
+    assert torch.all(m == -math.inf) and not s.any() and not dt.any() and not xs.any()
+    shift, g = torch.full((2, 3), 2.0, device=DEVICE), torch.ones(3, device=DEVICE)
+    assert not ce.logits_grad(x, t, shift, g, 0, 0.1, 1000).any()
 
 
 def _gpu_configs():
@@ -81,11 +89,13 @@ def _gpu_configs():
 
 @pytest.mark.parametrize("config", _gpu_configs())
 def test_each_gpu_config(monkeypatch, config):
-    """Each autotune candidate at gpt2's vocabulary width computes the same function."""
+    """Each autotune candidate at bench_gpu's vocabulary width computes the same function, in bf16, and in
+    fp32 on a large offset (rows of several chunks: the re-shifted sums)."""
     for tuned in (ce._stats, ce._grad):
         monkeypatch.setattr(tuned, "configs", [config])
         monkeypatch.setattr(tuned, "cache", {})
     _check(*_inputs(2, 8192, 8000, torch.bfloat16), 8000, 0.1)
+    _check(*_inputs(2, 8192, 8000, torch.float32, scale=1.0, offset=1e4), 8000, 0.1)
 
 
 @pytest.mark.parametrize("n_cols", [1, 100, 1024, 8192, 50304, 262144])

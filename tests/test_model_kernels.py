@@ -23,7 +23,7 @@ def test_kernels_setting_picks_the_ops(kernels, ops):
 
 def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
     """kernels=auto: torch, except (op, GPU, size) in TRITON_WINS; sizes are hidden for LayerNorm, head
-    dim for attention and the padded vocabulary for the cross-entropy."""
+    dim for attention and a rank's vocabulary columns (padded vocabulary / tp) for the cross-entropy."""
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=100)   # padded to 128
     monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
     assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, False, False)
@@ -33,6 +33,9 @@ def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
     monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32), ("cross_entropy", "h100", 128),
                                                          ("layer_norm", "a100", 64)}))
     assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, True, True)
+    assert select_triton_ops("auto", cfg, torch.device("cpu"), tp=2) == TritonOps(False, True, False)  # 64 a rank
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 64)}))
+    assert select_triton_ops("auto", cfg, torch.device("cpu"), tp=2) == TritonOps(False, False, True)
 
 
 def test_triton_kernels_train_like_torch(small_data, tmp_path):

@@ -46,7 +46,9 @@ LAYER_TOL = 1e-6           # fp32, relative to the reference's largest entry
 BARRIER_TIMEOUT_S = 60     # between sections; generous for a loaded machine
 BLOCK_TOL = 1e-5
 CE_VOCAB, CE_PADDED = 50, 64
-CE_CASES = (("ls=0", 0.0, torch.float32), ("ls=0.1", 0.1, torch.float32), ("ls=0.1,bf16", 0.1, torch.bfloat16))
+# (name, label smoothing, dtype, real classes): 20 of 64 leaves tp=4's last two shards only padding
+CE_CASES = (("ls=0", 0.0, torch.float32, CE_VOCAB), ("ls=0.1", 0.1, torch.float32, CE_VOCAB),
+            ("ls=0.1,bf16", 0.1, torch.bfloat16, CE_VOCAB), ("ls=0.1,V=20", 0.1, torch.float32, 20))
 
 
 def rank_tensor(g: int, shape, offset: float = 0.0) -> torch.Tensor:
@@ -201,17 +203,18 @@ def _ce_checks(mesh) -> dict:
     from megatron_mini.tensor_parallel import vocab_parallel_cross_entropy
 
     T, r, grp = mesh.tp, mesh.tp_rank, mesh.tp_group
-    S, B, V, VP = 8, 2, CE_VOCAB, CE_PADDED
+    S, B, VP = 8, 2, CE_PADDED
     gen = torch.Generator().manual_seed(300 + mesh.dp_rank)
-    logits = torch.randn(S, B, VP, generator=gen) * 3
-    logits[..., V:] = 30.0                         # large garbage in the padding: must be masked out
-    tgt = torch.tensor([0, 15, 16, 31, 32, 47, 48, 49] + torch.randint(0, V, (8,), generator=gen).tolist())
-    tgt = tgt[torch.randperm(S * B, generator=gen)].reshape(S, B)   # a target in every vocab shard
+    randn = torch.randn(S, B, VP, generator=gen) * 3
+    base = torch.tensor([0, 15, 16, 31, 32, 47, 48, 49] + torch.randint(0, CE_VOCAB, (8,), generator=gen).tolist())
+    base = base[torch.randperm(S * B, generator=gen)].reshape(S, B)   # a target in every shard the vocabulary spans
     grad_loss = torch.rand(S, B, generator=gen) + 0.5
     cols = torch.arange(VP).chunk(T)[r]
     res = {}
-    for (case, ls, dtype), fused in itertools.product(CE_CASES, (False, True)):
+    for (case, ls, dtype, V), fused in itertools.product(CE_CASES, (False, True)):
         case += ",fused" if fused else ""
+        logits, tgt = randn.clone(), base % V
+        logits[..., V:] = 30.0                     # large garbage in the padding: must be masked out
         full = logits.to(dtype).float()
         lr = full.clone().requires_grad_()
         loss_ref = F.cross_entropy(lr[..., :V].reshape(-1, V), tgt.reshape(-1), reduction="none",
@@ -515,8 +518,8 @@ def test_column_gather_output_refuses_fused_groups():
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("case", [c[0] + f for c in CE_CASES for f in ("", ",fused")])
 def test_vocab_parallel_cross_entropy(res, mesh, case):
-    """Loss and d(logits) vs F.cross_entropy on the 50 real classes of a vocabulary padded to 64, by the torch
-    path and by the Triton kernels (",fused"; on CPU through the interpreter)."""
+    """Loss and d(logits) vs F.cross_entropy on the 50 (or 20) real classes of a vocabulary padded to 64, by the
+    torch path and by the Triton kernels (",fused"; on CPU through the interpreter)."""
     tp = MESHES[mesh][0]
     tol = (1e-5, 1e-2) if "bf16" in case else (LAYER_TOL, LAYER_TOL)
     for g, r in enumerate(section(res, ("ce", mesh))):

@@ -4,7 +4,9 @@
   and torch_add_layer_norm (the eager reference);
 - `megatron_mini.kernels.attention`: flash_attention, flash_attention_qkv (causal FlashAttention-2 with dropout;
   the model's attention softmax lives here, never as a standalone kernel), and torch_attention
-  (the kernels themselves are in attention_kernels.py).
+  (the kernels themselves are in attention_kernels.py);
+- `megatron_mini.kernels.cross_entropy`: row_stats, logits_grad (the cross-entropy over a vocabulary shard;
+  tensor_parallel.vocab_parallel_cross_entropy(fused=True) wraps them for autograd and TP).
 
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
 can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter:

@@ -196,22 +196,23 @@ def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
     return out
 
 
-def cross_entropy_launches(widths=(8192, 50304), dtypes=("bf16", "fp16", "fp32"), smoothing=(False, True),
-                           rows: int = 16384) -> list[Launch]:
-    """The cross-entropy's stats and gradient kernels at each vocabulary width (logits [16384, V]): every
+def cross_entropy_launches(widths=((8192, 8192), (50304, 50257)), dtypes=("bf16", "fp16", "fp32"),
+                           smoothing=(False, True), rows: int = 16384) -> list[Launch]:
+    """The cross-entropy's stats and gradient kernels at each (padded width, real classes) of logits
+    [16384, V] (50257 is GPT-2's vocabulary, which Triton specialises unlike a multiple of 16): every
     autotune candidate `fitting_configs` keeps."""
     out = []
     f32, i64 = _ptr(torch.float32), _ptr(torch.int64)
-    for n in widths:
+    for n, real in widths:
         for name in dtypes:
             x = _ptr(_DTYPES[name])
             for smooth in smoothing:
-                case = f"V={n} {name}{' smoothing' if smooth else ''}"
+                case = f"V={real}/{n} {name}{' smoothing' if smooth else ''}"
                 for c in CE.fitting_configs(CE.CONFIGS, n):
                     meta = dict(SMOOTHING=smooth, **c.all_kwargs())
-                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, n), meta))
-                    out.append(Launch("ce grad", case, CE._grad.fn, (x, i64, f32, f32, x, n, n, rows, n, n, 0.9, 1e-5),
-                                      meta))
+                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, real), meta))
+                    out.append(Launch("ce grad", case, CE._grad.fn,
+                                      (x, i64, f32, f32, x, n, n, rows, n, real, 0.9, 0.1 / real), meta))
     return out
 
 
@@ -220,7 +221,7 @@ def launches(quick: bool = False) -> list[Launch]:
     if quick:
         return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",))
                 + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,))
-                + cross_entropy_launches(widths=(8192,), dtypes=("bf16",), smoothing=(False,)))
+                + cross_entropy_launches(widths=((8192, 8192),), dtypes=("bf16",), smoothing=(False,)))
     return layernorm_launches() + attention_launches() + cross_entropy_launches()
 
 
