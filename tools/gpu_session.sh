@@ -48,7 +48,8 @@ check)
   $PY -c "import torch; from megatron_mini.tensor_parallel import gemm_into_fp32 as g
 print('gemm_into_fp32 cuda bf16:', g('cuda', torch.bfloat16), '| fp16:', g('cuda', torch.float16))" >>"$LOGS/env.txt" 2>&1
   step pytest_gpu 240 $PYTEST --timeout 150 -n 4 $K tests/test_tensor_parallel.py
-  step bench_kernels 140 env TRITON_PRINT_AUTOTUNING=1 $PY tools/bench_kernels.py --no-compile --rep 60 --out "$LOGS"
+  step bench_kernels 140 env TRITON_PRINT_AUTOTUNING=1 $PY tools/bench_kernels.py --ops ln,addln,attn --no-compile --rep 60 \
+    --out "$LOGS"
   step bench_gpu 170 $PY tools/bench_gpu.py --models small --rows default,compile,layer_norm,baseline-compile \
     --steps 8 --out "$LOGS"
   tails="pytest_gpu"
