@@ -6,6 +6,9 @@ PYTHON  := $(VENV)/bin/python
 # from the venv's torch, so CUDA_VISIBLE_DEVICES is honoured)
 NPROC   ?=
 ARGS    ?=
+# pytest worker processes of `make test` (pytest-xdist; each takes whole test files): the suite's ranks
+# run with one thread each, so a second worker fills the second core of a 2-core machine. 0: one process.
+TEST_WORKERS ?= 2
 # A GPU machine gets the default (CUDA) torch build; a CPU-only machine gets the CPU build
 # (pip resolves torch==2.13.0 to the local +cpu wheel where one is provided).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
@@ -29,7 +32,7 @@ train: data
 	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py $(ARGS)
 
 test: venv
-	$(RUN_ENV) $(PYTHON) -m pytest -q --durations=15 $(ARGS)
+	$(RUN_ENV) $(PYTHON) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 bench: venv
 	$(RUN_ENV) $(PYTHON) tools/bench_train.py $(ARGS)

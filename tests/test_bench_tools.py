@@ -18,7 +18,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, timeout=120):
+def _run(args, timeout=300):
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")   # the scripts set TRITON_INTERPRET
     proc = subprocess.run([sys.executable] + args, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
