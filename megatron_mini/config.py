@@ -42,8 +42,8 @@ DType = choice("DType", "fp32", "fp16", "bf16")
 Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
-Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention", "cross_entropy")   # the last three:
-                                                                                # Triton for that op only
+# the last three: Triton for that op only
+Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention", "cross_entropy")
 WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
 
 

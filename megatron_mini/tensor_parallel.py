@@ -413,11 +413,11 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, vocab_size, label_smoothing):
+        from .kernels import as_rows
         from .kernels.cross_entropy import row_stats
         per_rank = logits.shape[-1]
         start = tp_group.rank * per_rank
-        rows = logits.reshape(-1, per_rank)
-        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        rows = as_rows(logits, per_rank)
         local_t = (target - start).reshape(-1).contiguous()
         n_valid = min(per_rank, vocab_size - start)        # <= 0: this shard is all padding
         m, s, dt, xs = row_stats(rows, local_t, n_valid, label_smoothing > 0)

@@ -13,7 +13,7 @@ Rows (bf16 activations, bf16 weights):
 Columns: ours (Triton: megatron_mini.kernels: layernorm.layer_norm / add_layer_norm, attention.flash_attention;
 tensor_parallel.vocab_parallel_cross_entropy(fused=True) on one rank), torch eager (F.layer_norm;
 layernorm.torch_add_layer_norm; attention.torch_attention, which materialises the [s, s] scores;
-F.cross_entropy of the fp32 logits, the model's tp=1 path), torch.compile of that eager function (mode default,
+vocab_parallel_cross_entropy's torch path: F.cross_entropy of the fp32 logits at tp=1), torch.compile of that eager function (mode default,
 dynamic=False), and for attention F.scaled_dot_product_attention with one backend forced through
 torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot run prints '-'
 and the reason.
@@ -158,7 +158,7 @@ class Case:
         elif self.op == "ce":
             one, n = Group("tp", [0], None, Ledger()), self.shape[1]
             ours = lambda x, t: vocab_parallel_cross_entropy(x, t, one, n, fused=True)  # noqa: E731
-            eager = lambda x, t: F.cross_entropy(x.float(), t, reduction="none")  # noqa: E731
+            eager = lambda x, t: vocab_parallel_cross_entropy(x, t, one, n)  # noqa: E731
         else:
             ours = lambda q, k, v: attention.flash_attention(q, k, v, causal=True)  # noqa: E731
             eager = lambda q, k, v: attention.torch_attention(q, k, v, causal=True)  # noqa: E731

@@ -19,3 +19,16 @@ def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as @triton.jit reads it when
     a kernel module is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def check_device(x, interpret: bool, module: str) -> None:
+    """Refuse a CPU tensor unless `module`'s kernels were imported under the interpreter (`interpret`)."""
+    if not x.is_cuda and not interpret:
+        raise RuntimeError(f"Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
+                           f"before importing {module}.")
+
+
+def as_rows(t, n_cols: int):
+    """[..., N] -> a 2-D [rows, N] view with unit column stride (copies only if it must)."""
+    t = t.reshape(-1, n_cols)
+    return t if t.stride(1) == 1 else t.contiguous()

@@ -30,7 +30,7 @@ import torch
 import triton
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import interpreting
+from . import check_device, interpreting
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -90,9 +90,7 @@ def _new_bhsd(b, h, s, d, like: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q, k, v, dropout_p):
-    if not (q.is_cuda or _INTERPRET):
-        raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
-                           "before importing megatron_mini.kernels.attention.")
+    check_device(q, _INTERPRET, __name__)
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must be [b, heads, s, d] of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import check_device, interpreting
 
 _INTERPRET = interpreting()
 # (BLOCK_V, num_warps) candidates on a GPU (a row a program), pruned to 8..32 elements per thread of a chunk that is not
@@ -107,16 +107,10 @@ def _grad(X, T, Shift, G, DX, stride_x, stride_dx, n_rows, n_cols, n_valid, keep
                  mask=row_ok[:, None] & (cols < n_cols))
 
 
-def _check(x: torch.Tensor):
-    if not x.is_cuda and not _INTERPRET:
-        raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
-                           "before importing megatron_mini.kernels.cross_entropy.")
-
-
 def row_stats(x: torch.Tensor, t: torch.Tensor, n_valid: int, smoothing: bool) -> torch.Tensor:
     """[4, M] fp32 (m, s, dt, xs) of rows x [M, n] (unit column stride) with int64 targets t [M] given as
     columns of this shard; xs is 0 unless smoothing."""
-    _check(x)
+    check_device(x, _INTERPRET, __name__)
     m, n = x.shape
     stats = torch.empty((4, m), dtype=torch.float32, device=x.device)
     _stats[lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),)](x, t, stats, x.stride(0), m, n, n_valid,
@@ -128,7 +122,7 @@ def logits_grad(x: torch.Tensor, t: torch.Tensor, shift: torch.Tensor, g: torch.
                 label_smoothing: float, vocab_size: int) -> torch.Tensor:
     """dx [M, n] in x's dtype from rows x [M, n], shard targets t [M], shift [2, M] = (M, log S) of the
     combined stats and the incoming per-token gradient g [M] (fp32)."""
-    _check(x)
+    check_device(x, _INTERPRET, __name__)
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     a = float(label_smoothing)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import as_rows, check_device, interpreting
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -284,18 +284,6 @@ def _launch(tuned, grid, *args, n_rows, block_n, **meta):
         tuned[grid](*args, BLOCK_N=block_n, **meta)
 
 
-def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """[..., N] -> a 2-D [rows, N] view with unit column stride (copies only if it must)."""
-    t = t.reshape(-1, n_cols)
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
-def _check_device(x: torch.Tensor):
-    if not x.is_cuda and not _INTERPRET:
-        raise RuntimeError("Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
-                           "before importing megatron_mini.kernels.layernorm.")
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -329,8 +317,8 @@ def _forward(x2, r2, weight, bias, eps):
 def _backward(h2, dy, dh, weight, mu, rstd):
     """(dx, [dw | db]) for rows h2 [M, N]: dx = dh + LN backward of dy in h2's dtype; dw, db in weight's."""
     m, n = h2.shape
-    dy2 = _rows(dy, n)
-    dh2 = dy2 if dh is None else _rows(dh, n)
+    dy2 = as_rows(dy, n)
+    dh2 = dy2 if dh is None else as_rows(dh, n)
     dx = torch.empty((m, n), dtype=h2.dtype, device=h2.device)
     looped = n > MAX_FUSED_BWD_N
     chunks = triton.cdiv(n, LOOP_BLOCK_N) if looped else 1
@@ -357,9 +345,9 @@ class _AddLayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, r, weight, bias, eps):
-        _check_device(x)
+        check_device(x, _INTERPRET, __name__)
         n = x.shape[-1]
-        h, y, mu, rstd = _forward(_rows(x, n), None if r is None else _rows(r, n), weight, bias, eps)
+        h, y, mu, rstd = _forward(as_rows(x, n), None if r is None else as_rows(r, n), weight, bias, eps)
         ctx.save_for_backward(h, weight, mu, rstd)
         ctx.set_materialize_grads(False)     # a None gradient (h or y unused) costs nothing
         ctx.has_residual, ctx.shape, ctx.bias_dtype = r is not None, x.shape, bias.dtype
