@@ -233,52 +233,92 @@ def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
         GEMM_INTO_FP32[gemm_into_fp32(a.device.type, a.dtype)](out, a, b)
 
 
-class _LinearWithGradAccumulation(torch.autograd.Function):
-    """y = x W^T + b whose parameter gradients go straight into their fp32 `main_grad` (Megatron's
-    gradient-accumulation fusion): main_grad_W += dy^T x in one GEMM, main_grad_b += sum_tokens dy
-    (fp32 sum); each parameter then calls its `main_grad_ready()` (set by the GradBuffer) where
-    AccumulateGrad's hook would have. x [..., in], W [out, in], b [out] or None."""
+def _has_main_grads(weight, bias) -> bool:
+    """Whether the parameters carry fp32 main grads (training under a GradBuffer)."""
+    return hasattr(weight, "main_grad") and (bias is None or hasattr(bias, "main_grad"))
+
+
+def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
+    """The gradients of W [out, in] and b [out] in y = x W^T + b, from dy [..., out] and x [..., in]:
+    added into their fp32 main grads (`fused`: main_grad_W += dy^T x in one GEMM, main_grad_b += the fp32
+    sum of dy over tokens; each parameter then calls `main_grad_ready()`, set by the GradBuffer, where
+    AccumulateGrad's hook would have) and (None, None) returned, or returned to autograd."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    if not fused:
+        return (dy2.t() @ x2 if needs[1] else None), (dy2.sum(0) if bias is not None and needs[2] else None)
+    accumulate_matmul(weight.main_grad, dy2.t(), x2)
+    weight.main_grad_ready()
+    if bias is not None:
+        bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
+        bias.main_grad_ready()
+    return None, None
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b, x [..., in], W [out, in], b [out] or None, with Megatron's two fusions of its backward:
+
+    - sequence parallelism (`group`, the TP group): x is this rank's sequence shard [s/tp, b, in]. The
+      forward all-gathers it to [s, b, in] and saves the shard only; the backward gathers it again for
+      dW while it computes dx = dy W, then reduce-scatters dx to [s/tp, b, in] while it computes dW
+      (Korthikanti et al. 2022, section 4.2.2). The gathered input, tp times the shard, is never kept
+      from the forward to the backward: the cost is one more all-gather per backward.
+    - gradient-accumulation fusion (`fused`): W's and b's gradients go straight into their fp32 main
+      grads (`_param_grads`); otherwise they are returned to autograd.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, group, fused):
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no main_grad)
-        return F.linear(x, weight, bias)
+        ctx.group, ctx.fused = group, fused
+        return F.linear(x if group is None else comm.all_gather(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        dx = dy @ weight
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        accumulate_matmul(weight.main_grad, dy2.t(), x2)
-        weight.main_grad_ready()
-        if ctx.bias is not None:
-            ctx.bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
-            ctx.bias.main_grad_ready()
-        return dx, None, None
+        (x,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
+        if group is not None:                 # x = the gathered input, while dx's GEMM runs
+            shard, x = x.contiguous(), x.new_empty((group.size * x.shape[0],) + x.shape[1:])
+            gathering = comm.all_gather_into(x, shard, group, async_op=True)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if group is not None:
+            gathering.wait()
+            if dx is not None:                # dx's sum over the ranks, this rank's shard kept, while dW's GEMM runs
+                full, dx = dx, dx.new_empty(shard.shape)
+                scattering = comm.reduce_scatter_into(dx, full, group, async_op=True)
+        dw, db = _param_grads(dy, x, weight, ctx.bias, ctx.fused, ctx.needs_input_grad)
+        if group is not None and dx is not None:
+            scattering.wait()
+        return dx, dw, db, None, None
 
 
-def linear(x, weight, bias=None):
-    """F.linear, with the gradient-accumulation fusion when the parameters have fp32 main grads
-    (training under a GradBuffer); plain autograd otherwise (a bare model, inference), and under
-    torch.compile (compile=true), where the linear stays in the block's graph (a graph break per
-    linear costs more host time than the fusion saves) and AccumulateGrad's hook moves the
-    16-bit .grad into the main grad."""
-    if (weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
-            and (bias is None or hasattr(bias, "main_grad")) and not torch.compiler.is_compiling()):
-        return _LinearWithGradAccumulation.apply(x, weight, bias)
+def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, fuse_wgrad: bool = True):
+    """y = x W^T + b, x [..., in] -> [..., out]. With `sequence_parallel_group` (the TP group, size > 1)
+    x is this rank's sequence shard [s/tp, b, in], all-gathered to [s, b, in] first.
+
+    Under autograd this is `_Linear`: only the shard is saved with sequence parallelism, and with
+    `fuse_wgrad` the gradients go straight into the parameters' fp32 main grads when they have them
+    (training under a GradBuffer; `fuse_wgrad=False` keeps autograd's own weight gradient, for a weight
+    used twice per step: the tied embedding, whose gradient also comes from the lookup). Otherwise (no
+    grad, a bare model, neither fusion) it is F.linear after the gather mapping; and under torch.compile
+    (compile=true), where the linear stays in the block's graph (a graph break per linear costs more host
+    time than the fusions save) and AccumulateGrad's hook moves the 16-bit .grad into the main grad."""
+    group = sequence_parallel_group
+    group = group if group is not None and group.size > 1 else None
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        fused = fuse_wgrad and weight.requires_grad and _has_main_grads(weight, bias)
+        if fused or group is not None:
+            return _Linear.apply(x, weight, bias, group, fused)
+    if group is not None:
+        x = gather_from_sequence_parallel_region(x, group)
     return F.linear(x, weight, bias)
 
 
 def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
-    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence) then x W_i^T + b_i.
-    fuse_wgrad=False keeps autograd's own weight gradient (a weight used twice per step: the tied
-    embedding, whose gradient also comes from the lookup)."""
+    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence, fused into the linear) then
+    x W_i^T + b_i. fuse_wgrad: see `linear`."""
     if sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, tp_group)
-    else:
-        x = copy_to_tensor_parallel_region(x, tp_group)
-    return linear(x, weight, bias) if fuse_wgrad else F.linear(x, weight, bias)
+        return linear(x, weight, bias, tp_group, fuse_wgrad)
+    return linear(copy_to_tensor_parallel_region(x, tp_group), weight, bias, fuse_wgrad=fuse_wgrad)
 
 
 class ColumnParallelLinear(nn.Module):

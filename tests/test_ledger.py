@@ -52,12 +52,13 @@ def test_tp2_sp_step(small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, tp=2, sp=True)
     m, L, h = cfg.gbs // cfg.mbs, cfg.model.num_layers, cfg.model.hidden_size
     act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
-    # per microbatch, forward: RS (embedding), AG RS AG RS per block, AG (head); backward: the conjugates
-    per_kind = m * (4 * L + 2)
+    # per microbatch, forward: RS (embedding), AG RS AG RS per block, AG (head); backward: the conjugates,
+    # and each column-parallel linear's input (qkv, fc1, head: saved as a shard) gathered again
+    per_kind, regathered = m * (4 * L + 2), m * (2 * L + 1)
     # sequence-parallel replicated params: 2L+1 LayerNorms (w, b), 2L row-parallel biases, positions
     sp_numel = (2 * L + 1) * 2 * h + 2 * L * h + cfg.model.seq_len * h
     for ledger in _ledgers(2, cfg):
-        assert ledger == {("tp", "all_gather"): (per_kind, per_kind * act),
+        assert ledger == {("tp", "all_gather"): (per_kind + regathered, (per_kind + regathered) * act),
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
                           ("tp", "all_reduce"): (2 * m + 1, 3 * m * tokens + sp_numel * F32),
                           ("mp", "all_reduce"): (1, 2 * F32),

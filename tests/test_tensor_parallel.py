@@ -248,6 +248,7 @@ def _block_checks(mesh, mesh1) -> dict:
     import torch.distributed as dist
 
     from megatron_mini.config import ModelConfig
+    from megatron_mini.meter import SavedTensorMeter
     from megatron_mini.model import Block, GPTChunk, ParallelContext, initialize
     from megatron_mini.rng import RNGTracker
     from megatron_mini.tensor_parallel import full_shape, gather_full, shard
@@ -272,8 +273,10 @@ def _block_checks(mesh, mesh1) -> dict:
         T, r = m.tp, m.tp_rank
         x = (X.chunk(T, 0)[r] if sp else X).clone().requires_grad_()
         m.ledger.reset()
-        y = chunk(x)
-        fwd = _summary(m.ledger)
+        meter = SavedTensorMeter(exclude=chunk.parameters())
+        with meter.hooks():
+            y = chunk(x)
+        fwd, saved = _summary(m.ledger), meter.live
         m.ledger.reset()
         y.backward(G.chunk(T, 0)[r] if sp else G)
         bwd = _summary(m.ledger)
@@ -287,7 +290,7 @@ def _block_checks(mesh, mesh1) -> dict:
             else:
                 g = gather_full(g, p.spec, m.tp_group)
             grads[name] = g
-        return dict(y=y.detach(), dx=x.grad, grads=grads, fwd=fwd, bwd=bwd, sp_names=sorted(sp_names))
+        return dict(y=y.detach(), dx=x.grad, grads=grads, fwd=fwd, bwd=bwd, sp_names=sorted(sp_names), saved=saved)
 
     def compare(a, b, seq_shard_a=False):
         """Max errors of run a against run b (b full-sequence); a may hold a sequence shard."""
@@ -319,6 +322,7 @@ def _block_checks(mesh, mesh1) -> dict:
         recompute_vs_sp=compare(seqp_recompute, seqp),
         ledger=dict(plain=(plain["fwd"], plain["bwd"]), sp=(seqp["fwd"], seqp["bwd"]), tp1=(ref["fwd"], ref["bwd"])),
         sp_names=seqp["sp_names"], plain_sp_names=plain["sp_names"], init_err=init_err,
+        saved=dict(plain=plain["saved"], sp=seqp["saved"], tp1=ref["saved"]),
         activation_bytes=S * B * H * 4,
     )
 
@@ -560,13 +564,27 @@ def test_block_sequence_parallel_params_and_init(res, mesh):
 
 @pytest.mark.parametrize("mesh", TP_MESHES)
 def test_block_ledger(res, mesh):
-    """Per block: 2 all-reduces forward + 2 backward; with sp the same volume as all-gather/reduce-scatter."""
+    """Per block: 2 all-reduces forward + 2 backward; with sp the same volume as all-gather/reduce-scatter,
+    plus the two column-parallel linears' inputs gathered again in backward (only their shards are saved)."""
     for g, r in enumerate(section(res, ("block", mesh))):
         n = r["activation_bytes"]
         AR, AG, RS = ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter")
         assert r["ledger"]["plain"] == ({AR: (2, 2 * n)}, {AR: (2, 2 * n)})
-        assert r["ledger"]["sp"] == ({AG: (2, 2 * n), RS: (2, 2 * n)}, {AG: (2, 2 * n), RS: (2, 2 * n)})
+        assert r["ledger"]["sp"] == ({AG: (2, 2 * n), RS: (2, 2 * n)}, {AG: (4, 4 * n), RS: (2, 2 * n)})
         assert r["ledger"]["tp1"] == ({}, {})
+
+
+@pytest.mark.parametrize("mesh", TP_MESHES)
+def test_block_sequence_parallel_saves_a_tp_th(res, mesh):
+    """With sp every tensor a block saves for backward is a 1/tp share of what one device saves
+    (Korthikanti et al. 2022, section 4.2): the LayerNorms' and the column-parallel linears' inputs are
+    sequence shards, the rest is split by heads or by the MLP's width. Without sp the LayerNorms' and
+    the linears' inputs are whole on every rank."""
+    tp = MESHES[mesh][0]
+    for g, r in enumerate(section(res, ("block", mesh))):
+        saved = r["saved"]
+        assert saved["sp"] * tp == saved["tp1"], (g, saved)
+        assert saved["plain"] > saved["sp"], (g, saved)
 
 
 # ============================================================================ RNG

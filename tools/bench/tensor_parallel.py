@@ -54,14 +54,16 @@ def run(bench: Bench, steps: int) -> Report:
              f"{mb(act)} MiB = {mb(m * (4 * L + 2) * act)} MiB (per block 2 all-reduces forward + 2 backward; the "
              "embedding's forward g and the head's backward f), plus 3 [s, b] cross-entropy all-reduces per "
              "microbatch, the SP LayerNorm/bias gradient sum and the step's scalars. SP moves the same volume as "
-             "all-gather + reduce-scatter (each counted at the full [s, b, h] tensor).")
+             "all-gather + reduce-scatter (each counted at the full [s, b, h] tensor), plus one all-gather more per "
+             f"column-parallel linear in backward (QKV, fc1, the head's logits: m x (2L + 1) x s*b*h*4 bytes = "
+             f"{mb(m * (2 * L + 1) * act)} MiB), which gathers again the input it saved as a sequence shard.")
     mem = {row.name: [r[0]["act_peak"] for r in row.run(1, ("memory",))[1]] for row in rows}
     rep.text("\nActivation memory per rank (peak bytes saved for backward in one step, as in section 3; MiB): "
              + "; ".join(f"{name}: {' / '.join(mb(x) for x in v)}" for name, v in mem.items()) + ". "
-             "With sp every [s, b, h] activation outside the TP regions is split over the sequence, but the "
-             "column-parallel linears (QKV, fc1, the output projection) save their all-gathered full-sequence "
-             "input for the weight gradient, so sp stays above tp=1 / 2 by about one [s, b, h] tensor per "
-             "column-parallel linear (Megatron saves the local shard and all-gathers it again in backward).")
+             "With sp every tensor a block saves is split over TP: the LayerNorms' inputs and the column-parallel "
+             "linears' inputs over the sequence (those linears keep their input's sequence shard and gather it "
+             "again in backward, as Megatron does), the rest by heads or by the MLP's width. Compare sp with "
+             "tp=1 / 2.")
     rep.throughput_goal("tp=2 (2x1 thread) / tp=1 (2 threads)", tp2, ref, 0.85)
     rep.throughput_goal("tp=2 sp / tp=2 (sp within 5% of sp=false)", sp, tp2, 0.95)
     for r in rows:
