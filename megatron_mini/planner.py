@@ -7,9 +7,9 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
     compute   = FLOPs / (peak TFLOP/s x efficiency)
     tp, pp    = TP/SP collectives and pipeline sends, on the critical path, over the link they use
                 (ring all-reduce 2(n-1)/n B/bw, all-gather / reduce-scatter (n-1)/n B/bw, p2p B/bw;
-                sends and receives overlap, so half the pipeline traffic counts; the all-gather with which
-                an SP column-parallel linear's backward gathers its input again is counted in full, though
-                it runs beside the dx GEMM: an upper bound)
+                sends and receives overlap, so half the pipeline traffic counts; an SP column-parallel
+                linear's backward runs its two collectives, the input gathered again and dx
+                reduce-scattered, beside its GEMMs, yet they are counted in full: an upper bound)
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)

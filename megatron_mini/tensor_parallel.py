@@ -261,7 +261,8 @@ class _Linear(torch.autograd.Function):
       forward all-gathers it to [s, b, in] and saves the shard only; the backward gathers it again for
       dW while it computes dx = dy W, then reduce-scatters dx to [s/tp, b, in] while it computes dW
       (Korthikanti et al. 2022, section 4.2.2). The gathered input, tp times the shard, is never kept
-      from the forward to the backward: the cost is one more all-gather per backward.
+      from the forward to the backward: the cost is one more all-gather per backward (under full
+      recompute, the recomputed forward's gather makes it two).
     - gradient-accumulation fusion (`fused`): W's and b's gradients go straight into their fp32 main
       grads (`_param_grads`); otherwise they are returned to autograd.
     """
@@ -276,38 +277,49 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
-        if group is not None:                 # x = the gathered input, while dx's GEMM runs
-            shard, x = x.contiguous(), x.new_empty((group.size * x.shape[0],) + x.shape[1:])
-            gathering = comm.all_gather_into(x, shard, group, async_op=True)
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        if group is not None:
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        gathering = scattering = None
+        if group is not None and need_dw:     # the whole input again, gathered while dx's GEMM runs
+            local, x = x.contiguous(), x.new_empty((group.size * x.shape[0],) + x.shape[1:])
+            gathering = comm.all_gather_into(x, local, group, async_op=True)
+        dx = dy @ weight if need_dx else None
+        if gathering is not None:
             gathering.wait()
-            if dx is not None:                # dx's sum over the ranks, this rank's shard kept, while dW's GEMM runs
-                full, dx = dx, dx.new_empty(shard.shape)
-                scattering = comm.reduce_scatter_into(dx, full, group, async_op=True)
+        if group is not None and dx is not None:   # dx summed over the ranks, this rank's shard kept, beside dW's GEMM
+            full, dx = dx, dx.new_empty((dx.shape[0] // group.size,) + dx.shape[1:])
+            scattering = comm.reduce_scatter_into(dx, full, group, async_op=True)
         dw, db = _param_grads(dy, x, weight, ctx.bias, ctx.fused, ctx.needs_input_grad)
-        if group is not None and dx is not None:
+        if scattering is not None:
             scattering.wait()
         return dx, dw, db, None, None
+
+
+@eager
+def _sequence_parallel_linear(x, weight, bias, group, fused):
+    return _Linear.apply(x, weight, bias, group, fused)
 
 
 def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, fuse_wgrad: bool = True):
     """y = x W^T + b, x [..., in] -> [..., out]. With `sequence_parallel_group` (the TP group, size > 1)
     x is this rank's sequence shard [s/tp, b, in], all-gathered to [s, b, in] first.
 
-    Under autograd this is `_Linear`: only the shard is saved with sequence parallelism, and with
-    `fuse_wgrad` the gradients go straight into the parameters' fp32 main grads when they have them
-    (training under a GradBuffer; `fuse_wgrad=False` keeps autograd's own weight gradient, for a weight
-    used twice per step: the tied embedding, whose gradient also comes from the lookup). Otherwise (no
-    grad, a bare model, neither fusion) it is F.linear after the gather mapping; and under torch.compile
-    (compile=true), where the linear stays in the block's graph (a graph break per linear costs more host
-    time than the fusions save) and AccumulateGrad's hook moves the 16-bit .grad into the main grad."""
+    Under autograd, sequence parallelism always runs `_Linear`, which saves the shard only (under
+    torch.compile, eagerly: a graph break where the all-gather would be one anyway). The
+    gradient-accumulation fusion applies with `fuse_wgrad` when the parameters have fp32 main grads
+    (training under a GradBuffer); `fuse_wgrad=False` keeps autograd's own weight gradient, for a weight
+    used twice per step (the tied embedding, whose gradient also comes from the lookup). Without sequence
+    parallelism the fused linear is eager-only: under torch.compile (compile=true) the linear stays in
+    the block's graph (a graph break per linear costs more host time than the fusion saves) and
+    AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise (no grad, or no main
+    grads) it is F.linear."""
     group = sequence_parallel_group
     group = group if group is not None and group.size > 1 else None
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if torch.is_grad_enabled():
         fused = fuse_wgrad and weight.requires_grad and _has_main_grads(weight, bias)
-        if fused or group is not None:
-            return _Linear.apply(x, weight, bias, group, fused)
+        if group is not None:
+            return _sequence_parallel_linear(x, weight, bias, group, fused)
+        if fused and not torch.compiler.is_compiling():
+            return _Linear.apply(x, weight, bias, None, True)
     if group is not None:
         x = gather_from_sequence_parallel_region(x, group)
     return F.linear(x, weight, bias)

@@ -518,6 +518,27 @@ def test_column_gather_output_refuses_fused_groups():
         ColumnParallelLinear(8, 24, Group("tp", [0], None, Ledger()), gather_output=True, tp_groups=3)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_sequence_parallel_linear_gathers_again_only_for_the_weight_gradient(frozen):
+    """The sp linear's backward all-gathers its saved input shard only when W needs a gradient; dx is
+    reduce-scattered either way. On the meta device over a virtual tp=2 group (records, moves nothing)."""
+    from megatron_mini.comm import Group, Ledger
+    from megatron_mini.tensor_parallel import linear
+    ledger = Ledger()
+    group = Group("tp", [0, 1], None, ledger, me=0)
+    x = torch.empty(4, 2, 8, device="meta", requires_grad=True)            # [s/tp, b, in]
+    w = torch.empty(6, 8, device="meta", requires_grad=not frozen)
+    y = linear(x, w, None, group)
+    assert ledger.summary() == {("tp", "all_gather"): (1, 8 * 2 * 8 * 4)} and y.shape == (8, 2, 6)
+    ledger.reset()
+    y.backward(torch.empty_like(y))
+    expected = {("tp", "reduce_scatter"): (1, 8 * 2 * 8 * 4)}
+    if not frozen:
+        expected[("tp", "all_gather")] = (1, 8 * 2 * 8 * 4)
+    assert ledger.summary() == expected
+    assert x.grad.shape == x.shape and (w.grad is None) == frozen
+
+
 # ============================================================================ cross entropy
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("case", [c[0] + f for c in CE_CASES for f in ("", ",fused")])

@@ -62,8 +62,8 @@ def run(bench: Bench, steps: int) -> Report:
              + "; ".join(f"{name}: {' / '.join(mb(x) for x in v)}" for name, v in mem.items()) + ". "
              "With sp every tensor a block saves is split over TP: the LayerNorms' inputs and the column-parallel "
              "linears' inputs over the sequence (those linears keep their input's sequence shard and gather it "
-             "again in backward, as Megatron does), the rest by heads or by the MLP's width. Compare sp with "
-             "tp=1 / 2.")
+             "again in backward, as Megatron does), the rest by heads or by the MLP's width; the head's "
+             "probabilities by the vocabulary. Compare sp with tp=1 / 2.")
     rep.throughput_goal("tp=2 (2x1 thread) / tp=1 (2 threads)", tp2, ref, 0.85)
     rep.throughput_goal("tp=2 sp / tp=2 (sp within 5% of sp=false)", sp, tp2, 0.95)
     for r in rows:
