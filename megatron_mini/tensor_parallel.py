@@ -233,11 +233,6 @@ def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
         GEMM_INTO_FP32[gemm_into_fp32(a.device.type, a.dtype)](out, a, b)
 
 
-def _has_main_grads(weight, bias) -> bool:
-    """Whether the parameters carry fp32 main grads (training under a GradBuffer)."""
-    return hasattr(weight, "main_grad") and (bias is None or hasattr(bias, "main_grad"))
-
-
 def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
     """The gradients of W [out, in] and b [out] in y = x W^T + b, from dy [..., out] and x [..., in]:
     added into their fp32 main grads (`fused`: main_grad_W += dy^T x in one GEMM, main_grad_b += the fp32
@@ -300,7 +295,7 @@ def _sequence_parallel_linear(x, weight, bias, group, fused):
 
 
 def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, fuse_wgrad: bool = True):
-    """y = x W^T + b, x [..., in] -> [..., out]. With `sequence_parallel_group` (the TP group, size > 1)
+    """y = x W^T + b, x [..., in] -> [..., out]. With `sequence_parallel_group` (a TP group of size > 1)
     x is this rank's sequence shard [s/tp, b, in], all-gathered to [s, b, in] first.
 
     Under autograd, sequence parallelism always runs `_Linear`, which saves the shard only (under
@@ -313,9 +308,9 @@ def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, f
     AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise (no grad, or no main
     grads) it is F.linear."""
     group = sequence_parallel_group
-    group = group if group is not None and group.size > 1 else None
     if torch.is_grad_enabled():
-        fused = fuse_wgrad and weight.requires_grad and _has_main_grads(weight, bias)
+        fused = (fuse_wgrad and weight.requires_grad and hasattr(weight, "main_grad")
+                 and (bias is None or hasattr(bias, "main_grad")))
         if group is not None:
             return _sequence_parallel_linear(x, weight, bias, group, fused)
         if fused and not torch.compiler.is_compiling():
@@ -328,7 +323,7 @@ def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, f
 def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
     """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence, fused into the linear) then
     x W_i^T + b_i. fuse_wgrad: see `linear`."""
-    if sequence_parallel:
+    if sequence_parallel and tp_group.size > 1:
         return linear(x, weight, bias, tp_group, fuse_wgrad)
     return linear(copy_to_tensor_parallel_region(x, tp_group), weight, bias, fuse_wgrad=fuse_wgrad)
 
