@@ -4,7 +4,9 @@ A `Group` is one process group seen from this rank (name "tp", "dp", "pp", "emb"
 "world"). Each call records (group name, op, bytes) in the group's `Ledger`, so tests compare
 a step's traffic with the analytic count. Bytes are those of the full tensor involved: the
 reduced tensor (all_reduce), the gathered output (all_gather), the unreduced input
-(reduce_scatter), the message (send/recv). Size-1 groups do nothing and record nothing.
+(reduce_scatter), the message (send/recv). An async collective that its caller overlaps with a
+GEMM also records that GEMM's FLOPs (`beside_flops`), for the planner. Size-1 groups do nothing
+and record nothing.
 A virtual group (one of a ParallelMesh built for a rank that is not this process, to plan a
 layout on the meta device) records every call and moves nothing: only shapes matter there.
 """
@@ -22,21 +24,25 @@ from .errors import CommError
 
 @dataclass
 class Ledger:
-    """Counts (group, op) -> [calls, bytes]."""
+    """Counts (group, op) -> [calls, bytes], and the collectives run beside a GEMM."""
     records: list = field(default_factory=list)
 
-    def record(self, group: str, op: str, nbytes: int) -> None:
-        self.records.append((group, op, nbytes))
+    def record(self, group: str, op: str, nbytes: int, beside_flops: float = 0.0) -> None:
+        self.records.append((group, op, nbytes, beside_flops))
 
     def reset(self) -> None:
         self.records.clear()
 
     def summary(self) -> dict:
         calls, nbytes = Counter(), Counter()
-        for group, op, b in self.records:
+        for group, op, b, _ in self.records:
             calls[(group, op)] += 1
             nbytes[(group, op)] += b
         return {key: (calls[key], nbytes[key]) for key in calls}
+
+    def overlaps(self) -> dict:
+        """{(group, op, bytes, FLOPs of the GEMM it ran beside): calls} of the overlapped collectives."""
+        return dict(sorted(Counter(r for r in self.records if r[3]).items()))
 
 
 @dataclass
@@ -88,9 +94,11 @@ class Work:
                 self.work.wait()
 
 
-def _run(group: Group, name: str, nbytes: int, fn, *args, async_op: bool = False, **kwargs):
-    """Record (group, name, bytes) and run the collective `fn` on the group's process group."""
-    group.ledger.record(group.name, name, nbytes)
+def _run(group: Group, name: str, nbytes: int, fn, *args, async_op: bool = False, beside_flops: float = 0.0,
+         **kwargs):
+    """Record (group, name, bytes, beside_flops) and run the collective `fn` on the group's process group.
+    beside_flops: the FLOPs of the GEMM the caller runs while this async collective is in flight."""
+    group.ledger.record(group.name, name, nbytes, beside_flops)
     work = None
     if not group.virtual:
         with _named(group, name):
@@ -98,25 +106,31 @@ def _run(group: Group, name: str, nbytes: int, fn, *args, async_op: bool = False
     return Work(work, group, name) if async_op else None
 
 
-def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False,
+               beside_flops: float = 0.0):
     """In-place all-reduce of `t` over `group`; returns a work handle when async_op."""
     if group.size == 1:
         return None
-    return _run(group, "all_reduce", _nbytes(t), dist.all_reduce, t, op=op, async_op=async_op)
+    return _run(group, "all_reduce", _nbytes(t), dist.all_reduce, t, op=op, async_op=async_op,
+                beside_flops=beside_flops)
 
 
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False,
+                    beside_flops: float = 0.0):
     """Flat all-gather: `out` (size * shard.numel()) receives every rank's `shard` in group order."""
     if group.size == 1:
         return None
-    return _run(group, "all_gather", _nbytes(out), _all_gather_flat, out, shard, async_op=async_op)
+    return _run(group, "all_gather", _nbytes(out), _all_gather_flat, out, shard, async_op=async_op,
+                beside_flops=beside_flops)
 
 
-def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False,
+                        beside_flops: float = 0.0):
     """Flat reduce-scatter of `t` into `out` (t.numel() / size elements)."""
     if group.size == 1:
         return None
-    return _run(group, "reduce_scatter", _nbytes(t), _reduce_scatter_flat, out, t, async_op=async_op)
+    return _run(group, "reduce_scatter", _nbytes(t), _reduce_scatter_flat, out, t, async_op=async_op,
+                beside_flops=beside_flops)
 
 
 def barrier(group: Group) -> None:

@@ -8,7 +8,8 @@
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
-  by running those very calls;
+  by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
+  (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
 - bubble: schedules.simulate (its idle time is the same for any m >= 2 pp, so it runs at that m).
 Attention is measured as a GPU's fused (flash) kernel saves it; the Triton kernels are not planned.
@@ -54,13 +55,17 @@ class Facts:
     activation_bytes: int = 0         # saved for backward after the forward
     flops: float = 0.0                # forward + backward (+ recomputation)
     ledger: dict = field(default_factory=dict)     # {(group, op): (calls, bytes)}
+    overlaps: dict = field(default_factory=dict)   # {(group, op, bytes, FLOPs of the GEMM beside it): calls}
 
     def __add__(self, other: "Facts") -> "Facts":
+        overlaps = {k: self.overlaps.get(k, 0) + other.overlaps.get(k, 0)
+                    for k in sorted(self.overlaps.keys() | other.overlaps.keys())}
         return Facts(self.activation_bytes + other.activation_bytes, self.flops + other.flops,
-                     _merged(self.ledger, other.ledger))
+                     _merged(self.ledger, other.ledger), {k: n for k, n in overlaps.items() if n})
 
     def __mul__(self, n: int) -> "Facts":
-        return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()})
+        return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()},
+                     {k: n * c for k, c in self.overlaps.items() if n})
 
 
 def _merged(a: dict, b: dict) -> dict:
@@ -82,6 +87,7 @@ class RankFacts:
     flops: float                      # per step
     ledger: dict                      # per step {(group, op): (calls, bytes)}
     microbatch_flops: float           # one microbatch through the rank's chunks (the DP overlap window)
+    overlaps: dict = field(default_factory=dict)   # per step: those of the ledger's calls run beside a GEMM
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,10 +106,10 @@ def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     return list(vectors), dict(sends)
 
 
-def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> tuple:
-    """(bytes saved for backward, ledger) of one microbatch forward + backward of the layer `layers[0]`,
-    on meta; a block gets a pending residual r when `residual` (as every block but a chunk's first).
-    The CPU stream is restored after (recomputation sets it; the GPUs' are not touched)."""
+def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
+    """Facts (bytes saved for backward, ledger, overlaps; no FLOPs) of one microbatch forward + backward of
+    the layer `layers[0]`, on meta; a block gets a pending residual r when `residual` (as every block but a
+    chunk's first). The CPU stream is restored after (recomputation sets it; the GPUs' are not touched)."""
     with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
         dtype = DTYPES[cfg.precision.dtype]
@@ -123,7 +129,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> tuple:
         saved = meter.live
         outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
         torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])     # (recompute calls sdpa again)
-    return saved, mesh.ledger.summary()
+    return Facts(saved, 0.0, mesh.ledger.summary(), mesh.ledger.overlaps())
 
 
 class Planner:
@@ -157,8 +163,8 @@ class Planner:
         for name, key, job in self.layer_jobs(cfg):
             if key not in self.layers:
                 self.layers[key] = measure_layer(*job)
-            saved, ledger = self.layers[key]
-            out[name] = Facts(saved, tokens * flops["block" if name == "first" else name], ledger)
+            kind = "block" if name == "first" else name
+            out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
         return out
 
     def rank_state(self, cfg: TrainConfig, dp: int, pp_rank: int) -> tuple:
@@ -205,11 +211,11 @@ class Planner:
             if live > peak:
                 peak, peak_pairs = live, sum(v)
         m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
-        ledger = (sum(chunks, Facts()) * m).ledger
-        ledger = _merged(ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
+        step = sum(chunks, Facts()) * m
+        ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
         ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
         flops = sum(c.flops for c in chunks)
-        return RankFacts(pp_rank, {**memory, "activations": peak}, peak_pairs, m * flops, ledger, flops)
+        return RankFacts(pp_rank, {**memory, "activations": peak}, peak_pairs, m * flops, ledger, flops, step.overlaps)
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
         """The simulator's idle / busy time of cfg's schedule for m microbatches: its idle time is the

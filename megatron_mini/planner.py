@@ -7,9 +7,11 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
     compute   = FLOPs / (peak TFLOP/s x efficiency)
     tp, pp    = TP/SP collectives and pipeline sends, on the critical path, over the link they use
                 (ring all-reduce 2(n-1)/n B/bw, all-gather / reduce-scatter (n-1)/n B/bw, p2p B/bw;
-                sends and receives overlap, so half the pipeline traffic counts; an SP column-parallel
-                linear's backward runs its two collectives, the input gathered again and dx
-                reduce-scattered, beside its GEMMs, yet they are counted in full: an upper bound)
+                sends and receives overlap, so half the pipeline traffic counts). A collective that a
+                column-parallel linear's backward runs beside a GEMM (dx's all-reduce beside dW's; with
+                sp the input gathered again beside dx's, dx's reduce-scatter beside dW's) counts only for
+                the time it outlasts that GEMM at the compute rate below: on a GPU the collective's
+                kernels take SMs from the GEMM, so this is a lower bound of what is exposed
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
@@ -183,14 +185,20 @@ def _link_gbps(cluster: ClusterConfig, span: int) -> float:
     return cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
 
 
-def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, ledger: dict) -> dict:
-    """Seconds per step of each group's traffic, by the span of ranks the group covers."""
+def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, flops_per_s: float) -> dict:
+    """Seconds per step of each group's exposed traffic, by the span of ranks the group covers: the rank's
+    ledger, less, for each collective run beside a GEMM, the part of it that the GEMM's time hides."""
     spans = {"tp": cfg.tp, "dp": cfg.tp * dp, "pp": cfg.tp * dp * cfg.pp, "emb": cfg.tp * dp * cfg.pp,
              "mp": cfg.tp * dp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
     sizes = {"tp": cfg.tp, "dp": dp, "pp": 2, "emb": 2, "mp": cfg.tp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
+
+    def seconds(group: str, op: str, nbytes: float) -> float:
+        return _collective_s(op, nbytes, sizes[group], _link_gbps(cluster, spans[group]))
     out = Counter()
-    for (group, op), (calls, nbytes) in ledger.items():
-        out[group] += _collective_s(op, nbytes, sizes[group], _link_gbps(cluster, spans[group]))
+    for (group, op), (calls, nbytes) in rank.ledger.items():
+        out[group] += seconds(group, op, nbytes)
+    for (group, op, nbytes, flops), calls in rank.overlaps.items():
+        out[group] -= calls * min(seconds(group, op, nbytes), flops / flops_per_s)
     return out
 
 
@@ -204,7 +212,7 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     ranks = [planner.measure_rank(cfg, dp, r) for r in sorted({0, min(1, cfg.pp - 1), cfg.pp - 1})]
     times = None
     for rank in ranks:
-        comm = _comm_s(cfg, cluster, dp, rank.ledger)
+        comm = _comm_s(cfg, cluster, dp, rank, peak)
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with

@@ -250,82 +250,90 @@ def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T + b, x [..., in], W [out, in], b [out] or None, with Megatron's two fusions of its backward:
+    """y = x W^T + b, x [..., in], W [out, in], b [out] or None, with Megatron's fusions of its backward:
 
-    - sequence parallelism (`group`, the TP group): x is this rank's sequence shard [s/tp, b, in]. The
-      forward all-gathers it to [s, b, in] and saves the shard only; the backward gathers it again for
-      dW while it computes dx = dy W, then reduce-scatters dx to [s/tp, b, in] while it computes dW
-      (Korthikanti et al. 2022, section 4.2.2). The gathered input, tp times the shard, is never kept
-      from the forward to the backward: the cost is one more all-gather per backward (under full
-      recompute, the recomputed forward's gather makes it two).
+    - tensor parallelism (`group`, the TP group of a column-parallel linear): the TP mapping before the
+      linear is fused into it, so that its backward's collective runs while a GEMM does.
+      - Without sequence parallelism that mapping is f: x is the full [s, b, in], and the backward
+        all-reduces dx = dy W over TP while it computes dW (Megatron's async dgrad all-reduce).
+      - With `sequence_parallel`, x is this rank's sequence shard [s/tp, b, in]. The forward all-gathers
+        it to [s, b, in] and saves the shard only; the backward gathers it again for dW while it computes
+        dx, then reduce-scatters dx to [s/tp, b, in] while it computes dW (Korthikanti et al. 2022,
+        section 4.2.2). The gathered input, tp times the shard, is never kept from the forward to the
+        backward: the cost is one more all-gather per backward (under full recompute, the recomputed
+        forward's gather makes it two).
+      Each such collective records the FLOPs of the GEMM it runs beside (comm.Ledger, for the planner).
     - gradient-accumulation fusion (`fused`): W's and b's gradients go straight into their fp32 main
       grads (`_param_grads`); otherwise they are returned to autograd.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, fused):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fused):
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no main_grad)
-        ctx.group, ctx.fused = group, fused
-        return F.linear(x if group is None else comm.all_gather(x, group), weight, bias)
+        ctx.group, ctx.sequence_parallel, ctx.fused = group, sequence_parallel, fused
+        return F.linear(comm.all_gather(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         (x,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        gathering = scattering = None
-        if group is not None and need_dw:     # the whole input again, gathered while dx's GEMM runs
+        gemm = 2 * dy.numel() * weight.shape[1]          # FLOPs of dx = dy W, and of dW = dy^T x
+        gathering = reducing = None
+        if ctx.sequence_parallel and need_dw:     # the whole input again, gathered while dx's GEMM runs
             local, x = x.contiguous(), x.new_empty((group.size * x.shape[0],) + x.shape[1:])
-            gathering = comm.all_gather_into(x, local, group, async_op=True)
+            gathering = comm.all_gather_into(x, local, group, async_op=True, beside_flops=gemm * need_dx)
         dx = dy @ weight if need_dx else None
         if gathering is not None:
             gathering.wait()
-        if group is not None and dx is not None:   # dx summed over the ranks, this rank's shard kept, beside dW's GEMM
-            full, dx = dx, dx.new_empty((dx.shape[0] // group.size,) + dx.shape[1:])
-            scattering = comm.reduce_scatter_into(dx, full, group, async_op=True)
+        if group is not None and dx is not None:  # dx summed over the ranks (sp: this rank's shard kept), beside dW
+            if ctx.sequence_parallel:
+                full, dx = dx, dx.new_empty((dx.shape[0] // group.size,) + dx.shape[1:])
+                reducing = comm.reduce_scatter_into(dx, full, group, async_op=True, beside_flops=gemm * need_dw)
+            else:
+                reducing = comm.all_reduce(dx, group, async_op=True, beside_flops=gemm * need_dw)
         dw, db = _param_grads(dy, x, weight, ctx.bias, ctx.fused, ctx.needs_input_grad)
-        if scattering is not None:
-            scattering.wait()
-        return dx, dw, db, None, None
+        if reducing is not None:
+            reducing.wait()
+        return dx, dw, db, None, None, None
 
 
-@eager
-def _sequence_parallel_linear(x, weight, bias, group, fused):
-    return _Linear.apply(x, weight, bias, group, fused)
+def _fuses_wgrad(weight, bias, fuse_wgrad: bool) -> bool:
+    """Whether W's and b's gradients can go straight into fp32 main grads (training under a GradBuffer)."""
+    return (fuse_wgrad and weight.requires_grad and hasattr(weight, "main_grad")
+            and (bias is None or hasattr(bias, "main_grad")))
 
 
-def linear(x, weight, bias=None, sequence_parallel_group: Group | None = None, fuse_wgrad: bool = True):
-    """y = x W^T + b, x [..., in] -> [..., out]. With `sequence_parallel_group` (a TP group of size > 1)
-    x is this rank's sequence shard [s/tp, b, in], all-gathered to [s, b, in] first.
-
-    Under autograd, sequence parallelism always runs `_Linear`, which saves the shard only (under
-    torch.compile, eagerly: a graph break where the all-gather would be one anyway). The
-    gradient-accumulation fusion applies with `fuse_wgrad` when the parameters have fp32 main grads
-    (training under a GradBuffer); `fuse_wgrad=False` keeps autograd's own weight gradient, for a weight
-    used twice per step (the tied embedding, whose gradient also comes from the lookup). Without sequence
-    parallelism the fused linear is eager-only: under torch.compile (compile=true) the linear stays in
-    the block's graph (a graph break per linear costs more host time than the fusion saves) and
-    AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise (no grad, or no main
-    grads) it is F.linear."""
-    group = sequence_parallel_group
-    if torch.is_grad_enabled():
-        fused = (fuse_wgrad and weight.requires_grad and hasattr(weight, "main_grad")
-                 and (bias is None or hasattr(bias, "main_grad")))
-        if group is not None:
-            return _sequence_parallel_linear(x, weight, bias, group, fused)
-        if fused and not torch.compiler.is_compiling():
-            return _Linear.apply(x, weight, bias, None, True)
-    if group is not None:
-        x = gather_from_sequence_parallel_region(x, group)
+def linear(x, weight, bias=None, fuse_wgrad: bool = True):
+    """y = x W^T + b, x [..., in] -> [..., out], on this rank alone. The gradient-accumulation fusion
+    (`_Linear`) applies with `fuse_wgrad` when the parameters have fp32 main grads; `fuse_wgrad=False`
+    keeps autograd's own weight gradient, for a weight used twice per step (the tied embedding, whose
+    gradient also comes from the lookup). The fused linear is eager-only: under torch.compile
+    (compile=true) the linear stays in the block's graph (a graph break per linear costs more host time
+    than the fusion saves) and AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise
+    (no grad, or no main grads) it is F.linear."""
+    if torch.is_grad_enabled() and _fuses_wgrad(weight, bias, fuse_wgrad) and not torch.compiler.is_compiling():
+        return _Linear.apply(x, weight, bias, None, False, True)
     return F.linear(x, weight, bias)
 
 
+@eager
+def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel, fused):
+    return _Linear.apply(x, weight, bias, group, sequence_parallel, fused)
+
+
 def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
-    """[s(/tp), b, in] -> [s, b, out/tp]: f (or an all-gather of the sequence, fused into the linear) then
-    x W_i^T + b_i. fuse_wgrad: see `linear`."""
-    if sequence_parallel and tp_group.size > 1:
-        return linear(x, weight, bias, tp_group, fuse_wgrad)
-    return linear(copy_to_tensor_parallel_region(x, tp_group), weight, bias, fuse_wgrad=fuse_wgrad)
+    """[s(/tp), b, in] -> [s, b, out/tp]: f (or, with sp, an all-gather of the sequence), then x W_i^T + b_i.
+    At tp > 1 under autograd the mapping is fused into the linear (`_Linear`), whose backward runs the
+    mapping's collective beside its GEMMs; under torch.compile that runs eagerly, a graph break where the
+    mapping was one. fuse_wgrad: see `linear`."""
+    if tp_group.size == 1:
+        return linear(x, weight, bias, fuse_wgrad)
+    if torch.is_grad_enabled():
+        return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel,
+                                       _fuses_wgrad(weight, bias, fuse_wgrad))
+    mapping = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
+    return F.linear(mapping(x, tp_group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):

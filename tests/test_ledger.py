@@ -15,11 +15,28 @@ def _one_step_ledger(cfg):
     trainer = make_trainer(cfg)
     trainer.mesh.ledger.reset()
     trainer.train_step()
-    return trainer.mesh.ledger.summary()
+    return trainer.mesh.ledger.summary(), trainer.mesh.ledger.overlaps()
 
 
 def _ledgers(world_size, cfg):
+    """Each rank's ledger of one step; and that no collective runs beside a GEMM (those that do: _overlapped)."""
+    ledgers = spawn(world_size, _one_step_ledger, cfg)
+    assert all(not overlaps for _, overlaps in ledgers), ledgers
+    return [ledger for ledger, _ in ledgers]
+
+
+def _overlapped(world_size, cfg):
+    """Each rank's (ledger, overlaps) of one step."""
     return spawn(world_size, _one_step_ledger, cfg)
+
+
+def _column_parallel_gemms(cfg, tp):
+    """FLOPs of one backward GEMM (dx's, or dW's) of each column-parallel linear a microbatch runs, per rank:
+    L qkv [h -> 3h/tp], L fc1 [h -> ffn/tp], the head's logits [h -> V/tp]."""
+    m, tokens = cfg.model, cfg.model.seq_len * cfg.mbs
+    return [(2 * tokens * m.hidden_size * 3 * m.hidden_size // tp, m.num_layers),
+            (2 * tokens * m.hidden_size * m.ffn_hidden_size // tp, m.num_layers),
+            (2 * tokens * m.hidden_size * m.padded_vocab_size // tp, 1)]
 
 
 def test_dp2_step(small_data, tmp_path):
@@ -42,10 +59,13 @@ def test_tp2_step(small_data, tmp_path):
     # and the cross entropy's two all-reduces: the max [s, b], then sum-exp and target logit [2, s, b]
     calls = m * (1 + 2 * L + 2 * L + 1 + 2)
     nbytes = m * ((1 + 4 * L + 1) * act + 3 * tokens)
-    for ledger in _ledgers(2, cfg):
+    # each backward f is fused into its linear: dx's all-reduce runs beside dW's GEMM
+    beside = {("tp", "all_reduce", act, flops): m * n for flops, n in _column_parallel_gemms(cfg, 2)}
+    for ledger, overlaps in _overlapped(2, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
                           ("mp", "all_reduce"): (1, 2 * F32),           # grad norm and inf/nan check
                           ("world", "all_reduce"): (1, 2 * F32)}
+        assert overlaps == beside
 
 
 def test_tp2_sp_step(small_data, tmp_path):
@@ -57,7 +77,10 @@ def test_tp2_sp_step(small_data, tmp_path):
     per_kind, regathered = m * (4 * L + 2), m * (2 * L + 1)
     # sequence-parallel replicated params: 2L+1 LayerNorms (w, b), 2L row-parallel biases, positions
     sp_numel = (2 * L + 1) * 2 * h + 2 * L * h + cfg.model.seq_len * h
-    for ledger in _ledgers(2, cfg):
+    # each re-gather runs beside dx's GEMM, and dx's reduce-scatter beside dW's
+    beside = {(op, flops): m * n for flops, n in _column_parallel_gemms(cfg, 2) for op in ("all_gather", "reduce_scatter")}
+    for ledger, overlaps in _overlapped(2, cfg):
+        assert overlaps == {("tp", op, act, flops): n for (op, flops), n in beside.items()}
         assert ledger == {("tp", "all_gather"): (per_kind + regathered, (per_kind + regathered) * act),
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
                           ("tp", "all_reduce"): (2 * m + 1, 3 * m * tokens + sp_numel * F32),

@@ -2,7 +2,8 @@
 planner predicts from meta-device models equals what one training step of the real ranks shows.
 
 - weights, fp32 main grads and optimizer state: equal to Optimizer.memory_bytes() of the real rank;
-- communication: equal to the real rank's ledger of one step, call for call and byte for byte;
+- communication: equal to the real rank's ledger of one step, call for call and byte for byte, and so
+  are the collectives run beside a GEMM, with that GEMM's FLOPs;
 - activations: within 10% of the saved-tensor meter over the real step (the same meter, run on real
   tensors, holding every microbatch the schedule keeps in flight);
 - bubble: equal to the schedule simulator's for any microbatch count.
@@ -42,7 +43,7 @@ def _one_real_step(cfg):
     with meter.hooks():
         trainer.train_step()
     return trainer.mesh.pp_rank, trainer.mesh.tp_rank, trainer.mesh.dp_rank, \
-        trainer.optimizer.memory_bytes(), trainer.mesh.ledger.summary(), meter.peak
+        trainer.optimizer.memory_bytes(), trainer.mesh.ledger.summary(), trainer.mesh.ledger.overlaps(), meter.peak
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,13 @@ def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
     world, layout = GRID[name]
     cfg = small_config(small_data, tmp_path, **layout)
     dp = world // (cfg.tp * cfg.pp)
-    for pp_rank, tp_rank, dp_rank, memory, ledger, activations in spawn(world, _one_real_step, cfg):
+    for pp_rank, tp_rank, dp_rank, memory, ledger, overlaps, activations in spawn(world, _one_real_step, cfg):
         if tp_rank or dp_rank:
             continue                                # the planner speaks for TP rank 0, DP rank 0 of a stage
         plan = planner.measure_rank(cfg, dp, pp_rank)
         assert {k: plan.memory[k] for k in memory} == memory, (pp_rank, plan.memory, memory)
         assert plan.ledger == ledger, (pp_rank, plan.ledger, ledger)
+        assert plan.overlaps == overlaps and bool(overlaps) == (cfg.tp > 1), (pp_rank, plan.overlaps, overlaps)
         assert abs(plan.memory["activations"] - activations) <= 0.1 * activations, \
             (pp_rank, plan.memory["activations"], activations)
 

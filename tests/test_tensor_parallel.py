@@ -518,24 +518,52 @@ def test_column_gather_output_refuses_fused_groups():
         ColumnParallelLinear(8, 24, Group("tp", [0], None, Ledger()), gather_output=True, tp_groups=3)
 
 
-@pytest.mark.parametrize("frozen", [False, True])
-def test_sequence_parallel_linear_gathers_again_only_for_the_weight_gradient(frozen):
-    """The sp linear's backward all-gathers its saved input shard only when W needs a gradient; dx is
-    reduce-scattered either way. On the meta device over a virtual tp=2 group (records, moves nothing)."""
-    from megatron_mini.comm import Group, Ledger
-    from megatron_mini.tensor_parallel import linear
-    ledger = Ledger()
-    group = Group("tp", [0, 1], None, ledger, me=0)
-    x = torch.empty(4, 2, 8, device="meta", requires_grad=True)            # [s/tp, b, in]
-    w = torch.empty(6, 8, device="meta", requires_grad=not frozen)
-    y = linear(x, w, None, group)
-    assert ledger.summary() == {("tp", "all_gather"): (1, 8 * 2 * 8 * 4)} and y.shape == (8, 2, 6)
+@pytest.mark.parametrize("sp", [False, True], ids=["f", "sp"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["W", "frozen-W"])
+def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, frozen, monkeypatch):
+    """A tp=2 column-parallel linear's backward launches each collective before the GEMM it overlaps and
+    waits for it after, and records that GEMM's FLOPs: without sp, dx's all-reduce (f's) beside dW's GEMM;
+    with sp, the saved input shard gathered again beside dx's GEMM (only when W needs a gradient) and dx's
+    reduce-scatter beside dW's. On the meta device over a virtual tp=2 group (records, moves nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_mini import comm
+    from megatron_mini.tensor_parallel import column_parallel_linear
+    events = []
+
+    class Log(comm.Ledger):
+        def record(self, group, op, nbytes, beside_flops=0.0):
+            events.append(f"launch {op}")
+            super().record(group, op, nbytes, beside_flops)
+
+    class GEMMs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm"):
+                events.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(comm.Work, "wait", lambda self: events.append("wait"))
+    ledger = Log()
+    group = comm.Group("tp", [0, 1], None, ledger, me=0)
+    x = torch.empty(4 if sp else 8, 2, 8, device="meta", requires_grad=True)      # [s(/tp), b, in]
+    w = torch.empty(6, 8, device="meta", requires_grad=not frozen)                # [out/tp, in]
+    y = column_parallel_linear(x, w, None, group, sp)
+    assert y.shape == (8, 2, 6) and ledger.summary() == ({("tp", "all_gather"): (1, 8 * 2 * 8 * 4)} if sp else {})
     ledger.reset()
-    y.backward(torch.empty_like(y))
-    expected = {("tp", "reduce_scatter"): (1, 8 * 2 * 8 * 4)}
-    if not frozen:
-        expected[("tp", "all_gather")] = (1, 8 * 2 * 8 * 4)
-    assert ledger.summary() == expected
+    events.clear()
+    with GEMMs():
+        y.backward(torch.empty_like(y))
+    act, gemm = 8 * 2 * 8 * 4, 2 * (8 * 2 * 6) * 8               # bytes of [s, b, in]; FLOPs of dy [s, b, out/tp] W
+    dw = [] if frozen else ["mm"]
+    if sp:
+        regather = [] if frozen else ["launch all_gather"]
+        assert events == regather + ["mm"] + ["wait"] * (not frozen) + ["launch reduce_scatter"] + dw + ["wait"]
+        expected = {("tp", "reduce_scatter", act, 0 if frozen else gemm): 1}
+        expected.update({} if frozen else {("tp", "all_gather", act, gemm): 1})
+    else:
+        assert events == ["mm", "launch all_reduce"] + dw + ["wait"]
+        expected = {("tp", "all_reduce", act, 0 if frozen else gemm): 1}
+    assert ledger.summary() == {(g, op): (n, n * nbytes) for (g, op, nbytes, _), n in expected.items()}
+    assert ledger.overlaps() == {k: n for k, n in expected.items() if k[3]}     # a frozen W: nothing beside dx's
     assert x.grad.shape == x.shape and (w.grad is None) == frozen
 
 
