@@ -41,7 +41,9 @@ class Ledger:
         return {key: (calls[key], nbytes[key]) for key in calls}
 
     def overlaps(self) -> dict:
-        """{(group, op, bytes, FLOPs of the GEMM it ran beside): calls} of the overlapped collectives."""
+        """{(group, op, bytes, FLOPs of the GEMM it ran beside): calls} of the collectives that recorded
+        `beside_flops` (those of tensor_parallel._Linear's backward; the DP buckets, which overlap the
+        backward as a whole, record none)."""
         return dict(sorted(Counter(r for r in self.records if r[3]).items()))
 
 

@@ -101,7 +101,7 @@ class GradBuffer:
     # -- accumulation and overlapped reduction
     def _on_grad(self, p: nn.Parameter) -> None:
         """AccumulateGrad's hook: move the microbatch's .grad into the fp32 main grad. (It also runs,
-        with no .grad, for parameters whose gradient tensor_parallel.linear added there itself.)"""
+        with no .grad, for parameters whose gradient tensor_parallel._Linear added there itself.)"""
         if p.grad is None:
             return
         p.main_grad.add_(p.grad)
@@ -110,7 +110,7 @@ class GradBuffer:
 
     def _main_grad_ready(self, p: nn.Parameter) -> None:
         """p's gradient of this microbatch is in its main grad (from the hook above, or added there
-        directly by tensor_parallel.linear): on the last microbatch its bucket may start reducing."""
+        directly by tensor_parallel._Linear): on the last microbatch its bucket may start reducing."""
         if self.overlap:
             bucket = self.bucket_of[p]
             bucket.pending -= 1

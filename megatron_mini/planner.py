@@ -10,8 +10,10 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 sends and receives overlap, so half the pipeline traffic counts). A collective that a
                 column-parallel linear's backward runs beside a GEMM (dx's all-reduce beside dW's; with
                 sp the input gathered again beside dx's, dx's reduce-scatter beside dW's) counts only for
-                the time it outlasts that GEMM at the compute rate below: on a GPU the collective's
-                kernels take SMs from the GEMM, so this is a lower bound of what is exposed
+                the time it outlasts that GEMM at the compute rate above. A lower bound of what is
+                exposed: on a GPU the collective's kernels take SMs from the GEMM (Megatron runs with
+                CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first), and the last
+                microbatch's GEMMs also count against the DP reduction below
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)

@@ -2,7 +2,8 @@
 
 Conjugate autograd mappings over the TP group (`mesh.tp_group`), each a no-op at tp=1:
 
-    copy_to_tensor_parallel_region              f: identity        / all-reduce
+    copy_to_tensor_parallel_region              f: identity        / all-reduce   (the column-parallel
+                                                   linears fuse it: _Linear)
     reduce_from_tensor_parallel_region          g: all-reduce      / identity
     scatter_to_tensor_parallel_region           split last dim     / all-gather last dim
     gather_from_tensor_parallel_region          all-gather last    / split last dim
@@ -238,10 +239,11 @@ def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
     added into their fp32 main grads (`fused`: main_grad_W += dy^T x in one GEMM, main_grad_b += the fp32
     sum of dy over tokens; each parameter then calls `main_grad_ready()`, set by the GradBuffer, where
     AccumulateGrad's hook would have) and (None, None) returned, or returned to autograd."""
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
     if not fused:
-        return (dy2.t() @ x2 if needs[1] else None), (dy2.sum(0) if bias is not None and needs[2] else None)
-    accumulate_matmul(weight.main_grad, dy2.t(), x2)
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if needs[1] else None      # (x is None when W needs none)
+        return dw, (dy2.sum(0) if bias is not None and needs[2] else None)
+    accumulate_matmul(weight.main_grad, dy2.t(), x.reshape(-1, x.shape[-1]))
     weight.main_grad_ready()
     if bias is not None:
         bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
@@ -269,7 +271,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, fused):
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if weight.requires_grad else None)     # x is for dW alone
         ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no main_grad)
         ctx.group, ctx.sequence_parallel, ctx.fused = group, sequence_parallel, fused
         return F.linear(comm.all_gather(x, group) if sequence_parallel else x, weight, bias)
@@ -325,15 +327,15 @@ def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel, fused):
 def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
     """[s(/tp), b, in] -> [s, b, out/tp]: f (or, with sp, an all-gather of the sequence), then x W_i^T + b_i.
     At tp > 1 under autograd the mapping is fused into the linear (`_Linear`), whose backward runs the
-    mapping's collective beside its GEMMs; under torch.compile that runs eagerly, a graph break where the
-    mapping was one. fuse_wgrad: see `linear`."""
+    mapping's collective beside its GEMMs. Under torch.compile that runs eagerly, a graph break where the
+    mapping was one, now with the linear on its eager side (inductor no longer fuses fc1's bias into the
+    GELU there). Without autograd f is the identity. fuse_wgrad: see `linear`."""
     if tp_group.size == 1:
         return linear(x, weight, bias, fuse_wgrad)
     if torch.is_grad_enabled():
         return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel,
                                        _fuses_wgrad(weight, bias, fuse_wgrad))
-    mapping = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
-    return F.linear(mapping(x, tp_group), weight, bias)
+    return F.linear(gather_from_sequence_parallel_region(x, tp_group) if sequence_parallel else x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):

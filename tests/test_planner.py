@@ -56,15 +56,18 @@ def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
     world, layout = GRID[name]
     cfg = small_config(small_data, tmp_path, **layout)
     dp = world // (cfg.tp * cfg.pp)
+    beside_gemms = False
     for pp_rank, tp_rank, dp_rank, memory, ledger, overlaps, activations in spawn(world, _one_real_step, cfg):
         if tp_rank or dp_rank:
             continue                                # the planner speaks for TP rank 0, DP rank 0 of a stage
         plan = planner.measure_rank(cfg, dp, pp_rank)
         assert {k: plan.memory[k] for k in memory} == memory, (pp_rank, plan.memory, memory)
         assert plan.ledger == ledger, (pp_rank, plan.ledger, ledger)
-        assert plan.overlaps == overlaps and bool(overlaps) == (cfg.tp > 1), (pp_rank, plan.overlaps, overlaps)
+        assert plan.overlaps == overlaps, (pp_rank, plan.overlaps, overlaps)
+        beside_gemms |= bool(overlaps)
         assert abs(plan.memory["activations"] - activations) <= 0.1 * activations, \
             (pp_rank, plan.memory["activations"], activations)
+    assert beside_gemms == (cfg.tp > 1)               # a column-parallel linear's backward overlaps its collectives
 
 
 @pytest.mark.parametrize("kind, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("gpipe", 3, 1), ("1f1b", 4, 2),

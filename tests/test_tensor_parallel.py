@@ -519,12 +519,14 @@ def test_column_gather_output_refuses_fused_groups():
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["f", "sp"])
-@pytest.mark.parametrize("frozen", [False, True], ids=["W", "frozen-W"])
-def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, frozen, monkeypatch):
+@pytest.mark.parametrize("needs", ["x,W", "x", "W", "x,W,main-grad"])
+def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, needs, monkeypatch):
     """A tp=2 column-parallel linear's backward launches each collective before the GEMM it overlaps and
     waits for it after, and records that GEMM's FLOPs: without sp, dx's all-reduce (f's) beside dW's GEMM;
     with sp, the saved input shard gathered again beside dx's GEMM (only when W needs a gradient) and dx's
-    reduce-scatter beside dW's. On the meta device over a virtual tp=2 group (records, moves nothing)."""
+    reduce-scatter beside dW's. `needs`: which of x and W need a gradient, and whether W's goes into an fp32
+    main grad (the gradient-accumulation fusion). On the meta device over a virtual tp=2 group (records,
+    moves nothing)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from megatron_mini import comm
     from megatron_mini.tensor_parallel import column_parallel_linear
@@ -537,15 +539,18 @@ def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, froz
 
     class GEMMs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm"):
-                events.append(func.overloadpacket.__name__)
+            if func.overloadpacket.__name__.rstrip("_") in ("mm", "addmm", "bmm"):
+                events.append("mm")
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(comm.Work, "wait", lambda self: events.append("wait"))
     ledger = Log()
     group = comm.Group("tp", [0, 1], None, ledger, me=0)
-    x = torch.empty(4 if sp else 8, 2, 8, device="meta", requires_grad=True)      # [s(/tp), b, in]
-    w = torch.empty(6, 8, device="meta", requires_grad=not frozen)                # [out/tp, in]
+    need_x, need_w = "x" in needs.split(","), "W" in needs
+    x = torch.empty(4 if sp else 8, 2, 8, device="meta", requires_grad=need_x)      # [s(/tp), b, in]
+    w = torch.empty(6, 8, device="meta", requires_grad=need_w)                      # [out/tp, in]
+    if "main-grad" in needs:
+        w.main_grad, w.main_grad_ready = torch.zeros(6, 8, device="meta"), lambda: events.append("W ready")
     y = column_parallel_linear(x, w, None, group, sp)
     assert y.shape == (8, 2, 6) and ledger.summary() == ({("tp", "all_gather"): (1, 8 * 2 * 8 * 4)} if sp else {})
     ledger.reset()
@@ -553,18 +558,21 @@ def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, froz
     with GEMMs():
         y.backward(torch.empty_like(y))
     act, gemm = 8 * 2 * 8 * 4, 2 * (8 * 2 * 6) * 8               # bytes of [s, b, in]; FLOPs of dy [s, b, out/tp] W
-    dw = [] if frozen else ["mm"]
+    dx = ["mm"] if need_x else []
+    dw = ["mm"] + ["W ready"] * ("main-grad" in needs) if need_w else []
+    expected = {}
     if sp:
-        regather = [] if frozen else ["launch all_gather"]
-        assert events == regather + ["mm"] + ["wait"] * (not frozen) + ["launch reduce_scatter"] + dw + ["wait"]
-        expected = {("tp", "reduce_scatter", act, 0 if frozen else gemm): 1}
-        expected.update({} if frozen else {("tp", "all_gather", act, gemm): 1})
+        regather = ["launch all_gather"] if need_w else []
+        scatter = ["launch reduce_scatter"] + dw + ["wait"] if need_x else dw
+        assert events == regather + dx + ["wait"] * need_w + scatter
+        expected.update({("tp", "all_gather", act, gemm * need_x): 1} if need_w else {})
+        expected.update({("tp", "reduce_scatter", act, gemm * need_w): 1} if need_x else {})
     else:
-        assert events == ["mm", "launch all_reduce"] + dw + ["wait"]
-        expected = {("tp", "all_reduce", act, 0 if frozen else gemm): 1}
+        assert events == (dx + ["launch all_reduce"] + dw + ["wait"] if need_x else dw)
+        expected.update({("tp", "all_reduce", act, gemm * need_w): 1} if need_x else {})
     assert ledger.summary() == {(g, op): (n, n * nbytes) for (g, op, nbytes, _), n in expected.items()}
-    assert ledger.overlaps() == {k: n for k, n in expected.items() if k[3]}     # a frozen W: nothing beside dx's
-    assert x.grad.shape == x.shape and (w.grad is None) == frozen
+    assert ledger.overlaps() == {k: n for k, n in expected.items() if k[3]}     # nothing beside a GEMM not run
+    assert (x.grad is not None) == need_x and (w.grad is not None) == (need_w and "main-grad" not in needs)
 
 
 # ============================================================================ cross entropy
