@@ -13,7 +13,7 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 the time it outlasts that GEMM at the compute rate above. A lower bound of what is
                 exposed: on a GPU the collective's kernels take SMs from the GEMM (Megatron runs with
                 CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first), and the last
-                microbatch's GEMMs also count against the DP reduction below
+                microbatch's GEMMs also hide the DP reduction below, as though the two shared no link
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
