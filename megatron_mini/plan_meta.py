@@ -58,10 +58,9 @@ class Facts:
     overlaps: dict = field(default_factory=dict)   # {(group, op, bytes, FLOPs of the GEMM beside it): calls}
 
     def __add__(self, other: "Facts") -> "Facts":
-        overlaps = {k: self.overlaps.get(k, 0) + other.overlaps.get(k, 0)
-                    for k in sorted(self.overlaps.keys() | other.overlaps.keys())}
+        overlaps = Counter(self.overlaps) + Counter(other.overlaps)            # (drops zero counts)
         return Facts(self.activation_bytes + other.activation_bytes, self.flops + other.flops,
-                     _merged(self.ledger, other.ledger), {k: n for k, n in overlaps.items() if n})
+                     _merged(self.ledger, other.ledger), dict(sorted(overlaps.items())))
 
     def __mul__(self, n: int) -> "Facts":
         return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()},

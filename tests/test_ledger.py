@@ -21,15 +21,10 @@ def _one_step_ledger(cfg):
 
 
 def _ledgers(world_size, cfg):
-    """Each rank's ledger of one step; and that no collective runs beside a GEMM (those that do: _overlapped)."""
+    """Each rank's ledger of one step, where no collective runs beside a GEMM."""
     ledgers = spawn(world_size, _one_step_ledger, cfg)
     assert all(not overlaps for _, overlaps in ledgers), ledgers
     return [ledger for ledger, _ in ledgers]
-
-
-def _overlapped(world_size, cfg):
-    """Each rank's (ledger, overlaps) of one step."""
-    return spawn(world_size, _one_step_ledger, cfg)
 
 
 def _column_parallel_gemms(cfg, tp):
@@ -65,7 +60,7 @@ def test_tp2_step(small_data, tmp_path):
     beside = Counter()
     for flops, n in _column_parallel_gemms(cfg, 2):
         beside["tp", "all_reduce", act, flops] += m * n
-    for ledger, overlaps in _overlapped(2, cfg):
+    for ledger, overlaps in spawn(2, _one_step_ledger, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
                           ("mp", "all_reduce"): (1, 2 * F32),           # grad norm and inf/nan check
                           ("world", "all_reduce"): (1, 2 * F32)}
@@ -86,7 +81,7 @@ def test_tp2_sp_step(small_data, tmp_path):
     for flops, n in _column_parallel_gemms(cfg, 2):
         for op in ("all_gather", "reduce_scatter"):
             beside["tp", op, act, flops] += m * n
-    for ledger, overlaps in _overlapped(2, cfg):
+    for ledger, overlaps in spawn(2, _one_step_ledger, cfg):
         assert overlaps == beside
         assert ledger == {("tp", "all_gather"): (per_kind + regathered, (per_kind + regathered) * act),
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),

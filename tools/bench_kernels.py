@@ -13,10 +13,10 @@ Rows (bf16 activations, bf16 weights):
 Columns: ours (Triton: megatron_mini.kernels: layernorm.layer_norm / add_layer_norm, attention.flash_attention;
 tensor_parallel.vocab_parallel_cross_entropy(fused=True) on one rank), torch eager (F.layer_norm;
 layernorm.torch_add_layer_norm; attention.torch_attention, which materialises the [s, s] scores;
-vocab_parallel_cross_entropy's torch path: F.cross_entropy of the fp32 logits at tp=1), torch.compile of that eager function (mode default,
-dynamic=False), and for attention F.scaled_dot_product_attention with one backend forced through
-torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot run prints '-'
-and the reason.
+vocab_parallel_cross_entropy's torch path: F.cross_entropy of the fp32 logits at tp=1), torch.compile of
+that eager function (mode default, dynamic=False), and for attention F.scaled_dot_product_attention with one
+backend forced through torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient). A path that cannot
+run prints '-' and the reason.
 
 Method. Each cell is timed with the median of triton.testing.do_bench (CUDA events; do_bench also
 flushes L2 before every repetition), once for the forward alone and once for forward + backward
