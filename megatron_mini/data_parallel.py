@@ -8,8 +8,11 @@ On the last microbatch a bucket is reduced over DP as soon as all its gradients 
 (async, overlapping the rest of backward): an all-reduce, or with ZeRO-1 a reduce-scatter
 that leaves this rank the sum for its 1/dp shard of every bucket. Buckets are padded to a
 multiple of dp. With pp > 1 the tied word embedding has a bucket of its own, so its shards
-line up between the first and last stage for the embedding-group sum. `full_weights()` /
-`load_weights()` turn the buffer's parameters into full tensors by global name and back.
+line up between the first and last stage for the embedding-group sum. ZeRO-1 all-gathers the
+updated weights after the step, async, and a layer's forward waits only for its own buckets
+(Megatron's overlap_param_gather): the gathers overlap the next step's forward.
+`full_weights()` / `load_weights()` turn the buffer's parameters into full tensors by global
+name and back.
 """
 from __future__ import annotations
 
@@ -36,10 +39,24 @@ class Bucket:
     launched: bool = False
     work: object = None              # the async collective's handle (None for a group of one)
     shard_out: torch.Tensor | None = None
+    gather: object = None            # ZeRO-1: the in-flight all-gather of the updated weights,
+    gather_in: torch.Tensor | None = None    # and its input (this rank's shard, copied)
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
         n = (self.end - self.start) // dp
         return self.start + dp_rank * n, self.start + (dp_rank + 1) * n
+
+    def wait_gather(self) -> None:
+        """Wait until this bucket's weights are whole again (nothing to do when no gather is in flight)."""
+        if self.gather is not None:
+            self.gather.wait()
+            self.gather = self.gather_in = None
+
+
+def _wait_gathers(buckets: list, module: nn.Module, args) -> None:
+    """A forward pre-hook: the layer's weights must be whole before it runs."""
+    for bucket in buckets:
+        bucket.wait_gather()
 
 
 def _call(buffer: weakref.ref, method: str, p: nn.Parameter) -> None:
@@ -149,26 +166,51 @@ class GradBuffer:
     def zero_grad(self) -> None:
         self.grads_flat.zero_()
 
-    def all_gather_params(self) -> None:
-        """ZeRO-1: every rank updated its shard of each bucket; share the updated weights over DP."""
+    # -- ZeRO-1: the updated weights, all-gathered beside the next forward
+    def start_param_gather(self) -> None:
+        """ZeRO-1: every rank updated its shard of each bucket; start sharing the updated weights over DP,
+        async, the buckets the forward uses first launched first. The hooks of wait_before() wait for
+        them layer by layer; what reads or writes the weights outside a forward calls
+        finish_param_gather() first."""
         if not self.zero or self.dp == 1:
             return
-        handles = []
-        for bucket in self.buckets:
+        self.finish_param_gather()
+        for bucket in reversed(self.buckets):          # forward order
             lo, hi = self.valid_range(bucket)
-            out = self.params_flat[bucket.start:bucket.end]
-            handles.append(comm.all_gather_into(out, self.params_flat[lo:hi].clone(), self.mesh.dp_group, async_op=True))
-        for h in handles:
-            h.wait()
+            bucket.gather_in = self.params_flat[lo:hi].clone()
+            bucket.gather = comm.all_gather_into(self.params_flat[bucket.start:bucket.end], bucket.gather_in,
+                                                 self.mesh.dp_group, async_op=True)
+
+    def finish_param_gather(self) -> None:
+        """Wait for every bucket's weight all-gather still in flight."""
+        for bucket in self.buckets:
+            bucket.wait_gather()
+
+    def wait_before(self, modules: list) -> None:
+        """Give each module a forward pre-hook that waits for the all-gathers of the buckets holding its
+        parameters (of this buffer). The modules must run their hooks eagerly (not inside a compiled
+        graph): GPTChunk.param_users()."""
+        if not self.zero or self.dp == 1:
+            return
+        for module in modules:
+            buckets = []
+            for p in module.parameters():
+                bucket = self.bucket_of.get(p)
+                if bucket is not None and not any(b is bucket for b in buckets):
+                    buckets.append(bucket)
+            if buckets:
+                module.register_forward_pre_hook(functools.partial(_wait_gathers, buckets))
 
     def full_weights(self) -> dict:
         """{global name: full fp32 value} of this buffer's parameters (TP-gathered; every rank of the
         TP group must call it)."""
+        self.finish_param_gather()
         return {name: gather_full(p.detach().float(), p.spec, self.mesh.tp_group).cpu() for p, name in self.names.items()}
 
     @torch.no_grad()
     def load_weights(self, tensors: dict) -> None:
         """Copy this rank's slice of each parameter from {global name: full tensor}."""
+        self.finish_param_gather()
         for p, name in self.names.items():
             p.copy_(shard(tensors[name], p.spec, self.mesh.tp, self.mesh.tp_rank))
 

@@ -357,7 +357,8 @@ class GPTChunk(nn.Module):
         self.has_embedding = isinstance(layers[0], Embedding)
         self.has_head = isinstance(layers[-1], Head)
         self.blocks = [layer for layer in layers if isinstance(layer, Block)]   # contiguous (a plain list)
-        if compile_blocks and self.blocks:      # ParallelContext.compile_chunks: the blocks as one graph
+        self.blocks_compiled = compile_blocks and bool(self.blocks)
+        if self.blocks_compiled:                # ParallelContext.compile_chunks: the blocks as one graph
             self._blocks = torch.compile(self._blocks, dynamic=False)
 
     def _blocks(self, x, cache):
@@ -375,6 +376,12 @@ class GPTChunk(nn.Module):
         if self.has_head:
             return self.layers[-1](x, labels, r)
         return x if r is None else x + r
+
+    def param_users(self) -> list:
+        """The modules, in forward order, whose forward pre-hooks run eagerly before their parameters are
+        used (ZeRO-1's GradBuffer.wait_before): the layers, or the chunk itself when its blocks are one
+        compiled graph (a hook inside it would be traced into the graph)."""
+        return [self] if self.blocks_compiled else list(self.layers)
 
     def named_global_parameters(self):
         """(global name, parameter) for every parameter, the shared word embedding once."""

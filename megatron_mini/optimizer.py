@@ -10,7 +10,7 @@ A step: finalize gradients (sum sequence-parallel replicated params over TP, the
 embedding over the embedding group) -> global norm (TP-replicated params and the tied copy
 counted once; the same all-reduce detects inf/nan everywhere) -> skip, or AdamW with the
 gradients divided by (fp16 loss scale / clip factor) inside the fused kernel -> copy to 16-bit
-weights -> ZeRO all-gather.
+weights -> ZeRO all-gather, async: each layer of the next forward waits for its own weights.
 """
 from __future__ import annotations
 
@@ -163,10 +163,17 @@ class Optimizer:
         for buf in self.buffers:
             buf.zero_grad()
 
+    def finish_param_gather(self) -> None:
+        """Wait for ZeRO-1's weight all-gathers still in flight (before the weights are read or written)."""
+        for buf in self.buffers:
+            buf.finish_param_gather()
+
     # -- the step
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
-        """Update the weights from the synced main grads; returns (grad norm, skipped)."""
+        """Update the weights from the synced main grads; returns (grad norm, skipped). With ZeRO-1 the
+        updated weights are all-gathered over DP in the background (GradBuffer.start_param_gather)."""
+        self.finish_param_gather()
         self.finalize_grads()
         scale = self.scaler.scale if self.scaler else 1.0
         norm = self.global_grad_norm() / scale
@@ -194,7 +201,7 @@ class Optimizer:
             if r.separate_master:
                 r.param.copy_(r.master)
         for buf in self.buffers:
-            buf.all_gather_params()
+            buf.start_param_gather()
         self.zero_grad()
         return norm, False
 
@@ -211,6 +218,7 @@ class Optimizer:
         """{"state": {global name: {master, exp_avg, exp_avg_sq: full fp32 tensor}}, "step_count",
         "scaler"} of this rank's pipeline stage, whatever the layout: TP-gathered and, with ZeRO-1,
         all-gathered over DP. Collective: every rank of the stage calls it."""
+        self.finish_param_gather()
         state = {}
         for buf in self.buffers:
             flat = {k: torch.zeros_like(buf.grads_flat) for k in STATES}
@@ -232,6 +240,7 @@ class Optimizer:
     @torch.no_grad()
     def load_state_dict(self, saved: dict) -> None:
         """Take this rank's slices of a state_dict() saved in any layout (the weights are loaded already)."""
+        self.finish_param_gather()
         self.step_count = saved["step_count"]
         if self.scaler and saved["scaler"]:
             self.scaler.load_state_dict(saved["scaler"])

@@ -184,7 +184,7 @@ class Planner:
             optimizer.finalize_grads()
             optimizer.reduce_norm_stats(torch.zeros(2, device=META))
             for buf in buffers:
-                buf.all_gather_params()
+                buf.start_param_gather()
             reduce_loss(mesh, torch.zeros((), device=META), False, META)
             with_sp = mesh.ledger.summary()
             without_sp = {k: v for k, v in with_sp.items() if k != ("tp", "all_reduce")}   # the SP-parameter sum

@@ -15,7 +15,9 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first), and the last
                 microbatch's GEMMs also hide the DP reduction below, as though the two shared no link
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
-    dp        = the DP reduction beyond the last microbatch's backward, which it overlaps
+    dp        = the DP reduction beyond the last microbatch's backward, which it overlaps, plus ZeRO-1's
+                weight all-gather beyond the first microbatch's forward, which it overlaps (each layer
+                waits only for its own weights; the first layer's are exposed, not counted here)
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
     step      = the slowest of the first, second and last pipeline rank. A group's link is the node's
                 (NVLink) when its ranks fit in one node (rank = tp_rank + tp (dp_rank + dp pp_rank),
@@ -189,7 +191,8 @@ def _link_gbps(cluster: ClusterConfig, span: int) -> float:
 
 def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, flops_per_s: float) -> dict:
     """Seconds per step of each group's exposed traffic, by the span of ranks the group covers: the rank's
-    ledger, less, for each collective run beside a GEMM, the part of it that the GEMM's time hides."""
+    ledger, less, for each collective run beside a GEMM, the part of it that the GEMM's time hides.
+    ZeRO-1's weight all-gather (the DP group's only all-gather) is apart, under "zero"."""
     spans = {"tp": cfg.tp, "dp": cfg.tp * dp, "pp": cfg.tp * dp * cfg.pp, "emb": cfg.tp * dp * cfg.pp,
              "mp": cfg.tp * dp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
     sizes = {"tp": cfg.tp, "dp": dp, "pp": 2, "emb": 2, "mp": cfg.tp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
@@ -198,7 +201,7 @@ def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, 
         return _collective_s(op, nbytes, sizes[group], _link_gbps(cluster, spans[group]))
     out = Counter()
     for (group, op), (calls, nbytes) in rank.ledger.items():
-        out[group] += seconds(group, op, nbytes)
+        out["zero" if (group, op) == ("dp", "all_gather") else group] += seconds(group, op, nbytes)
     for (group, op, nbytes, flops), calls in rank.overlaps.items():
         out[group] -= calls * min(seconds(group, op, nbytes), flops / flops_per_s)
     return out
@@ -218,8 +221,10 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
+        first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
         t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,
-             "dp": max(comm["dp"] - last_backward, 0.0), "emb": comm["emb"] + comm["mp"] + comm["world"]}
+             "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),
+             "emb": comm["emb"] + comm["mp"] + comm["world"]}
         if times is None or sum(t.values()) > sum(times.values()):
             times = t
     memory = max(sum(r.memory.values()) for r in ranks) / GiB

@@ -65,19 +65,21 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
     kernels round like eager to ~1e-7 per op), where the chunk's blocks are one graph without a break (dropout at
     tp=1 stays on the default stream) and the cross-entropy another; and at tp=2 with sp and selective recompute,
     where each block is a graph between the collectives and the recompute replays the masks (captured as inductor
-    would, run by aot_eager: what is particular to tp=2 is the capture, and inductor's C++ build costs 20 s here).
+    would, run by aot_eager: what is particular to tp=2 is the capture, and inductor's C++ build costs 20 s here);
+    and at dp=2 with ZeRO-1, whose weight gathers are waited for outside the chunk's graph.
     On an H100 a break per linear cost more host time than eager's (gpt2-small 538 ms a step against 273), and
     so did a graph per block at gpt2-medium (468 against 387)."""
     overrides = {"steps": 3, "gbs": 4, "kernels": "torch", "model.dropout": 0.1}
     layouts = {"one": ("inductor", {"model.num_layers": 2}),        # 2 blocks: the run of blocks is one graph
-               "tp2": ("aot_eager", {"model.num_layers": 1, "tp": 2, "sp": True, "recompute": "selective"})}
+               "tp2": ("aot_eager", {"model.num_layers": 1, "tp": 2, "sp": True, "recompute": "selective"}),
+               "dp2-zero": ("aot_eager", {"model.num_layers": 2, "zero": 1})}   # the gathers' hooks: on the chunk
     for name, (backend, layout) in layouts.items():
-        world = layout.get("tp", 1)
+        world = layout.get("tp", 1) * (2 if layout.get("zero") else 1)
         eager = train_on_ranks(world, small_config(small_data, tmp_path / f"eager-{name}", compile=False,
                                                    **overrides, **layout))
         cfg = small_config(small_data, tmp_path / name, compile=True, **overrides, **layout)
         run, breaks, graphs = spawn(world, _train_counting_graphs, cfg, backend, init_group=False)[0]
-        if world == 1:
+        if layout.get("tp", 1) == 1:
             assert (breaks, graphs) == (0, 2)
         a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
