@@ -110,6 +110,10 @@ class GradBuffer:
                 p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
+        # ZeRO-1's gather order: the reverse of the layout (forward order within a chunk) until wait_before
+        # puts the buckets in the order the forward uses them (the tied bucket, last in the layout, is the
+        # first stage's first and the last stage's last)
+        self.gather_order, self._gathers_placed = list(reversed(self.buckets)), 0
 
     def valid_range(self, bucket: Bucket) -> tuple[int, int]:
         """The part of `bucket` whose reduced gradient this rank holds after the DP sync."""
@@ -169,13 +173,13 @@ class GradBuffer:
     # -- ZeRO-1: the updated weights, all-gathered beside the next forward
     def start_param_gather(self) -> None:
         """ZeRO-1: every rank updated its shard of each bucket; start sharing the updated weights over DP,
-        async, the buckets the forward uses first launched first. The hooks of wait_before() wait for
-        them layer by layer; what reads or writes the weights outside a forward calls
-        finish_param_gather() first."""
+        async, in the order the forward first uses the buckets (wait_before's; a group's collectives
+        complete in launch order). The hooks of wait_before() wait for them layer by layer; what reads
+        or writes the weights outside a forward calls finish_param_gather() first."""
         if not self.zero or self.dp == 1:
             return
         self.finish_param_gather()
-        for bucket in reversed(self.buckets):          # forward order
+        for bucket in self.gather_order:
             lo, hi = self.valid_range(bucket)
             bucket.gather_in = self.params_flat[lo:hi].clone()
             bucket.gather = comm.all_gather_into(self.params_flat[bucket.start:bucket.end], bucket.gather_in,
@@ -188,8 +192,10 @@ class GradBuffer:
 
     def wait_before(self, modules: list) -> None:
         """Give each module a forward pre-hook that waits for the all-gathers of the buckets holding its
-        parameters (of this buffer). The modules must run their hooks eagerly (not inside a compiled
-        graph): GPTChunk.param_users()."""
+        parameters (of this buffer), and gather the buckets in the order the modules first use them.
+        `modules`: in forward order, across calls (the rank's chunks in turn: a chunk may use another's
+        weights, the tied word embedding at pp = 1); each must run its hooks eagerly, not inside a
+        compiled graph (GPTChunk.param_users())."""
         if not self.zero or self.dp == 1:
             return
         for module in modules:
@@ -200,6 +206,11 @@ class GradBuffer:
                     buckets.append(bucket)
             if buckets:
                 module.register_forward_pre_hook(functools.partial(_wait_gathers, buckets))
+            for bucket in buckets:                     # first used here: gathered after those used before
+                i = next(i for i, b in enumerate(self.gather_order) if b is bucket)
+                if i >= self._gathers_placed:
+                    self.gather_order.insert(self._gathers_placed, self.gather_order.pop(i))
+                    self._gathers_placed += 1
 
     def full_weights(self) -> dict:
         """{global name: full fp32 value} of this buffer's parameters (TP-gathered; every rank of the

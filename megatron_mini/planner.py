@@ -17,7 +17,8 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps, plus ZeRO-1's
                 weight all-gather beyond the first microbatch's forward, which it overlaps (each layer
-                waits only for its own weights; the first layer's are exposed, not counted here)
+                waits only for its own weights; the first layer's are exposed, not counted here, and with
+                compile at tp = 1 a chunk's blocks are one graph that waits for all their weights at once)
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
     step      = the slowest of the first, second and last pipeline rank. A group's link is the node's
                 (NVLink) when its ranks fit in one node (rank = tp_rank + tp (dp_rank + dp pp_rank),

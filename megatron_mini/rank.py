@@ -33,7 +33,9 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
         params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in params)
         buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1))
-        buffers[-1].wait_before(chunk.param_users())
+    for chunk in chunks:            # every chunk waits for the weights it uses, whichever buffer holds them
+        for buf in buffers:
+            buf.wait_before(chunk.param_users())
     return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
 
 

@@ -75,51 +75,76 @@ def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
             assert abs(rank["optimizer"] * dp - plain["optimizer"]) <= 8 * dp * 4, (dp, rank, plain)
 
 
-def test_zero1_each_layer_waits_for_its_own_weights(monkeypatch):
+ORDER_LAYOUTS = {"pp1": dict(), "pp1-vpp2": dict(vpp=2), "pp2-last-stage": dict(pp=2)}
+
+
+@pytest.mark.parametrize("layout", ORDER_LAYOUTS)
+def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
     """After a ZeRO-1 step the weight all-gathers run while the next forward does: all are launched at once,
-    the buckets the forward uses first launched first; a layer's forward starts only after the gathers of
-    every bucket holding one of its parameters, and no gather is waited for earlier than the layer before
-    the first that uses it (so the later ones overlap the earlier layers). On the meta device over a
-    virtual dp=2 group (records, moves nothing), with small buckets that cut across layers."""
-    from megatron_mini import comm
-    from megatron_mini.config import ModelConfig
-    from megatron_mini.data_parallel import GradBuffer
+    in the order the forward first uses their buckets (on the last stage, the tied word embedding's last);
+    a layer's forward starts only after the gathers of every bucket holding one of its parameters (whichever
+    chunk's buffer holds it: at pp=1 vpp=2 the head uses the first chunk's embedding), and no gather is
+    waited for before the layer ahead of its first user has started (so the later ones overlap the earlier
+    layers). The rank as build_rank builds it, on the meta device over a virtual dp=2 group (records, moves
+    nothing), with small buckets that cut across layers."""
+    from megatron_mini import comm, data_parallel
+    from megatron_mini.config import ModelConfig, TrainConfig
     from megatron_mini.mesh import ParallelMesh
-    from megatron_mini.model import ParallelContext, build_chunks
+    from megatron_mini.rank import build_rank
+    from megatron_mini.rng import RNGTracker
 
     meta = torch.device("meta")
-    model = ModelConfig(num_layers=3, hidden_size=32, num_heads=2, seq_len=8, vocab_size=96)
-    (chunk,) = build_chunks(model, ParallelContext.one_device(meta), [(0, 5)], 1, meta)
-    mesh = ParallelMesh(1, 1, 2, virtual_rank=0)
-    buf = GradBuffer(list(chunk.named_global_parameters()), mesh, torch.float32, zero=True, bucket_numel=3000)
-    buf.wait_before(chunk.param_users())
-    events = []
-    for i, layer in enumerate(chunk.layers):
-        layer.register_forward_pre_hook(lambda module, args, i=i: events.append(("forward", i)))
-    monkeypatch.setattr(comm.Work, "wait", lambda self: events.append(("wait", id(self))))
-    mesh.ledger.reset()
-    buf.start_param_gather()
-    index = {id(b.gather): k for k, b in enumerate(buf.buckets)}        # a bucket by its gather's handle
-    assert len(index) == len(buf.buckets) > len(chunk.layers)
-    assert mesh.ledger.summary() == {("dp", "all_gather"): (len(buf.buckets), buf.params_flat.nbytes)}
-    users = [{k for k, b in enumerate(buf.buckets) if any(p is q for p in layer.parameters() for q in b.params)}
-             for layer in chunk.layers]
-    assert users[-1] & users[0]                                          # the tied word embedding
-    first_user = {k: min(i for i, u in enumerate(users) if k in u) for k in range(len(buf.buckets))}
-    assert sorted(first_user.values()) == [first_user[k] for k in reversed(range(len(buf.buckets)))]  # launch order
+    kw = ORDER_LAYOUTS[layout]
+    cfg = TrainConfig(model=ModelConfig(name="t", num_layers=4, hidden_size=32, num_heads=2, seq_len=8, vocab_size=96),
+                      zero=1, gbs=4, mbs=1, **kw)
+    pp = kw.get("pp", 1)
+    mesh = ParallelMesh(1, pp, 2, virtual_rank=2 * (pp - 1))                    # dp rank 0 of the last stage
+    monkeypatch.setattr(data_parallel.GradBuffer.__init__, "__defaults__", (3000,))     # bucket_numel
+    chunks, buffers, _ = build_rank(cfg, mesh, RNGTracker(0, 0, 0, meta), meta)
+    layers = [layer for chunk in chunks for layer in chunk.layers]               # forward order
+    events, launches, handles = [], [], {}
+    for n, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, n=n: events.append(("forward", n)))
+    gather = comm.all_gather_into
 
-    ids = torch.empty(2, 8, dtype=torch.long, device=meta)
-    chunk(ids, ids)
-    events = [("wait", index[e[1]]) if e[0] == "wait" else e for e in events]
-    assert sorted(k for what, k in events if what == "wait") == list(range(len(buf.buckets)))  # each once
+    def logged(out, shard, group, **kwargs):
+        work = gather(out, shard, group, **kwargs)
+        b, = [b for b, buf in enumerate(buffers) if out._base is buf.params_flat]
+        k, = [k for k, bucket in enumerate(buffers[b].buckets) if bucket.start == out.storage_offset()]
+        launches.append((b, k))
+        handles[id(work)] = (b, k)
+        return work
+    monkeypatch.setattr(comm, "all_gather_into", logged)
+    monkeypatch.setattr(comm.Work, "wait", lambda self: events.append(("wait", handles[id(self)])))
+    for buf in buffers:
+        buf.start_param_gather()
+    buckets = [(b, k) for b, buf in enumerate(buffers) for k in range(len(buf.buckets))]
+    assert sorted(launches) == buckets and len(buckets) > len(layers)
+    users = [{(b, k) for b, buf in enumerate(buffers) for k, bucket in enumerate(buf.buckets)
+              if any(p is q for p in layer.parameters() for q in bucket.params)} for layer in layers]
+    first_user = {key: min(n for n, used in enumerate(users) if key in used) for key in buckets}
+    for b in range(len(buffers)):                                       # each group's launches, in first use
+        order = [first_user[key] for key in launches if key[0] == b]
+        assert order == sorted(order), (b, launches)
+    if pp == 2:
+        assert any(layers[-1].word_embeddings is p for p in buffers[0].gather_order[-1].params)
+    else:
+        assert users[-1] & users[0]                                     # the tied word embedding
+
+    x = torch.empty(2, 8, dtype=torch.long, device=meta) if pp == 1 else torch.empty(8, 2, 32, device=meta)
+    labels = torch.empty(2, 8, dtype=torch.long, device=meta)
+    for chunk in chunks[:-1]:
+        x = chunk(x)
+    chunks[-1](x, labels)
+    assert sorted(key for what, key in events if what == "wait") == buckets     # each gather waited for once
     at = {e: n for n, e in enumerate(events)}
-    for i, used in enumerate(users):
-        for k in used:                                                   # before its users...
-            assert at[("wait", k)] < at[("forward", i)], (k, i, events)
-    for k, i in first_user.items():                                      # ...and not before it must
-        if i > 0:
-            assert at[("wait", k)] > at[("forward", i - 1)], (k, i, events)
-    assert all(b.gather is None and b.gather_in is None for b in buf.buckets)
+    for n, used in enumerate(users):
+        for key in used:                                                 # before its users...
+            assert at[("wait", key)] < at[("forward", n)], (key, n, events)
+    for key, n in first_user.items():                                    # ...and not before it must
+        if n > 0:
+            assert at[("wait", key)] > at[("forward", n - 1)], (key, n, events)
+    assert all(bucket.gather is None and bucket.gather_in is None for buf in buffers for bucket in buf.buckets)
 
 
 def _train_with_late_gathers(cfg):
