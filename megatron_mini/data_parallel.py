@@ -30,7 +30,7 @@ from .tensor_parallel import gather_full, shard
 
 
 
-@dataclass
+@dataclass(eq=False)            # hashed and compared by identity
 class Bucket:
     start: int
     end: int                        # padded end: (end - start) % dp == 0
@@ -110,10 +110,7 @@ class GradBuffer:
                 p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
-        # ZeRO-1's gather order: the reverse of the layout (forward order within a chunk) until wait_before
-        # puts the buckets in the order the forward uses them (the tied bucket, last in the layout, is the
-        # first stage's first and the last stage's last)
-        self.gather_order, self._gathers_placed = list(reversed(self.buckets)), 0
+        self.first_used = {}       # ZeRO-1: the buckets in the order the forward first uses them (wait_before)
 
     def valid_range(self, bucket: Bucket) -> tuple[int, int]:
         """The part of `bucket` whose reduced gradient this rank holds after the DP sync."""
@@ -173,13 +170,14 @@ class GradBuffer:
     # -- ZeRO-1: the updated weights, all-gathered beside the next forward
     def start_param_gather(self) -> None:
         """ZeRO-1: every rank updated its shard of each bucket; start sharing the updated weights over DP,
-        async, in the order the forward first uses the buckets (wait_before's; a group's collectives
-        complete in launch order). The hooks of wait_before() wait for them layer by layer; what reads
-        or writes the weights outside a forward calls finish_param_gather() first."""
+        async, in the order the forward first uses the buckets (a group's collectives complete in launch
+        order; the tied bucket, last in the layout, is the first stage's first and the last stage's last),
+        then any it does not use (none may be in flight: Optimizer.step finishes them first). The hooks of
+        wait_before() wait for them layer by layer; what reads or writes the weights outside a forward
+        calls finish_param_gather() first."""
         if not self.zero or self.dp == 1:
             return
-        self.finish_param_gather()
-        for bucket in self.gather_order:
+        for bucket in [*self.first_used, *(b for b in reversed(self.buckets) if b not in self.first_used)]:
             lo, hi = self.valid_range(bucket)
             bucket.gather_in = self.params_flat[lo:hi].clone()
             bucket.gather = comm.all_gather_into(self.params_flat[bucket.start:bucket.end], bucket.gather_in,
@@ -199,18 +197,10 @@ class GradBuffer:
         if not self.zero or self.dp == 1:
             return
         for module in modules:
-            buckets = []
-            for p in module.parameters():
-                bucket = self.bucket_of.get(p)
-                if bucket is not None and not any(b is bucket for b in buckets):
-                    buckets.append(bucket)
+            buckets = list(dict.fromkeys(self.bucket_of[p] for p in module.parameters() if p in self.bucket_of))
             if buckets:
                 module.register_forward_pre_hook(functools.partial(_wait_gathers, buckets))
-            for bucket in buckets:                     # first used here: gathered after those used before
-                i = next(i for i, b in enumerate(self.gather_order) if b is bucket)
-                if i >= self._gathers_placed:
-                    self.gather_order.insert(self._gathers_placed, self.gather_order.pop(i))
-                    self._gathers_placed += 1
+                self.first_used.update(dict.fromkeys(buckets))      # (a key already there keeps its place)
 
     def full_weights(self) -> dict:
         """{global name: full fp32 value} of this buffer's parameters (TP-gathered; every rank of the
