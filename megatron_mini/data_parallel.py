@@ -39,8 +39,7 @@ class Bucket:
     launched: bool = False
     work: object = None              # the async collective's handle (None for a group of one)
     shard_out: torch.Tensor | None = None
-    gather: object = None            # ZeRO-1: the in-flight all-gather of the updated weights,
-    gather_in: torch.Tensor | None = None    # and its input (this rank's shard, copied)
+    gather: object = None            # ZeRO-1: the in-flight all-gather of the updated weights
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
         n = (self.end - self.start) // dp
@@ -50,7 +49,7 @@ class Bucket:
         """Wait until this bucket's weights are whole again (nothing to do when no gather is in flight)."""
         if self.gather is not None:
             self.gather.wait()
-            self.gather = self.gather_in = None
+            self.gather = None
 
 
 def _wait_gathers(buckets: list, module: nn.Module, args) -> None:
@@ -174,13 +173,13 @@ class GradBuffer:
         order; the tied bucket, last in the layout, is the first stage's first and the last stage's last),
         then any it does not use (none may be in flight: Optimizer.step finishes them first). The hooks of
         wait_before() wait for them layer by layer; what reads or writes the weights outside a forward
-        calls finish_param_gather() first."""
+        calls finish_param_gather() first. In place, as Megatron's: the input is this rank's shard, the output's
+        own slice (NCCL documents in-place all-gather; tests/test_zero.py runs it on gloo)."""
         if not self.zero or self.dp == 1:
             return
         for bucket in [*self.first_used, *(b for b in reversed(self.buckets) if b not in self.first_used)]:
             lo, hi = self.valid_range(bucket)
-            bucket.gather_in = self.params_flat[lo:hi].clone()
-            bucket.gather = comm.all_gather_into(self.params_flat[bucket.start:bucket.end], bucket.gather_in,
+            bucket.gather = comm.all_gather_into(self.params_flat[bucket.start:bucket.end], self.params_flat[lo:hi],
                                                  self.mesh.dp_group, async_op=True)
 
     def finish_param_gather(self) -> None:

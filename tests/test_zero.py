@@ -145,12 +145,13 @@ def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
     for key, n in first_user.items():                                    # ...and not before it must
         if n > 0:
             assert at[("wait", key)] > at[("forward", n - 1)], (key, n, events)
-    assert all(bucket.gather is None and bucket.gather_in is None for buf in buffers for bucket in buf.buckets)
+    assert all(bucket.gather is None for buf in buffers for bucket in buf.buckets)
 
 
 def _train_with_late_gathers(cfg):
     """Train with ZeRO-1's weight all-gathers held back until they are waited for, and the weights they
-    write filled with NaN meanwhile: a weight read before its wait poisons the run."""
+    bring from the other ranks filled with NaN meanwhile (the gather is in place: its input, this rank's own
+    slice, keeps its value): a weight read before its wait poisons the run."""
     from megatron_mini import comm
     from megatron_mini.training import train
 
@@ -165,7 +166,10 @@ def _train_with_late_gathers(cfg):
 
     def late(group, name, nbytes, fn, *args, async_op=False, **kwargs):
         if async_op and group.name == "dp" and name == "all_gather":
-            args[0].fill_(float("nan"))
+            out, shard = args
+            own = shard.clone()
+            out.fill_(float("nan"))
+            shard.copy_(own)             # in place: the own slice is the input, and stays as it was
             return Late((group, name, nbytes, fn, *args))
         return run(group, name, nbytes, fn, *args, async_op=async_op, **kwargs)
 
