@@ -137,12 +137,13 @@ def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path):
-    """tp=2 pp=2 sp on 4 ranks sharing cuda:0 over gloo (collectives on CUDA tensors, p2p staged on the
-    host, RNG tracker, kernels under SP and checkpoints on CUDA) trains like 1 rank on the GPU, fp32
-    with TF32 off: per-step loss within 1e-5 relative, final weights within 1e-5."""
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sp=True), dict(tp=2, sp=True, zero=1)], ids=["tp2-pp2-sp", "tp2-dp2-sp-zero1"])
+def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path, layout):
+    """4 ranks sharing cuda:0 over gloo (collectives on CUDA tensors, p2p staged on the host, RNG tracker,
+    kernels under SP and checkpoints on CUDA; at dp=2 ZeRO-1's reduce-scatter and its in-place weight
+    gather beside the forward) train like 1 rank on the GPU, fp32 with TF32 off: per-step loss within 1e-5
+    relative, final weights within 1e-5."""
     common = {"device": "cuda", "precision.tf32": False, "steps": 6}
     ref = train_on_ranks(1, small_config(small_data, tmp_path / "one", **common))
-    shared = train_on_ranks(4, dataclasses.replace(
-        small_config(small_data, tmp_path / "four", **common), tp=2, pp=2, sp=True))
+    shared = train_on_ranks(4, dataclasses.replace(small_config(small_data, tmp_path / "four", **common), **layout))
     assert_same_training(ref, shared)
