@@ -154,6 +154,7 @@ class Throughput:
     def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device):
         self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
         self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
+        self.per = "GPU" if device.type == "cuda" else "rank"
 
     def __call__(self, tokens: int, seconds: float) -> dict:
         tokens_per_s = tokens / max(seconds, 1e-9)
@@ -163,6 +164,11 @@ class Throughput:
             out["mfu"] = tflops / self.peak
         return out
 
+    def text(self, rate: dict, sep: str = " | ") -> str:
+        """'tokens/s | TFLOP/s per GPU (per rank on a CPU) | MFU' of a __call__'s result, for the console."""
+        mfu = f"{sep}MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
+        return f"{rate['tokens_per_s']:,.0f} tok/s{sep}{rate['tflops']:.3g} TFLOP/s/{self.per}{mfu}"
+
     def peak_memory_gib(self) -> float:
         """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
         if self.device.type == "cuda":
@@ -170,10 +176,9 @@ class Throughput:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
 
 
-def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, elapsed: float, eta: float,
-               skipped_steps: int) -> str:
-    mfu = f" | MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
+def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, throughput: Throughput, elapsed: float,
+              eta: float, skipped_steps: int) -> str:
     scale = f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if out["loss_scale"] is not None else ""
     return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | grad norm {out['grad_norm']:.3f} | "
-            f"{rate['tokens_per_s']:,.0f} tok/s | {rate['tflops']:.3g} TFLOP/s/GPU{mfu} | "
+            f"{throughput.text(rate)} | "
             f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}{scale}")

@@ -240,7 +240,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
                 record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
             logger.log(step, record)
             eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
-            log.info(step_line(step, cfg, out, r, now - start_time, eta, skipped_steps))
+            log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, skipped_steps))
             interval_start, interval_steps = now, 0
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
@@ -269,9 +269,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     evals = history["val_loss"]
     val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
                 else "val loss not evaluated")
-    mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
     log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
-             f"{val_text} | {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.3g} TFLOP/s/GPU{mfu} (evaluation and "
+             f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
     last_ckpt = trainer.last_checkpoint
     log.info(f"checkpoint: {last_ckpt}")

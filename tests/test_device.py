@@ -126,7 +126,7 @@ def test_flops_per_token_equals_torch_flop_count():
     assert counter.get_total_flops() == model.flops_per_token() * b * model.seq_len
 
 
-def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path, capsys):
+def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path, capfd):
     cfg = small_config(small_data, tmp_path, steps=2, log_interval=1, **{"precision.peak_tflops": 0.001})
     history = train_on_ranks(1, cfg)
     s = history["summary"]
@@ -134,6 +134,9 @@ def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path, capsys):
     assert s["tflops"] == pytest.approx(expected, rel=1e-9)
     assert s["mfu"] == pytest.approx(s["tflops"] / 0.001, rel=1e-9)
     assert s["peak_mem_gib"] > 0
+    console = capfd.readouterr()                                   # (the rank is a spawned process)
+    lines = [line for line in (console.out + console.err).splitlines() if line.startswith(("step ", "done: "))]
+    assert len(lines) == 3 and all(" TFLOP/s/rank" in line and "MFU " in line for line in lines), lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
