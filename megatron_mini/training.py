@@ -8,6 +8,7 @@ shared with every rank at the end of a step (in the loss all-reduce); then all s
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import importlib.util
@@ -155,9 +156,11 @@ class Trainer:
         self.consumed_samples += cfg.gbs
         if not self.gc_frozen:
             # what the first step built (compiled graphs, autotuned kernels: millions of objects) is set
-            # aside from the garbage collector, whose full passes would otherwise walk it mid-step
+            # aside from the garbage collector, whose full passes would otherwise walk it mid-step; given back
+            # at exit, where frozen objects are never freed (triton's bindings then print hundreds of "leaked")
             gc.collect()
             gc.freeze()
+            atexit.register(gc.unfreeze)
             self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
 
