@@ -12,10 +12,11 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 sp the input gathered again beside dx's, dx's reduce-scatter beside dW's) counts only for
                 the time it outlasts that GEMM at the compute rate above. A lower bound of what is
                 exposed: on a GPU the collective's kernels take SMs from the GEMM (Megatron runs with
-                CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first), and the last
-                microbatch's GEMMs also hide the DP reduction below, as though the two shared no link
+                CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first)
     bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
-    dp        = the DP reduction beyond the last microbatch's backward, which it overlaps, plus ZeRO-1's
+    dp        = the DP reduction beyond the last microbatch's backward, which it overlaps (less, when the
+                DP group is inside a node and so shares NVLink with TP, the TP time that backward hides
+                behind its GEMMs: the link carries one at a time), plus ZeRO-1's
                 weight all-gather beyond the first microbatch's forward, which it overlaps (each layer
                 waits only for its own weights; the first layer's are exposed, not counted here, and with
                 compile at tp = 1 a chunk's blocks are one graph that waits for all their weights at once)
@@ -192,8 +193,9 @@ def _link_gbps(cluster: ClusterConfig, span: int) -> float:
 
 def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, flops_per_s: float) -> dict:
     """Seconds per step of each group's exposed traffic, by the span of ranks the group covers: the rank's
-    ledger, less, for each collective run beside a GEMM, the part of it that the GEMM's time hides.
-    ZeRO-1's weight all-gather (the DP group's only all-gather) is apart, under "zero"."""
+    ledger, less, for each collective run beside a GEMM, the part of it that the GEMM's time hides (that
+    part under "hidden:<group>"). ZeRO-1's weight all-gather (the DP group's only all-gather) is apart,
+    under "zero"."""
     spans = {"tp": cfg.tp, "dp": cfg.tp * dp, "pp": cfg.tp * dp * cfg.pp, "emb": cfg.tp * dp * cfg.pp,
              "mp": cfg.tp * dp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
     sizes = {"tp": cfg.tp, "dp": dp, "pp": 2, "emb": 2, "mp": cfg.tp * cfg.pp, "world": cfg.tp * dp * cfg.pp}
@@ -204,7 +206,9 @@ def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, 
     for (group, op), (calls, nbytes) in rank.ledger.items():
         out["zero" if (group, op) == ("dp", "all_gather") else group] += seconds(group, op, nbytes)
     for (group, op, nbytes, flops), calls in rank.overlaps.items():
-        out[group] -= calls * min(seconds(group, op, nbytes), flops / flops_per_s)
+        hidden = calls * min(seconds(group, op, nbytes), flops / flops_per_s)
+        out[group] -= hidden
+        out[f"hidden:{group}"] += hidden
     return out
 
 
@@ -222,6 +226,8 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
+        if cfg.tp * dp <= cluster.gpus_per_node:                       # ... on the link the TP overlaps use
+            last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
         t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,
              "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),

@@ -204,3 +204,26 @@ def test_training_prints_the_plan_next_to_the_run(small_data, tmp_path):
             {k: r["measured"][k] for k in ("weights", "grads", "optimizer")}, r
         assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
     assert "planned" not in plain["memory"][0] and "activations" not in plain["memory"][0]["measured"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dp_reduction_inside_a_node_waits_for_the_tp_traffic_of_its_window(small_data, tmp_path, planner, tp):
+    """The DP reduction hides behind the last microbatch's backward; inside a node that backward's link also
+    carries the TP collectives its GEMMs hide, so the DP reduction gets that window less their time. The same
+    layout (dp=2) on two clusters whose links run at the same speed, one node of 8 GPUs or nodes of tp GPUs
+    (the DP group across nodes): only the DP time differs, by exactly that TP time per microbatch at tp=2
+    (the link is slow enough that the reduction outlasts the window either way), and not at all at tp=1."""
+    from megatron_mini.hardware import GPUS, math_dtype
+    from megatron_mini.planner import ClusterConfig
+    cfg = small_config(small_data, tmp_path, tp=tp, gbs=8, mbs=2)
+    link = dict(gpus=2 * tp, intra_node_gbps=0.05, inter_node_gbps=0.05, gpu="h100-80gb")
+    inside = estimate(planner, cfg, ClusterConfig(gpus_per_node=8, **link))
+    across = estimate(planner, cfg, ClusterConfig(gpus_per_node=tp, **link))
+    assert {k: v for k, v in inside.times.items() if k != "dp"} == {k: v for k, v in across.times.items() if k != "dp"}
+    peak = GPUS["h100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * 0.5
+    last_backward = 2 / 3 * inside.ranks[0].microbatch_flops / peak
+    assert across.times["dp"] > last_backward                       # partly exposed: a window change shows
+    tp_hidden = sum(calls * flops / peak for (group, *_, flops), calls in inside.ranks[0].overlaps.items() if group == "tp")
+    assert (tp_hidden > 0) == (tp > 1)
+    m = cfg.num_microbatches(2)
+    assert inside.times["dp"] - across.times["dp"] == pytest.approx(tp_hidden / m, rel=1e-9)
