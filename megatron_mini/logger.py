@@ -145,16 +145,17 @@ def format_duration(seconds: float) -> str:
 
 
 class Throughput:
-    """Tokens/s, model TFLOP/s per GPU and MFU over a logging interval, and peak memory.
+    """Tokens/s, model TFLOP/s per GPU (per rank on a CPU, or where ranks share a GPU) and MFU over a logging
+    interval, and peak memory.
 
     TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
     recomputation is not counted); MFU = that / the device's dense peak (hardware.py, or
     precision.peak_tflops), None where the peak is unknown (a CPU)."""
 
-    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device):
+    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device, backend: str):
         self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
         self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
-        self.per = "GPU" if device.type == "cuda" else "rank"
+        self.per = "GPU" if device.type == "cuda" and backend == "nccl" else "rank"   # (gloo: ranks may share one)
 
     def __call__(self, tokens: int, seconds: float) -> dict:
         tokens_per_s = tokens / max(seconds, 1e-9)
@@ -165,7 +166,7 @@ class Throughput:
         return out
 
     def text(self, rate: dict, sep: str = " | ") -> str:
-        """'tokens/s | TFLOP/s per GPU (per rank on a CPU) | MFU' of a __call__'s result, for the console."""
+        """'tokens/s | TFLOP/s per GPU (or rank) | MFU' of a __call__'s result, for the console."""
         mfu = f"{sep}MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
         return f"{rate['tokens_per_s']:,.0f} tok/s{sep}{rate['tflops']:.3g} TFLOP/s/{self.per}{mfu}"
 

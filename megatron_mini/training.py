@@ -160,6 +160,7 @@ class Trainer:
             # at exit, where frozen objects are never freed (triton's bindings then print hundreds of "leaked")
             gc.collect()
             gc.freeze()
+            atexit.unregister(gc.unfreeze)     # (once, however many Trainers a process builds)
             atexit.register(gc.unfreeze)
             self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
@@ -327,7 +328,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 
-    rate = Throughput(cfg, world_size, run.device)
+    rate = Throughput(cfg, world_size, run.device, run.backend)
     first_step, start_time = trainer.step, time.time()
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")

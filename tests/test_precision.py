@@ -36,6 +36,7 @@ def _step_with_injected_inf(cfg, poisoned_rank):
 
     trainer = make_trainer(cfg)
     trainer.train_step()                     # one clean step, so optimizer state is non-trivial
+    trainer.optimizer.finish_param_gather()  # (ZeRO-1: the step's weight gathers are still in flight)
     before = [t.clone() for buf in trainer.buffers for t in (buf.params_flat,)]
     state = [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone()) for r in trainer.optimizer.ranges]
     steps, scaler = trainer.optimizer.step_count, trainer.optimizer.scaler.state_dict()

@@ -151,17 +151,20 @@ def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
 def _train_with_late_gathers(cfg):
     """Train with ZeRO-1's weight all-gathers held back until they are waited for, and the weights they
     bring from the other ranks filled with NaN meanwhile (the gather is in place: its input, this rank's own
-    slice, keeps its value): a weight read before its wait poisons the run."""
+    slice, keeps its value): a weight read before its wait poisons the run, and a write to the input before
+    the wait fails it."""
     from megatron_mini import comm
     from megatron_mini.training import train
 
     run = comm._run
 
     class Late:
-        def __init__(self, args):
-            self.args = args
+        def __init__(self, args, own):
+            self.args, self.own = args, own
 
         def wait(self):
+            shard = self.args[-1]
+            assert torch.equal(shard, self.own), "a gather's input (this rank's weights) was written in flight"
             run(*self.args)
 
     def late(group, name, nbytes, fn, *args, async_op=False, **kwargs):
@@ -170,7 +173,7 @@ def _train_with_late_gathers(cfg):
             own = shard.clone()
             out.fill_(float("nan"))
             shard.copy_(own)             # in place: the own slice is the input, and stays as it was
-            return Late((group, name, nbytes, fn, *args))
+            return Late((group, name, nbytes, fn, *args), own)
         return run(group, name, nbytes, fn, *args, async_op=async_op, **kwargs)
 
     comm._run = late
@@ -178,8 +181,9 @@ def _train_with_late_gathers(cfg):
 
 
 def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
-    """Forward (training, evaluation), checkpoints and resume all wait for the weights they read: with the
-    gathers held back and their output poisoned until waited for, dp=2 x pp=2 ZeRO-1 (an evaluation every 4
+    """Forward (training, evaluation), checkpoints and resume all wait for the weights they read, and
+    nothing writes a gather's input (the rank's own slice) in flight: with the gathers held back and the
+    other ranks' slices poisoned until waited for, dp=2 x pp=2 ZeRO-1 (an evaluation every 4
     steps, a checkpoint every 3, then a resume from step 6) trains like one process."""
     from ranks import spawn
 
