@@ -1,5 +1,6 @@
 # megatron_mini: `make train` and `make test` work from a fresh clone (they create .venv).
 PY      ?= python3
+# VENV=path on the command line: an environment you already have instead (`make venv` adds what it lacks)
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 # ranks of `make train`: NPROC, else one per visible GPU, else 2 CPU ranks (read when the recipe runs,

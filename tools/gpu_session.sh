@@ -3,17 +3,26 @@
 #
 #   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
 #   tools/gpu_session.sh suite    # the other tests with CUDA visible, and `make train`'s run on 1 GPU
+#   tools/gpu_session.sh make     # the README's two commands as written, `make test` then `make train`, with
+#                                 # the machine's python3 as the venv and .gpu/wheelhouse for PyPI
 #   tools/gpu_session.sh compile  # compile=true against eager and the compiled baseline at the three sizes,
 #                                 # and docs/probes/eager_glue.py (bias gradients, the qkv split)
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
 #                                         # a call has 10 minutes), their tables written into a copy of
 #                                         # docs/benchmarks.md in session.tgz
 #
-# It needs hydra-core/omegaconf wheels in .gpu/wheels and, for `suite`, the prepared data in data/
-# (both ignored; carried with the call). The stage's logs and result files are packed into
+# Run here, before the calls (this machine reaches PyPI; the GPU machine does not):
+#
+#   tools/gpu_session.sh wheels [SHARED_WHEELS]  # .gpu/wheels: hydra-core/omegaconf (default ../shared/wheels);
+#                                                # .gpu/wheelhouse: wandb and setuptools with everything they
+#                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12)
+#
+# The stages need .gpu (ignored; carried with the call) and, for `suite`, the prepared data in data/. `make`
+# prepares its own: the default corpus is the running Python's standard library, so a machine with another
+# Python than this one trains on another corpus. The stage's logs and result files are packed into
 # $OUT/session.tgz; the last lines printed are a short summary.
 set -u
-STAGE=${1:?stage: check, suite, compile or bench}
+STAGE=${1:?stage: wheels (here), check, suite, make, compile or bench}
 MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
@@ -21,9 +30,23 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 PY=python3
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
-  >"$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
-export PYTHONPATH=$PWD:/tmp/site
+if [ "$STAGE" = wheels ]; then
+  mkdir -p .gpu/wheels .gpu/wheelhouse
+  cp "${2:-../shared/wheels}"/*.whl .gpu/wheels/ || exit 1
+  python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools || exit 1
+  du -sh .gpu/wheels .gpu/wheelhouse
+  exit 0
+fi
+if [ "$STAGE" = make ]; then
+  # pip finds on disk what it would take from PyPI; everything else it needs is installed there already
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.gpu/wheels $PWD/.gpu/wheelhouse"
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+    >"$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
+  export PYTHONPATH=$PWD:/tmp/site
+fi
 
 step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status
   local name=$1 limit=$2; shift 2
@@ -61,6 +84,15 @@ suite)
   step train_1gpu 100 $PY -m torch.distributed.run --standalone --nproc_per_node=1 train.py run_name=gpu-tiny \
     resume=never wandb.mode=disabled
   tails="pytest_rest train_1gpu"
+  tables=""
+  ;;
+make)
+  # the machine's python3 lives in a venv (/opt/torch/.venv) with CUDA torch, triton and the test tools: it is
+  # make's VENV, and `make venv` adds hydra-core, wandb and this package to it, as it would to a new .venv
+  VENV=$($PY -c 'import sys; print(sys.prefix)')
+  step make_test 420 make test VENV="$VENV" TEST_WORKERS=8 ARGS="--timeout 240"
+  step make_train 130 env -u WANDB_MODE make train VENV="$VENV"    # wandb offline, as with no API key
+  tails="make_test make_train"
   tables=""
   ;;
 compile)
