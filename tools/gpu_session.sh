@@ -2,9 +2,9 @@
 # What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet):
 #
 #   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
-#   tools/gpu_session.sh suite    # the other tests with CUDA visible, and `make train`'s run on 1 GPU
-#   tools/gpu_session.sh make     # the README's two commands as written, `make test` then `make train`, with
-#                                 # the machine's python3 as the venv and .gpu/wheelhouse for PyPI
+#   tools/gpu_session.sh make     # the README's two commands as written, `make test` (the whole suite with
+#                                 # CUDA visible) then `make train` on 1 GPU, with the machine's python3 as
+#                                 # the venv and .gpu/wheelhouse for PyPI
 #   tools/gpu_session.sh compile  # compile=true against eager and the compiled baseline at the three sizes,
 #                                 # and docs/probes/eager_glue.py (bias gradients, the qkv split)
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
@@ -17,12 +17,11 @@
 #                                                # .gpu/wheelhouse: wandb and setuptools with everything they
 #                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12)
 #
-# The stages need .gpu (ignored; carried with the call) and, for `suite`, the prepared data in data/. `make`
-# prepares its own: the default corpus is the running Python's standard library, so a machine with another
-# Python than this one trains on another corpus. The stage's logs and result files are packed into
-# $OUT/session.tgz; the last lines printed are a short summary.
+# The stages need .gpu (ignored; carried with the call). `make` prepares its own data: the default corpus is
+# the running Python's standard library, so a machine with another Python trains on another corpus. The
+# stage's logs and result files are packed into $OUT/session.tgz; the last lines printed are a summary.
 set -u
-STAGE=${1:?stage: wheels (here), check, suite, make, compile or bench}
+STAGE=${1:?stage: wheels (here), check, make, compile or bench}
 MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
@@ -78,19 +77,11 @@ print('gemm_into_fp32 cuda bf16:', g('cuda', torch.bfloat16), '| fp16:', g('cuda
   tails="pytest_gpu"
   tables="bench_kernels.md bench_gpu.md"
   ;;
-suite)
-  step pytest_rest 360 $PYTEST --timeout 120 -n 8 --durations=10 $(for f in $K; do echo "--ignore=$f"; done)
-  # make train's run (no venv: the machine has no internet), on the carried data/
-  step train_1gpu 100 $PY -m torch.distributed.run --standalone --nproc_per_node=1 train.py run_name=gpu-tiny \
-    resume=never wandb.mode=disabled
-  tails="pytest_rest train_1gpu"
-  tables=""
-  ;;
 make)
   # the machine's python3 lives in a venv (/opt/torch/.venv) with CUDA torch, triton and the test tools: it is
   # make's VENV, and `make venv` adds hydra-core, wandb and this package to it, as it would to a new .venv
   VENV=$($PY -c 'import sys; print(sys.prefix)')
-  step make_test 420 make test VENV="$VENV" TEST_WORKERS=8 ARGS="--timeout 240"
+  step make_test 420 make test VENV="$VENV" TEST_WORKERS=8 ARGS="--timeout 240 --timeout-method=thread"
   step make_train 130 env -u WANDB_MODE make train VENV="$VENV"    # wandb offline, as with no API key
   tails="make_test make_train"
   tables=""
