@@ -262,6 +262,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}={value} must be {requirement}.")
+    o = cfg.optimizer
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the cosine schedule decays "
+                          f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
     m = cfg.model
     model_parallel = cfg.tp * cfg.pp
     if world_size < model_parallel:

@@ -10,6 +10,7 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -17,6 +18,8 @@ import multiprocessing
 import os
 import platform
 import random
+import re
+import shlex
 import struct
 import sys
 import sysconfig
@@ -49,6 +52,32 @@ class DataError(ConfigError):
         return DataError(self.what, self.problem, rebuild)
 
 
+def rebuild_command(cfg: DataConfig, **changes) -> str:
+    """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
+    keys): `make data` for the default data, else prepare_data.py with every key that decides the
+    directory and its contents (source, dir, vocab_size, and the tokenizer keys that differ)."""
+    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
+    for key in ("tokenizer_sample_chars", "tokenizer_seed"):
+        if getattr(cfg, key) != getattr(DataConfig, key):
+            values[key] = getattr(cfg, key)
+    if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
+        return "make data"
+    return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
+
+
+def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
+    """For a valid directory that holds other data than the run asks for: never suggest overwriting
+    it; suggest building `what` in a directory of its own, and reading it from there."""
+    source, vocab = changes.get("source", cfg.source), changes.get("vocab_size", cfg.vocab_size)
+    name = "stdlib" if source == "stdlib" else Path(source).stem or "corpus"
+    new = os.path.join(os.path.dirname(os.path.normpath(cfg.dir)), f"{name}-v{vocab}")   # a sibling of cfg.dir
+    if os.path.normpath(new) == os.path.normpath(cfg.dir):
+        new += "-new"
+    command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
+    return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
+            f"and run with data.dir={new}")
+
+
 # ----------------------------------------------------------------------------------------------- corpus
 
 def read_corpus(source: str) -> tuple[list[str], dict]:
@@ -63,7 +92,8 @@ def read_corpus(source: str) -> tuple[list[str], dict]:
     elif Path(source).is_file() and source.endswith(".jsonl"):
         docs = _read_jsonl(Path(source))
     else:
-        raise DataError(f"data.source={source}", "not found; use 'stdlib', a directory of .txt files "
+        what = "is a file but not a .jsonl file" if Path(source).is_file() else "not found"
+        raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a directory of .txt files "
                         "or a .jsonl file with a \"text\" field per line", rebuild=None)
     docs = [d for d in docs if d]
     if not docs:
@@ -95,17 +125,30 @@ def _read_text(path) -> str:
 
 
 def _read_jsonl(path: Path) -> list[str]:
+    """The "text" of each non-blank line: UTF-8 (a leading byte-order mark is allowed), JSON, no lone
+    surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names itself."""
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    text = json.loads(line)["text"]
-                except (ValueError, KeyError, TypeError):
-                    text = None
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{lineno}", "expected a JSON object with a \"text\" string", None)
-                docs.append(text)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}", f"not valid UTF-8 (byte {e.start + 1} of the line: "
+                                f"{raw[e.start:e.start + 1]!r})", None) from None
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                text = None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}", "expected a JSON object with a \"text\" string", None)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path}:{lineno}", f"the text holds a lone surrogate ({text[e.start]!r} at character "
+                                f"{e.start + 1}), which is no Unicode character", None) from None
+            docs.append(text)
     return docs
 
 
@@ -158,9 +201,21 @@ def train_tokenizer(docs: list[str], vocab_size: int, sample_chars: int, seed: i
             required_chars="\n\t", character_coverage=0.9999, max_sentence_length=4 * _CHUNK_CHARS + 16,
             unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=1, minloglevel=2)  # 1 thread: reproducible
     except RuntimeError as e:
-        raise DataError(path, f"could not train a {vocab_size}-token tokenizer on {total:,} characters ({e})",
-                        rebuild=None) from None
+        raise DataError(path, _tokenizer_failure(str(e), vocab_size, total), rebuild=None) from None
     atomic_write(path, model.getvalue())
+
+
+def _tokenizer_failure(message: str, vocab_size: int, chars: int) -> str:
+    """sentencepiece's reason, in data.vocab_size's terms where it is the vocabulary's size."""
+    small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    if small:
+        return (f"data.vocab_size={vocab_size} is too small for this corpus: its tokenizer needs at least "
+                f"{small[1]} tokens (256 bytes, <unk>, EOS and each character it keeps); set data.vocab_size >= {small[1]}")
+    large = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
+    if large:
+        return (f"data.vocab_size={vocab_size} is too large for this corpus ({chars:,} characters sampled): "
+                f"its tokenizer can learn at most {large[1]} tokens; set data.vocab_size <= {large[1]} or use a larger corpus")
+    return f"could not train a {vocab_size}-token tokenizer on {chars:,} characters ({message})"
 
 
 def _chunks(doc: str) -> list[str]:
@@ -312,8 +367,10 @@ class _Progress:
 
 def prepare(cfg: DataConfig) -> dict:
     """corpus -> tokenizer -> tokens.bin/.idx + meta.json in cfg.dir; a step whose output exists and matches
-    (corpus hash, vocab size, tokenizer sha256) is skipped. Returns the contents of meta.json."""
+    (corpus hash, vocab size, tokenizer sha256) is skipped, and a valid build of another corpus or vocabulary
+    is refused (_refuse_other_data). Returns the contents of meta.json."""
     t0, out = time.time(), Path(cfg.dir)
+    _refuse_other_data(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     docs, info = read_corpus(cfg.source)
     print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
@@ -348,6 +405,24 @@ def prepare(cfg: DataConfig) -> dict:
         atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
     print(f"data ready in {out} ({time.time() - t0:.1f} s)")
     return meta
+
+
+def _refuse_other_data(cfg: DataConfig, out: Path) -> None:
+    """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
+    another Python's standard library, a broken or partial build), never over a valid build of another
+    corpus or vocabulary: runs and their checkpoints may read it (data.dir's default names only the vocabulary)."""
+    try:
+        tok = Tokenizer(out / "tokenizer.model")
+        meta = open_checked(out, tok)[1]
+    except DataError:
+        return
+    keep = f" (to rebuild {cfg.dir} itself, remove it first)"
+    if meta.get("source") != source_id(cfg.source):
+        raise DataError(out / "meta.json", f"holds the corpus {meta.get('source')}, not data.source={cfg.source}; "
+                        + new_dir_hint(cfg, f"data.source={cfg.source}") + keep, rebuild=None)
+    if tok.vocab_size != cfg.vocab_size:
+        raise DataError(tok.path, f"has {tok.vocab_size} tokens, not data.vocab_size={cfg.vocab_size}; "
+                        + new_dir_hint(cfg, f"a {cfg.vocab_size}-token vocabulary") + keep, rebuild=None)
 
 
 def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:

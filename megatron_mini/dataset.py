@@ -6,42 +6,12 @@ exactly the directory the run reads, or, for a valid directory holding other dat
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-import shlex
 from pathlib import Path
 
 import numpy as np
 
 from .config import DataConfig
-from .data import DataError, IndexedDataset, Tokenizer, open_checked, read_json, source_id
-
-
-def rebuild_command(cfg: DataConfig, **changes) -> str:
-    """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
-    keys): `make data` for the default data, else prepare_data.py with every key that decides the
-    directory and its contents (source, dir, vocab_size, and the tokenizer keys that differ)."""
-    values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
-    for key in ("tokenizer_sample_chars", "tokenizer_seed"):
-        if getattr(cfg, key) != getattr(DataConfig, key):
-            values[key] = getattr(cfg, key)
-    if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
-        return "make data"
-    return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
-
-
-def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
-    """For a valid directory that holds other data than the run asks for: never suggest overwriting
-    it; suggest building `what` in a directory of its own, and reading it from there."""
-    source, vocab = changes.get("source", cfg.source), changes.get("vocab_size", cfg.vocab_size)
-    name = "stdlib" if source == "stdlib" else Path(source).stem or "corpus"
-    new = os.path.join(os.path.dirname(os.path.normpath(cfg.dir)), f"{name}-v{vocab}")   # a sibling of cfg.dir
-    if os.path.normpath(new) == os.path.normpath(cfg.dir):
-        new += "-new"
-    command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
-    return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
-            f"and run with data.dir={new}")
-
+from .data import DataError, IndexedDataset, Tokenizer, new_dir_hint, open_checked, read_json, rebuild_command, source_id
 
 
 def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,7 @@ One small corpus (40 standard-library files copied as .txt, vocab 512) is prepar
 import dataclasses
 import json
 import platform
+import re
 import shutil
 import sysconfig
 from collections import Counter
@@ -97,6 +98,39 @@ def test_stdlib_and_jsonl_sources(tmp_path):
     for bad in (tmp_path / "empty", tmp_path / "missing"):
         with pytest.raises(DataError, match=f"data.source={bad}: "):
             read_corpus(str(bad))
+    (tmp_path / "one.txt").write_text("a document")
+    with pytest.raises(DataError, match=r"one\.txt: is a file but not a \.jsonl file; use .*a directory of \.txt"):
+        read_corpus(str(tmp_path / "one.txt"))
+
+
+def test_jsonl_encoding_errors_name_the_line(tmp_path):
+    """JSON lines are UTF-8 (a byte-order mark may open the file); a line that is not, or whose text escapes
+    a lone surrogate (valid JSON, no Unicode character), is refused with its line number, not a traceback."""
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9"}\n')
+    assert read_corpus(str(path))[0] == ["caf\u00e9"]
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"c\.jsonl:2: not valid UTF-8 \(byte 14 of the line: b'\\xe9'\)"):
+        read_corpus(str(path))
+    path.write_text('{"text": "ok"}\n\n{"text": "bad \\ud800 surrogate"}\n')
+    with pytest.raises(DataError, match=r"c\.jsonl:3: the text holds a lone surrogate \('\\ud800' at character 5\)"):
+        read_corpus(str(path))
+
+
+def test_tokenizer_vocabulary_out_of_range_says_which_sizes_work(tmp_path):
+    """sentencepiece's refusals in data.vocab_size's terms: the smallest size that holds the bytes, the
+    special tokens and every character kept, and the largest this corpus can learn; both sizes then train."""
+    docs = ["hello world " * 50 + "caf\u00e9 \u2603 \u6f22\u5b57 " * 10] * 20
+    with pytest.raises(DataError, match=r"data\.vocab_size=200 is too small for this corpus: .* at least (\d+) tokens") as small:
+        train_tokenizer(docs, 200, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
+    with pytest.raises(DataError, match=r"data\.vocab_size=20000 is too large .* at most (\d+) tokens") as large:
+        train_tokenizer(docs, 20000, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
+    lo = int(re.search(r"at least (\d+)", str(small.value))[1])
+    hi = int(re.search(r"at most (\d+)", str(large.value))[1])
+    assert 256 + 2 < lo <= hi < 20000
+    for size in (lo, hi):
+        train_tokenizer(docs, size, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
+        assert Tokenizer(tmp_path / "t.model").vocab_size == size
 
 
 def _corrupt_bin(out):
@@ -187,6 +221,27 @@ def test_other_source_is_not_overwritten(prepared, tmp_path):
         load_datasets(dataclasses.replace(cfg, source=str(other)), SEQ, seed=1, vocab_size=VOCAB)
     sibling = str(Path(cfg.dir).parent / f"other-v{VOCAB}")
     assert f"data.source={other} data.dir={sibling} data.vocab_size={VOCAB}" in str(err.value)
+
+
+def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
+    """A valid directory of another corpus or vocabulary (data.dir's default names only the vocabulary, so
+    `data.source=...` alone points at the default data) is left byte for byte as it is, with the command that
+    builds the asked-for data beside it; a directory removed first is built."""
+    out = Path(copy_of.dir)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    other = tmp_path / "other.jsonl"
+    texts = [f.read_text()[::-1] for f in sorted(Path(copy_of.source).glob("*.txt"))]    # another corpus, as rich
+    other.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sibling = out.parent / f"other-v{VOCAB}"
+    with pytest.raises(DataError, match=r"meta\.json: holds the corpus .*, not data\.source=") as err:
+        prepare(dataclasses.replace(copy_of, source=str(other)))
+    assert (f"data.source={other} data.dir={sibling} data.vocab_size={VOCAB} and run with data.dir={sibling} "
+            f"(to rebuild {out} itself, remove it first)") in str(err.value)
+    with pytest.raises(DataError, match=f"tokenizer\\.model: has {VOCAB} tokens, not data\\.vocab_size=600"):
+        prepare(dataclasses.replace(copy_of, vocab_size=600))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    shutil.rmtree(out)
+    assert prepare(dataclasses.replace(copy_of, source=str(other)))["num_docs"] == len(texts)
 
 
 def test_rebuild_command_names_the_directory_the_run_reads():

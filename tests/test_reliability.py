@@ -163,6 +163,19 @@ def test_refusal(refusals, case):
     assert_one_error(result, facts, launcher)
 
 
+def test_min_lr_above_lr_is_refused():
+    """A cosine "decay" from lr up to a larger min_lr would raise the learning rate over the run: refused,
+    with the bound (lowering only optimizer.lr under the default min_lr is the way to reach it)."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.optimizer.lr = 1e-4
+    with pytest.raises(ConfigError, match=r"optimizer\.min_lr=0\.0003 is above optimizer\.lr=0\.0001: .*"
+                                          r"set optimizer\.min_lr <= 0\.0001"):
+        validate(cfg, 1)
+    cfg.optimizer.min_lr = 1e-4
+    assert validate(cfg, 1) == 1
+
+
 def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):
     assert UNDER_TORCHRUN <= set(REFUSAL_IDS)
     assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path)] == \
