@@ -128,7 +128,7 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
 
     The first forward runs the prompt's last seq_len tokens (the model's context, learned positions).
     With the KV cache (default) each later token runs one position. When the cache holds seq_len
-    positions it is dropped and the last seq_len // 2 tokens are prefilled again (positions from 0),
+    positions it is dropped and the last seq_len // 2 tokens (at least 1) are prefilled again (positions from 0),
     so past the window the context is between seq_len // 2 and seq_len tokens and costs one half-window
     prefill per seq_len // 2 new tokens. Without the cache (kv_cache=False) every token reruns the last
     seq_len tokens: the same tokens as the cache while the text fits the window, a window that slides
@@ -136,6 +136,16 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     """
     device = next(model.parameters()).device
     seq_len = model.layers[0].position_embeddings.shape[0]
+    vocab = model.layers[-1].vocab_size
+    bad = [f"{name}={value} must be >= {low}" for name, value, low in
+           (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
+            ("num_samples", num_samples, 1)) if value < low]
+    if not len(ids):
+        bad.append("the prompt is empty (start from [eos_id] for none)")
+    elif not all(0 <= i < vocab for i in ids):
+        bad.append(f"prompt ids must be in [0, {vocab}): got {[i for i in ids if not 0 <= i < vocab][:5]}")
+    if bad:
+        raise ValueError("generate(): " + "; ".join(bad))
     x = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # [n, t]
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     cache, feed = (KVCache() if kv_cache else None), x[:, -seq_len:]             # feed: what the model runs next
@@ -159,6 +169,6 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         elif cache.length < seq_len:
             feed = x[:, -1:]
         else:                                                                       # the window is full
-            cache, feed = KVCache(), x[:, -(seq_len // 2):]
+            cache, feed = KVCache(), x[:, -max(1, seq_len // 2):]
     rows = x[:, len(ids):].tolist()
     return [row[:row.index(eos_id) + 1] if eos_id in row else row for row in rows]

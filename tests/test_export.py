@@ -115,10 +115,10 @@ def test_generate_cli(exported, kv_cache):
     assert f"{len(new)} tokens in " in run.stderr and "tokens/s" in run.stderr
 
 
-def _random_model(tp: int = 1, sp: bool = False):
+def _random_model(tp: int = 1, sp: bool = False, seq_len: int = 32):
     """A random-initialised 2-block model (seq_len 32, vocabulary 96 padded to 128), eval mode, this rank's
     part at tp (the same full weights at every tp: the init depends on the seed and global names only)."""
-    model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=96,
+    model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=96,
                         vocab_pad_multiple=64)
     mesh, cpu = ParallelMesh(tp, 1, 1), torch.device("cpu")
     ctx = ParallelContext(mesh.tp_group, RNGTracker(1234, mesh.tp_rank, 0, cpu), sp)
@@ -161,6 +161,38 @@ def test_kv_cache_greedy_matches_full_forward():
     assert longer[:n] == cached[0] and len(longer) == 3 * 32
     text = torch.tensor([prompt + longer])
     assert longer[n] == inference.logits(model, text[:, len(prompt) + n - 16:len(prompt) + n])[0, -1].argmax().item()
+
+
+def test_kv_cache_with_a_one_token_window():
+    """seq_len = 1: each token is predicted from the last one alone, with the cache (refilled with that
+    token) as without it."""
+    model = _random_model(seq_len=1)
+    cached = inference.generate(model, [5], 6, temperature=0)[0]
+    assert cached == inference.generate(model, [5], 6, temperature=0, kv_cache=False)[0] and len(cached) == 6
+    assert cached[1] == inference.logits(model, torch.tensor([[cached[0]]]))[0, -1].argmax().item()
+
+
+def test_generate_refuses_bad_arguments():
+    """One ValueError naming every bad argument; a prompt id in the padded rows (96..127) is refused too,
+    where it would have been embedded from an untrained row."""
+    model = _random_model()
+    for kwargs, message in (({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+                            ({"top_k": -1, "num_samples": 0}, "top_k=-1 must be >= 0; num_samples=0 must be >= 1"),
+                            ({"max_new_tokens": -2}, "max_new_tokens=-2 must be >= 0"),
+                            ({"ids": []}, "the prompt is empty"),
+                            ({"ids": [3, 96, -1, 7]}, r"prompt ids must be in \[0, 96\): got \[96, -1\]")):
+        args = {"ids": [1, 2], "max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            inference.generate(model, **args)
+    assert len(inference.generate(model, [0, 95], 0)[0]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_generate_cli_cuda_without_a_gpu_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        generate.main(["some/checkpoint", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--device cuda: this machine has no CUDA device" in err and "Traceback" not in err
 
 
 @torch.no_grad()

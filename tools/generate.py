@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.num_samples < 1:
         p.error("--num-samples must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
     return args
 
 
