@@ -49,15 +49,18 @@ class Resume:
     meta: dict
     notes: list                 # what was skipped to get here, for the log
     skipped: tuple = ()         # newer checkpoints that failed verification
+    superseded: tuple = ()      # newer checkpoints of the run directory that a resume=PATH branches away from
 
 
-def set_aside(skipped) -> list:
-    """Rename checkpoints that failed verification to step_N.corrupt, so that no later resume or
-    pruning counts them (call once every rank has chosen what to resume from); returns notes."""
+def set_aside(resume: Resume) -> list:
+    """Rename the checkpoints that failed verification to step_N.corrupt, and those of a history the run
+    branches away from to step_N.superseded, so that no later resume=auto or pruning counts them (call once
+    every rank has chosen what to resume from); nothing is deleted. Returns notes."""
     notes = []
-    for path in skipped:
-        os.replace(path, path + ".corrupt")
-        notes.append(f"moved {path} aside to {path}.corrupt")
+    for paths, suffix in ((resume.skipped, ".corrupt"), (resume.superseded, ".superseded")):
+        for path in paths:
+            os.replace(path, path + suffix)
+            notes.append(f"moved {path} aside to {path}{suffix}")
     return notes
 
 
@@ -142,9 +145,14 @@ def verify(path: str) -> dict:
 def checkpoints_of(run_dir: str) -> list:
     """The complete-looking checkpoint directories of a run, newest first (by step)."""
     root = os.path.join(run_dir, "checkpoints")
-    found = [(int(m.group(1)), os.path.join(root, d)) for d in (os.listdir(root) if os.path.isdir(root) else [])
-             if (m := STEP_DIR.match(d)) and os.path.isdir(os.path.join(root, d))]
-    return [p for _, p in sorted(found, reverse=True)]
+    found = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else [])
+             if STEP_DIR.match(d) and os.path.isdir(os.path.join(root, d))]
+    return sorted(found, key=read_step, reverse=True)
+
+
+def read_step(path: str) -> int:
+    """N of a checkpoint directory step_N."""
+    return int(STEP_DIR.search(path).group(1))
 
 
 def newest(run_dir: str) -> Resume | None:
@@ -182,7 +190,9 @@ def find_resume(cfg: TrainConfig) -> Resume | None:
         return None
     if cfg.resume == "auto":
         return newest(cfg.run_dir)
-    return Resume(cfg.resume, verify(cfg.resume), [])
+    meta = verify(cfg.resume)
+    later = tuple(p for p in checkpoints_of(cfg.run_dir) if read_step(p) > meta["step"])
+    return Resume(cfg.resume, meta, [], superseded=later)
 
 
 def data_identity(tokenizer_sha256: str, data_meta: dict) -> dict:
@@ -278,7 +288,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         atomic_write(previous, os.path.basename(path))
         root = os.path.dirname(path)
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        for old in checkpoints_of(os.path.dirname(root))[keep:] + stale:
+        for old in [p for p in checkpoints_of(os.path.dirname(root))[keep:] if p != path] + stale:
             shutil.rmtree(old, ignore_errors=True)
     check(_try(publish) if mesh.rank == 0 else None, "publishing it")
 

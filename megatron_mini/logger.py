@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import torch
 
 from .config import TrainConfig, WandbConfig
+from .files import atomic_write
 from .hardware import peak_tflops
 
 
@@ -57,6 +58,30 @@ def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
     return value if isinstance(value, (int, str)) else float(value)
+
+
+def cut_metrics(run_dir: str, step: int) -> int:
+    """A run resumed from `step`: metrics.jsonl keeps its lines up to that step (rewritten atomically); the
+    later ones, which the resumed run logs again (after a crash) or replaces (a branch from an older
+    checkpoint), and a line a kill cut short, are appended to metrics.superseded.jsonl. Returns their count."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+
+    def kept(line: str) -> bool:
+        try:
+            return line.endswith("\n") and json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    keep = [line for line in lines if kept(line)]
+    if len(keep) < len(lines):
+        with open(os.path.join(run_dir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in lines if not kept(line))
+        atomic_write(path, "".join(keep))
+    return len(lines) - len(keep)
 
 
 class RunLogger:

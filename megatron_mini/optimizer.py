@@ -38,9 +38,11 @@ class DynamicLossScaler:
         self.backoff_factor, self.hysteresis, self.min_scale = cfg.loss_scale_backoff_factor, cfg.loss_scale_hysteresis, cfg.min_loss_scale
         self.clean_steps, self.hysteresis_left = 0, self.hysteresis
         self.skips_at_min = 0        # overflows in a row at min_scale: the run cannot recover past some
+        self.skipped_steps = 0       # overflowed (skipped) steps since the run began, resumes included
 
     def update(self, found_inf: bool) -> None:
         self.skips_at_min = self.skips_at_min + 1 if found_inf and self.scale <= self.min_scale else 0
+        self.skipped_steps += found_inf
         if found_inf:
             self.clean_steps = 0
             self.hysteresis_left -= 1
@@ -53,10 +55,13 @@ class DynamicLossScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left,
+                "skips_at_min": self.skips_at_min, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps, self.hysteresis_left = state["scale"], state["clean_steps"], state["hysteresis_left"]
+        # (checkpoints written before these two were kept start them at 0)
+        self.skips_at_min, self.skipped_steps = state.get("skips_at_min", 0), state.get("skipped_steps", 0)
 
 
 @dataclass

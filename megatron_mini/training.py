@@ -31,7 +31,7 @@ from .kernels import interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
-from .logger import RunLogger, Throughput, format_duration, step_line
+from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
 from .pipeline import PipelineEngine
@@ -135,8 +135,9 @@ class Trainer:
         loss, stops = reduce_loss(self.mesh, loss_sum, stop, self.device).tolist()
         return loss / self.tokens_per_step, int(stops)
 
-    def train_step(self, stop: bool = False) -> dict:
-        """One optimizer step. `stop`: this rank was asked to stop; out["stop"]: how many ranks were."""
+    def train_step(self, stop: StopRequest | None = None) -> dict:
+        """One optimizer step. `stop`: this rank's SIGTERM flag, read after the forward and backward (a step is
+        long: a signal during it stops the run after it, not after the next); out["stop"]: how many ranks had one."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -145,7 +146,7 @@ class Trainer:
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
         loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step)
-        loss, stop = self._global_loss(loss_sum, stop)
+        loss, stop = self._global_loss(loss_sum, bool(stop and stop.requested))
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -224,14 +225,14 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
                 rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> tuple[int, str | None]:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
     when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns (skipped
-    fp16 steps, the signal that stopped the run or None)."""
-    cfg = trainer.cfg
-    skipped_steps, interval_steps, first_step = 0, 0, trainer.step
+    fp16 steps since the run began, the signal that stopped the run or None)."""
+    cfg, scaler = trainer.cfg, trainer.optimizer.scaler
+    interval_steps, first_step = 0, trainer.step
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
         with memory.first_step():                 # (measures the first step only)
-            out = trainer.train_step(stop=bool(stop and stop.requested))
-        skipped_steps += out["skipped"]
+            out = trainer.train_step(stop)
+        skipped_steps = scaler.skipped_steps if scaler else 0
         interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
@@ -254,7 +255,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
             return skipped_steps, why
-    return skipped_steps, None
+    return (scaler.skipped_steps if scaler else 0), None
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
@@ -316,11 +317,14 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         _write_config(cfg)
     trainer = Trainer(cfg, mesh, run.datasets, run.device)
     if run.resume:                     # every rank has chosen (init_process_group waited for all of them)
-        moved = checkpoint.set_aside(run.resume.skipped) if rank == 0 else []
+        moved = checkpoint.set_aside(run.resume) if rank == 0 else []
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")
         trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+        cut = cut_metrics(cfg.run_dir, trainer.step) if rank == 0 else 0
+        if cut:
+            log.info(f"resume: moved {cut} lines of metrics.jsonl past step {trainer.step} to metrics.superseded.jsonl")
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "

@@ -31,3 +31,45 @@ def test_latest_pointer_and_auto_resume(uninterrupted, small_data):
     assert not [d for d in os.listdir(os.path.join(cfg.run_dir, "checkpoints")) if d.endswith(".tmp")]
     again = train_on_ranks(1, small_config(small_data, cfg.run_dir, steps=10, resume="auto"))
     assert again["loss"] == []     # already at step 10: nothing left to train
+
+
+def test_fp16_resume_keeps_the_loss_scalers_counts(small_data, tmp_path):
+    """A resumed fp16 run reports the run's skipped steps, not the segment's, and keeps counting overflows at
+    the minimum scale where it stopped (the give-up rule spans a resume). Scale 2^40 overflows every step
+    at every scale down to the minimum here, 2^37: the scale falls to it in 3 steps, then 3 overflow at it."""
+    fp16 = dict(steps=6, save_interval=3, **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 40,
+                                             "precision.loss_scale_hysteresis": 1, "precision.min_loss_scale": 2.0 ** 37})
+    full = train_on_ranks(1, small_config(small_data, tmp_path / "full", **fp16))
+    step3 = os.path.join(tmp_path / "full", "checkpoints", "step_000003")
+    resumed = train_on_ranks(1, small_config(small_data, tmp_path / "resumed", resume=step3, **fp16))
+    assert full["summary"]["skipped_steps"] == resumed["summary"]["skipped_steps"] == 6
+    import torch
+    saved = [torch.load(os.path.join(d, "checkpoints", "step_000006", "optim_pp00.pt"), weights_only=True)["scaler"]
+             for d in (tmp_path / "full", tmp_path / "resumed")]
+    assert saved[0] == saved[1] and saved[0]["skips_at_min"] == 3 and saved[0]["scale"] == 2.0 ** 37
+
+
+def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupted, small_data, tmp_path):
+    """resume=PATH to step 5 of a run that reached step 10 (a rollback, as after a loss spike): step 10 is
+    renamed step_000010.superseded (kept whole; no resume=auto or pruning counts it), the new branch's saves
+    are kept and named by `latest` (keep_checkpoints=1 pruned the one just written before), resume=auto
+    continues the branch, and metrics.jsonl holds the branch's lines only (the others moved aside)."""
+    import json
+    import shutil
+    cfg, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (5, 10))
+                                       + '{"step": 10, "lo')                     # a line a kill cut short
+    files = sorted(os.listdir(run / "checkpoints" / "step_000010"))
+    branch = train_on_ranks(1, small_config(small_data, run, steps=7, keep_checkpoints=1,
+                                            resume=str(run / "checkpoints" / "step_000005")))
+    assert branch["checkpoint"] == str(run / "checkpoints" / "step_000007")
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000007", "step_000010.superseded"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000007"
+    assert sorted(os.listdir(run / "checkpoints" / "step_000010.superseded")) == files
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 5 and max(steps) == 7
+    assert (run / "metrics.superseded.jsonl").read_text() == json.dumps({"step": 10, "loss": 9.0}) + '\n{"step": 10, "lo\n'
+    again = train_on_ranks(1, small_config(small_data, run, steps=8, keep_checkpoints=1, resume="auto"))
+    assert len(again["loss"]) == 1 and again["checkpoint"] == str(run / "checkpoints" / "step_000008")

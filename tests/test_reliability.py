@@ -26,9 +26,10 @@ import torch
 
 from commandline import (assert_one_error, env, finish, model_args, python_train, start,
                          torchrun_argv, torchrun_train)
-from harness import small_config, train_on_ranks
+from harness import make_trainer, small_config, train_on_ranks
 from megatron_mini.checkpoint import load_model_tensors
 from megatron_mini.launch import RunLock
+from ranks import spawn
 
 
 # ----------------------------------------------------------------------------------------- fixtures
@@ -299,6 +300,29 @@ def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, uninte
     again = torchrun_train(2, args)
     assert again.rc == 0 and f"resumed from {run_dir}/checkpoints/step_{stopped:06d}" in again.out, again
     _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def _signalled_during_a_step(cfg):
+    """Rank 1's SIGTERM flag goes up inside its second step's forward/backward (a step is long; a signal
+    lands in one): (step 1's stop count, step 2's) on this rank."""
+    import types
+    import torch.distributed as dist
+    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False)
+    first = trainer.train_step(flag)["stop"]
+    run = trainer.engine.train_step
+
+    def signalled(*args, **kwargs):
+        out = run(*args, **kwargs)
+        flag.requested = dist.get_rank() == 1
+        return out
+    trainer.engine.train_step = signalled
+    return first, trainer.train_step(flag)["stop"]
+
+
+def test_a_signal_during_a_step_stops_after_that_step(small_data, tmp_path):
+    """Every rank learns of a SIGTERM that arrived during a step at that step's end (not the next's: a
+    step of a large model can outlast a scheduler's grace period)."""
+    assert spawn(2, _signalled_during_a_step, small_config(small_data, tmp_path)) == [(0, 1), (0, 1)]
 
 
 def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
