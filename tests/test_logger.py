@@ -56,8 +56,9 @@ def test_offline_wandb_run_reads_back_exactly(tmp_path, wandb_env):
     again = fake_training(resumed, range(21, 31), offset=1.0)
     resumed.finish()
     assert resumed.wandb_path != first and run_id(run_dir, "tiny-fp16") in resumed.wandb_path
-    run = compare_runs.read_run(run_dir)
-    assert (run.source, run.label, run.rows) == ("wandb", "tiny-fp16", expected[:20] + again)
+    assert compare_runs.read_wandb_files(compare_runs.wandb_files(run_dir)) == ("tiny-fp16", expected[:20] + again)
+    run = compare_runs.read_run(run_dir)  # metrics.jsonl holds the same steps: it is preferred
+    assert (run.source, run.label, run.rows) == ("metrics.jsonl", "tiny-fp16", expected[:20] + again)
 
 
 def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
@@ -109,11 +110,11 @@ def test_compare_runs_plot_and_table(tmp_path, capsys):
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
 
     table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
-    # run, final loss, min loss, final val_loss, gap, skipped steps, median tokens/s
-    assert table["bf16"][1:] == ["0.1667", "0.1667", "0.2000", "+0.0000", "3", "1016"]
-    assert table["fp16"][1:] == ["0.4167", "0.4167", "0.4500", "+0.2500", "3", "1016"]
+    # run, source, final loss, min loss, final val_loss, gap, gap step, skipped steps, median tokens/s
+    assert table["bf16"][1:] == ["metrics.jsonl", "0.1667", "0.1667", "0.2000", "+0.0000", "30", "3", "1016"]
+    assert table["fp16"][1:] == ["metrics.jsonl", "0.4167", "0.4167", "0.4500", "+0.2500", "30", "3", "1016"]
     csv_rows = (tmp_path / "out" / "compare.csv").read_text().splitlines()
-    assert csv_rows[0].startswith("run,final loss") and csv_rows[2].startswith("fp16,0.41666")
+    assert csv_rows[0].startswith("run,source,final loss") and csv_rows[2].startswith("fp16,metrics.jsonl,0.41666")
 
     assert compare_runs.main([str(tmp_path / "empty"), "-o", str(png)]) == 2
     err = capsys.readouterr().err
@@ -133,3 +134,67 @@ def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, cap
     err = capsys.readouterr().err
     assert err.count("warning: wandb init failed (RuntimeError: no service)") == 1 and logger.wandb_path is None
     assert compare_runs.read_run(str(tmp_path / "run")).rows == expected
+
+
+def test_compare_runs_prefers_metrics_jsonl_when_wandb_has_part_of_the_run(tmp_path, wandb_env):
+    run_dir = str(tmp_path / "run")
+    first = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
+    expected = fake_training(first, range(1, 5), offset=-1.0)     # the lowest losses: steps 1..4
+    first.finish()
+    resumed = RunLogger(run_dir, WandbConfig(mode="offline", name="tiny"), {}, enabled=True)
+    expected += fake_training(resumed, range(5, 9))
+    resumed.finish()
+    assert [row["step"] for row in compare_runs.read_wandb_files(compare_runs.wandb_files(run_dir))[1]] == [5, 6, 7, 8]
+    run = compare_runs.read_run(run_dir)
+    assert (run.source, run.label, run.rows) == ("metrics.jsonl", "tiny", expected)
+    (row,) = compare_runs.table([run], 0.5)
+    assert row["min loss"] == 5.0 / 4 - 1.0 and row["source"] == "metrics.jsonl"
+
+    # wandb is used where it holds every step of metrics.jsonl and more
+    jsonl = os.path.join(run_dir, "metrics.jsonl")
+    lines = open(jsonl).readlines()
+    open(jsonl, "w").writelines(line for line in lines if json.loads(line)["step"] >= 7)
+    run = compare_runs.read_run(run_dir)
+    assert (run.source, run.rows) == ("wandb", expected[4:])
+    os.remove(jsonl)
+    assert compare_runs.read_run(run_dir).source == "wandb"
+
+
+def jsonl_run(run_dir, entries) -> str:
+    """A run directory whose metrics.jsonl has the (step, metrics) `entries`, as RunLogger writes it."""
+    logger = RunLogger(str(run_dir), WandbConfig(mode="disabled"), {}, enabled=True)
+    for step, metrics in entries:
+        logger.log(step, metrics)
+    logger.finish()
+    return str(run_dir)
+
+
+def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
+    died = jsonl_run(tmp_path / "died", [(0, {"val_loss": 9.0})])     # died after the step-0 eval
+    short = jsonl_run(tmp_path / "short", [(1, {"loss": 9.0}), (2, {"loss": 8.0})])
+    long = jsonl_run(tmp_path / "long", [(1, {"loss": 9.5}), (2, {"loss": 8.5}), (3, {"loss": 2.0})])
+    late = jsonl_run(tmp_path / "late", [(3, {"loss": 7.0}), (4, {"loss": 6.0})])
+    png = str(tmp_path / "compare.png")
+
+    def table(*specs):
+        assert compare_runs.main([*specs, "-o", png, "--smooth", "0"]) == 0
+        out = capsys.readouterr().out
+        assert "nan" not in out
+        return {line.split()[0]: line.split() for line in out.splitlines()}, out
+
+    # gap vs ref, gap step: at the last step both logged, not at each run's own last step
+    rows, _ = table(short, long, late)
+    assert rows["short"][5:7] == ["+0.0000", "2"]
+    assert rows["long"][5:7] == ["+0.5000", "2"]
+    assert rows["late"][5:7] == ["-", "-"]
+    assert rows["late:"] == "late: no gap vs ref: no step where both it and the reference short logged a train loss".split()
+    rows, _ = table(long, short)
+    assert rows["short"][5:7] == ["-0.5000", "2"]
+
+    rows, out = table(died, short, long)
+    assert rows["died"][5:7] == rows["short"][5:7] == rows["long"][5:7] == ["-", "-"]
+    assert "short: no gap vs ref: the reference died logged no train loss" in out
+    assert "long: no gap vs ref: the reference died logged no train loss" in out
+    assert "died: no gap" not in out
+    csv_rows = (tmp_path / "compare.csv").read_text().splitlines()
+    assert csv_rows[2] == "short,metrics.jsonl,8.0,8.0,,,,,"

@@ -4,9 +4,9 @@
 
 A RUN is a run directory (with wandb/ and/or metrics.jsonl), a wandb run directory
 (wandb/offline-run-*/ or wandb/run-*/), or `wandb:entity/project/run_id` (online API).
-A run directory's wandb record file is preferred; metrics.jsonl is used when there is no
-wandb data (wandb disabled) or when it reaches a later step (the wandb file was cut short).
-The first RUN is the reference for the "gap" column. The table is also saved as FILE.csv.
+A run directory's metrics.jsonl is preferred; its wandb record files are used when there is no
+metrics.jsonl or when they hold every step of it and more. The table's "source" column says which.
+The first RUN is the reference for the "gap" columns. The table is also saved as FILE.csv.
 """
 from __future__ import annotations
 
@@ -150,11 +150,15 @@ def read_run(spec: str) -> Run:
         rows = read_jsonl(jsonl)
         if rows:
             from_jsonl = Run(from_wandb.label if from_wandb else dir_name, rows, "metrics.jsonl")
-    if from_wandb and (not from_jsonl or from_wandb.rows[-1]["step"] >= from_jsonl.rows[-1]["step"]):
-        return from_wandb
+    if from_wandb and (not from_jsonl or _steps(from_wandb) > _steps(from_jsonl)):
+        return from_wandb  # wandb covers strictly more, e.g. metrics.jsonl was removed and the run resumed
     if from_jsonl:
-        return from_jsonl
+        return from_jsonl  # a resume may change wandb.*, so wandb may hold only part of the run
     raise RunError(f"{spec}: no logged history (neither wandb run data nor a non-empty metrics.jsonl)")
+
+
+def _steps(run: Run) -> set[int]:
+    return {row["step"] for row in run.rows}
 
 
 def _read_online(path: str) -> Run:
@@ -181,37 +185,62 @@ def ema(values: list[float], smooth: float) -> list[float]:
     return out
 
 
-COLUMNS = ["run", "final loss", "min loss", "final val_loss", "gap vs ref", "skipped steps", "median tokens/s"]
+COLUMNS = ["run", "source", "final loss", "min loss", "final val_loss", "gap vs ref", "gap step", "skipped steps",
+           "median tokens/s"]
+
+
+def smoothed_loss(run: Run, smooth: float) -> dict[int, float]:
+    """The smoothed train loss at each step that logged a finite loss."""
+    steps, loss = run.series("loss")
+    return {s: v for s, v, raw in zip(steps, ema(loss, smooth), loss) if math.isfinite(raw)}
+
+
+def gap(run: Run, ref: Run, smooth: float) -> tuple[float | None, int | None, str | None]:
+    """(smoothed loss of `run` minus `ref`'s, the step, why there is none) at the last step both logged a loss."""
+    own, theirs = smoothed_loss(run, smooth), smoothed_loss(ref, smooth)
+    common = own.keys() & theirs.keys()
+    if common:
+        step = max(common)
+        return own[step] - theirs[step], step, None
+    if not own:
+        return None, None, None
+    if not theirs:
+        return None, None, f"the reference {ref.label} logged no train loss"
+    return None, None, f"no step where both it and the reference {ref.label} logged a train loss"
 
 
 def table(runs: list[Run], smooth: float) -> list[dict]:
-    """One row of COLUMNS per run; "gap vs ref" is the final smoothed loss minus the first run's."""
-    rows, ref = [], None
+    """One row of COLUMNS per run, plus "note": why a run with a train loss has no "gap vs ref" (else None).
+
+    "gap vs ref" is the smoothed loss minus the first run's at "gap step", the last step both logged.
+    """
+    rows = []
     for run in runs:
         _, loss = run.series("loss")
         finite = [v for v in loss if math.isfinite(v)]
-        smoothed = ema(loss, smooth)[-1] if loss else math.nan
-        ref = smoothed if ref is None else ref
+        gap_vs_ref, gap_step, note = gap(run, runs[0], smooth)
         _, val = run.series("val_loss")
         _, skipped = run.series("skipped_steps")
         _, speed = run.series("tokens_per_s")
         rows.append({
             "run": run.label,
+            "source": run.source,
             "final loss": loss[-1] if loss else None,
             "min loss": min(finite) if finite else None,
             "final val_loss": val[-1] if val else None,
-            "gap vs ref": smoothed - ref if loss else None,
+            "gap vs ref": gap_vs_ref,
+            "gap step": gap_step,
             "skipped steps": int(max(skipped)) if skipped else None,
             "median tokens/s": statistics.median(speed) if speed else None,
+            "note": note,
         })
     return rows
-
 
 
 def _fmt(column: str, value) -> str:
     if value is None:
         return "-"
-    if column in ("run", "skipped steps"):
+    if column in ("run", "source", "gap step", "skipped steps"):
         return str(value)
     return {"gap vs ref": "{:+.4f}", "median tokens/s": "{:.0f}"}.get(column, "{:.4f}").format(value)
 
@@ -220,7 +249,10 @@ def print_table(rows: list[dict]) -> None:
     cells = [COLUMNS] + [[_fmt(c, row[c]) for c in COLUMNS] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
     for line in cells:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+    for row in rows:
+        if row["note"]:
+            print(f"{row['run']}: no gap vs ref: {row['note']}")
 
 
 def save_csv(rows: list[dict], path: str) -> None:
