@@ -294,11 +294,17 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
 
 
 # ----------------------------------------------------------------------------- loading
+def _load_mapped(f: str) -> dict:
+    """A checkpoint file's tensors, memory-mapped: a rank reads the pages of the slices it copies out, and
+    the ranks of a node share one page cache (not a full copy of every stage's weights and Adam state each)."""
+    return torch.load(f, weights_only=True, map_location="cpu", mmap=True)
+
+
 def load_model_tensors(path: str) -> dict:
     """{global name: full tensor} from every pipeline stage's file of a checkpoint."""
     tensors = {}
     for f in sorted(glob.glob(os.path.join(path, "model_pp*.pt"))):
-        tensors.update(torch.load(f, weights_only=True, map_location="cpu"))
+        tensors.update(_load_mapped(f))
     return tensors
 
 
@@ -309,8 +315,7 @@ def load(path: str, buffers: list, optimizer, rng, mesh) -> dict:
     weights = load_model_tensors(path)
     for buf in buffers:
         buf.load_weights(weights)
-    stages = [torch.load(f, weights_only=True, map_location="cpu")
-              for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
+    stages = [_load_mapped(f) for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
     optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
     if meta["world_size"] == mesh.world_size and meta["layout"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
         states = torch.load(os.path.join(path, f"rng_rank{mesh.rank:04d}.pt"), weights_only=True)
