@@ -90,10 +90,14 @@ class ModelConfig:
 
     def layer_flops_per_token(self, recompute: str = "none") -> dict:
         """flops_per_token() per layer kind, {"embedding", "block", "head"}; recomputation adds what it
-        runs again: a block's whole forward (full), or the attention core's q k^T and P v (selective)."""
-        h, s = self.hidden_size, self.seq_len
-        matmuls, attention = 4 * h * h + 2 * h * self.ffn_hidden_size, 2 * h * s     # per token, forward
-        rerun = {"none": 0, "full": 2 * matmuls + 2 * attention, "selective": 2 * attention}[recompute]
+        runs again: the attention core's q k^T and P v (selective, one fused kernel on a GPU), or a block's
+        forward (full) but for its last GEMM, fc2 (2 h f), when no dropout follows it: torch's
+        non-reentrant checkpoint stops recomputing once every tensor saved for backward is back, and fc2
+        saves its input before it multiplies."""
+        h, s, f = self.hidden_size, self.seq_len, self.ffn_hidden_size
+        matmuls, attention = 4 * h * h + 2 * h * f, 2 * h * s                          # per token, forward
+        fc2 = 0 if self.dropout else 2 * h * f
+        rerun = {"none": 0, "full": 2 * matmuls + 2 * attention - fc2, "selective": 2 * attention}[recompute]
         return {"embedding": 0, "block": 6 * matmuls + 6 * attention + rerun, "head": 6 * self.padded_vocab_size * h}
 
 

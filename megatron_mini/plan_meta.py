@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .mesh import ParallelMesh
 from .meter import SavedTensorMeter
 from .model import ParallelContext, build_chunks
-from .pipeline import local_stage_layers
+from .pipeline import local_stage_layers, partition_for
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
 from .schedules import build_schedule, simulate
@@ -131,6 +131,18 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     return Facts(saved, 0.0, mesh.ledger.summary(), mesh.ledger.overlaps())
 
 
+def _blocks(cfg: TrainConfig, a: int, b: int) -> int:
+    """How many blocks the layers [a, b) hold (layer 0 the embedding, L + 1 the head)."""
+    return max(min(b, cfg.model.num_layers + 1) - max(a, 1), 0)
+
+
+def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
+    """Facts of one microbatch through each chunk [a, b) of `stages`, from Planner.layer_facts: embedding,
+    blocks (the first, the rest), head."""
+    return [layers["embedding"] * (a == 0) + layers["first"] * (n > 0) + layers["block"] * max(n - 1, 0)
+            + layers["head"] * (b == cfg.model.num_layers + 2) for a, b in stages for n in [_blocks(cfg, a, b)]]
+
+
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
@@ -191,24 +203,38 @@ class Planner:
             self._ranks[key] = optimizer.memory_bytes(), with_sp, without_sp
         return self._ranks[key]
 
+    def _peak(self, cfg: TrainConfig, dp: int, pp_rank: int, chunks: list) -> tuple:
+        """(activation bytes, (chunk, microbatch) pairs in flight) at the peak of the rank's schedule."""
+        vectors, _ = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
+        sizes, peak = [c.activation_bytes for c in chunks], (0, 0)
+        for v in vectors:
+            live = sum(n * b for n, b in zip(v, sizes))
+            if live > peak[0]:
+                peak = live, sum(v)
+        return peak
+
+    def stage_ranks(self, cfg: TrainConfig, dp: int) -> list:
+        """The pipeline ranks that speak for all: of each stage shape (the embedding, block count and head of
+        each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks of
+        one shape differ only in the microbatches in flight: the first and the last rank, alone with their
+        embedding and head, have shapes of their own, so the others send and receive alike."""
+        stages, layers, best = partition_for(cfg), self.layer_facts(cfg), {}
+        for r in range(cfg.pp):
+            mine = [stages[c * cfg.pp + r] for c in range(cfg.vpp)]
+            shape = tuple((a == 0, _blocks(cfg, a, b), b == cfg.model.num_layers + 2) for a, b in mine)
+            peak = self._peak(cfg, dp, r, _chunk_facts(cfg, layers, mine))[0]
+            if shape not in best or peak > best[shape][0]:
+                best[shape] = (peak, r)
+        return sorted(r for _, r in best.values())
+
     def measure_rank(self, cfg: TrainConfig, dp: int, pp_rank: int) -> RankFacts:
         """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
         memory, with_sp, without_sp = self.rank_state(cfg, dp, pp_rank)
-        layers, L = self.layer_facts(cfg), cfg.model.num_layers
-        def chunk(a: int, b: int) -> Facts:          # layers [a, b): embedding, blocks (the first, the rest), head
-            blocks = max(min(b, L + 1) - max(a, 1), 0)
-            return (layers["embedding"] * (a == 0) + layers["first"] * (blocks > 0)
-                    + layers["block"] * max(blocks - 1, 0) + layers["head"] * (b == L + 2))
-        chunks = [chunk(a, b) for a, b in local_stage_layers(cfg, pp_rank)]
+        chunks = _chunk_facts(cfg, self.layer_facts(cfg), local_stage_layers(cfg, pp_rank))
         act_bytes = (cfg.model.seq_len // (cfg.tp if cfg.sp else 1)) * cfg.mbs * cfg.model.hidden_size \
             * DTYPES[cfg.precision.dtype].itemsize               # the engine's p2p message (its act_shape)
-        vectors, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
-        sizes = [c.activation_bytes for c in chunks]
-        peak = peak_pairs = 0
-        for v in vectors:
-            live = sum(n * b for n, b in zip(v, sizes))
-            if live > peak:
-                peak, peak_pairs = live, sum(v)
+        _, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
+        peak, peak_pairs = self._peak(cfg, dp, pp_rank, chunks)
         m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
         step = sum(chunks, Facts()) * m
         ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})

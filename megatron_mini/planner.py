@@ -21,9 +21,11 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 waits only for its own weights; the first layer's are exposed, not counted here, and with
                 compile at tp = 1 a chunk's blocks are one graph that waits for all their weights at once)
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
-    step      = the slowest of the first, second and last pipeline rank. A group's link is the node's
-                (NVLink) when its ranks fit in one node (rank = tp_rank + tp (dp_rank + dp pp_rank),
-                gpus_per_node per node), else the network.
+    step      = the slowest pipeline rank (one rank of each stage shape is measured: Planner.stage_ranks).
+                A group's link is the node's (NVLink) when each of its groups lies in one node, else the
+                network: with rank = tp_rank + tp (dp_rank + dp pp_rank), a group spanning S consecutive
+                ranks starts at a multiple of S, so all lie in one node iff S divides gpus_per_node (or the
+                cluster is one node). TP stays in a node: tp must divide gpus_per_node.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ class Estimate:
     """One layout's predicted memory and step time (see the module doc)."""
     cfg: TrainConfig
     dp: int
-    ranks: list                     # RankFacts of the distinct pipeline ranks (first, second, last)
+    ranks: list                     # RankFacts of one pipeline rank per stage shape (Planner.stage_ranks)
     bubble: float                   # idle / busy of the schedule
     times: dict                     # seconds per step of the slowest rank: compute, tp, pp, bubble, dp, emb
     step_s: float
@@ -128,12 +130,12 @@ def _divisors(n: int) -> list:
 
 def layouts(base: PlanConfig) -> tuple[list, Counter]:
     """Every layout of base's model on base.cluster that validate() accepts, and the reasons the others
-    were refused (counted): tp within a node, pp, vpp (up to 8), dp = gpus / (tp pp), ZeRO when dp > 1,
-    recompute, sp when tp > 1, and each embedding_stage where it changes the split."""
+    were refused (counted): tp whose groups lie in a node (_in_node), pp, vpp (up to 8), dp = gpus / (tp pp),
+    ZeRO when dp > 1, recompute, sp when tp > 1, and each embedding_stage where it changes the split."""
     c, valid, refused = base.cluster, [], Counter()
     for tp in _divisors(c.gpus):
-        if tp > c.gpus_per_node:
-            refused["tp larger than a node"] += 1
+        if not _in_node(c, tp):
+            refused["tp not dividing the GPUs of a node (TP across nodes)"] += 1
             continue
         for pp in _divisors(c.gpus // tp):
             dp = c.gpus // (tp * pp)
@@ -186,9 +188,15 @@ def _collective_s(op: str, nbytes: float, n: int, gbps: float) -> float:
     return nbytes / (gbps * 1e9)                            # send / recv
 
 
+def _in_node(cluster: ClusterConfig, span: int) -> bool:
+    """Whether every group of `span` consecutive global ranks, starting at a multiple of span, lies in one
+    node: span divides gpus_per_node, or the cluster is one node."""
+    return cluster.gpus <= cluster.gpus_per_node or cluster.gpus_per_node % span == 0
+
+
 def _link_gbps(cluster: ClusterConfig, span: int) -> float:
-    """Ranks within `span` consecutive global ranks share a node when span <= gpus_per_node (aligned)."""
-    return cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
+    """The link of groups spanning `span` consecutive global ranks: NVLink when they lie in a node."""
+    return cluster.intra_node_gbps if _in_node(cluster, span) else cluster.inter_node_gbps
 
 
 def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, flops_per_s: float) -> dict:
@@ -219,14 +227,14 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     peak = gpu.tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * cluster.efficiency
     m = cfg.num_microbatches(dp)
     bubble = planner.bubble(cfg, m)
-    ranks = [planner.measure_rank(cfg, dp, r) for r in sorted({0, min(1, cfg.pp - 1), cfg.pp - 1})]
+    ranks = [planner.measure_rank(cfg, dp, r) for r in planner.stage_ranks(cfg, dp)]
     times = None
     for rank in ranks:
         comm = _comm_s(cfg, cluster, dp, rank, peak)
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
-        if cfg.tp * dp <= cluster.gpus_per_node:                       # ... on the link the TP overlaps use
+        if _in_node(cluster, cfg.tp * dp):                             # ... on the link the TP overlaps use
             last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
         t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,

@@ -12,18 +12,27 @@ planner predicts from meta-device models equals what one training step of the re
 import csv
 import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from harness import make_trainer, small_config, train_on_ranks
-from megatron_mini.config import ConfigError, TrainConfig, validate
+from megatron_mini.comm import Ledger
+from megatron_mini.config import ConfigError, ModelConfig, TrainConfig, validate
+from megatron_mini.mesh import ParallelMesh
 from megatron_mini.meter import SavedTensorMeter
+from megatron_mini.model import ParallelContext, build_chunks
 from megatron_mini.pipeline import partition_for
-from megatron_mini.plan_meta import Planner
-from megatron_mini.planner import estimate, layouts, model_bytes, plan
+from megatron_mini.plan_meta import META, Planner, _fused_on_meta
+from megatron_mini.planner import GiB, ClusterConfig, Estimate, _link_gbps, estimate, layouts, model_bytes, plan
+from megatron_mini.rng import RNGTracker
 from megatron_mini.schedules import simulate
 from ranks import spawn
+
+NODE = "tp not dividing the GPUs of a node (TP across nodes)"
 
 GRID = {                                   # name: (world size, layout)
     "tp2": (2, dict(tp=2)),
@@ -96,7 +105,7 @@ def test_meter_counts_meta_like_real_tensors():
 
 # ----------------------------------------------------------------------------- the enumeration
 def _cluster_config(small_data, tmp_path, gpus: int, **cluster):
-    from megatron_mini.planner import ClusterConfig, PlanConfig
+    from megatron_mini.planner import PlanConfig
 
     cfg = small_config(small_data, tmp_path, gbs=64, mbs=1)
     return PlanConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)},
@@ -124,7 +133,7 @@ def test_every_valid_layout_is_enumerated_once(small_data, tmp_path):
         if tp <= 4 and (vpp == 1 or pp > 1) and (zero == 0 or dp > 1) and (not sp or tp > 1):
             accepted.add(key(cfg))
     assert set(listed) == accepted
-    assert refused["tp larger than a node"] == 2 and sum(refused.values()) > 2      # tp = 8, 16
+    assert refused[NODE] == 2 and sum(refused.values()) > 2      # tp = 8, 16
 
 
 @pytest.mark.parametrize("gpu_visible", [False, True], ids=["fork", "spawn"])
@@ -214,7 +223,6 @@ def test_dp_reduction_inside_a_node_waits_for_the_tp_traffic_of_its_window(small
     (the DP group across nodes): only the DP time differs, by exactly that TP time per microbatch at tp=2
     (the link is slow enough that the reduction outlasts the window either way), and not at all at tp=1."""
     from megatron_mini.hardware import GPUS, math_dtype
-    from megatron_mini.planner import ClusterConfig
     cfg = small_config(small_data, tmp_path, tp=tp, gbs=8, mbs=2)
     link = dict(gpus=2 * tp, intra_node_gbps=0.05, inter_node_gbps=0.05, gpu="h100-80gb")
     inside = estimate(planner, cfg, ClusterConfig(gpus_per_node=8, **link))
@@ -227,3 +235,146 @@ def test_dp_reduction_inside_a_node_waits_for_the_tp_traffic_of_its_window(small
     assert (tp_hidden > 0) == (tp > 1)
     m = cfg.num_microbatches(2)
     assert inside.times["dp"] - across.times["dp"] == pytest.approx(tp_hidden / m, rel=1e-9)
+
+
+def test_dp_groups_across_nodes_get_no_nvlink_window(small_data, tmp_path, planner):
+    """tp=2 dp=3 on nodes of 8: tp x dp = 6 <= 8, yet the DP groups of ranks 6-11 straddle two nodes, so they
+    run over the network and their window is the whole last backward: the same times as on nodes of 2."""
+    cfg = small_config(small_data, tmp_path, tp=2, pp=4, gbs=12, mbs=2)
+    link = dict(gpus=24, intra_node_gbps=0.05, inter_node_gbps=0.05, gpu="h100-80gb")
+    eights = estimate(planner, cfg, ClusterConfig(gpus_per_node=8, **link))
+    twos = estimate(planner, cfg, ClusterConfig(gpus_per_node=2, **link))
+    one_node = estimate(planner, cfg, ClusterConfig(gpus_per_node=24, **link))
+    assert eights.times == twos.times
+    assert one_node.times["dp"] > twos.times["dp"]         # inside a node the window shrinks: more is exposed
+
+
+@pytest.mark.parametrize("gpus, per_node", [(48, 8), (64, 8), (32, 4), (6, 8)])
+def test_a_group_is_on_nvlink_only_when_every_one_of_it_lies_in_a_node(gpus, per_node):
+    """Against the mesh's rank order (tp fastest, then dp, then pp): the TP, DP and whole-world groups (of
+    more than one rank) of every tp x dp x pp of the cluster get NVLink exactly when none of them straddles
+    two nodes (tp=6 on nodes of 8 does: ranks 6-11; so do tp=2 dp=3's DP groups)."""
+    c = ClusterConfig(gpus=gpus, gpus_per_node=per_node, intra_node_gbps=300.0, inter_node_gbps=25.0)
+    for tp, dp in itertools.product(range(1, gpus + 1), repeat=2):
+        if gpus % (tp * dp):
+            continue
+        pp = gpus // (tp * dp)
+        rank = lambda t, d, p: t + tp * (d + dp * p)                                        # noqa: E731
+        groups = {"tp": [[rank(t, d, p) for t in range(tp)] for d in range(dp) for p in range(pp)],
+                  "dp": [[rank(t, d, p) for d in range(dp)] for t in range(tp) for p in range(pp)],
+                  "world": [list(range(gpus))]}
+        for group, span in (("tp", tp), ("dp", tp * dp), ("world", gpus)):
+            if len(groups[group][0]) == 1:
+                continue                                       # a group of one rank moves nothing
+            one_node = all(len({r // per_node for r in g}) == 1 for g in groups[group])
+            assert (_link_gbps(c, span) == 300.0) == one_node, (tp, dp, pp, group)
+    assert _link_gbps(c, 6) == (300.0 if gpus == 6 else 25.0)       # tp=6, or tp=2 dp=3: span 6
+
+
+def test_tp_must_divide_the_gpus_of_a_node(small_data, tmp_path):
+    """tp=3 and 6 on nodes of 8 would put TP groups across nodes: refused, with the larger tp, for that reason."""
+    base = _cluster_config(small_data, tmp_path, 48, gpus_per_node=8)
+    base.model = dataclasses.replace(base.model, num_heads=24, hidden_size=96, vocab_pad_multiple=384)
+    valid, refused = layouts(base)
+    assert {c.tp for c in valid} == {1, 2, 4, 8}
+    assert refused[NODE] == 6                                      # tp = 3, 6, 12, 16, 24, 48
+    one_node = dataclasses.replace(base, cluster=ClusterConfig(gpus=6, gpus_per_node=8))
+    assert {c.tp for c in layouts(one_node)[0]} == {1, 2, 3, 6}    # a cluster inside one node: any tp
+
+
+# ----------------------------------------------------------------------------- which ranks are measured
+@pytest.mark.parametrize("layout", [dict(pp=4, embedding_stage="own", pipeline_last_blocks=6),
+                                    dict(pp=4, embedding_stage="own", pipeline_first_blocks=1),
+                                    dict(pp=4, vpp=2), dict(pp=4, schedule="gpipe"),
+                                    dict(pp=4)], ids=["own-last6", "own-first1", "vpp2", "gpipe", "pp4"])
+def test_plan_measures_the_largest_and_the_slowest_rank(small_data, tmp_path, planner, layout):
+    """Whatever the split, the plan's memory is the largest of every pipeline rank's and its compute the
+    slowest's (with own embedding and head stages and 6 of 8 blocks on the last block stage, both are
+    rank pp - 2's: the first, second and last ranks are not enough)."""
+    cfg = small_config(small_data, tmp_path, gbs=16, mbs=1, **layout)
+    e = estimate(planner, cfg, ClusterConfig(gpus=cfg.pp))
+    every = [planner.measure_rank(cfg, 1, r) for r in range(cfg.pp)]
+    assert e.memory_gib * GiB == max(sum(r.memory.values()) for r in every)
+    assert max(r.flops for r in e.ranks) == max(r.flops for r in every)
+    if layout.get("pipeline_last_blocks"):
+        assert e.worst.pp_rank == 2 and max(e.ranks, key=lambda r: r.flops).pp_rank == 2
+    if layout == dict(pp=4):                                # ranks 1 and 2 alike: rank 1, more in flight
+        assert [r.pp_rank for r in e.ranks] == [0, 1, 3]
+
+
+# ----------------------------------------------------------------------------- FLOPs with recomputation
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_flops_formula_counts_what_recomputation_runs(dropout, tp, sp):
+    """ModelConfig.layer_flops_per_token(recompute) is what torch's FLOP counter counts over a forward +
+    backward of the whole model on TP rank 0 (meta tensors, attention by the fused kernel a GPU runs, as the
+    planner measures it), for recompute none, selective and full. Full recompute runs a block's fc2 again
+    only when dropout follows it (torch's checkpoint stops once the tensors saved for backward are back).
+    The fused kernel's backward computes q k^T again (2 h s per token and layer): torch counts it, the
+    formula (model FLOPs, as Megatron counts them) does not."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=300, dropout=dropout)
+    b, s, h = 3, model.seq_len, model.hidden_size
+    for recompute in ("none", "selective", "full"):
+        mesh = ParallelMesh(tp, 1, 1, ledger=Ledger(), virtual_rank=0)
+        ctx = ParallelContext(mesh.tp_group, RNGTracker(1, 0, 0, META), sp, recompute)
+        (chunk,) = build_chunks(model, ctx, [(0, model.num_layers + 2)], 1, META)
+        ids = torch.zeros(b, s, dtype=torch.long, device=META)
+        with mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta), \
+                FlopCounterMode(display=False) as counter:
+            chunk.train()(ids, ids).backward()
+        f = model.layer_flops_per_token(recompute)
+        per_token = model.num_layers * (f["block"] + 2 * h * s) + f["head"]
+        assert counter.get_total_flops() == per_token * b * s // tp, recompute
+    assert model.flops_per_token() == sum(model.layer_flops_per_token("none")[k] * n for k, n in
+                                          (("block", model.num_layers), ("head", 1)))   # MFU: recompute left out
+
+
+# ----------------------------------------------------------------------------- the command line, its errors
+def test_the_printed_command_launches_the_best_layout(small_data, tmp_path):
+    """The torchrun line, composed by train.py's config, is the layout the plan recommends, whatever layout
+    keys (or layout group) the command line gave."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from plan import CONF, load_config, parse_layout, torchrun
+
+    from megatron_mini.config import register_configs
+    given = ["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=16", "tp=2", "recompute=full", "sp=true",
+             "pipeline_last_blocks=3", "layout=tp4_pp12", "schedule=gpipe"]
+    base = load_config(given)
+    for layout in ("pp=2,zero=1", "tp=4,vpp=2,pp=2,embedding_stage=own"):
+        best = parse_layout(layout, base)
+        line = torchrun(Estimate(best, 1, [], 0.0, {}, 1.0, 0.0, True, 0.0), given)
+        register_configs()
+        with initialize_config_dir(config_dir=CONF, version_base=None):
+            launched = OmegaConf.to_object(compose(config_name="config", overrides=line.split(" train.py ")[1].split()))
+        keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name in
+                "tp pp vpp sp zero recompute embedding_stage schedule pipeline_first_blocks pipeline_last_blocks".split()]
+        assert {k: getattr(launched, k) for k in keys} == {k: getattr(best, k) for k in keys}, line
+        assert launched.schedule == "gpipe" and launched.gbs == 64 and "cluster" not in line
+
+
+@pytest.mark.parametrize("layout, error", [("sp=no", "sp=no must be true or false"), ("tp=x", "must be an integer"),
+                                           ("tp=4.0", "must be an integer"), ("tp=-1", "tp=-1 must be >= 1"),
+                                           ("model=gpt3", "not key=value of a layout key"),
+                                           ("precision=bf16", "not key=value"), ("cluster=h100", "not key=value"),
+                                           ("recompute=some", "choose one of"), ("pp", "not key=value")])
+def test_layout_values_are_checked(layout, error):
+    """--layout takes the layout keys only, each value as its field's type (sp true or false)."""
+    from plan import load_config, parse_layout
+
+    base = load_config(["cluster.gpus=16"])
+    with pytest.raises(ConfigError, match=error):
+        parse_layout(layout, base)
+    assert parse_layout("tp=2,sp=false", base).sp is False and parse_layout("tp=2,sp=true", base).sp is True
+
+
+def test_plan_says_why_nothing_can_run(capsys, tmp_path):
+    """No valid layout (nothing to draw), or none that fits: one error line saying why, and exit status 2."""
+    from plan import main
+
+    assert main(["gbs=3", "mbs=2", "cluster.gpus=2", "--plot", str(tmp_path / "plan.png")]) == 2
+    assert "error: no layout of tiny on 2 GPUs" in capsys.readouterr().err
+    assert main(["gbs=8", "mbs=1", "cluster.gpus=2", "cluster.memory_gib=0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "error: none of the" in err and "fits in 0.001 GiB per GPU: the smallest" in err
+    assert main(["--layout", "sp=maybe"]) == 2 and capsys.readouterr().err.startswith("error: --layout sp=maybe")

@@ -36,6 +36,8 @@ from megatron_mini.planner import GiB, Estimate, Plan, PlanConfig, estimate, mod
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 TERMS = ("compute", "tp", "pp", "bubble", "dp", "emb")
+LAYOUT_KEYS = ("tp", "pp", "vpp", "sp", "zero", "recompute", "embedding_stage", "schedule", "pipeline_first_blocks",
+               "pipeline_last_blocks")
 
 
 def load_config(overrides: list) -> PlanConfig:
@@ -59,15 +61,26 @@ def load_config(overrides: list) -> PlanConfig:
 
 
 def parse_layout(text: str, base: PlanConfig) -> PlanConfig:
-    """"tp=4,pp=12,zero=1" -> base with those keys (the others as the enumeration's defaults)."""
-    changes = dict(vpp=1, sp=False, zero=0, recompute="none", embedding_stage="none")
+    """"tp=4,pp=12,zero=1" -> base with those keys (the others as the enumeration's defaults). Each value
+    as its field's type: an integer, true/false, or a choice (validate() names the choices)."""
+    changes = dict(vpp=1, sp=False, zero=0, recompute="none", embedding_stage="none", pipeline_first_blocks=0,
+                   pipeline_last_blocks=0)
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
     for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        field = {f.name: f for f in dataclasses.fields(PlanConfig)}.get(key)
-        if field is None or not _:
-            raise ConfigError(f"--layout {text}: {item!r} is not key=value of a layout key (tp, pp, vpp, sp, zero, "
-                              f"recompute, embedding_stage, schedule, pipeline_first_blocks, pipeline_last_blocks)")
-        changes[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        key, equals, value = item.partition("=")
+        if key not in LAYOUT_KEYS or not equals:
+            raise ConfigError(f"--layout {text}: {item!r} is not key=value of a layout key ({', '.join(LAYOUT_KEYS)})")
+        if isinstance(defaults[key], bool):
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"--layout {text}: {key}={value} must be true or false")
+            changes[key] = value.lower() == "true"
+        elif isinstance(defaults[key], int):
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--layout {text}: {key}={value} must be an integer") from None
+        else:
+            changes[key] = value
     cfg = dataclasses.replace(base, **changes)
     validate(cfg, base.cluster.gpus)
     return cfg
@@ -116,12 +129,29 @@ def why_others_lost(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def why_none_fits(p: Plan) -> str | None:
+    """Why no layout can be launched (None when one can): none is valid, or the smallest fits no GPU."""
+    c = p.base.cluster
+    if not p.estimates:
+        return (f"no layout of {p.base.model.name} on {c.gpus} GPUs ({c.gpus_per_node} per node) is valid; refused: "
+                + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
+    if not p.fitting:
+        small = min(p.estimates, key=lambda e: e.memory_gib)
+        return (f"none of the {len(p.estimates)} valid layouts fits in {c.capacity_gib:g} GiB per GPU: the smallest, "
+                f"{small.layout_args()} (dp={small.dp}), needs {small.memory_gib:.3g} GiB on its largest rank")
+    return None
+
+
 def torchrun(e: Estimate, overrides: list) -> str:
+    """The command that runs e's layout: the command line's train.py keys but the layout's (and the layout
+    group's), then every layout key of e, so that no default of train.py's config decides one."""
     c = e.cfg.cluster
     nodes = max(1, c.gpus // c.gpus_per_node)
-    keys = [o for o in overrides if not o.startswith("cluster")]
+    name = lambda o: o.split("=")[0].lstrip("+~")                                       # noqa: E731
+    keys = [o for o in overrides if name(o) not in LAYOUT_KEYS + ("layout",) and not name(o).startswith("cluster")]
+    layout = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k in LAYOUT_KEYS for v in [getattr(e.cfg, k)]]
     return (f"torchrun --nnodes={nodes} --nproc_per_node={min(c.gpus, c.gpus_per_node)} --rdzv-backend=c10d "
-            f"--rdzv-endpoint=$MASTER_ADDR:29500 train.py {' '.join(keys)} {e.layout_args()}")
+            f"--rdzv-endpoint=$MASTER_ADDR:29500 train.py {' '.join(keys + layout)}")
 
 
 def write_csv(path: str, p: Plan) -> None:
@@ -193,6 +223,10 @@ def main(argv=None) -> int:
             print("\n" + explain(e, i + 1))
         print("\nwhy the others lost (against the best):\n" + why_others_lost(p))
         print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
+    problem = why_none_fits(p)
+    if not p.estimates:                                   # nothing to explain, write or draw
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     found = None
     if chosen:
         found = next((e for e in p.estimates if e.cfg == chosen), None) or estimate(p.planner, chosen, c)
@@ -205,6 +239,9 @@ def main(argv=None) -> int:
         draw(args.plot, p, found)
         print(f"wrote {args.plot}")
     print(f"({time.time() - START:.1f} s)")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
