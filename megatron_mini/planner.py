@@ -60,11 +60,13 @@ class ClusterConfig:
     inter_node_gbps: float = 25.0
     efficiency: float = 0.5
     memory_gib: float = 0.0          # 0: the GPU's
+    reserve_gib: float = 3.0         # what a layout may not use: the driver's share (an "80 GB" A100 offers
+                                     # 79.3 GiB), the CUDA context, NCCL's buffers, the allocator's slack
 
     @property
     def capacity_gib(self) -> float:
-        """Memory per GPU: memory_gib, or the GPU's."""
-        return self.memory_gib or GPUS[self.gpu].memory_gib
+        """Memory per GPU a layout may fill: memory_gib (or the GPU's) less reserve_gib."""
+        return (self.memory_gib or GPUS[self.gpu].memory_gib) - self.reserve_gib
 
     def check(self) -> None:
         """One ConfigError for a value that cannot describe a cluster."""
@@ -75,6 +77,8 @@ class ClusterConfig:
                 raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0.")
         if self.efficiency > 1 or self.memory_gib < 0:
             raise ConfigError("cluster.efficiency must be in (0, 1] and cluster.memory_gib >= 0 (0: the GPU's).")
+        if not 0 <= self.reserve_gib < (self.memory_gib or GPUS[self.gpu].memory_gib):
+            raise ConfigError(f"cluster.reserve_gib={self.reserve_gib} must be >= 0 and below the GPU's memory.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ConfigError(f"cluster.gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}.")
 

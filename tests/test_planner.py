@@ -374,7 +374,21 @@ def test_plan_says_why_nothing_can_run(capsys, tmp_path):
 
     assert main(["gbs=3", "mbs=2", "cluster.gpus=2", "--plot", str(tmp_path / "plan.png")]) == 2
     assert "error: no layout of tiny on 2 GPUs" in capsys.readouterr().err
-    assert main(["gbs=8", "mbs=1", "cluster.gpus=2", "cluster.memory_gib=0.001"]) == 2
+    assert main(["gbs=8", "mbs=1", "cluster.gpus=2", "cluster.memory_gib=0.001", "cluster.reserve_gib=0"]) == 2
     err = capsys.readouterr().err
     assert "error: none of the" in err and "fits in 0.001 GiB per GPU: the smallest" in err
     assert main(["--layout", "sp=maybe"]) == 2 and capsys.readouterr().err.startswith("error: --layout sp=maybe")
+
+
+def test_a_layout_fits_in_the_gpu_memory_less_the_reserve(small_data, tmp_path, planner):
+    """A GPU's nominal memory is not a layout's to fill (an "80 GB" A100 offers 79.3 GiB to CUDA, and the
+    context and NCCL's buffers come out of that): a layout fits when its largest rank needs at most the
+    memory less cluster.reserve_gib (3 GiB by default)."""
+    from megatron_mini.planner import ClusterConfig
+    assert ClusterConfig().capacity_gib == 80.0 - 3.0
+    cfg = small_config(small_data, tmp_path, gbs=8, mbs=2)
+    need = estimate(planner, cfg, ClusterConfig(gpus=2)).memory_gib
+    assert estimate(planner, cfg, ClusterConfig(gpus=2, memory_gib=need + 1.0, reserve_gib=0.9)).fits
+    assert not estimate(planner, cfg, ClusterConfig(gpus=2, memory_gib=need + 1.0, reserve_gib=1.1)).fits
+    with pytest.raises(ConfigError, match="cluster.reserve_gib=90 must be >= 0 and below the GPU's memory"):
+        ClusterConfig(reserve_gib=90).check()
