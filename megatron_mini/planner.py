@@ -228,7 +228,8 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     """Memory of the largest rank and the predicted step time of cfg's layout (see the module doc)."""
     dp = cluster.gpus // (cfg.tp * cfg.pp)
     gpu = GPUS[cluster.gpu]
-    peak = gpu.tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * cluster.efficiency
+    dense = cfg.precision.peak_tflops or gpu.tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)]  # as MFU's
+    peak = dense * 1e12 * cluster.efficiency
     m = cfg.num_microbatches(dp)
     bubble = planner.bubble(cfg, m)
     ranks = [planner.measure_rank(cfg, dp, r) for r in planner.stage_ranks(cfg, dp)]

@@ -392,3 +392,16 @@ def test_a_layout_fits_in_the_gpu_memory_less_the_reserve(small_data, tmp_path, 
     assert not estimate(planner, cfg, ClusterConfig(gpus=2, memory_gib=need + 1.0, reserve_gib=1.1)).fits
     with pytest.raises(ConfigError, match="cluster.reserve_gib=90 must be >= 0 and below the GPU's memory"):
         ClusterConfig(reserve_gib=90).check()
+
+
+def test_precision_peak_tflops_overrides_the_table_as_for_mfu(small_data, tmp_path, planner):
+    """precision.peak_tflops (the run's MFU denominator, for a GPU the table lacks or a clock it does not
+    assume) is the planner's peak too: half the table's peak doubles the predicted compute."""
+    from megatron_mini.hardware import GPUS, math_dtype
+    from megatron_mini.planner import ClusterConfig
+    cfg = small_config(small_data, tmp_path, gbs=8, mbs=2)
+    table = estimate(planner, cfg, ClusterConfig(gpus=2))
+    half = GPUS["a100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] / 2
+    slow = estimate(planner, dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, peak_tflops=half)),
+                    ClusterConfig(gpus=2))
+    assert slow.times["compute"] == pytest.approx(2 * table.times["compute"], rel=1e-12)
