@@ -15,7 +15,10 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_mini.config import TrainConfig, check_keys, register_configs, validate
 from megatron_mini.errors import CommError, ConfigError, RunError
@@ -23,6 +26,8 @@ from megatron_mini.launch import Terminated, fail, launch_env
 
 register_configs()
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+_MULTIRUN = ("multirun (-m) is not supported: each run is a job of its own ranks; launch one command per "
+             "configuration (a shell loop, or a scheduler's array job).")
 
 
 class _Stderr:
@@ -52,8 +57,13 @@ _stderr = None
 def main(dict_cfg: DictConfig) -> None:
     _stderr.restore()
     try:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:         # (hydra.mode=MULTIRUN)
+            raise ConfigError(_MULTIRUN)
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
-        cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+        try:
+            cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+        except OmegaConfBaseException as e:          # an interpolation that does not resolve: ${nope}, ${oc.env:X}
+            raise ConfigError(str(e).strip().splitlines()[0]) from None
         validate(cfg, launch_env()[1])     # a bad config is refused in well under a second: torch is not loaded yet
         from megatron_mini.training import train
         train(cfg)
@@ -68,6 +78,8 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if {"-m", "--multirun"} & set(sys.argv[1:]):   # before Hydra's sweeper writes its directories
+        fail(_MULTIRUN, code=2)
     _stderr = _Stderr()
     try:
         main()

@@ -211,7 +211,8 @@ RANGES = {
     "pipeline_first_blocks": (_GE0[0], ">= 0 (0: balanced)"), "pipeline_last_blocks": (_GE0[0], ">= 0 (0: balanced)"),
     "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
-    "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1, "timeout_s": _GE1,
+    "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
+    "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"), "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
 }
 
 
@@ -266,6 +267,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}={value} must be {requirement}.")
+    if not str(cfg.resume).strip():
+        raise ConfigError("resume is empty: use resume=auto (continue this run directory's run, if any), "
+                          "resume=never or resume=PATH of a checkpoint directory.")
     o = cfg.optimizer
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the cosine schedule decays "

@@ -33,17 +33,28 @@ from .errors import ConfigError
 OTHER_RANKS_WAIT_S = 15
 
 
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer: a launcher (torchrun, srun) sets it to this "
+                          f"process's place in the job; unset it to run one process.") from None
+
+
 def launch_env() -> tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
-    else a single process."""
+    else a single process. A variable that is no integer is a ConfigError."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        local_rank = _int_env("LOCAL_RANK", 0)
+        return _int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank, _int_env("LOCAL_WORLD_SIZE", local_rank + 1)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        local_rank = int(env.get("SLURM_LOCALID", 0))
+        local_rank = _int_env("SLURM_LOCALID", 0)
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank,
+        return (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), local_rank,
                 int(per_node) if per_node.isdigit() else local_rank + 1)
     return 0, 1, 0, 1
 
@@ -75,7 +86,11 @@ def write_error_file(message: str) -> None:
 def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
     """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)     # torchrun stopping the job now ends this rank at once
-    if reporter is not None and launch_env()[0] != reporter:
+    try:
+        rank = launch_env()[0]
+    except ConfigError:                                 # (the launcher's variables are what failed)
+        rank = reporter
+    if reporter is not None and rank != reporter:
         time.sleep(OTHER_RANKS_WAIT_S)
     write_error_file(message)
     print(f"error: {message}", file=sys.stderr, flush=True)

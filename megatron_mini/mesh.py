@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .comm import Group, Ledger
 from .config import ConfigError
+from .errors import CommError
 from .launch import launch_env
 
 
@@ -115,11 +116,13 @@ def choose_device(device: str, backend: str, local_rank: int, local_world_size: 
 
 
 def init_process_group(device: torch.device, backend: str, timeout_s: int) -> None:
-    """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set).
+    """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set); a rendezvous
+    that fails (a rank that never came, a port in use) is one CommError naming the address.
 
-    Under torchrun the rendezvous goes through the agent's store with a prefix per attempt: torchrun
-    keeps one store across the restarts of --max-restarts, and without the prefix a restarted attempt
-    reads the previous attempt's addresses and waits to connect to dead processes."""
+    One process needs no rendezvous: its store is in memory, so two single-process runs never contend
+    for a port. Under torchrun the rendezvous goes through the agent's store with a prefix per attempt:
+    torchrun keeps one store across the restarts of --max-restarts, and without the prefix a restarted
+    attempt reads the previous attempt's addresses and waits to connect to dead processes."""
     if dist.is_initialized():
         return
     rank, world_size, _, _ = launch_env()
@@ -129,9 +132,18 @@ def init_process_group(device: torch.device, backend: str, timeout_s: int) -> No
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     extra = {"device_id": device} if backend == "nccl" else {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=timeout)
-        extra["store"] = dist.PrefixStore(f"megatron_mini/attempt_{attempt}", agent)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if world_size == 1:
+            extra["store"] = dist.HashStore()
+        elif attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timeout)
+            extra["store"] = dist.PrefixStore(f"megatron_mini/attempt_{attempt}", agent)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)
+    except dist.DistError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CommError(f"rank {rank}: joining the process group of {world_size} ranks at {address} failed ({first}); "
+                        f"check that every rank was started, that MASTER_ADDR/MASTER_PORT reach rank 0 and the port is "
+                        f"free (torchrun --standalone picks one), or raise timeout_s={timeout_s}") from None

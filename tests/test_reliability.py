@@ -100,7 +100,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("eval-iters-0", 1, ["eval_iters=0"], ["eval_iters=0 must be >= 1"]),
         ("heads-0", 1, ["model.num_heads=0"], ["model.num_heads=0 must be >= 1"]),
         ("seq-len-0", 1, ["model.seq_len=0"], ["model.seq_len=0 must be >= 1"]),
-        ("timeout-0", 1, ["timeout_s=0"], ["timeout_s=0 must be >= 1"]),
+        ("timeout-0", 1, ["timeout_s=0"], ["timeout_s=0 must be in [1, 10**8] seconds"]),
         ("first-blocks-negative", 1, ["pipeline_first_blocks=-4"], ["pipeline_first_blocks=-4 must be >= 0"]),
         ("first-blocks-too-many", 3, ["pp=3", "pipeline_first_blocks=10"],
          ["pipeline_first_blocks=10 + pipeline_last_blocks=0 leave no blocks"]),
@@ -121,6 +121,13 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-other-seed", 1, [*resume, "seed=7"], ["seed: 1234 -> 7 (it draws the train/validation split)"]),
         ("never-over-checkpoints", 1, [f"run_dir={trained.run_dir}", "resume=never"],
          [f"resume=never, but {trained.run_dir} already holds checkpoints"]),
+        ("resume-blank", 1, ["resume="], ["resume is empty: use resume=auto"]),
+        ("seed-negative", 1, ["seed=-1"], ["seed=-1 must be in [0, 2**32)"]),
+        ("timeout-huge", 1, ["timeout_s=1000000000000000"], ["timeout_s=1000000000000000 must be in [1, 10**8] seconds"]),
+        ("interpolation", 1, ["seed=${oc.env:MEGATRON_MINI_NO_SUCH_VARIABLE}"],
+         ["Environment variable 'MEGATRON_MINI_NO_SUCH_VARIABLE' not found"]),
+        ("multirun", 1, ["-m", "steps=1,2"], ["multirun (-m) is not supported"]),
+        ("rank-not-an-integer", 1, [], ["RANK='abc' is not an integer"], env(RANK="abc", WORLD_SIZE=2)),
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
@@ -149,7 +156,8 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "pp3-uneven", "triton-on-cpu", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
-               "never-over-checkpoints", "cuda-without-gpu"]
+               "never-over-checkpoints", "resume-blank", "seed-negative", "timeout-huge", "interpolation", "multirun",
+               "rank-not-an-integer", "cuda-without-gpu"]
 
 
 # one-rank refusals that run under torchrun: one of each kind (the multi-rank ones always do)
@@ -162,6 +170,35 @@ def test_refusal(refusals, case):
         pytest.skip("this machine has a GPU")
     result, facts, launcher = refusals[case]
     assert_one_error(result, facts, launcher)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_process_needs_no_port(small_data, tmp_path):
+    """`python train.py` joins a group of one through an in-memory store: a second run beside it, or anything
+    holding MASTER_PORT, is no EADDRINUSE."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = python_train(model_args(small_data, tmp_path / "run"), env(MASTER_PORT=taken.getsockname()[1]))
+    assert r.rc == 0 and "Traceback" not in r.all, r
+
+
+def test_a_rank_that_never_comes_is_one_line(small_data, tmp_path):
+    """A job whose other rank never starts (a task that died before it ran) ends each rank that waited, after
+    timeout_s, with one line naming the address and the ways out, not a rendezvous traceback."""
+    port = _free_port()
+    for rank in (0, 1):
+        r = python_train([*model_args(small_data, tmp_path / f"run{rank}"), "timeout_s=3"],
+                         env(RANK=rank, WORLD_SIZE=2, MASTER_PORT=port))
+        assert_one_error(r, [f"rank {rank}: joining the process group of 2 ranks at 127.0.0.1:{port} failed",
+                             "raise timeout_s=3"], "python", code=1, quick=False)
 
 
 def test_min_lr_above_lr_is_refused():
