@@ -267,6 +267,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}={value} must be {requirement}.")
+    if not cfg.run_name.strip() or set(cfg.run_name.replace("\\", "/").split("/")) & {"", ".", ".."}:
+        raise ConfigError(f"run_name={cfg.run_name!r} must name a directory below runs/ (no empty, '.' or '..' "
+                          f"part); to put a run elsewhere, set run_dir=PATH.")
     if not str(cfg.resume).strip():
         raise ConfigError("resume is empty: use resume=auto (continue this run directory's run, if any), "
                           "resume=never or resume=PATH of a checkpoint directory.")

@@ -122,6 +122,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("never-over-checkpoints", 1, [f"run_dir={trained.run_dir}", "resume=never"],
          [f"resume=never, but {trained.run_dir} already holds checkpoints"]),
         ("resume-blank", 1, ["resume="], ["resume is empty: use resume=auto"]),
+        ("run-name-parent", 1, ["run_name=../x"], ["run_name='../x' must name a directory below runs/"]),
         ("seed-negative", 1, ["seed=-1"], ["seed=-1 must be in [0, 2**32)"]),
         ("timeout-huge", 1, ["timeout_s=1000000000000000"], ["timeout_s=1000000000000000 must be in [1, 10**8] seconds"]),
         ("interpolation", 1, ["seed=${oc.env:MEGATRON_MINI_NO_SUCH_VARIABLE}"],
@@ -156,7 +157,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "pp3-uneven", "triton-on-cpu", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
-               "never-over-checkpoints", "resume-blank", "seed-negative", "timeout-huge", "interpolation", "multirun",
+               "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge", "interpolation", "multirun",
                "rank-not-an-integer", "cuda-without-gpu"]
 
 
