@@ -15,8 +15,6 @@ import os
 import sys
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -26,8 +24,6 @@ from megatron_mini.launch import Terminated, fail, launch_env
 
 register_configs()
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
-_MULTIRUN = ("multirun (-m) is not supported: each run is a job of its own ranks; launch one command per "
-             "configuration (a shell loop, or a scheduler's array job).")
 
 
 class _Stderr:
@@ -57,8 +53,6 @@ _stderr = None
 def main(dict_cfg: DictConfig) -> None:
     _stderr.restore()
     try:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:         # (hydra.mode=MULTIRUN)
-            raise ConfigError(_MULTIRUN)
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
         try:
             cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
@@ -79,7 +73,8 @@ def main(dict_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     if {"-m", "--multirun"} & set(sys.argv[1:]):   # before Hydra's sweeper writes its directories
-        fail(_MULTIRUN, code=2)
+        fail("multirun (-m) is not supported: each run is a job of its own ranks; launch one command per "
+             "configuration (a shell loop, or a scheduler's array job).", code=2)
     _stderr = _Stderr()
     try:
         main()

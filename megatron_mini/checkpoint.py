@@ -288,7 +288,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         atomic_write(previous, os.path.basename(path))
         root = os.path.dirname(path)
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        for old in [p for p in checkpoints_of(os.path.dirname(root))[keep:] if p != path] + stale:
+        for old in checkpoints_of(os.path.dirname(root))[keep:] + stale:
             shutil.rmtree(old, ignore_errors=True)
     check(_try(publish) if mesh.rank == 0 else None, "publishing it")
 

@@ -416,13 +416,28 @@ def _refuse_other_data(cfg: DataConfig, out: Path) -> None:
         meta = open_checked(out, tok)[1]
     except DataError:
         return
-    keep = f" (to rebuild {cfg.dir} itself, remove it first)"
-    if meta.get("source") != source_id(cfg.source):
-        raise DataError(out / "meta.json", f"holds the corpus {meta.get('source')}, not data.source={cfg.source}; "
-                        + new_dir_hint(cfg, f"data.source={cfg.source}") + keep, rebuild=None)
-    if tok.vocab_size != cfg.vocab_size:
-        raise DataError(tok.path, f"has {tok.vocab_size} tokens, not data.vocab_size={cfg.vocab_size}; "
-                        + new_dir_hint(cfg, f"a {cfg.vocab_size}-token vocabulary") + keep, rebuild=None)
+    check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False)
+
+
+def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool) -> None:
+    """A valid directory (its tokenizer and meta.json) must hold cfg.source's corpus and a vocabulary of each
+    of vocab_sizes ({key: size}). Else one DataError that leaves it as it is, names the command that builds
+    the asked-for data beside it, and how else to go on: train on what it holds (`training`), or remove it
+    to rebuild it in place (prepare)."""
+    def refuse(path, problem: str, keys: str, hint: str):
+        other = f"set {keys} to train on it, or: " if training else ""
+        remove = "" if training else f" (to rebuild {cfg.dir} itself, remove it first)"
+        raise DataError(path, f"{problem}; {other}{hint}{remove}", rebuild=None)
+
+    held = meta.get("source")
+    if held != source_id(cfg.source):
+        refuse(Path(cfg.dir) / "meta.json", f"holds the corpus {held}, but data.source={cfg.source}",
+               f"data.source={held}", new_dir_hint(cfg, f"data.source={cfg.source}"))
+    for key, want in vocab_sizes.items():
+        if tok.vocab_size != want:
+            refuse(tok.path, f"has {tok.vocab_size} tokens, but {key}={want}",
+                   f"data.vocab_size and model.vocab_size to {tok.vocab_size}",
+                   new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
 
 
 def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:

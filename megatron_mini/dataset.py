@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import DataConfig
-from .data import DataError, IndexedDataset, Tokenizer, new_dir_hint, open_checked, read_json, rebuild_command, source_id
+from .data import DataError, IndexedDataset, Tokenizer, check_holds, open_checked, read_json, rebuild_command
 
 
 def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,15 +106,7 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
         ds, meta = open_checked(out, tok)
     except DataError as e:           # missing or broken: rebuilding this very directory repairs it
         raise e.with_rebuild(rebuild_command(cfg)) from None
-    if meta.get("source") != source_id(cfg.source):
-        raise DataError(out / "meta.json", f"holds the corpus {meta.get('source')}, but data.source={cfg.source}; "
-                        f"set data.source={meta.get('source')} to train on it, or: "
-                        + new_dir_hint(cfg, f"data.source={cfg.source}"), rebuild=None)
-    for name, want in (("data.vocab_size", cfg.vocab_size), ("model.vocab_size", vocab_size)):
-        if tok.vocab_size != want:
-            raise DataError(tok.path, f"has {tok.vocab_size} tokens, but {name}={want}; set data.vocab_size and "
-                            f"model.vocab_size to {tok.vocab_size} to train on it, or: "
-                            + new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want), rebuild=None)
+    check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size, "model.vocab_size": vocab_size}, training=True)
     try:
         train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
         return GPTDataset(ds, train_ids, seq_len, seed), GPTDataset(ds, val_ids, seq_len, seed + 1), tok

@@ -76,12 +76,14 @@ def cut_metrics(run_dir: str, step: int) -> int:
             return line.endswith("\n") and json.loads(line)["step"] <= step
         except (ValueError, KeyError, TypeError):
             return False
-    keep = [line for line in lines if kept(line)]
-    if len(keep) < len(lines):
+    keep, cut = [], []
+    for line in lines:
+        (keep if kept(line) else cut).append(line)
+    if cut:
         with open(os.path.join(run_dir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in lines if not kept(line))
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in cut)
         atomic_write(path, "".join(keep))
-    return len(lines) - len(keep)
+    return len(cut)
 
 
 class RunLogger:

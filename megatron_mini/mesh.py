@@ -133,8 +133,8 @@ def init_process_group(device: torch.device, backend: str, timeout_s: int) -> No
     timeout = timedelta(seconds=timeout_s)
     extra = {"device_id": device} if backend == "nccl" else {}
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     try:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if world_size == 1:
             extra["store"] = dist.HashStore()
         elif attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

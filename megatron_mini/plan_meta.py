@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .mesh import ParallelMesh
 from .meter import SavedTensorMeter
 from .model import ParallelContext, build_chunks
-from .pipeline import local_stage_layers, partition_for
+from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
 from .schedules import build_schedule, simulate
@@ -218,9 +218,9 @@ class Planner:
         each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks of
         one shape differ only in the microbatches in flight: the first and the last rank, alone with their
         embedding and head, have shapes of their own, so the others send and receive alike."""
-        stages, layers, best = partition_for(cfg), self.layer_facts(cfg), {}
+        layers, best = self.layer_facts(cfg), {}
         for r in range(cfg.pp):
-            mine = [stages[c * cfg.pp + r] for c in range(cfg.vpp)]
+            mine = local_stage_layers(cfg, r)
             shape = tuple((a == 0, _blocks(cfg, a, b), b == cfg.model.num_layers + 2) for a, b in mine)
             peak = self._peak(cfg, dp, r, _chunk_facts(cfg, layers, mine))[0]
             if shape not in best or peak > best[shape][0]:

@@ -77,7 +77,7 @@ class ClusterConfig:
                 raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0.")
         if self.efficiency > 1 or self.memory_gib < 0:
             raise ConfigError("cluster.efficiency must be in (0, 1] and cluster.memory_gib >= 0 (0: the GPU's).")
-        if not 0 <= self.reserve_gib < (self.memory_gib or GPUS[self.gpu].memory_gib):
+        if self.reserve_gib < 0 or self.capacity_gib <= 0:
             raise ConfigError(f"cluster.reserve_gib={self.reserve_gib} must be >= 0 and below the GPU's memory.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ConfigError(f"cluster.gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}.")

@@ -166,6 +166,11 @@ class Trainer:
             self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
 
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped on an overflow since the run began (resumes included; 0 without a loss scale)."""
+        return self.optimizer.scaler.skipped_steps if self.optimizer.scaler else 0
+
     def evaluate(self) -> float:
         for chunk in self.chunks:
             chunk.eval()
@@ -222,17 +227,16 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
 
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
-                rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> tuple[int, str | None]:
+                rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> str | None:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
-    when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns (skipped
-    fp16 steps since the run began, the signal that stopped the run or None)."""
-    cfg, scaler = trainer.cfg, trainer.optimizer.scaler
+    when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns the signal
+    that stopped the run, or None."""
+    cfg = trainer.cfg
     interval_steps, first_step = 0, trainer.step
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
         with memory.first_step():                 # (measures the first step only)
             out = trainer.train_step(stop)
-        skipped_steps = scaler.skipped_steps if scaler else 0
         interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
@@ -242,10 +246,10 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             r = rate(interval_steps * trainer.tokens_per_step, now - interval_start)
             record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
             if out["loss_scale"] is not None:
-                record.update(loss_scale=out["loss_scale"], skipped_steps=skipped_steps)
+                record.update(loss_scale=out["loss_scale"], skipped_steps=trainer.skipped_steps)
             logger.log(step, record)
             eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
-            log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, skipped_steps))
+            log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
@@ -254,18 +258,18 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
         if out["stop"]:
             why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
-            return skipped_steps, why
-    return (scaler.skipped_steps if scaler else 0), None
+            return why
+    return None
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
-               steps_run: int, elapsed: float, skipped_steps: int, stopped_by: str | None) -> dict:
+               steps_run: int, elapsed: float, stopped_by: str | None) -> dict:
     """The run's final figures: into summary.json / wandb, and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
-               "steps": trainer.step, "skipped_steps": skipped_steps, **r}
+               "steps": trainer.step, "skipped_steps": trainer.skipped_steps, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
     logger.summary(summary)
@@ -337,7 +341,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")
     try:
-        skipped_steps, stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
+        stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
     except FloatingPointError as e:
         logger.finish()
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
@@ -345,7 +349,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         raise RunError(f"Training stopped ({cfg.precision.dtype}): {e}. Nothing was saved over the last good "
                        f"checkpoint ({trainer.last_checkpoint or 'none'}); {advice}.") from None
     summary = _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
-                         skipped_steps, stopped_by)
+                         stopped_by)
     history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
     if rank == 0:
         with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:

@@ -233,11 +233,11 @@ def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
     texts = [f.read_text()[::-1] for f in sorted(Path(copy_of.source).glob("*.txt"))]    # another corpus, as rich
     other.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     sibling = out.parent / f"other-v{VOCAB}"
-    with pytest.raises(DataError, match=r"meta\.json: holds the corpus .*, not data\.source=") as err:
+    with pytest.raises(DataError, match=r"meta\.json: holds the corpus .*, but data\.source=") as err:
         prepare(dataclasses.replace(copy_of, source=str(other)))
     assert (f"data.source={other} data.dir={sibling} data.vocab_size={VOCAB} and run with data.dir={sibling} "
             f"(to rebuild {out} itself, remove it first)") in str(err.value)
-    with pytest.raises(DataError, match=f"tokenizer\\.model: has {VOCAB} tokens, not data\\.vocab_size=600"):
+    with pytest.raises(DataError, match=f"tokenizer\\.model: has {VOCAB} tokens, but data\\.vocab_size=600"):
         prepare(dataclasses.replace(copy_of, vocab_size=600))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.rmtree(out)
