@@ -5,7 +5,11 @@ vendors' dense (no sparsity) tensor-core figures from the data sheets:
     A100 SXM/PCIe   bf16/fp16 312, tf32 156, fp32 19.5    (NVIDIA A100 data sheet)
     H100 SXM        bf16/fp16 989.4, tf32 494.7, fp32 66.9 (NVIDIA H100 data sheet, SXM5)
     H100 PCIe       bf16/fp16 756.5, tf32 378, fp32 51.2
-    H200            as H100 SXM, with 141 GB of HBM3e
+    H100 NVL        bf16/fp16 835.5, tf32 417.5, fp32 60   (NVIDIA H100 NVL data sheet, 94 GB)
+    H200 SXM        as H100 SXM, with 141 GB of HBM3e      (NVIDIA H200 data sheet)
+    H200 NVL        as H100 NVL, with 141 GB of HBM3e
+A device name picks the entry whose longest match string it contains ("NVIDIA H200 NVL" is the NVL
+card, not the SXM one whose name, "NVIDIA H200", it also contains).
 `precision.peak_tflops` overrides the table (any other GPU, or a clock-capped one).
 """
 from __future__ import annotations
@@ -32,16 +36,23 @@ GPUS = {
                      ("H100 80GB HBM3", "H100 SXM")),
     "h100-pcie": GPU("H100 PCIe 80GB", 80.0, {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
                      ("H100 PCIe",)),
+    "h100-nvl": GPU("H100 NVL 94GB", 94.0, {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+                    ("H100 NVL",)),
     "h200": GPU("H200 141GB", 141.0, {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}, ("H200",)),
+    "h200-nvl": GPU("H200 NVL 141GB", 141.0, {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+                    ("H200 NVL",)),
 }
 
 
 def gpu_key(device: torch.device) -> str | None:
     """The GPUS key of a CUDA device (its name contains one of the entry's match strings), else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((k for k, g in GPUS.items() if any(m in name for m in g.match)), None)
+    return gpu_key_of_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def gpu_key_of_name(name: str) -> str | None:
+    """The GPUS key whose longest match string `name` contains, else None."""
+    found = [(len(m), k) for k, g in GPUS.items() for m in g.match if m in name]
+    return max(found)[1] if found else None
 
 
 def math_dtype(dtype: str, tf32: bool) -> str:

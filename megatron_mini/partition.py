@@ -46,6 +46,9 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
     """
     L, S = num_layers, num_stages
     if S == 1:
+        if first_blocks or last_blocks:
+            raise ConfigError(f"pipeline_first_blocks={first_blocks}/pipeline_last_blocks={last_blocks} place blocks "
+                              f"on pipeline stages, but pp x vpp = 1 is one stage holding all {L}; leave them 0.")
         return [(0, L + 2)]
     if embedding_stage == "layer":
         if first_blocks or last_blocks:

@@ -219,6 +219,18 @@ def _write_config(cfg: TrainConfig) -> None:
     atomic_write(os.path.join(cfg.run_dir, ".hydra", "config.yaml"), OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
+def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
+    """A log line when one evaluation (eval_iters global batches of gbs samples) reads the validation set
+    more than once: its loss then weighs the samples read twice double."""
+    read = eval_iters * gbs
+    if read <= val_samples:
+        return None
+    fix = (f"eval_iters={val_samples // gbs} reads each at most once" if val_samples >= gbs else
+           f"it holds less than one batch of {gbs}: raise data.val_fraction")
+    return (f"evaluation: eval_iters {eval_iters} x gbs {gbs} = {read} samples, but the validation set holds "
+            f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
+
+
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
     val = trainer.evaluate()
     history["val_loss"].append((trainer.step, val))
@@ -333,6 +345,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if cfg.compile else ''}")
+    note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
+    if note:
+        log.info(note)
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 

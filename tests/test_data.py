@@ -18,6 +18,7 @@ import sentencepiece as spm
 from megatron_mini.config import DataConfig
 from megatron_mini.data import DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus, train_tokenizer
 from megatron_mini.dataset import get_batch, load_datasets, rebuild_command, split_documents
+from megatron_mini.training import evaluation_note
 
 VOCAB, SEQ = 512, 32
 
@@ -304,3 +305,18 @@ def test_second_prepare_is_cached(prepared, capsys):
     out = capsys.readouterr().out
     assert "tokenizer: cached" in out and "tokens: cached" in out
     assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
+
+
+def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):
+    """The evaluation reads samples [0, eval_iters x gbs) of the validation set (as Trainer.evaluate):
+    the note comes exactly when that range repeats a sample, and names the largest eval_iters that does not."""
+    cfg, _ = prepared
+    _, val, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    gbs = 4
+    for eval_iters in (len(val) // gbs, len(val) // gbs + 1):
+        read = [tuple(s) for i in range(eval_iters) for s in get_batch(val, i * gbs, gbs, gbs, 0, 1)[0].numpy()]
+        repeats = len(set(read)) < len(read)
+        note = evaluation_note(eval_iters, gbs, len(val))
+        assert (note is not None) == repeats
+    assert f"eval_iters={len(val) // gbs} reads each at most once" in note
+    assert "raise data.val_fraction" in evaluation_note(1, len(val) + 1, len(val))

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
-from megatron_mini.hardware import GPUS, math_dtype, peak_tflops, set_tf32
+from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
 from megatron_mini.mesh import choose_device
 from megatron_mini.rng import RNGTracker
@@ -112,6 +112,16 @@ def test_peak_table_and_tf32():
     cpu = torch.device("cpu")
     assert peak_tflops(cpu, "bf16", True) is None                  # unknown: no MFU is claimed
     assert peak_tflops(cpu, "bf16", True, override=123.0) == 123.0
+
+
+def test_gpu_names_pick_their_own_entry():
+    """Names as torch.cuda.get_device_name gives them: an NVL card is not taken for the SXM one whose
+    name it contains (an H200 NVL's dense bf16 peak is 835.5, not 989.4)."""
+    names = {"NVIDIA H100 80GB HBM3": "h100-80gb", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
+             "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GeForce RTX 4090": None}
+    assert {name: gpu_key_of_name(name) for name in names} == names
+    assert GPUS[gpu_key_of_name("NVIDIA H200 NVL")].tflops["bf16"] == 835.5
 
 
 def test_flops_per_token_equals_torch_flop_count():

@@ -27,6 +27,8 @@ def test_explicit_first_and_last_counts():
     assert sizes(partition(7, 5, "own", first_blocks=1, last_blocks=4)) == [1, 1, 2, 4, 1]
     with pytest.raises(ConfigError, match="embedding_stage=none or own"):
         partition(8, 4, "layer", first_blocks=1)
+    with pytest.raises(ConfigError, match="pp x vpp = 1 is one stage"):   # not silently ignored
+        partition(8, 1, "none", last_blocks=3)
 
 
 @pytest.mark.parametrize("layers,stages,placement,works", [(7, 2, "none", "6, 8"), (7, 4, "layer", "6, 10"),
