@@ -15,7 +15,10 @@ and every rank raises RunError. A crash never leaves a half-written checkpoint b
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
-sha256, `check_compatible` refuses another model, tokenizer, corpus or seed. A checkpoint loads into
+sha256, `check_compatible` refuses another model, tokenizer, corpus or seed. Before the process
+group exists a run checks only that the files are there (`present`); then its ranks share the hashing
+(`agree_verify`: each file is read by one rank, and every rank learns any failure), so a job does
+not read the whole checkpoint once per rank. A checkpoint loads into
 any layout (tp, pp, vpp, dp, ZeRO): each rank slices what it needs from the full tensors.
 """
 from __future__ import annotations
@@ -120,8 +123,10 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
-def verify(path: str) -> dict:
-    """meta.json of the checkpoint `path`, once every file it lists has its recorded sha256."""
+def verify(path: str, share: tuple = (0, 1)) -> dict:
+    """meta.json of the checkpoint `path`, once every file it lists exists and, of those, files
+    share[0], share[0] + share[1], ... (sorted by name) have their recorded sha256: rank r of a job of n
+    hashes its 1/n of the bytes (agree_verify); share=(0, 0) hashes none, (0, 1) all."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory.")
     if not os.path.isfile(os.path.join(path, "meta.json")):
@@ -133,13 +138,40 @@ def verify(path: str) -> dict:
         assert isinstance(files, dict) and files
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
-    for name, digest in files.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file} is missing (an incomplete checkpoint).")
-        if sha256_file(file) != digest:
-            raise CheckpointError(f"{file} does not match its sha256 in meta.json (a corrupt checkpoint).")
+    for name in files:
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"{os.path.join(path, name)} is missing (an incomplete checkpoint).")
+    rank, ranks = share
+    for name, digest in sorted(files.items())[rank::ranks] if ranks else ():
+        try:
+            actual = sha256_file(os.path.join(path, name))
+        except OSError as e:             # (a CheckpointError, so that every rank of agree_verify hears of it)
+            raise CheckpointError(f"{os.path.join(path, name)} cannot be read ({e.strerror or e}).") from None
+        if actual != digest:
+            raise CheckpointError(f"{os.path.join(path, name)} does not match its sha256 in meta.json (a corrupt "
+                                  f"checkpoint).")
     return meta
+
+
+def present(path: str) -> dict:
+    """verify() without the sha256: meta.json, once every file it lists exists."""
+    return verify(path, share=(0, 0))
+
+
+def agree_verify(mesh, device):
+    """verify() for a job: each rank hashes its share of the files, and every rank raises the first
+    failure any rank found (one file read once in the job, not once per rank)."""
+    def check(path: str) -> dict:
+        failure = None
+        try:
+            meta = verify(path, share=(mesh.rank, mesh.world_size))
+        except CheckpointError as e:
+            failure = str(e)
+        found = next((text for text in gather_text(failure or "", mesh, device) if text), None)
+        if found:
+            raise CheckpointError(found)
+        return meta
+    return check
 
 
 def checkpoints_of(run_dir: str) -> list:
@@ -155,14 +187,15 @@ def read_step(path: str) -> int:
     return int(STEP_DIR.search(path).group(1))
 
 
-def newest(run_dir: str) -> Resume | None:
-    """The newest checkpoint of `run_dir` that verifies (whatever `latest` says), with notes on what was
-    skipped; None when the run has no checkpoint; CheckpointError when it has some but none is good."""
+def newest(run_dir: str, check=verify) -> Resume | None:
+    """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify), whatever
+    `latest` says, with notes on what was skipped; None when the run has no checkpoint; CheckpointError
+    when it has some but none is good."""
     candidates, notes, skipped = checkpoints_of(run_dir), [], []
     named = _read_latest(os.path.join(run_dir, "checkpoints"))
     for path in candidates:
         try:
-            meta = verify(path)
+            meta = check(path)
         except CheckpointError as e:
             notes.append(f"skipped {path}: {str(e).rstrip('.')}")
             skipped.append(path)
@@ -178,9 +211,9 @@ def newest(run_dir: str) -> Resume | None:
 
 
 # ----------------------------------------------------------------------------- resuming
-def find_resume(cfg: TrainConfig) -> Resume | None:
-    """What this run continues from, by cfg.resume: auto (the run's newest good checkpoint, or none),
-    never (a fresh run, in a run directory without checkpoints), or a checkpoint PATH."""
+def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
+    """What this run continues from, by cfg.resume: auto (the run's newest checkpoint that passes `check`,
+    or none), never (a fresh run, in a run directory without checkpoints), or a checkpoint PATH."""
     if cfg.resume == "never":
         existing = checkpoints_of(cfg.run_dir)
         if existing:
@@ -189,8 +222,8 @@ def find_resume(cfg: TrainConfig) -> Resume | None:
                               f"one under another run_name.")
         return None
     if cfg.resume == "auto":
-        return newest(cfg.run_dir)
-    meta = verify(cfg.resume)
+        return newest(cfg.run_dir, check)
+    meta = check(cfg.resume)
     later = tuple(p for p in checkpoints_of(cfg.run_dir) if read_step(p) > meta["step"])
     return Resume(cfg.resume, meta, [], superseded=later)
 
@@ -229,6 +262,15 @@ def _agree(failure: str | None, mesh, device) -> int | None:
     comm.all_reduce(flags, mesh.world_group)
     failed = flags.nonzero().flatten().tolist()
     return int(failed[0]) if failed else None
+
+
+def gather_text(text: str, mesh, device, size: int = 512) -> list:
+    """Every rank's `text` (UTF-8, up to `size` bytes), in rank order: one all-gather of fixed-size rows."""
+    data = text.encode()[:size]
+    row = torch.zeros(1, size, dtype=torch.uint8)
+    row[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+    rows = comm.all_gather(row.to(device), mesh.world_group, dim=0).cpu()
+    return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
 
 
 def _try(fn, *args) -> str | None:
@@ -270,15 +312,11 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         for name, obj in files.items():
             digests[name] = _save_file(obj, os.path.join(tmp, name))
     check(_try(write), "writing its files")
-    # every rank's (name, sha256) pairs to rank 0: 3 names at most per rank, as fixed-size byte rows
-    rows = torch.zeros(3, 96, dtype=torch.uint8)
-    for i, (name, digest) in enumerate(digests.items()):
-        text = f"{name} {digest}".encode()
-        rows[i, :len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    gathered = comm.all_gather(rows.to(device).unsqueeze(0), mesh.world_group, dim=0).cpu()
+    # every rank's (name, sha256) pairs, 3 at most per rank
+    gathered = gather_text("\n".join(f"{name} {digest}" for name, digest in digests.items()), mesh, device)
 
     def publish():
-        pairs = [bytes(row.tolist()).rstrip(b"\0").decode().split() for row in gathered.reshape(-1, 96) if row.any()]
+        pairs = [line.split() for text in gathered for line in text.splitlines()]
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
                 "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config, "data": data,
                 "files": dict(sorted(pairs))}

@@ -277,6 +277,11 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the cosine schedule decays "
                           f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
+    p = cfg.precision
+    if p.min_loss_scale > p.initial_loss_scale:
+        raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="
+                          f"{p.initial_loss_scale:g}: the loss scale only falls from its initial value to the "
+                          f"minimum; set precision.min_loss_scale <= {p.initial_loss_scale:g}.")
     m = cfg.model
     model_parallel = cfg.tp * cfg.pp
     if world_size < model_parallel:

@@ -50,7 +50,7 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
         else:
             self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
+            if self.clean_steps >= self.growth_interval:     # (>=: a resume may shorten the interval)
                 self.clean_steps, self.hysteresis_left = 0, self.hysteresis
                 self.scale *= self.growth_factor
 
@@ -59,7 +59,8 @@ class DynamicLossScaler:
                 "skips_at_min": self.skips_at_min, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps, self.hysteresis_left = state["scale"], state["clean_steps"], state["hysteresis_left"]
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+        self.hysteresis_left = min(state["hysteresis_left"], self.hysteresis)   # a resume may lower the hysteresis
         # (checkpoints written before these two were kept start them at 0)
         self.skips_at_min, self.skipped_steps = state.get("skips_at_min", 0), state.get("skipped_steps", 0)
 

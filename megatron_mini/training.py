@@ -39,13 +39,16 @@ from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker, seed_default_stream
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at the last step."""
-    o = cfg.optimizer
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+def learning_rate(update: int, cfg: TrainConfig) -> float:
+    """The lr of applied update `update` (0-based): linear warmup over warmup_steps (lr/w, 2 lr/w, ..., lr at
+    update w - 1), then cosine decay to min_lr at update steps - 1. An fp16 step skipped on an overflow
+    applies no update and does not advance the schedule (as Megatron's), so warmup is not spent on them."""
+    o, last = cfg.optimizer, cfg.steps - 1
+    if update < o.warmup_steps:
+        return o.lr * (update + 1) / o.warmup_steps
+    peak = max(o.warmup_steps - 1, 0)
+    progress = min(1.0, (update - peak) / max(1, last - peak))
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
@@ -100,17 +103,24 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     try:
         datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
         data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
-        resume = checkpoint.find_resume(cfg)
-        if resume:
-            checkpoint.check_compatible(resume, cfg, data)
-        consumed = resume.meta["consumed_samples"] if resume else 0
-        check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
-        check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
+        # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
+        resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data)
     except BaseException:
         if lock:
             lock.release()
         raise
     return Run(dp, device, backend, datasets, data, resume, lock)
+
+
+def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict):
+    """`resume`, once it is known to be of this model and data, and the first batches it reads (and the
+    validation set's) hold only ids of the vocabulary."""
+    if resume:
+        checkpoint.check_compatible(resume, cfg, data)
+    consumed = resume.meta["consumed_samples"] if resume else 0
+    check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
+    check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
+    return resume
 
 
 class Trainer:
@@ -141,7 +151,7 @@ class Trainer:
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
-        lr = learning_rate(self.step, cfg)
+        lr = learning_rate(self.optimizer.step_count, cfg)
         batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
@@ -321,13 +331,17 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest | None) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
-    if run.resume and run.resume.meta["step"] >= cfg.steps:
-        if rank == 0:
-            print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to train "
-                  f"(raise steps to train further).", flush=True)
-        return {**history, "checkpoint": run.resume.path}
     init_process_group(run.device, run.backend, cfg.timeout_s)
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
+    if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
+        found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
+        run.resume = found if found.path == run.resume.path else check_resume(cfg, found, run.datasets, run.data)
+        if run.resume.meta["step"] >= cfg.steps:
+            if rank == 0:
+                print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to "
+                      f"train (raise steps to train further).", flush=True)
+            dist.destroy_process_group()
+            return {**history, "checkpoint": run.resume.path}
     log = _setup_logging(cfg.run_dir, rank)
     if rank == 0:
         _write_config(cfg)

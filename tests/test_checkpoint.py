@@ -73,3 +73,35 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     assert (run / "metrics.superseded.jsonl").read_text() == json.dumps({"step": 10, "loss": 9.0}) + '\n{"step": 10, "lo\n'
     again = train_on_ranks(1, small_config(small_data, run, steps=8, keep_checkpoints=1, resume="auto"))
     assert len(again["loss"]) == 1 and again["checkpoint"] == str(run / "checkpoints" / "step_000008")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+def test_verify_shares_hash_every_file_once(uninterrupted, monkeypatch, ranks):
+    """A job of n ranks hashes each file of a checkpoint once: rank r's share (verify(share=(r, n))) and
+    the others' are disjoint and together every file meta.json lists (8 ranks: some hash none)."""
+    from megatron_mini import checkpoint
+
+    cfg, _ = uninterrupted
+    path = os.path.join(cfg.run_dir, "checkpoints", "step_000005")
+    hashed = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda f: hashed.append(os.path.basename(f)) or real(f))
+    for rank in range(ranks):
+        checkpoint.verify(path, share=(rank, ranks))
+    assert sorted(hashed) == sorted(checkpoint.read_meta(path)["files"])
+    hashed.clear()
+    checkpoint.present(path)
+    assert hashed == []
+
+
+def test_an_unreadable_file_is_a_checkpoint_error(uninterrupted, monkeypatch):
+    """An OSError while hashing (EIO, a permission) is a CheckpointError like a wrong sha256, which
+    agree_verify shares with every rank (any other exception would leave the others waiting in the gather)."""
+    from megatron_mini import checkpoint
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(checkpoint, "sha256_file", unreadable)
+    path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
+    with pytest.raises(checkpoint.CheckpointError, match=r"model_pp00\.pt cannot be read \(Permission denied\)"):
+        checkpoint.verify(path)

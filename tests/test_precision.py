@@ -1,4 +1,6 @@
 """Mixed precision: the fp16 loss scaler, mesh-wide overflow skipping, fp32 main grads, 16-bit training."""
+import math
+
 import pytest
 import torch
 
@@ -29,6 +31,49 @@ def test_loss_scaler_state_machine():
     for _ in range(3):
         s.update(found_inf=False)
     assert s.scale == 1024.0                 # an overflow resets the clean-step count
+
+
+def test_loss_scaler_resumed_under_new_settings():
+    """A checkpoint's counts under a shorter growth interval or a lower hysteresis (precision may change on
+    resume): the scale still grows after the new interval, and backs off after the new hysteresis."""
+    saved = {"scale": 1024.0, "clean_steps": 500, "hysteresis_left": 2, "skips_at_min": 0, "skipped_steps": 3}
+    s = DynamicLossScaler(PrecisionConfig(dtype="fp16", loss_scale_growth_interval=100, loss_scale_hysteresis=1))
+    s.load_state_dict(saved)
+    s.update(found_inf=False)
+    assert s.scale == 2048.0 and s.clean_steps == 0
+    s.update(found_inf=True)
+    assert s.scale == 1024.0                 # hysteresis 1: the first overflow backs off
+
+
+def test_learning_rate_schedule():
+    """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine down to exactly min_lr at the last step."""
+    from megatron_mini.config import OptimizerConfig, TrainConfig
+    from megatron_mini.training import learning_rate
+    cfg = TrainConfig(steps=8, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=3))
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 5)) for k in range(6)]   # the peak at update 2 = k 0
+    assert [learning_rate(u, cfg) for u in range(8)] == pytest.approx([1 / 3, 2 / 3] + cosine, abs=1e-12)
+    assert learning_rate(20, cfg) == pytest.approx(0.1)                           # past the end: min_lr
+    cfg.optimizer.warmup_steps = 0
+    assert [learning_rate(u, cfg) for u in (0, 7)] == pytest.approx([1.0, 0.1])
+
+
+def _lrs_through_skips(cfg):
+    trainer = make_trainer(cfg)
+    return [(out["lr"], out["skipped"]) for out in (trainer.train_step() for _ in range(10))]
+
+
+def test_skipped_fp16_steps_do_not_spend_the_warmup(small_data, tmp_path):
+    """A loss scale of 2^24 overflows fp16 for the first steps: they apply nothing, and the first update
+    that applies gets the first warmup lr (lr / warmup_steps), the next the second."""
+    cfg = small_config(small_data, tmp_path, gbs=4, **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 24})
+    steps = spawn(1, _lrs_through_skips, cfg)[0]
+    o = cfg.optimizer
+    assert steps[0][1] and sum(not skipped for _, skipped in steps) >= 2, steps
+    applied = 0                              # updates applied before each step
+    for lr, skipped in steps:
+        if applied < o.warmup_steps:
+            assert lr == pytest.approx(o.lr * (applied + 1) / o.warmup_steps), steps
+        applied += not skipped
 
 
 def _step_with_injected_inf(cfg, poisoned_rank):

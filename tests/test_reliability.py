@@ -215,6 +215,18 @@ def test_min_lr_above_lr_is_refused():
     assert validate(cfg, 1) == 1
 
 
+def test_min_loss_scale_above_the_initial_scale_is_refused():
+    """A minimum above the initial scale would make the first back-off raise the scale: refused."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.precision.dtype, cfg.precision.initial_loss_scale, cfg.precision.min_loss_scale = "fp16", 1.0, 1024.0
+    with pytest.raises(ConfigError, match=r"precision\.min_loss_scale=1024 is above precision\.initial_loss_scale="
+                                          r"1: .*set precision\.min_loss_scale <= 1\."):
+        validate(cfg, 1)
+    cfg.precision.min_loss_scale = 1.0
+    assert validate(cfg, 1) == 1
+
+
 def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):
     assert UNDER_TORCHRUN <= set(REFUSAL_IDS)
     assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path)] == \
@@ -233,18 +245,24 @@ def test_a_locked_run_dir_is_refused(small_data, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- resuming
-def test_auto_resume_takes_the_newest_intact_checkpoint(trained, small_data, tmp_path):
+@pytest.mark.parametrize("ranks,corrupt", [(1, "model_pp00.pt"), (2, "optim_pp00.pt")])
+def test_auto_resume_takes_the_newest_intact_checkpoint(trained, small_data, tmp_path, ranks, corrupt):
     """latest missing and the newest checkpoint corrupt: resume=auto takes the one before, says so, and sets
-    the corrupt one aside; the resumed run continues exactly as the original did."""
+    the corrupt one aside; the resumed run continues exactly as the original did. On 2 ranks each hashes
+    half of the files, and only rank 1 hashes optim_pp00.pt (the files sorted, dealt out in turn): every
+    rank must still skip the checkpoint (or they would resume from different steps)."""
     run_dir = _copy_run(trained, tmp_path / "run")
     (run_dir / "checkpoints" / "latest").unlink()
-    _corrupt(run_dir / "checkpoints" / "step_000003" / "model_pp00.pt")
+    _corrupt(run_dir / "checkpoints" / "step_000003" / corrupt)
     cfg = small_config(small_data, run_dir, steps=3, gbs=4, resume="auto")
-    history = train_on_ranks(1, cfg)
+    history = train_on_ranks(ranks, cfg)
     original = json.loads((Path(trained.run_dir) / "history.json").read_text())
-    assert history["loss"] == original["loss"][2:]                       # step 3 again, bitwise
+    if ranks == 1:
+        assert history["loss"] == original["loss"][2:]                   # step 3 again, bitwise
+    else:                                                                # dp=2: the same model, other rounding
+        np.testing.assert_allclose(history["loss"], original["loss"][2:], rtol=1e-5)
     log = (run_dir / "logs" / "rank0000.log").read_text()
-    assert "skipped" in log and "step_000003/model_pp00.pt does not match its sha256" in log
+    assert "skipped" in log and f"step_000003/{corrupt} does not match its sha256" in log
     assert "checkpoints/latest is missing; took the newest complete checkpoint" in log and "step_000002" in log
     assert (run_dir / "checkpoints" / "step_000003.corrupt").is_dir()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
