@@ -303,7 +303,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
     weights = {name: t for buf in buffers for name, t in buf.full_weights().items()}
     optim = optimizer.state_dict()
     files = {f"rng_rank{mesh.rank:04d}.pt": rng.get_states()}
-    if mesh.tp_rank == 0 and mesh.dp_rank == 0:       # one writer per pipeline stage
+    if mesh.stage_writer:                             # one writer per pipeline stage
         files[f"model_pp{mesh.pp_rank:02d}.pt"] = weights
         files[f"optim_pp{mesh.pp_rank:02d}.pt"] = optim
     digests = {}

@@ -202,10 +202,13 @@ class GradBuffer:
                 self.first_used.update(dict.fromkeys(buckets))      # (a key already there keeps its place)
 
     def full_weights(self) -> dict:
-        """{global name: full fp32 value} of this buffer's parameters (TP-gathered; every rank of the
-        TP group must call it)."""
+        """{global name: full fp32 value} of this buffer's parameters on the stage's writer
+        (mesh.stage_writer), {} elsewhere. TP-gathered: every rank of the writer's TP group calls it."""
         self.finish_param_gather()
-        return {name: gather_full(p.detach().float(), p.spec, self.mesh.tp_group).cpu() for p, name in self.names.items()}
+        if self.mesh.dp_rank:
+            return {}
+        full = {name: gather_full(p.detach().float(), p.spec, self.mesh.tp_group) for p, name in self.names.items()}
+        return {name: t.cpu() for name, t in full.items()} if self.mesh.stage_writer else {}
 
     @torch.no_grad()
     def load_weights(self, tensors: dict) -> None:

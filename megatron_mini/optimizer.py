@@ -222,24 +222,34 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """{"state": {global name: {master, exp_avg, exp_avg_sq: full fp32 tensor}}, "step_count",
-        "scaler"} of this rank's pipeline stage, whatever the layout: TP-gathered and, with ZeRO-1,
-        all-gathered over DP. Collective: every rank of the stage calls it."""
+        "scaler"} of this rank's pipeline stage, whatever the layout (TP-gathered and, with ZeRO-1,
+        all-gathered over DP), on the stage's writer (mesh.stage_writer; elsewhere "state" is empty).
+        Collective: every rank of the stage calls it. It goes bucket by bucket, so a device holds three
+        fp32 copies of one bucket at a time, and only the writer holds full tensors (on the CPU)."""
         self.finish_param_gather()
-        state = {}
-        for buf in self.buffers:
-            flat = {k: torch.zeros_like(buf.grads_flat) for k in STATES}
-            for r in (r for r in self.ranges if r.buffer is buf):
-                bucket = next(b for b in buf.buckets if b.start <= r.lo < b.end)
-                for k in STATES:
-                    local = getattr(r, k).float()
-                    if self.zero and buf.dp > 1:
-                        comm.all_gather_into(flat[k][bucket.start:bucket.end], local.contiguous(), self.mesh.dp_group)
-                    else:
-                        flat[k][r.lo:r.hi] = local
-            for p, name in buf.names.items():
-                lo = buf.offsets[p]
-                state[name] = {k: gather_full(flat[k][lo:lo + p.numel()].view(p.shape), p.spec, self.mesh.tp_group).cpu()
-                               for k in STATES}
+        state, mesh = {}, self.mesh
+        for r in self.ranges:
+            buf = r.buffer
+            gather_dp = self.zero and buf.dp > 1
+            if mesh.dp_rank and not gather_dp:
+                continue                      # the writer's TP group (DP rank 0) holds this bucket whole
+            bucket = next(b for b in buf.buckets if b.start <= r.lo < b.end)
+            flats = {}
+            for k in STATES:                  # this bucket's values, bucket.start at 0
+                local = getattr(r, k).float()
+                if gather_dp:
+                    flats[k] = torch.empty(bucket.end - bucket.start, dtype=torch.float32, device=local.device)
+                    comm.all_gather_into(flats[k], local.contiguous(), mesh.dp_group)
+                else:
+                    flats[k] = local          # (the range is the whole bucket)
+            if mesh.dp_rank:
+                continue
+            for p in bucket.params:
+                lo = buf.offsets[p] - bucket.start
+                full = {k: gather_full(flats[k][lo:lo + p.numel()].view(p.shape), p.spec, mesh.tp_group)
+                        for k in STATES}
+                if mesh.stage_writer:
+                    state[buf.names[p]] = {k: v.cpu() for k, v in full.items()}
         return {"state": state, "step_count": self.step_count,
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 

@@ -1,9 +1,11 @@
 """Checkpoints: a resumed run continues exactly, and checkpoints load into other layouts."""
+import math
 import os
 
 import pytest
 
 from harness import small_config, train_on_ranks
+from ranks import spawn
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,30 @@ def test_an_unreadable_file_is_a_checkpoint_error(uninterrupted, monkeypatch):
     path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
     with pytest.raises(checkpoint.CheckpointError, match=r"model_pp00\.pt cannot be read \(Permission denied\)"):
         checkpoint.verify(path)
+
+
+def _saved_tensors(cfg):
+    from harness import make_trainer
+    trainer = make_trainer(cfg)
+    trainer.train_step()
+    weights = {k: v for buf in trainer.buffers for k, v in buf.full_weights().items()}
+    state = trainer.optimizer.state_dict()["state"]
+    mesh = trainer.mesh                       # (plain values: tensors do not cross the process boundary)
+    return (mesh.rank, mesh.stage_writer, {n: tuple(w.shape) for n, w in weights.items()},
+            {n: {k: tuple(v.shape) for k, v in s.items()} for n, s in state.items()})
+
+
+def test_only_the_stage_writer_holds_full_tensors(small_data, tmp_path):
+    """tp=2 dp=2 ZeRO-1: the stage's writer (rank 0) gets every parameter's full weight and Adam state,
+    the other ranks, which take part in the gathers, hold none (at scale each would otherwise keep the
+    stage's 16 bytes per parameter in host memory during a save)."""
+    cfg = small_config(small_data, tmp_path, tp=2, zero=1, gbs=4)
+    results = sorted(spawn(4, _saved_tensors, cfg))
+    for rank, writer, weights, state in results:
+        assert writer == (rank == 0)
+        if writer:
+            assert set(weights) == set(state)
+            assert all(state[n] == dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), weights[n]) for n in weights)
+            assert sum(math.prod(shape) for shape in weights.values()) == cfg.model.num_params()
+        else:
+            assert weights == {} and state == {}
