@@ -24,27 +24,29 @@ from .errors import CommError
 
 @dataclass
 class Ledger:
-    """Counts (group, op) -> [calls, bytes], and the collectives run beside a GEMM."""
-    records: list = field(default_factory=list)
+    """Counts the calls of each (group, op, bytes, FLOPs of the GEMM it ran beside): a step has a few
+    dozen distinct kinds, so the ledger stays the same size over a run of any length."""
+    counts: Counter = field(default_factory=Counter)
 
     def record(self, group: str, op: str, nbytes: int, beside_flops: float = 0.0) -> None:
-        self.records.append((group, op, nbytes, beside_flops))
+        self.counts[(group, op, nbytes, beside_flops)] += 1
 
     def reset(self) -> None:
-        self.records.clear()
+        self.counts.clear()
 
     def summary(self) -> dict:
+        """{(group, op): (calls, bytes)}."""
         calls, nbytes = Counter(), Counter()
-        for group, op, b, _ in self.records:
-            calls[(group, op)] += 1
-            nbytes[(group, op)] += b
+        for (group, op, b, _), n in self.counts.items():
+            calls[(group, op)] += n
+            nbytes[(group, op)] += n * b
         return {key: (calls[key], nbytes[key]) for key in calls}
 
     def overlaps(self) -> dict:
         """{(group, op, bytes, FLOPs of the GEMM it ran beside): calls} of the collectives that recorded
         `beside_flops` (those of tensor_parallel._Linear's backward; the DP buckets, which overlap the
         backward as a whole, record none)."""
-        return dict(sorted(Counter(r for r in self.records if r[3]).items()))
+        return dict(sorted((key, n) for key, n in self.counts.items() if key[3]))
 
 
 @dataclass
@@ -133,12 +135,6 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_
         return None
     return _run(group, "reduce_scatter", _nbytes(t), _reduce_scatter_flat, out, t, async_op=async_op,
                 beside_flops=beside_flops)
-
-
-def barrier(group: Group) -> None:
-    """Wait until every rank of `group` is here."""
-    if group.size > 1:
-        _run(group, "barrier", 0, dist.barrier)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:

@@ -101,3 +101,23 @@ def test_pp2_step(schedule, small_data, tmp_path):
                           ("emb", "all_reduce"): (1, embedding),     # tied word-embedding gradient
                           ("mp", "all_reduce"): (1, 2 * F32),
                           ("world", "all_reduce"): (1, 2 * F32)}
+
+
+def _ledger_sizes(cfg):
+    trainer = make_trainer(cfg)
+    sizes = []
+    for _ in range(3):
+        trainer.train_step()
+        trainer.evaluate()
+        sizes.append((len(trainer.mesh.ledger.counts), sum(trainer.mesh.ledger.counts.values())))
+    return sizes
+
+
+def test_the_ledger_stays_the_same_size_over_a_run(small_data, tmp_path):
+    """Training never resets the ledger: it must count kinds of call, not keep one record per call (which
+    grew without bound, ~2,000 records a step at the design card's layout). Steps and evaluations after
+    the first add calls but no new kind."""
+    cfg = small_config(small_data, tmp_path, tp=2, pp=2, sp=True, gbs=8, eval_iters=1)
+    for sizes in spawn(4, _ledger_sizes, cfg):
+        kinds, calls = zip(*sizes)
+        assert len(set(kinds)) == 1 and calls[0] < calls[1] < calls[2], sizes
