@@ -45,6 +45,9 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
     and last block-holding stage; the other blocks spread evenly over the stages between.
     """
     L, S = num_layers, num_stages
+    if embedding_stage == "own" and S < 3:
+        raise ConfigError(f"embedding_stage=own needs at least 3 virtual stages (embedding, blocks, head); "
+                          f"pp x vpp = {S}.")
     if S == 1:
         if first_blocks or last_blocks:
             raise ConfigError(f"pipeline_first_blocks={first_blocks}/pipeline_last_blocks={last_blocks} place blocks "
@@ -59,9 +62,6 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
     else:
         own = embedding_stage == "own"
         stages = S - 2 if own else S
-        if stages < 1:
-            raise ConfigError(f"embedding_stage=own needs at least 3 virtual stages (embedding, blocks, head); "
-                              f"pp x vpp = {S}.")
         fixed = [n for n in (first_blocks, last_blocks) if n]
         if fixed and len(fixed) >= stages:
             raise ConfigError(f"pipeline_first_blocks/pipeline_last_blocks need more than {len(fixed)} block stages.")

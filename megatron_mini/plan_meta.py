@@ -11,7 +11,8 @@
   by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
   (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
-- bubble: schedules.simulate (its idle time is the same for any m >= 2 pp, so it runs at that m).
+- bubble: schedules.simulate (its idle time is the same for any m >= 2 pp of one m mod pp, so it runs at
+  2 pp + m mod pp).
 Attention is measured as a GPU's fused (flash) kernel saves it; the Triton kernels are not planned.
 """
 from __future__ import annotations
@@ -244,8 +245,9 @@ class Planner:
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
         """The simulator's idle / busy time of cfg's schedule for m microbatches: its idle time is the
-        same for every m >= 2 pp, so it is simulated at that m (or at m when smaller)."""
-        small = min(m, 2 * cfg.pp)
+        same for every m >= 2 pp with the same m mod pp (GPipe's with vpp > 1 depends on the remainder),
+        so it is simulated at 2 pp + m mod pp (or at m when smaller)."""
+        small = m if m < 2 * cfg.pp else 2 * cfg.pp + m % cfg.pp
         key = (cfg.schedule, cfg.pp, cfg.vpp, small)
         if key not in self._idle:
             sim = simulate(cfg.schedule, cfg.pp, cfg.vpp, small)

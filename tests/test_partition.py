@@ -29,6 +29,9 @@ def test_explicit_first_and_last_counts():
         partition(8, 4, "layer", first_blocks=1)
     with pytest.raises(ConfigError, match="pp x vpp = 1 is one stage"):   # not silently ignored
         partition(8, 1, "none", last_blocks=3)
+    for stages in (1, 2):                                                 # (at 1 it was ignored)
+        with pytest.raises(ConfigError, match=f"embedding_stage=own needs at least 3 virtual stages .* = {stages}"):
+            partition(8, stages, "own")
 
 
 @pytest.mark.parametrize("layers,stages,placement,works", [(7, 2, "none", "6, 8"), (7, 4, "layer", "6, 10"),
