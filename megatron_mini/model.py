@@ -43,21 +43,25 @@ class TritonOps:
     cross_entropy: bool = False
 
 
-# (op, GPU, size) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
+# (op, GPU, size, dtype, dropout) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
 # (docs/benchmarks.md): op "layer_norm" (size: hidden), "attention" (size: head dim) or "cross_entropy"
 # (size: the vocabulary columns of a rank, padded vocabulary / tp; the bench measures one rank against
 # F.cross_entropy, and at tp > 1 the torch path is the unfused vocab-parallel one), GPU a key of
-# hardware.GPUS. Empty until the kernels have been measured on a GPU.
+# hardware.GPUS, dtype the run's precision.dtype ("bf16", "fp16", "fp32": the kernels' fp32 path is another
+# one), dropout whether the op draws a dropout mask (attention with model.dropout > 0; always False for the
+# others). Only what was measured: `bench-kernels` times bf16 without dropout. Empty until the kernels have
+# been measured on a GPU.
 TRITON_WINS: frozenset = frozenset()
 
 
-def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device, tp: int = 1) -> TritonOps:
+def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device, tp: int, dtype: str) -> TritonOps:
     sizes = {"layer_norm": model.hidden_size, "attention": model.hidden_size // model.num_heads,
              "cross_entropy": model.padded_vocab_size // tp}
     if kernels != "auto":
         return TritonOps(**{op: kernels in ("triton", op) for op in sizes})
     gpu = gpu_key(device)
-    return TritonOps(**{op: (op, gpu, size) in TRITON_WINS for op, size in sizes.items()})
+    return TritonOps(**{op: (op, gpu, size, dtype, op == "attention" and model.dropout > 0) in TRITON_WINS
+                        for op, size in sizes.items()})
 
 
 @dataclass

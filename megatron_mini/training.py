@@ -27,13 +27,14 @@ from . import checkpoint
 from .errors import CommError
 from .files import atomic_write
 from .hardware import set_tf32
-from .kernels import interpreting
+from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group
+from .model import select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker, seed_default_stream
@@ -63,6 +64,12 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if device.type == "cpu" and not interpreting():
             raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter (slow; for "
                               "tests): set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
+    m = cfg.model
+    if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
+        why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout)
+        if why:
+            raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
+                              f"kernels=layer_norm or cross_entropy for the other Triton kernels).")
     if device.type == "cuda":
         set_tf32(cfg.precision.tf32)
     return device, backend

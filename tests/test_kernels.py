@@ -260,6 +260,27 @@ def test_gpu_configs_fit_every_width(block_n):
             assert regs[0] + regs[1] * per <= min(255, 65536 // (32 * c.num_warps))
 
 
+def test_layer_norm_strided_weights_and_wrong_sizes():
+    """A strided weight is read right (the kernels assume unit stride); a weight or bias of another length
+    than N is refused, as F.layer_norm refuses it (the kernel read past its end)."""
+    big_w, big_b = _randn(2 * 96, seed=2), _randn(2 * 96, seed=3)
+    _check_layer_norm(_randn(5, 96), big_w[::2], big_b[::2])
+    x = _randn(4, 32)
+    with pytest.raises(ValueError, match=r"weight and bias must be \[32\] for x \[\.\.\., 32\], got \(16,\)"):
+        layer_norm(x, _randn(16, seed=2), _randn(32, seed=3))
+    with pytest.raises(ValueError, match="weight and bias must be"):
+        add_layer_norm(x, x, _randn(32, seed=2), _randn(31, seed=3))
+
+
+def test_layer_norm_of_no_rows():
+    x, w, b = _randn(0, 32).requires_grad_(), _randn(32, seed=2).requires_grad_(), _randn(32, seed=3).requires_grad_()
+    y = layer_norm(x, w, b)
+    h, y2 = add_layer_norm(x, x, w, b)
+    assert y.shape == y2.shape == h.shape == (0, 32)
+    dw, db = torch.autograd.grad(y.sum() + y2.sum(), (w, b))
+    assert not dw.any() and not db.any()
+
+
 def test_add_layer_norm_rejects_mismatched_shapes():
     x, r, w, b = _add_inputs((4, 64))
     with pytest.raises(ValueError, match="one shape"):

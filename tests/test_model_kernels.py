@@ -18,24 +18,33 @@ from megatron_mini.model import TritonOps, select_triton_ops
                                           ("cross_entropy", (False, False, True))])
 def test_kernels_setting_picks_the_ops(kernels, ops):
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=128)
-    assert select_triton_ops(kernels, cfg, torch.device("cpu")) == TritonOps(*ops)
+    assert select_triton_ops(kernels, cfg, torch.device("cpu"), 1, "bf16") == TritonOps(*ops)
 
 
 def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
-    """kernels=auto: torch, except (op, GPU, size) in TRITON_WINS; sizes are hidden for LayerNorm, head
-    dim for attention and a rank's vocabulary columns (padded vocabulary / tp) for the cross-entropy."""
+    """kernels=auto: torch, except (op, GPU, size, dtype, dropout) in TRITON_WINS; sizes are hidden for
+    LayerNorm, head dim for attention and a rank's vocabulary columns (padded vocabulary / tp) for the
+    cross-entropy; a win measured in bf16 without dropout says nothing of fp32 or of attention dropout."""
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=100)   # padded to 128
     monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, False, False)
-    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("layer_norm", "h100", 64), ("attention", "h100", 64),
-                                                         ("cross_entropy", "h100", 100)}))
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(True, False, False)   # head dim 32
-    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32), ("cross_entropy", "h100", 128),
-                                                         ("layer_norm", "a100", 64)}))
-    assert select_triton_ops("auto", cfg, torch.device("cpu")) == TritonOps(False, True, True)
-    assert select_triton_ops("auto", cfg, torch.device("cpu"), tp=2) == TritonOps(False, True, False)  # 64 a rank
-    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 64)}))
-    assert select_triton_ops("auto", cfg, torch.device("cpu"), tp=2) == TritonOps(False, False, True)
+
+    def auto(tp=1, dtype="bf16"):
+        return select_triton_ops("auto", cfg, torch.device("cpu"), tp, dtype)
+    assert auto() == TritonOps(False, False, False)
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("layer_norm", "h100", 64, "bf16", False),
+                                                         ("attention", "h100", 64, "bf16", False),
+                                                         ("cross_entropy", "h100", 100, "bf16", False)}))
+    assert auto() == TritonOps(True, False, False)                   # head dim 32, vocabulary padded to 128
+    assert auto(dtype="fp32") == TritonOps(False, False, False)
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32, "bf16", False),
+                                                         ("cross_entropy", "h100", 128, "bf16", False),
+                                                         ("layer_norm", "a100", 64, "bf16", False)}))
+    assert auto() == TritonOps(False, True, True)
+    assert auto(tp=2) == TritonOps(False, True, False)               # 64 columns a rank
+    cfg.dropout = 0.1
+    assert auto() == TritonOps(False, False, True)                   # the dropout variant was not measured
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 64, "bf16", False)}))
+    assert auto(tp=2) == TritonOps(False, False, True)
 
 
 def test_triton_kernels_train_like_torch(small_data, tmp_path):
@@ -83,6 +92,18 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
             assert (breaks, graphs) == (0, 2)
         a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
+
+
+def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path):
+    """compile=true with kernels=triton: the kernels are opaque calls in the compiled blocks (a graph break
+    each; dynamo died tracing into Triton's interpreter), and the run trains as the eager one does."""
+    overrides = {"model.num_layers": 2, "steps": 2, "gbs": 2, "kernels": "triton", "precision.tf32": False}
+    eager = train_on_ranks(1, small_config(small_data, tmp_path / "eager", compile=False, **overrides))
+    cfg = small_config(small_data, tmp_path / "compiled", compile=True, **overrides)
+    run, breaks, graphs = spawn(1, _train_counting_graphs, cfg, "aot_eager", init_group=False)[0]
+    assert breaks > 0
+    a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
+    assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
 
 
 @pytest.mark.parametrize("recompute, dropout", [("none", 0.1), ("selective", 0.0)])

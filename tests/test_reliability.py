@@ -106,6 +106,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          ["pipeline_first_blocks=10 + pipeline_last_blocks=0 leave no blocks"]),
         ("pp3-uneven", 3, ["pp=3"], ["8 blocks must divide over 3 virtual stages", "pipeline_first_blocks=2 gives 2+3+3"]),
         ("triton-on-cpu", 1, ["kernels=triton"], ["set TRITON_INTERPRET=1", "or use kernels=torch"], no_interpreter),
+        ("attention-head-dim", 2, ["pp=2", "kernels=attention", "model.hidden_size=272", "model.num_heads=2"],
+         ["kernels=attention: the Triton attention supports head dims up to 128, and hidden_size / num_heads = 136",
+          "use kernels=torch"]),
         ("unwritable-run-dir", 1, [f"run_dir={not_a_dir}/run"], [f"run_dir={not_a_dir}/run cannot be written"]),
         ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "
                                                      f"vocabulary of 512", "rebuild it with:"]),
@@ -154,7 +157,7 @@ def refusals(small_data, trained, tmp_path_factory):
 
 REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "negative-lr", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
-               "pp3-uneven", "triton-on-cpu", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
+               "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge", "interpolation", "multirun",

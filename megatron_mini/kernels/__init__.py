@@ -8,17 +8,33 @@
 - `megatron_mini.kernels.cross_entropy`: row_stats, logits_grad (the cross-entropy over a vocabulary shard;
   tensor_parallel.vocab_parallel_cross_entropy(fused=True) wraps them for autograd and TP).
 
+Under torch.compile the entry points above are opaque calls (`torch.compiler.disable`, a graph break
+each): dynamo cannot trace the kernels under Triton's interpreter, and tracing their autotuning has not
+been tried on a GPU.
+
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
 can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter:
 set TRITON_INTERPRET=1 before importing a submodule.
 """
 import os
 
+MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
+MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
+
+
+def attention_unsupported(head_dim: int, seq_len: int, dropout: float) -> str | None:
+    """Why the Triton attention cannot run a model of this shape (None: it can)."""
+    if head_dim > MAX_HEAD_DIM:
+        return f"supports head dims up to {MAX_HEAD_DIM}, and hidden_size / num_heads = {head_dim}"
+    if dropout > 0 and seq_len > MAX_DROPOUT_SEQ:
+        return f"supports dropout up to seq_len {MAX_DROPOUT_SEQ} (int32 RNG offsets), and seq_len = {seq_len}"
+    return None
+
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as @triton.jit reads it when
     a kernel module is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 def check_device(x, interpret: bool, module: str) -> None:

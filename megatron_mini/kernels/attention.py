@@ -30,12 +30,11 @@ import torch
 import triton
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import check_device, interpreting
+from . import MAX_DROPOUT_SEQ, MAX_HEAD_DIM, check_device, interpreting
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
-MAX_DROPOUT_SEQ = 46340  # dropout offsets row * s + col must fit in int32
 
 
 # ----------------------------------------------------------------------------------- launching
@@ -60,7 +59,6 @@ FP32_CONFIGS = {64: (32, 32, 8, 1), 128: (16, 16, 4, 1)}
 # under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends,
 # oriented as on the GPU (dk/dv: fewer query rows than keys per block; fwd and dq: more)
 INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-MAX_HEAD_DIM = 128   # the GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
 
 
 def _config(kind: str, q: torch.Tensor, dropout_p: float):
@@ -197,6 +195,7 @@ class _FlashAttentionQKV(torch.autograd.Function):
         return dqkv, None, None, None, None
 
 
+@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     softmax_scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """dropout(softmax(scale * q k^T [+ causal mask])) v for q, k, v [b, heads, s, d] (any strides
@@ -207,6 +206,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _FlashAttention.apply(q, k, v, scale, bool(causal), float(dropout_p))
 
 
+@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def flash_attention_qkv(qkv: torch.Tensor, heads: int, causal: bool = True, softmax_scale: float | None = None,
                         dropout_p: float = 0.0) -> torch.Tensor:
     """Attention on a fused projection qkv [s, b, 3 * heads * d] (the last dim is [q | k | v], each

@@ -347,6 +347,10 @@ class _AddLayerNormFn(torch.autograd.Function):
     def forward(ctx, x, r, weight, bias, eps):
         check_device(x, _INTERPRET, __name__)
         n = x.shape[-1]
+        if weight.shape != (n,) or bias.shape != (n,):      # (the kernels read N contiguous values of each)
+            raise ValueError(f"weight and bias must be [{n}] for x [..., {n}], got {tuple(weight.shape)} and "
+                             f"{tuple(bias.shape)}")
+        weight, bias = weight.contiguous(), bias.contiguous()
         h, y, mu, rstd = _forward(as_rows(x, n), None if r is None else as_rows(r, n), weight, bias, eps)
         ctx.save_for_backward(h, weight, mu, rstd)
         ctx.set_materialize_grads(False)     # a None gradient (h or y unused) costs nothing
@@ -364,17 +368,23 @@ class _AddLayerNormFn(torch.autograd.Function):
         return dx, (dx if ctx.has_residual else None), dwdb[:n], dwdb[n:].to(ctx.bias_dtype), None
 
 
+@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm of x [..., N] over its last dim with weight, bias [N]; returns x's dtype and shape."""
+    if x.numel() == 0:                       # no rows: nothing to launch
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return _AddLayerNormFn.apply(x, None, weight, bias, float(eps))
 
 
+@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = x + r in x's dtype (rounded once) and y = LN(h) over the last dim, for x, r [..., N]
     and weight, bias [N]. Backward: dx = dr = dh + LN's input gradient, in one kernel."""
     if r.shape != x.shape:
         raise ValueError(f"x and r must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    if x.numel() == 0:
+        return torch_add_layer_norm(x, r, weight, bias, eps)
     return _AddLayerNormFn.apply(x, r, weight, bias, float(eps))
 
 
