@@ -2,14 +2,16 @@
 
 Conjugate autograd mappings over the TP group (`mesh.tp_group`), each a no-op at tp=1:
 
-    copy_to_tensor_parallel_region              f: identity        / all-reduce   (the column-parallel
-                                                   linears fuse it: _Linear)
+    copy_to_tensor_parallel_region              f: identity        / all-reduce
     reduce_from_tensor_parallel_region          g: all-reduce      / identity
-    scatter_to_tensor_parallel_region           split last dim     / all-gather last dim
     gather_from_tensor_parallel_region          all-gather last    / split last dim
     scatter_to_sequence_parallel_region         split seq dim 0    / all-gather seq
     gather_from_sequence_parallel_region        all-gather seq     / reduce-scatter seq
     reduce_scatter_to_sequence_parallel_region  reduce-scatter seq / all-gather seq
+
+The column-parallel linears fuse f (and, with sp, the sequence gather) into the linear (`_Linear`), so
+that its backward's collective runs beside a GEMM: the model calls f and scatter_to_sequence only
+through that fusion, and the tests check the fusion against them.
 
 Activations are `[s, b, h]`; with sequence parallelism `[s/tp, b, h]` between blocks.
 Every parameter carries a `ParamSpec` (how it is split over TP, how it is initialised) so
@@ -109,7 +111,6 @@ def _reduce_scatter_sequence(x, group):
 
 copy_to_tensor_parallel_region = _conjugate("copy_to_tensor_parallel_region", _identity, _sum_copy)
 reduce_from_tensor_parallel_region = _conjugate("reduce_from_tensor_parallel_region", _sum_in_place, _identity)
-scatter_to_tensor_parallel_region = _conjugate("scatter_to_tensor_parallel_region", _split_last, _gather_last)
 gather_from_tensor_parallel_region = _conjugate("gather_from_tensor_parallel_region", _gather_last, _split_last)
 scatter_to_sequence_parallel_region = _conjugate("scatter_to_sequence_parallel_region",
                                                  _split_sequence, _gather_sequence)
@@ -214,12 +215,12 @@ def gemm_into_fp32(device_type: str, dtype: torch.dtype) -> str:
     dtype), or "cast" (a product in `dtype`, then an add: the CPU, older torch). Probed once."""
     a = torch.ones(16, 16, dtype=dtype, device=device_type)
     for way in ("addmm", "mm"):
-        out = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
+        out = torch.ones(16, 16, dtype=torch.float32, device=device_type)   # (a way that overwrites gives 16)
         try:
             GEMM_INTO_FP32[way](out, a, a)
         except (TypeError, RuntimeError, NotImplementedError):
             continue
-        if torch.equal(out, torch.full_like(out, 16.0)):
+        if torch.equal(out, torch.full_like(out, 17.0)):
             return way
     return "cast"
 
@@ -246,9 +247,38 @@ def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
     accumulate_matmul(weight.main_grad, dy2.t(), x.reshape(-1, x.shape[-1]))
     weight.main_grad_ready()
     if bias is not None:
-        bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
-        bias.main_grad_ready()
+        _bias_grad_into_main(bias, dy2)
     return None, None
+
+
+def _bias_grad_into_main(bias, dy2) -> None:
+    """main_grad_b += the fp32 sum of dy [tokens, out] over tokens (no 16-bit .grad rounded first)."""
+    bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
+    bias.main_grad_ready()
+
+
+class _AddBias(torch.autograd.Function):
+    """y = x + b, x [..., out], b [out], with b's gradient added straight into its fp32 main grad, as
+    `_Linear` does for the bias it applies: a row-parallel linear at tp > 1 adds its bias after g (or the
+    reduce-scatter), outside the linear, and this keeps that gradient in fp32 as at tp = 1."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.bias = bias
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        _bias_grad_into_main(ctx.bias, dy.reshape(-1, dy.shape[-1]))
+        return dy, None
+
+
+def add_bias(x, bias):
+    """x + b; under autograd, with an fp32 main grad for b (training), through `_AddBias`."""
+    if (torch.is_grad_enabled() and bias.requires_grad and hasattr(bias, "main_grad")
+            and not torch.compiler.is_compiling()):
+        return _AddBias.apply(x, bias)
+    return x + bias
 
 
 class _Linear(torch.autograd.Function):
@@ -338,42 +368,42 @@ def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: 
     return F.linear(gather_from_sequence_parallel_region(x, tp_group) if sequence_parallel else x, weight, bias)
 
 
+def _per_rank(size: int, tp_group: Group, what: str) -> int:
+    if size % tp_group.size:
+        raise ValueError(f"{what} {size} is not divisible by tp={tp_group.size}")
+    return size // tp_group.size
+
+
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A [out, in] split along out: rank i holds A_i [out/tp, in]."""
+    """Y = X A^T + b with A [out, in] split along out: rank i holds A_i [out/tp, in] and returns its
+    slice of Y [s, b, out/tp] (what the row-parallel linear after it takes)."""
 
     def __init__(self, in_features, out_features, tp_group: Group, *, sequence_parallel=False,
-                 gather_output=False, std=0.02, tp_groups=1, dtype=torch.float32, device=None):
+                 std=0.02, tp_groups=1, dtype=torch.float32, device=None):
         super().__init__()
-        if gather_output and tp_groups > 1:
-            raise ValueError("gather_output=True would interleave the fused blocks (tp_groups > 1) of the output")
-        tp = tp_group.size
-        self.tp_group, self.sequence_parallel, self.gather_output = tp_group, sequence_parallel, gather_output
-        self.weight = new_param((out_features // tp, in_features),
-                                ParamSpec("normal", std, tp_dim=0, tp_groups=tp_groups), dtype, device)
-        self.bias = new_param((out_features // tp,),
-                              ParamSpec("zeros", tp_dim=0, tp_groups=tp_groups, no_weight_decay=True), dtype, device)
+        out = _per_rank(out_features, tp_group, "out_features")
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = new_param((out, in_features), ParamSpec("normal", std, tp_dim=0, tp_groups=tp_groups), dtype, device)
+        self.bias = new_param((out,), ParamSpec("zeros", tp_dim=0, tp_groups=tp_groups, no_weight_decay=True), dtype, device)
 
     def forward(self, x):
-        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
-        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A^T + b with A [out, in] split along in: rank i computes X_i A_i^T, then g (or a
-    reduce-scatter of the sequence), then adds b once."""
+    """Y = X A^T + b with A [out, in] split along in: rank i computes X_i A_i^T from its slice X_i
+    [s, b, in/tp], then g (or a reduce-scatter of the sequence), then adds b once (`add_bias`)."""
 
     def __init__(self, in_features, out_features, tp_group: Group, *, sequence_parallel=False,
-                 input_is_parallel=True, std=0.02, dtype=torch.float32, device=None):
+                 std=0.02, dtype=torch.float32, device=None):
         super().__init__()
-        tp = tp_group.size
-        self.tp_group, self.sequence_parallel, self.input_is_parallel = tp_group, sequence_parallel, input_is_parallel
-        self.weight = new_param((out_features, in_features // tp), ParamSpec("normal", std, tp_dim=1), dtype, device)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = new_param((out_features, _per_rank(in_features, tp_group, "in_features")),
+                                ParamSpec("normal", std, tp_dim=1), dtype, device)
         self.bias = new_param((out_features,), ParamSpec("zeros", sequence_parallel=sequence_parallel,
                                                           no_weight_decay=True), dtype, device)
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.tp_group)
         if self.tp_group.size == 1:
             return linear(x, self.weight, self.bias)
         y = linear(x, self.weight)
@@ -381,17 +411,19 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_parallel_region(y, self.tp_group)
-        return y + self.bias
+        return add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """ids [s, b] -> [s, b, h] (or [s/tp, b, h] with sp); rank i owns rows [i*V/tp, (i+1)*V/tp)."""
+    """ids [s, b] -> [s, b, h] (or [s/tp, b, h] with sp); rank i owns rows [i*V/tp, (i+1)*V/tp). Ids must
+    lie in [0, V): at tp > 1 an id past the end gives a zero row where tp = 1 raises (the data's ids are
+    checked against the vocabulary when a run starts: dataset.check_token_ids)."""
 
     def __init__(self, num_embeddings, dim, tp_group: Group, *, sequence_parallel=False, std=0.02, tied=False,
                  dtype=torch.float32, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.per_rank = num_embeddings // tp_group.size
+        self.per_rank = _per_rank(num_embeddings, tp_group, "num_embeddings")
         self.start = tp_group.rank * self.per_rank
         self.weight = new_param((self.per_rank, dim), ParamSpec("normal", std, tp_dim=0, tied=tied), dtype, device)
 
@@ -414,7 +446,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     loss = logsumexp(x) - (1-a) x_t - (a/V) sum_j x_j over the V real (unpadded) classes,
     which is F.cross_entropy(x, t, label_smoothing=a). Forward: two all-reduces of size [s, b]:
     the max, then the sum-exp with the target logit (and, with a > 0, the logit sum) stacked in.
-    Backward, local: dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding.
+    Backward, local: dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding, written over the
+    saved probabilities (one backward per forward, as Megatron's). Targets must lie in [0, V): there is no
+    ignore_index, and a target past the end gives a wrong loss at tp > 1 where tp = 1 raises.
     """
 
     @staticmethod
