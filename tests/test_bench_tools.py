@@ -35,7 +35,7 @@ def test_bench_kernels_smoke(tmp_path):
     doc.write_text("# Benchmarks\n\nkept text\n")
     out = _run(["tools/bench_kernels.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])
     data = json.loads((tmp_path / "bench_kernels.json").read_text())
-    assert data["smoke"] is True
+    assert data["smoke"] is True and data["done"] is True     # (rewritten after each row, done at the end)
     rows = {(r["op"], tuple(r["shape"])): r for r in data["results"]}
     assert {op for op, _ in rows} == {"ln", "addln", "attn", "ce"}
     for (op, shape), row in rows.items():

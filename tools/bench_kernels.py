@@ -49,7 +49,7 @@ gpt2-small step in the fp32 cast and softmax).
 
 `--doc` replaces the section between `<!-- bench_kernels begin -->` and `<!-- bench_kernels end -->`
 of docs/benchmarks.md (appended when absent) with the tables, the goals and the device line.
-`--out DIR` writes bench_kernels.md and bench_kernels.json (every number) there.
+`--out DIR` writes bench_kernels.md and bench_kernels.json (every number) there, rewritten after every row.
 `--smoke` (automatic without CUDA) runs tiny shapes, without torch.compile, to exercise the script
 only (no speed is claimed, no goal judged): on the GPU when there is one, else on the CPU with the
 kernels under TRITON_INTERPRET=1, timed with perf_counter.
@@ -255,7 +255,8 @@ def max_rel_error(fn, ref, s: dict) -> float:
     return max(errs) if all(math.isfinite(e) for e in errs) else float("nan")   # a NaN must not hide
 
 
-def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
+def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print, on_row=None) -> list:
+    """The benchmark rows of `ops`; `on_row(results so far)` after each (a run cut short keeps its rows)."""
     import torch
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -318,6 +319,8 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print) -> list:
             except Exception as err:  # noqa: BLE001
                 ours["max_rel_err_reason"] = short_error(err)
         results.append(row)
+        if on_row:
+            on_row(results)
         del sets, first
         if gpu:
             torch.cuda.empty_cache()
@@ -474,17 +477,22 @@ def main(argv=None) -> int:
               + "; no speed claims.", flush=True)
     timer = Timer(gpu=cuda, warmup_ms=min(args.warmup, 5) if smoke else args.warmup,
                   rep_ms=min(args.rep, 10) if smoke else args.rep, cpu_reps=2)
-    results = run(ops, smoke, timer, compile_ok=not smoke and not args.no_compile, log=log)
+    def write_out(results, done):
+        """--out's files, rewritten after every row (a run cut short by a time limit keeps what it measured)."""
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
+            f.write(report(results, smoke, device, command) + ("\n" if done else "\n\n(unfinished: rows so far)\n"))
+        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+            json.dump({"device": device, "command": command, "smoke": smoke, "done": done, "results": results,
+                       "goals": goals(results, smoke)}, f, indent=1, default=str)
+
+    results = run(ops, smoke, timer, compile_ok=not smoke and not args.no_compile, log=log,
+                  on_row=(lambda rows: write_out(rows, False)) if args.out else None)
     text = report(results, smoke, device, command)
     log("done")
 
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-            json.dump({"device": device, "command": command, "smoke": smoke, "results": results,
-                       "goals": goals(results, smoke)}, f, indent=1, default=str)
+        write_out(results, True)
         print(f"wrote {os.path.join(args.out, 'bench_kernels.md')} and bench_kernels.json")
     if args.doc is not None:
         if smoke and not args.doc:
