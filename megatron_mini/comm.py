@@ -157,9 +157,10 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def batch_p2p(ops: list, group: Group) -> None:
-    """Post [(\"send\"|\"recv\", tensor, peer_index)] together and wait for all of them.
-    On gloo, CUDA tensors travel through host copies (sent from a copy, received into one)."""
+def batch_p2p(ops: list, group: Group, what: str = "send/recv") -> None:
+    """Post [(\"send\"|\"recv\", tensor, peer_index)] together and wait for all of them; `what` names
+    them in a failure's message. On gloo, CUDA tensors travel through host copies (sent from a copy,
+    received into one)."""
     if not ops:
         return
     p2p, staged = [], []
@@ -174,7 +175,7 @@ def batch_p2p(ops: list, group: Group) -> None:
                 staged.append((tensor, wire))
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, wire, group.ranks[peer], group=group.pg))
-    with _named(group, "send/recv"):
+    with _named(group, what):
         for work in dist.batch_isend_irecv(p2p) if p2p else []:
             work.wait()
     for tensor, wire in staged:

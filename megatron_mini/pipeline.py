@@ -122,7 +122,7 @@ class PipelineEngine:
                 buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
                 (inputs if a.op == "recv_act" else out_grads)[key] = buf
                 ops.append(("recv", buf, a.peer))
-        comm.batch_p2p(ops, self.mesh.pp_group)
+        comm.batch_p2p(ops, self.mesh.pp_group, ", ".join(map(str, actions)))   # (a hang's message names them)
         for a in actions:
             if a.op == "recv_act":
                 inputs[(a.chunk, a.microbatch)].requires_grad_(torch.is_grad_enabled())

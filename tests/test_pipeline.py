@@ -31,3 +31,24 @@ def test_tied_embedding_copies_stay_identical(small_data, tmp_path):
     last = torch.load(os.path.join(history["checkpoint"], "model_pp01.pt"), weights_only=True)
     name = "embedding.word_embeddings.weight"
     assert torch.equal(first[name], last[name])
+
+
+def _step_without_a_peer(cfg):
+    import torch.distributed as dist
+    from megatron_mini.errors import CommError
+    trainer = make_trainer(cfg)
+    if dist.get_rank() == 1:                  # the second stage leaves: the first one's send has no receiver
+        return None
+    try:
+        trainer.train_step()
+    except CommError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failed_send_names_its_actions(small_data, tmp_path):
+    """A pipeline p2p that fails says which sends and receives it was (to place a hang in a deep pipeline),
+    not only 'send/recv': the first stage's first exchange is the activation of microbatch 0 to stage 1."""
+    cfg = small_config(small_data, tmp_path, pp=2, gbs=4, timeout_s=5)
+    message = spawn(2, _step_without_a_peer, cfg)[0]
+    assert message.startswith("rank 0: send_act(c0, mb0)->1 over the pp group (ranks [0, 1]) failed"), message
