@@ -51,7 +51,8 @@ class PipelineEngine:
         self.last_backward = set({a.chunk: (a.chunk, a.microbatch) for a in self.schedule if a.op == "backward"}.values())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
-        self.trace = []    # (Action, t_start, t_end) of the last step, in execution order
+        self.trace = []    # (Action, t_start, t_end) of the last step, in execution order: host perf_counter
+        #                    times, the work's on a CPU; on a GPU the launches' (no device sync is taken)
 
     def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int) -> torch.Tensor:
         """Forward and backward over the microbatches of `batch` [m, mbs, s+1]; gradients land

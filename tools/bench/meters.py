@@ -16,7 +16,8 @@ from megatron_mini.meter import SavedTensorMeter
 
 
 def trace_stats(trace) -> dict:
-    """Busy (forward/backward) time and span of one step's engine trace; peak in-flight microbatches."""
+    """Busy (forward/backward) time and span of one step's engine trace; peak in-flight microbatches. The
+    trace holds host times: the work's on CPU ranks (what the CPU benchmarks measure), launches on a GPU."""
     busy = sum(t1 - t0 for a, t0, t1 in trace if a.op in ("forward", "backward"))
     in_flight = peak = 0
     for a, _, _ in trace:
