@@ -298,7 +298,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
-               "steps": trainer.step, "skipped_steps": trainer.skipped_steps, **r}
+               "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
     logger.summary(summary)

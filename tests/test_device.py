@@ -3,6 +3,7 @@ number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP cou
 peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
 import re
+import time
 
 import pytest
 import torch
@@ -138,10 +139,16 @@ def test_flops_per_token_equals_torch_flop_count():
 
 
 def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path):
+    """On 2 ranks (dp=2): tokens/s is the run's tokens (steps x gbs x seq_len) over its time, and TFLOP/s per
+    rank is the README's FLOPs per token x tokens/s / 2 ranks."""
     cfg = small_config(small_data, tmp_path, steps=2, log_interval=1, **{"precision.peak_tflops": 0.001})
-    history = train_on_ranks(1, cfg)
+    started = time.perf_counter()
+    history = train_on_ranks(2, cfg)
+    wall = time.perf_counter() - started
     s = history["summary"]
-    expected = cfg.model.flops_per_token() * s["tokens_per_s"] / 1e12
+    assert 0 < s["elapsed_s"] < wall
+    assert s["tokens_per_s"] == pytest.approx(cfg.steps * cfg.gbs * cfg.model.seq_len / s["elapsed_s"], rel=1e-9)
+    expected = cfg.model.flops_per_token() * s["tokens_per_s"] / 2 / 1e12
     assert s["tflops"] == pytest.approx(expected, rel=1e-9)
     assert s["mfu"] == pytest.approx(s["tflops"] / 0.001, rel=1e-9)
     assert s["peak_mem_gib"] > 0

@@ -111,10 +111,17 @@ def fp32_run(small_data, tmp_path_factory):
     return train_on_ranks(1, small_config(small_data, tmp_path_factory.mktemp("fp32")))
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("bf16", 0.01), ("fp16", 0.01)])
-def test_16bit_training_tracks_fp32(dtype, tolerance, fp32_run, small_data, tmp_path):
-    """16-bit compute with fp32 master weights stays within `tolerance` (relative) of fp32 at every step
-    after the fp16 scaler has found its range (skipped steps leave the weights as they were)."""
+# how far (relative, worst step of 20) 16-bit compute with fp32 master weights may stray from fp32: measured
+# 1.4e-4 (bf16), 2.8e-4 (bf16 at tp2 pp2 dp2 sp) and 1.3e-5 (fp16); master weights rounded to 16 bits at every
+# step give 1.65e-3 and 7.4e-5, and must fail
+TRACKS_FP32 = {"bf16": 6e-4, "fp16": 4e-5}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16bit_training_tracks_fp32(dtype, fp32_run, small_data, tmp_path):
+    """16-bit compute with fp32 master weights stays within TRACKS_FP32 (relative) of fp32 at every step
+    (the fp16 scaler starts at 2^16, which these gradients never overflow: a skipped step would show here)."""
+    tolerance = TRACKS_FP32[dtype]
     cfg = small_config(small_data, tmp_path, **{"precision.dtype": dtype, "precision.initial_loss_scale": 2.0 ** 16})
     history = train_on_ranks(1, cfg)
     a, b = torch.tensor(fp32_run["loss"]), torch.tensor(history["loss"])
@@ -163,7 +170,7 @@ def test_bf16_trains_at_a_3d_layout(fp32_run, small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, tp=2, pp=2, sp=True, **{"precision.dtype": "bf16"})
     history = train_on_ranks(8, cfg)
     a, b = torch.tensor(fp32_run["loss"]), torch.tensor(history["loss"])
-    assert ((a - b).abs() / a).max().item() < 0.01, (a.tolist(), b.tolist())
+    assert ((a - b).abs() / a).max().item() < TRACKS_FP32["bf16"], (a.tolist(), b.tolist())
 
 
 def test_nan_loss_stops_without_saving(small_data, tmp_path):
