@@ -176,11 +176,14 @@ class Throughput:
     interval, and peak memory.
 
     TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
-    recomputation is not counted); MFU = that / the device's dense peak (hardware.py, or
-    precision.peak_tflops), None where the peak is unknown (a CPU)."""
+    recomputation is not counted); MFU = the device's TFLOP/s (ranks_per_device x the rank's, where
+    ranks share a GPU) / its dense peak (hardware.py, or precision.peak_tflops), None where the peak is
+    unknown (a CPU)."""
 
-    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device, backend: str):
+    def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device, backend: str,
+                 ranks_per_device: float = 1.0):
         self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
+        self.ranks_per_device = ranks_per_device
         self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
         self.per = "GPU" if device.type == "cuda" and backend == "nccl" else "rank"   # (gloo: ranks may share one)
 
@@ -189,7 +192,7 @@ class Throughput:
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
         out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "peak_mem_gib": self.peak_memory_gib()}
         if self.peak:
-            out["mfu"] = tflops / self.peak
+            out["mfu"] = tflops * self.ranks_per_device / self.peak
         return out
 
     def text(self, rate: dict, sep: str = " | ") -> str:

@@ -280,10 +280,12 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
+        paused = time.time()
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
         if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]:
             log.info(f"saved {trainer.save(cfg.run_dir, run.data)}")
+        interval_start += time.time() - paused    # a step line's rate is the training steps' own
         if out["stop"]:
             why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
@@ -372,7 +374,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 
-    rate = Throughput(cfg, world_size, run.device, run.backend)
+    local_world = gpu_slot()[1]               # ranks sharing a node's GPUs round-robin: each GPU's share
+    sharing = local_world / min(local_world, torch.cuda.device_count()) if run.device.type == "cuda" else 1.0
+    rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing)
     first_step, start_time = trainer.step, time.time()
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")

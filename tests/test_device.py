@@ -2,6 +2,7 @@
 number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP counter, the MFU
 peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
+import json
 import re
 import time
 
@@ -10,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from ranks import spawn
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
@@ -159,14 +161,56 @@ def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path):
     assert len(lines) == 3 and all(" TFLOP/s/rank" in line and "MFU " in line for line in lines), lines
 
 
+def _train_on_a_fake_clock(cfg):
+    """train(cfg) on a clock where a training step takes 1 s and an evaluation or a save 100 s."""
+    import types
+    from megatron_mini import training
+    clock = [0.0]
+
+    def taking(seconds, fn):
+        def timed(*args, **kwargs):
+            clock[0] += seconds
+            return fn(*args, **kwargs)
+        return timed
+    training.time = types.SimpleNamespace(**{**vars(time), "time": lambda: clock[0]})
+    for name, seconds in (("train_step", 1.0), ("evaluate", 100.0), ("save", 100.0)):
+        setattr(training.Trainer, name, taking(seconds, getattr(training.Trainer, name)))
+    return training.train(cfg)
+
+
+def test_step_lines_leave_out_evaluation_and_save_time(small_data, tmp_path):
+    """Each step line's tokens/s is its steps' own: the evaluation and the save after a line are not
+    charged to the next one (which showed a tenth of the real rate after each evaluation)."""
+    cfg = small_config(small_data, tmp_path, steps=6, log_interval=1, eval_interval=2, save_interval=3, eval_iters=1)
+    spawn(1, _train_on_a_fake_clock, cfg, init_group=False)
+    rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "tokens_per_s" in r]
+    assert rates == [cfg.gbs * cfg.model.seq_len / 1.0] * cfg.steps
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sp=True), dict(tp=2, sp=True, zero=1)], ids=["tp2-pp2-sp", "tp2-dp2-sp-zero1"])
 def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path, layout):
     """4 ranks sharing cuda:0 over gloo (collectives on CUDA tensors, p2p staged on the host, RNG tracker,
     kernels under SP and checkpoints on CUDA; at dp=2 ZeRO-1's reduce-scatter and its in-place weight
     gather beside the forward) train like 1 rank on the GPU, fp32 with TF32 off: per-step loss within 1e-5
-    relative, final weights within 1e-5."""
-    common = {"device": "cuda", "precision.tf32": False, "steps": 6}
+    relative, final weights within 1e-5. MFU is the GPU's: k ranks on one GPU count k times a rank's TFLOP/s."""
+    common = {"device": "cuda", "precision.tf32": False, "steps": 6, "precision.peak_tflops": 100.0}
     ref = train_on_ranks(1, small_config(small_data, tmp_path / "one", **common))
     shared = train_on_ranks(4, dataclasses.replace(small_config(small_data, tmp_path / "four", **common), **layout))
     assert_same_training(ref, shared)
+    k = 4 / min(4, torch.cuda.device_count())
+    for run, ranks_per_gpu in ((ref, 1), (shared, k)):
+        assert run["summary"]["mfu"] == pytest.approx(ranks_per_gpu * run["summary"]["tflops"] / 100.0, rel=1e-9)
+
+
+def test_mfu_of_a_gpu_that_ranks_share():
+    """TFLOP/s stays per rank (the job's model FLOP/s / world size); MFU is the GPU's use: where 4 ranks share
+    one, 4 times the rank's TFLOP/s over its peak (it read a quarter of the GPU's use)."""
+    from megatron_mini.config import TrainConfig
+    from megatron_mini.logger import Throughput
+    cfg = TrainConfig()
+    cfg.precision.peak_tflops = 100.0
+    r = Throughput(cfg, 4, torch.device("cpu"), "gloo", ranks_per_device=4)(tokens=10_000, seconds=2.0)
+    assert r["tflops"] == pytest.approx(cfg.model.flops_per_token() * 5_000 / 4 / 1e12, rel=1e-12)
+    assert r["mfu"] == pytest.approx(4 * r["tflops"] / 100.0, rel=1e-12)
