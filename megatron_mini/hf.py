@@ -91,7 +91,8 @@ def hf_config(ckpt: Checkpoint, eos_id: int) -> dict:
             "padded_vocab_size": m.padded_vocab_size,
             "checkpoint": os.path.abspath(ckpt.path),
             "step": ckpt.meta.get("step"),
-            "layout": ckpt.meta.get("layout"),
+            "layout": {**(ckpt.meta.get("layout") or {}), "vpp": ckpt.cfg.vpp, "sp": ckpt.cfg.sp, "zero": ckpt.cfg.zero,
+                       "embedding_stage": getattr(ckpt.cfg.embedding_stage, "value", ckpt.cfg.embedding_stage)},
             "model_name": m.name,
         },
     }

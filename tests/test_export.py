@@ -55,6 +55,8 @@ def test_export_matches_megatron_logits(exported, tp):
     m = ckpt.cfg.model
     assert hf.config.vocab_size == m.vocab_size < m.padded_vocab_size == hf.config.megatron_mini["padded_vocab_size"]
     assert hf.config.eos_token_id == hf.config.bos_token_id == tok.eos_id
+    assert hf.config.megatron_mini["layout"] == {"tp": tp, "pp": 1, "dp": 1, "vpp": 1, "sp": False, "zero": 0,
+                                                 "embedding_stage": "none"}     # the whole layout trained
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr(), "embeddings are not tied"
     ids = torch.randint(0, m.vocab_size, (3, m.seq_len), generator=torch.Generator().manual_seed(0))
     text = torch.tensor([tok.encode(PROMPT * 4)[:m.seq_len]])
