@@ -167,9 +167,9 @@ def agree_verify(mesh, device):
             meta = verify(path, share=(mesh.rank, mesh.world_size))
         except CheckpointError as e:
             failure = str(e)
-        found = next((text for text in gather_text(failure or "", mesh, device) if text), None)
+        found = first_failure(failure, mesh, device)
         if found:
-            raise CheckpointError(found)
+            raise CheckpointError(found[1])
         return meta
     return check
 
@@ -255,15 +255,6 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- saving
-def _agree(failure: str | None, mesh, device) -> int | None:
-    """Every rank learns which is the first rank whose step failed (None: none failed)."""
-    flags = torch.zeros(mesh.world_size, device=device)
-    flags[mesh.rank] = failure is not None
-    comm.all_reduce(flags, mesh.world_group)
-    failed = flags.nonzero().flatten().tolist()
-    return int(failed[0]) if failed else None
-
-
 def gather_text(text: str, mesh, device, size: int = 512) -> list:
     """Every rank's `text` (UTF-8, up to `size` bytes), in rank order: one all-gather of fixed-size rows."""
     data = text.encode()[:size]
@@ -271,6 +262,12 @@ def gather_text(text: str, mesh, device, size: int = 512) -> list:
     row[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     rows = comm.all_gather(row.to(device), mesh.world_group, dim=0).cpu()
     return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
+    """(rank, message) of the first rank whose `failure` is not None, the same on every rank; None when
+    no rank failed."""
+    return next(((r, text) for r, text in enumerate(gather_text(failure or "", mesh, device)) if text), None)
 
 
 def _try(fn, *args) -> str | None:
@@ -289,12 +286,13 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
     last_good = _read_latest(os.path.dirname(path)) or "none"
 
     def check(failure: str | None, what: str) -> None:
-        first = _agree(failure, mesh, device)
-        if first is None:
+        found = first_failure(failure, mesh, device)
+        if found is None:
             return
+        first, why = found
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise RunError(f"Saving checkpoint {path} failed on rank {first} while {what}: {failure or 'see rank ' + str(first)}. "
+        raise RunError(f"Saving checkpoint {path} failed on rank {first} while {what}: {why}. "
                        f"Its partial files were removed; checkpoints/latest still names the last good checkpoint "
                        f"({last_good}).", reporter=first)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError, TrainConfig, validate
-from .hardware import GPUS, math_dtype
+from .hardware import GPUS, table_peak
 from .pipeline import partition_for
 from .plan_meta import Planner, RankFacts, measure_layer
 
@@ -227,8 +227,7 @@ def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, 
 def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Estimate:
     """Memory of the largest rank and the predicted step time of cfg's layout (see the module doc)."""
     dp = cluster.gpus // (cfg.tp * cfg.pp)
-    gpu = GPUS[cluster.gpu]
-    dense = cfg.precision.peak_tflops or gpu.tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)]  # as MFU's
+    dense = table_peak(cluster.gpu, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)  # as MFU's
     peak = dense * 1e12 * cluster.efficiency
     m = cfg.num_microbatches(dp)
     bubble = planner.bubble(cfg, m)

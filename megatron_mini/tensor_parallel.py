@@ -274,9 +274,9 @@ class _AddBias(torch.autograd.Function):
 
 
 def add_bias(x, bias):
-    """x + b; under autograd, with an fp32 main grad for b (training), through `_AddBias`."""
-    if (torch.is_grad_enabled() and bias.requires_grad and hasattr(bias, "main_grad")
-            and not torch.compiler.is_compiling()):
+    """x + b; under autograd, with an fp32 main grad for b (training), through `_AddBias` (eager only, as
+    `linear`)."""
+    if _fused_here(bias, None, True):
         return _AddBias.apply(x, bias)
     return x + bias
 
@@ -344,9 +344,15 @@ def linear(x, weight, bias=None, fuse_wgrad: bool = True):
     (compile=true) the linear stays in the block's graph (a graph break per linear costs more host time
     than the fusion saves) and AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise
     (no grad, or no main grads) it is F.linear."""
-    if torch.is_grad_enabled() and _fuses_wgrad(weight, bias, fuse_wgrad) and not torch.compiler.is_compiling():
+    if _fused_here(weight, bias, fuse_wgrad):
         return _Linear.apply(x, weight, bias, None, False, True)
     return F.linear(x, weight, bias)
+
+
+def _fused_here(weight, bias, fuse_wgrad: bool) -> bool:
+    """Whether this call fuses the gradient accumulation: under autograd, eager (not being compiled), with
+    fp32 main grads (`_fuses_wgrad`)."""
+    return torch.is_grad_enabled() and _fuses_wgrad(weight, bias, fuse_wgrad) and not torch.compiler.is_compiling()
 
 
 @eager

@@ -344,7 +344,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
-        run.resume = found if found.path == run.resume.path else check_resume(cfg, found, run.datasets, run.data)
+        if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
+            check_resume(cfg, found, run.datasets, run.data)
+        run.resume = found
         if run.resume.meta["step"] >= cfg.steps:
             if rank == 0:
                 print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to "
