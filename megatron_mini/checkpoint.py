@@ -3,13 +3,12 @@
     {run_dir}/checkpoints/step_000100/
         model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage (GradBuffer.full_weights)
         optim_pp00.pt ...   Optimizer.state_dict(): {global name: {master, exp_avg, exp_avg_sq}}, step, scaler
-        rng_rank0000.pt ... each rank's dropout RNG streams (restored when the layout and the kind of device are the same)
         meta.json           step, consumed_samples, layout, config, data identity, sha256 of every file
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
 
-Saving: all ranks write into `step_N.tmp/` and hash what they wrote; rank 0 writes meta.json with
-the hashes, renames the directory to `step_N/`, then rewrites `latest` (tmp + rename) and removes
-all but the newest `keep` checkpoints. A failed write on any rank (a full disk, no permission) is
+Saving: each stage's writer (mesh.stage_writer) writes its files into `step_N.tmp/` and hashes them;
+rank 0 writes meta.json with the hashes, renames the directory to `step_N/`, then rewrites `latest`
+(tmp + rename) and removes all but the newest `keep` checkpoints. A failed write on any rank (a full disk, no permission) is
 agreed on by every rank: the temp directory is removed, `latest` stays on the last good checkpoint
 and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
 
@@ -278,7 +277,7 @@ def _try(fn, *args) -> str | None:
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, rng, mesh, config: dict,
+def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, mesh, config: dict,
          data: dict, keep: int) -> None:
     """Write the checkpoint `path` (step_N) of every rank's state; see the module doc."""
     tmp, device = path + ".tmp", buffers[0].grads_flat.device
@@ -300,7 +299,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
           "creating its directory")            # (an all-reduce that rank 0 joins once the directory exists)
     weights = {name: t for buf in buffers for name, t in buf.full_weights().items()}
     optim = optimizer.state_dict()
-    files = {f"rng_rank{mesh.rank:04d}.pt": rng.get_states()}
+    files = {}
     if mesh.stage_writer:                             # one writer per pipeline stage
         files[f"model_pp{mesh.pp_rank:02d}.pt"] = weights
         files[f"optim_pp{mesh.pp_rank:02d}.pt"] = optim
@@ -310,7 +309,7 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         for name, obj in files.items():
             digests[name] = _save_file(obj, os.path.join(tmp, name))
     check(_try(write), "writing its files")
-    # every rank's (name, sha256) pairs, 3 at most per rank
+    # every rank's (name, sha256) pairs, 2 at most per rank
     gathered = gather_text("\n".join(f"{name} {digest}" for name, digest in digests.items()), mesh, device)
 
     def publish():
@@ -344,17 +343,13 @@ def load_model_tensors(path: str) -> dict:
     return tensors
 
 
-def load(path: str, buffers: list, optimizer, rng, mesh) -> dict:
-    """Restore weights and optimizer state (any layout) and, same layout and kind of device only, the
-    RNG streams; returns meta."""
+def load(path: str, buffers: list, optimizer) -> dict:
+    """Restore weights and optimizer state (any layout); returns meta. (The dropout streams are keyed by
+    sample and layer, rng.py: there is no RNG state to restore.)"""
     meta = read_meta(path)
     weights = load_model_tensors(path)
     for buf in buffers:
         buf.load_weights(weights)
     stages = [_load_mapped(f) for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
     optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
-    if meta["world_size"] == mesh.world_size and meta["layout"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
-        states = torch.load(os.path.join(path, f"rng_rank{mesh.rank:04d}.pt"), weights_only=True)
-        if rng.compatible(states):          # not when saved on another kind of device (CPU vs CUDA)
-            rng.set_states(states)
     return meta

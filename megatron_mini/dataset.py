@@ -66,6 +66,11 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
 
+def first_sample(consumed_samples: int, gbs: int, dp_rank: int, dp: int) -> int:
+    """The global index of DP rank `dp_rank`'s first sample in the global batch starting at `consumed_samples`."""
+    return consumed_samples + dp_rank * (gbs // dp)
+
+
 def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp_rank: int, dp: int):
     """This DP rank's share of the global batch that starts at sample `consumed_samples`: global position j
     is dataset[consumed_samples + j]; rank d takes positions [d*gbs/dp, (d+1)*gbs/dp) in order, as
@@ -75,7 +80,7 @@ def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp
     if gbs % (dp * mbs):
         raise ValueError(f"gbs={gbs} is not divisible by dp x mbs = {dp} x {mbs}")
     per_rank = gbs // dp
-    first = consumed_samples + dp_rank * per_rank
+    first = first_sample(consumed_samples, gbs, dp_rank, dp)
     rows = np.stack([dataset[first + j] for j in range(per_rank)])
     return torch.from_numpy(rows).view(per_rank // mbs, mbs, rows.shape[1])
 

@@ -79,14 +79,14 @@ class ParallelContext:
     @classmethod
     def one_device(cls, device, seed: int = 0) -> "ParallelContext":
         """No parallelism, torch kernels: a whole model on one device (inference, tests)."""
-        return cls(Group("tp", [0], None, Ledger()), RNGTracker(seed, 0, 0, torch.device(device)))
+        return cls(Group("tp", [0], None, Ledger()), RNGTracker(seed, 0, torch.device(device)))
 
-    @property
-    def compile_chunks(self) -> bool:
+    def compile_chunks(self, dropout: float) -> bool:
         """compile=true compiles a chunk's run of blocks as one graph where nothing in it needs to stay
-        eager (no TP collective, no full recompute): the per-call cost of a compiled region (guards,
-        the autograd wrapper) is then paid once per microbatch, not once per block. Else each block."""
-        return self.compile and self.tp_group.size == 1 and self.recompute != Recompute.full
+        eager (no TP collective, no full recompute, no dropout, whose masks are keyed before each block:
+        RNGTracker.seed): the per-call cost of a compiled region (guards, the autograd wrapper) is then paid
+        once per microbatch, not once per block. Else each block."""
+        return self.compile and self.tp_group.size == 1 and self.recompute != Recompute.full and not dropout
 
     def dropout_stream(self, per_tp_rank: bool):
         """The RNG stream a dropout draws from: the TP-rank stream (RNGTracker.fork) when its tensor differs
@@ -186,8 +186,10 @@ class KVCache:
 
 
 class Layer(nn.Module):
-    """A pipeline unit; its parameters' global names are `prefix.local_name`."""
+    """A pipeline unit; its parameters' global names are `prefix.local_name`, and `index` is its place in
+    the layer list [Embedding, Block_1..L, Head] (what keys its dropout masks: RNGTracker.seed)."""
     prefix = ""
+    index = 0
 
     def global_name(self, local: str) -> str:
         return f"{self.prefix}.{local}"
@@ -292,7 +294,7 @@ class Block(Layer):
 
     def __init__(self, index: int, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
-        self.prefix = f"blocks.{index}"
+        self.prefix, self.index = f"blocks.{index}", index + 1
         self.rng = ctx.rng if m.dropout else None      # for recomputed(): None when nothing is random
         self.full_recompute = ctx.recompute == "full"
         self.ln1 = LayerNorm(m, ctx, device)
@@ -300,7 +302,7 @@ class Block(Layer):
         self.ln2 = LayerNorm(m, ctx, device)
         self.mlp = MLP(m, ctx, device)
         self.dropout = Dropout(m.dropout, ctx)
-        if ctx.compile and not ctx.compile_chunks:    # a graph per block between the (eager) collectives
+        if ctx.compile and not ctx.compile_chunks(m.dropout):   # a graph per block between what stays eager
             self._forward = torch.compile(self._forward, dynamic=False)
 
     def _forward(self, x, r, cache=None):
@@ -353,11 +355,13 @@ class Head(Layer):
 
 
 class GPTChunk(nn.Module):
-    """A contiguous slice of the layer list, run by one (virtual) pipeline stage."""
+    """A contiguous slice of the layer list, run by one (virtual) pipeline stage. `rng` (None without
+    dropout) is keyed before each layer's forward in training (RNGTracker.seed)."""
 
-    def __init__(self, layers: list, compile_blocks: bool = False):
+    def __init__(self, layers: list, rng: RNGTracker | None = None, compile_blocks: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.rng = rng
         self.has_embedding = isinstance(layers[0], Embedding)
         self.has_head = isinstance(layers[-1], Head)
         self.blocks = [layer for layer in layers if isinstance(layer, Block)]   # contiguous (a plain list)
@@ -365,18 +369,25 @@ class GPTChunk(nn.Module):
         if self.blocks_compiled:                # ParallelContext.compile_chunks: the blocks as one graph
             self._blocks = torch.compile(self._blocks, dynamic=False)
 
-    def _blocks(self, x, cache):
+    def _blocks(self, x, cache, sample=None):
         r = None                           # a block's output not yet added to the residual stream x
         for block in self.blocks:
+            if sample is not None:
+                self.rng.seed(sample, block.index)
             x, r = block(x, r, cache)
         return x, r
 
-    def forward(self, x, labels=None, cache: KVCache | None = None):
+    def forward(self, x, labels=None, cache: KVCache | None = None, sample: int | None = None):
         """Embedding, blocks, head, those this chunk has: the head's loss (labels) or logits (no labels),
-        else the last activation."""
+        else the last activation. `sample`: the global index of the microbatch's first sample, which keys
+        the dropout masks in training (None: the streams run on as they are)."""
+        if self.rng is None or not self.training:
+            sample = None
         if self.has_embedding:
+            if sample is not None:
+                self.rng.seed(sample, 0)
             x = self.layers[0](x, cache)
-        x, r = self._blocks(x, cache)
+        x, r = self._blocks(x, cache, sample)     # (sample is None where the blocks are one compiled graph)
         if self.has_head:
             return self.layers[-1](x, labels, r)
         return x if r is None else x + r
@@ -417,7 +428,7 @@ def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed:
                 layers.append(Head(m, ctx, shared, device))
             else:
                 layers.append(Block(i - 1, m, ctx, device))
-        chunks.append(GPTChunk(layers, ctx.compile_chunks))
+        chunks.append(GPTChunk(layers, ctx.rng if m.dropout else None, ctx.compile_chunks(m.dropout)))
     if torch.device(device).type != "meta":
         initialize(chunks, ctx.tp_group, seed)
     return chunks

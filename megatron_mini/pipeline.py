@@ -54,16 +54,17 @@ class PipelineEngine:
         self.trace = []    # (Action, t_start, t_end) of the last step, in execution order: host perf_counter
         #                    times, the work's on a CPU; on a GPU the launches' (no device sync is taken)
 
-    def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int) -> torch.Tensor:
-        """Forward and backward over the microbatches of `batch` [m, mbs, s+1]; gradients land
-        (DP-synced) in the main-grad buffers. Returns the local sum of token losses (last stage)."""
-        return self._run(self.schedule, batch, loss_scale / global_tokens)
+    def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int, first_sample: int) -> torch.Tensor:
+        """Forward and backward over the microbatches of `batch` [m, mbs, s+1], whose first sample has the
+        global index `first_sample` (it keys the dropout masks); gradients land (DP-synced) in the main-grad
+        buffers. Returns the local sum of token losses (last stage)."""
+        return self._run(self.schedule, batch, loss_scale / global_tokens, first_sample)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
-        return self._run(self.eval_schedule, batch, None)
+        return self._run(self.eval_schedule, batch, None, None)
 
-    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None) -> torch.Tensor:
+    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None, first_sample: int | None) -> torch.Tensor:
         pp, vpp = self.mesh.pp, self.cfg.vpp
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -80,7 +81,8 @@ class PipelineEngine:
             if a.op == "forward":
                 tokens = batch[a.microbatch]
                 x = tokens[:, :-1] if chunk.has_embedding else inputs[key]
-                out = chunk(x, tokens[:, 1:] if chunk.has_head else None)
+                sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
+                out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
                 if chunk.has_head:
                     loss_sum += out.detach()
                     out = out * grad_scale if grad_scale is not None else out

@@ -113,7 +113,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
         dtype = DTYPES[cfg.precision.dtype]
-        ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, 0, META), cfg.sp, cfg.recompute)
+        ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, META), cfg.sp, cfg.recompute)
         (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
         (layer,) = chunk.to(dtype).train().layers
         tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
@@ -188,7 +188,7 @@ class Planner:
         if key not in self._ranks:
             layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
             mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)
-            chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, 0, META), META,
+            chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, META), META,
                                                     self._chunks.get(model_key))
             self._chunks = {model_key: chunks}        # for the same rank with(out) ZeRO, enumerated next
             mesh.ledger.reset()

@@ -29,7 +29,7 @@ from .files import atomic_write
 from .hardware import set_tf32
 from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
-from .dataset import check_token_ids, data_meta, get_batch, load_datasets
+from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
 from .memory_report import MemoryReport
@@ -37,7 +37,7 @@ from .mesh import ParallelMesh, choose_device, init_process_group
 from .model import select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss
-from .rng import RNGTracker, seed_default_stream
+from .rng import RNGTracker
 
 
 def learning_rate(update: int, cfg: TrainConfig) -> float:
@@ -137,8 +137,7 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train_data, self.val_data, self.tokenizer = datasets
         self.dtype = DTYPES[cfg.precision.dtype]
-        seed_default_stream(cfg.seed, mesh.pp_rank)
-        self.rng = RNGTracker(cfg.seed, mesh.tp_rank, mesh.pp_rank, device)
+        self.rng = RNGTracker(cfg.seed, mesh.tp_rank, device)
         self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, self.rng, device)
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
@@ -162,7 +161,8 @@ class Trainer:
         batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
-        loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step)
+        first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
+        loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step, first)
         loss, stop = self._global_loss(loss_sum, bool(stop and stop.requested))
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
@@ -201,13 +201,13 @@ class Trainer:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
         data's identity (checkpoint.data_identity), checked when the run resumes."""
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
-        checkpoint.save(path, self.step, self.consumed_samples, self.buffers, self.optimizer, self.rng, self.mesh,
+        checkpoint.save(path, self.step, self.consumed_samples, self.buffers, self.optimizer, self.mesh,
                         dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints)
         self.last_checkpoint = path
         return path
 
     def load(self, path: str) -> None:
-        meta = checkpoint.load(path, self.buffers, self.optimizer, self.rng, self.mesh)
+        meta = checkpoint.load(path, self.buffers, self.optimizer)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
         self.last_checkpoint = path
 

@@ -123,7 +123,7 @@ def _random_model(tp: int = 1, sp: bool = False, seq_len: int = 32):
     model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=96,
                         vocab_pad_multiple=64)
     mesh, cpu = ParallelMesh(tp, 1, 1), torch.device("cpu")
-    ctx = ParallelContext(mesh.tp_group, RNGTracker(1234, mesh.tp_rank, 0, cpu), sp)
+    ctx = ParallelContext(mesh.tp_group, RNGTracker(1234, mesh.tp_rank, cpu), sp)
     (chunk,) = build_chunks(model, ctx, [(0, model.num_layers + 2)], 1234, cpu)
     return chunk.eval()
 

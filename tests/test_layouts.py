@@ -53,3 +53,28 @@ def test_layout_matches_single_device(layout, small_data, references, tmp_path):
     cfg = _config(small_data, tmp_path, layout)
     history = train_on_ranks(WORLD[layout], cfg)
     assert_same_training(references(cfg.model.num_layers), history)
+
+
+DROPOUT_LAYOUTS = {   # (world size, overrides): every layout but tp, with dropout 0.1 and GBS 8
+    "dp2-zero-selective": (2, dict(zero=1, recompute="selective")),
+    "pp2-vpp2-own-full": (2, dict(pp=2, vpp=2, embedding_stage="own", recompute="full")),
+    "pp2-dp2-gpipe": (4, dict(pp=2, schedule="gpipe")),
+}
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(small_data, tmp_path_factory):
+    return train_on_ranks(1, small_config(small_data, tmp_path_factory.mktemp("ref-dropout"), gbs=GBS,
+                                          **{"model.dropout": 0.1}))
+
+
+@pytest.mark.parametrize("layout", list(DROPOUT_LAYOUTS))
+def test_dropout_trains_the_same_model_on_every_layout_but_tp(layout, small_data, references, dropout_reference,
+                                                              tmp_path):
+    """With dropout a mask is keyed by (seed, first sample of the microbatch, layer, tp rank) (rng.py), not by
+    how far a stream has run: dp, ZeRO, pp, vpp, the embedding placement, the schedule and recompute train the
+    same model as one process. (Dropout does act: the reference's losses are not those without it.)"""
+    world, overrides = DROPOUT_LAYOUTS[layout]
+    assert dropout_reference["loss"] != references(8)["loss"]
+    cfg = small_config(small_data, tmp_path, gbs=GBS, **{"model.dropout": 0.1}, **overrides)
+    assert_same_training(dropout_reference, train_on_ranks(world, cfg))

@@ -324,7 +324,7 @@ def test_flops_formula_counts_what_recomputation_runs(dropout, tp, sp):
     b, s, h = 3, model.seq_len, model.hidden_size
     for recompute in ("none", "selective", "full"):
         mesh = ParallelMesh(tp, 1, 1, ledger=Ledger(), virtual_rank=0)
-        ctx = ParallelContext(mesh.tp_group, RNGTracker(1, 0, 0, META), sp, recompute)
+        ctx = ParallelContext(mesh.tp_group, RNGTracker(1, 0, META), sp, recompute)
         (chunk,) = build_chunks(model, ctx, [(0, model.num_layers + 2)], 1, META)
         ids = torch.zeros(b, s, dtype=torch.long, device=META)
         with mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta), \

@@ -258,7 +258,7 @@ def _block_checks(mesh, mesh1) -> dict:
     X, G = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
 
     def build(m, sp, recompute="none", seeded=True):
-        ctx = ParallelContext(m.tp_group, RNGTracker(11, m.tp_rank, m.pp_rank, cpu), sp, recompute)
+        ctx = ParallelContext(m.tp_group, RNGTracker(11, m.tp_rank, cpu), sp, recompute)
         chunk = GPTChunk([Block(0, model, ctx, cpu)])
         if seeded:
             with torch.no_grad():
@@ -325,28 +325,30 @@ def _block_checks(mesh, mesh1) -> dict:
 
 
 def _rng_checks(mesh) -> dict:
+    """The streams as a layer's forward leaves them keyed (RNGTracker.seed(sample, layer)), under four keys;
+    "a_again" is key "a" on a new tracker."""
     import torch.nn.functional as F
 
-    from megatron_mini.rng import RNGTracker, seed_default_stream
+    from megatron_mini.rng import RNGTracker
 
     cpu = torch.device("cpu")
-    seed_default_stream(1234, mesh.pp_rank)                            # as the training set-up does
-    tracker = RNGTracker(1234, mesh.tp_rank, mesh.pp_rank, cpu)
-    start = torch.get_rng_state()
-    default1 = torch.rand(64)
-    with tracker.fork():
-        mask1 = F.dropout(torch.ones(512), 0.5)
-    with tracker.fork():
-        mask2 = F.dropout(torch.ones(512), 0.5)
-    default2 = torch.rand(64)
-    again = RNGTracker(1234, mesh.tp_rank, mesh.pp_rank, cpu)       # same coordinates: same streams
-    with again.fork():
-        mask1_again = F.dropout(torch.ones(512), 0.5)
-    replay = torch.Generator()
-    replay.set_state(start)
-    undisturbed = torch.rand(128, generator=replay)                   # the default stream without forks
-    return dict(default=torch.cat([default1, default2]).numpy(), undisturbed=undisturbed.numpy(),
-                mask1=mask1.numpy(), mask2=mask2.numpy(), mask1_again=mask1_again.numpy())
+    out = {}
+    for name, (sample, layer) in {"a": (8, 3), "a_again": (8, 3), "other_sample": (12, 3), "other_layer": (8, 4)}.items():
+        tracker = RNGTracker(1234, mesh.tp_rank, cpu)
+        tracker.seed(sample, layer)
+        start = torch.get_rng_state()
+        default1 = torch.rand(64)
+        with tracker.fork():
+            mask1 = F.dropout(torch.ones(512), 0.5)
+        with tracker.fork():
+            mask2 = F.dropout(torch.ones(512), 0.5)
+        default2 = torch.rand(64)
+        replay = torch.Generator()
+        replay.set_state(start)
+        undisturbed = torch.rand(128, generator=replay)                   # the default stream without forks
+        out[name] = dict(default=torch.cat([default1, default2]).numpy(), undisturbed=undisturbed.numpy(),
+                         mask1=mask1.numpy(), mask2=mask2.numpy())
+    return out
 
 
 def _guard(fn, *args) -> dict:
@@ -666,22 +668,30 @@ def test_block_sequence_parallel_saves_a_tp_th(res, mesh):
 # ============================================================================ RNG
 @pytest.mark.parametrize("mesh", TP_MESHES)
 def test_rng_tracker_streams(res, mesh):
+    """A key (sample, layer) gives the default stream the same draws on every rank (replicated regions: the
+    TP ranks must agree) and the model-parallel stream a mask of its own per TP rank, the same on a rank with
+    the same tp_rank; the same key again gives the same draws, another sample or layer other draws; a fork
+    leaves the default stream where it was."""
     rows = section(res, ("rng", mesh))
     coords = [r["coords"][mesh] for r in res]
     for g, (t, d) in enumerate(coords):
-        mine = rows[g]
+        mine = rows[g]["a"]
         assert set(np.unique(mine["mask1"])) <= {0.0, 2.0} and 0 < mine["mask1"].sum() < 2 * 512
         assert not np.array_equal(mine["mask1"], mine["mask2"]), "the model-parallel stream did not advance"
-        np.testing.assert_array_equal(mine["mask1"], mine["mask1_again"], err_msg="not reproducible")
-        np.testing.assert_array_equal(mine["default"], mine["undisturbed"],
-                                      err_msg="fork() disturbed the default stream")
-        np.testing.assert_array_equal(mine["default"], rows[0]["default"], err_msg="default stream differs")
+        for key in ("a", "other_sample", "other_layer"):
+            np.testing.assert_array_equal(rows[g][key]["default"], rows[g][key]["undisturbed"],
+                                          err_msg="fork() disturbed the default stream")
+        for what in ("default", "mask1", "mask2"):
+            np.testing.assert_array_equal(mine[what], rows[g]["a_again"][what], err_msg="not reproducible")
+            for key in ("other_sample", "other_layer"):
+                assert not np.array_equal(mine[what], rows[g][key][what]), (key, what)
+        np.testing.assert_array_equal(mine["default"], rows[0]["a"]["default"], err_msg="default stream differs")
         for h, (t2, d2) in enumerate(coords):
             if h == g:
                 continue
-            same = np.array_equal(mine["mask1"], rows[h]["mask1"])
+            same = np.array_equal(mine["mask1"], rows[h]["a"]["mask1"])
             if t2 == t:
-                assert same, f"ranks {g} and {h} (tp_rank {t}, DP replicas) drew different dropout masks"
+                assert same, f"ranks {g} and {h} (tp_rank {t}) drew different dropout masks for one key"
             else:
                 assert not same, f"ranks {g} and {h} (tp_ranks {t}, {t2}) drew the same dropout mask"
 

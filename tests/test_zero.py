@@ -100,7 +100,7 @@ def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
     pp = kw.get("pp", 1)
     mesh = ParallelMesh(1, pp, 2, virtual_rank=2 * (pp - 1))                    # dp rank 0 of the last stage
     monkeypatch.setattr(data_parallel.GradBuffer.__init__, "__defaults__", (3000,))     # bucket_numel
-    chunks, buffers, _ = build_rank(cfg, mesh, RNGTracker(0, 0, 0, meta), meta)
+    chunks, buffers, _ = build_rank(cfg, mesh, RNGTracker(0, 0, meta), meta)
     layers = [layer for chunk in chunks for layer in chunk.layers]               # forward order
     events, launches, handles = [], [], {}
     for n, layer in enumerate(layers):
