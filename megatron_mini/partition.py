@@ -16,7 +16,7 @@ def _spread(n: int, stages: int, to_blocks, why: str, uneven: str = "") -> list:
     place this count unevenly, `uneven`)."""
     if stages < 1 or n % stages:
         lo, hi = n - n % stages, n - n % stages + stages
-        options = ", ".join(str(to_blocks(u)) for u in (lo, hi) if to_blocks(u) > 0)
+        options = ", ".join(str(to_blocks(u)) for u in (lo, hi) if u > 0 and to_blocks(u) > 0)
         raise ConfigError(f"Cannot split the model evenly over the pipeline: {why} "
                           f"Block counts that would work here: {options} (or change pp/vpp/embedding_stage"
                           f"{uneven}).")
@@ -63,16 +63,23 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
         own = embedding_stage == "own"
         stages = S - 2 if own else S
         fixed = [n for n in (first_blocks, last_blocks) if n]
-        if fixed and len(fixed) >= stages:
-            raise ConfigError(f"pipeline_first_blocks/pipeline_last_blocks need more than {len(fixed)} block stages.")
-        if sum(fixed) >= L:
-            raise ConfigError(f"pipeline_first_blocks={first_blocks} + pipeline_last_blocks={last_blocks} leave no "
-                              f"blocks for the other {stages - len(fixed)} block stages of a {L}-block model.")
+        placed = f"pipeline_first_blocks={first_blocks} + pipeline_last_blocks={last_blocks}"
+        if len(fixed) > stages:
+            raise ConfigError(f"{placed} name two block stages, but there is one (embedding_stage={embedding_stage}, "
+                              f"pp x vpp = {S}) and it holds all {L} blocks; leave them 0.")
+        if len(fixed) == stages and sum(fixed) != L:
+            raise ConfigError(f"{placed} place {sum(fixed)} blocks on the {stages} block stages, which must hold all "
+                              f"{L}: make them add up to {L}, or set only one of them.")
+        if len(fixed) < stages and sum(fixed) >= L:
+            raise ConfigError(f"{placed} leave no blocks for the other {stages - len(fixed)} block stages of a "
+                              f"{L}-block model.")
         hint = "" if fixed else _uneven_hint(L, stages)
-        rest = _spread(L - sum(fixed), stages - len(fixed), lambda u: u + sum(fixed),
-                       f"{L - sum(fixed)} blocks must divide over {stages - len(fixed)} virtual stages "
-                       f"(embedding_stage={embedding_stage}, pp x vpp = {S}"
-                       + (f", {sum(fixed)} blocks placed explicitly)." if fixed else ")."), hint)
+        n_fixed = sum(fixed)
+        rest = [] if len(fixed) == stages else _spread(
+            L - n_fixed, stages - len(fixed), lambda u: u + n_fixed,
+            f"{L - n_fixed} blocks must divide over {stages - len(fixed)} virtual stages "
+            f"(embedding_stage={embedding_stage}, pp x vpp = {S}"
+            + (f", {n_fixed} block{'s' * (n_fixed != 1)} placed explicitly)." if fixed else ")."), hint)
         blocks = ([first_blocks] if first_blocks else []) + rest + ([last_blocks] if last_blocks else [])
         counts = [1] + blocks + [1] if own else blocks
         if not own:

@@ -44,3 +44,31 @@ def test_uneven_splits_name_block_counts_that_work(layers, stages, placement, wo
 def test_own_needs_three_stages():
     with pytest.raises(ConfigError, match="at least 3 virtual stages"):
         partition(8, 2, "own")
+
+
+def test_first_and_last_counts_may_place_every_block():
+    """Two block stages both placed explicitly: accepted when the counts are the model's blocks, else refused."""
+    assert sizes(partition(8, 2, "none", first_blocks=3, last_blocks=5)) == [4, 6]
+    assert sizes(partition(4, 4, "own", first_blocks=1, last_blocks=3)) == [1, 1, 3, 1]
+    with pytest.raises(ConfigError, match="make them add up to 8, or set only one"):
+        partition(8, 2, "none", first_blocks=3, last_blocks=4)
+    with pytest.raises(ConfigError, match="name two block stages, but there is one"):
+        partition(8, 3, "own", first_blocks=1, last_blocks=2)
+
+
+def test_every_suggested_block_count_works():
+    """A refusal's "Block counts that would work here" are each accepted with the same settings (a count
+    equal to the explicitly placed blocks, which leaves the other stages none, was once suggested)."""
+    import itertools
+    import re
+    checked = 0
+    for layers, stages, first, last in itertools.product(range(1, 13), range(2, 7), range(3), range(3)):
+        for placement in ("none", "own") + (("layer",) if not (first or last) else ()):
+            try:
+                partition(layers, stages, placement, first, last)
+            except ConfigError as e:
+                found = re.search(r"would work here: ([\d, ]+)", str(e))
+                for count in (found.group(1).split(", ") if found else []):
+                    partition(int(count), stages, placement, first, last)
+                    checked += 1
+    assert checked > 500
