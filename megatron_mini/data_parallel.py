@@ -142,7 +142,7 @@ class GradBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         grads = self.grads_flat[bucket.start:bucket.end]
-        if self.zero:
+        if self.zero and self.dp > 1:     # (at dp=1 there is nothing to reduce, and no shard to hold)
             bucket.shard_out = torch.empty_like(grads[: grads.numel() // self.dp])
             bucket.work = comm.reduce_scatter_into(bucket.shard_out, grads, self.mesh.dp_group, async_op=True)
         else:

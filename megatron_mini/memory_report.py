@@ -27,6 +27,7 @@ class MemoryReport:
         if plan and self.mesh.rank == 0:
             from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
             self.planned = planned_memory(trainer.cfg, self.mesh.dp)
+        self.measuring = plan     # until the first step is measured
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
             if plan and not trainer.cfg.compile else None
         self.ranks = []           # per rank: {"rank", "measured": {...}, "planned": {...}}
@@ -57,26 +58,32 @@ class MemoryReport:
 
     @contextlib.contextmanager
     def first_step(self):
-        """Around the first training step: the activations saved at its peak, planned | measured."""
-        if self.meter is None:
+        """Around the first training step (a no-op around the others): the activations saved at its peak
+        (not with compile=true), planned | measured, and on a GPU the allocator's peak."""
+        if not self.measuring:
             yield
             return
-        with self.meter.hooks():
+        with self.meter.hooks() if self.meter else contextlib.nullcontext():
             yield
+        self.measuring = False
         cuda = self.trainer.device.type == "cuda"
+        if self.meter is None and not cuda:
+            return                                    # nothing was measured
         peak = torch.cuda.max_memory_allocated(self.trainer.device) if cuda else 0
-        rows = self._gather([self.meter.peak, peak])
-        self.meter = None
+        rows = self._gather([self.meter.peak if self.meter else -1, peak])
         lines = []
         for r, (saved, allocated) in enumerate(rows):
-            self.ranks[r]["measured"]["activations"] = saved
+            measured = "- (compile=true)"
+            if saved >= 0:
+                self.ranks[r]["measured"]["activations"] = saved
+                measured = f"{saved / MiB:.2f}"
             gpu = ""
             if cuda:
                 self.ranks[r]["measured"]["allocated_peak"] = allocated
                 total = (f"{sum(self.planned[self._pp_rank(r)].values()) / MiB:.0f} | "
                          if self.planned else "")
                 gpu = f"; all memory {total}{allocated / MiB:.0f} (the allocator's peak)"
-            lines.append(f"  {self._label(r)}: activations {self._planned(r, 'activations')} | {saved / MiB:.2f}{gpu}")
+            lines.append(f"  {self._label(r)}: activations {self._planned(r, 'activations')} | {measured}{gpu}")
         self.log.info("memory at the first step's peak, MiB (planned | measured):\n" + "\n".join(lines))
 
     def history(self) -> list:

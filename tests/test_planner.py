@@ -413,3 +413,32 @@ def test_precision_peak_tflops_overrides_the_table_as_for_mfu(small_data, tmp_pa
     slow = estimate(planner, dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, peak_tflops=half)),
                     ClusterConfig(gpus=2))
     assert slow.times["compute"] == pytest.approx(2 * table.times["compute"], rel=1e-12)
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_memory_report_gives_the_allocator_peak_under_compile_too(compile_, caplog):
+    """On a GPU the first step's allocator peak is reported and kept for history.json, with compile=true too
+    (whose graphs keep their saved activations out of the meter's view: that figure alone is left out);
+    the later steps measure nothing. (CUDA is stood in for: the report reads torch.cuda.max_memory_allocated.)"""
+    import logging
+    import types
+    from unittest import mock
+
+    from megatron_mini.memory_report import MemoryReport
+
+    mesh = types.SimpleNamespace(rank=0, dp=1, coords=lambda r: (0, 0, 0))
+    trainer = types.SimpleNamespace(mesh=mesh, cfg=types.SimpleNamespace(compile=compile_), chunks=[],
+                                    device=torch.device("cuda"))
+    with mock.patch("megatron_mini.plan_meta.planned_memory", return_value=None):
+        report = MemoryReport(trainer, logging.getLogger("memory-test"), plan=True)
+    report.ranks = [{"rank": 0, "measured": {}}]
+    gathered = []
+    with mock.patch.object(report, "_gather", side_effect=lambda v: gathered.append(v) or [v]), \
+            mock.patch("torch.cuda.max_memory_allocated", return_value=5 * 2 ** 30), caplog.at_level(logging.INFO):
+        for _ in range(2):
+            with report.first_step():
+                pass
+    measured = report.history()[0]["measured"]
+    assert len(gathered) == 1 and measured["allocated_peak"] == 5 * 2 ** 30
+    assert ("activations" in measured) != compile_
+    assert "5120 (the allocator's peak)" in caplog.text

@@ -75,6 +75,37 @@ def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
             assert abs(rank["optimizer"] * dp - plain["optimizer"]) <= 8 * dp * 4, (dp, rank, plain)
 
 
+def _reduce_scatter_outputs(cfg):
+    """The gradient sync's reduce-scatter outputs (each bucket's shard_out) after one step's backward."""
+    from harness import make_trainer
+    from megatron_mini.data_parallel import GradBuffer
+    shards = []
+    finish = GradBuffer.finish_grad_sync
+
+    def recording(self):
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        shards.extend(None if b.shard_out is None else b.shard_out.numel() for b in self.buckets)
+        finish(self)
+    GradBuffer.finish_grad_sync = recording
+    trainer = make_trainer(cfg)
+    trainer.train_step()
+    return shards, trainer.buffers[0].grads_flat.numel()
+
+
+def test_zero1_at_dp1_holds_no_reduce_scatter_output(small_data, tmp_path):
+    """ZeRO-1 on one DP rank has no gradient to share: no bucket holds a copy of its gradients for a
+    reduce-scatter (it held all of them, 4 bytes a parameter that neither the plan nor memory_bytes counts);
+    at dp=2 each holds its half."""
+    from ranks import spawn
+
+    shards, _ = spawn(1, _reduce_scatter_outputs, small_config(small_data, tmp_path, zero=1))[0]
+    assert shards and all(s is None for s in shards)
+    shards, numel = spawn(2, _reduce_scatter_outputs, small_config(small_data, tmp_path, zero=1))[0]
+    assert sum(shards) * 2 == numel
+
+
 ORDER_LAYOUTS = {"pp1": dict(), "pp1-vpp2": dict(vpp=2), "pp2-last-stage": dict(pp=2)}
 
 
