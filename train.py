@@ -10,7 +10,6 @@ Hydra composes conf/config.yaml with the command line into one typed TrainConfig
 Hydra's own messages (a wrong type, a value outside a choice), unknown keys, and the library's
 ConfigError / RunError / CommError.
 """
-import io
 import os
 import sys
 
@@ -20,38 +19,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_mini.config import TrainConfig, check_keys, register_configs, validate
 from megatron_mini.errors import CommError, ConfigError, RunError
-from megatron_mini.launch import Terminated, fail, launch_env
+from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
 
 register_configs()
-_HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
-
-
-class _Stderr:
-    """Holds what Hydra prints while it composes the config (its error, if any: every rank would print
-    it); once our code runs, stderr is the real one again."""
-
-    def __init__(self):
-        self.real, self.held = sys.stderr, io.StringIO()
-        sys.stderr = self.held
-
-    def restore(self, replay: bool = True) -> None:
-        if sys.stderr is self.held:
-            sys.stderr = self.real
-            if replay:
-                self.real.write(self.held.getvalue())
-
-    def hydra_error(self) -> str:
-        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() and line != _HYDRA_HINT]
-        text = " ".join(lines).split(" full_key:")[0]          # OmegaConf's trailer repeats the key
-        return text or "the configuration could not be composed"
-
-
-_stderr = None
+command_line = HydraCommandLine()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
-    _stderr.restore()
+    command_line.composed()
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
         try:
@@ -75,13 +51,4 @@ if __name__ == "__main__":
     if {"-m", "--multirun"} & set(sys.argv[1:]):   # before Hydra's sweeper writes its directories
         fail("multirun (-m) is not supported: each run is a job of its own ranks; launch one command per "
              "configuration (a shell loop, or a scheduler's array job).", code=2)
-    _stderr = _Stderr()
-    try:
-        main()
-    except SystemExit as e:                # Hydra refused the command line (its message is held)
-        if e.code not in (0, None) and sys.stderr is _stderr.held:
-            _stderr.restore(replay=False)
-            fail(_stderr.hydra_error(), code=2)
-        raise
-    finally:
-        _stderr.restore()
+    command_line.run(main)

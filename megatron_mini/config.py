@@ -243,30 +243,59 @@ def _choices(obj) -> None:
                 raise ConfigError(f"{name}={value!r}: choose one of {', '.join(kind.__members__)}.") from None
 
 
-def check_keys(given: dict, schema=None, prefix: str = "") -> None:
-    """Refuse every key of the composed config `given` (nested dicts) that is no field of TrainConfig:
-    Hydra's `+key=value` adds keys that the dataclass would otherwise silently drop."""
-    schema = schema or TrainConfig
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key, value in given.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            raise ConfigError(f"Unknown config key {prefix}{key}"
-                              + (f" (did you mean {prefix}{close[0]}?)" if close else "")
-                              + f"; the keys{' of ' + prefix[:-1] if prefix else ''} are: {', '.join(fields)}.")
-        default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            check_keys(value, type(default), f"{prefix}{key}.")
+def config_keys(schema=None, prefix: str = "") -> list:
+    """Every key of TrainConfig, dotted (`optimizer.lr`), sections included."""
+    keys = []
+    for f in dataclasses.fields(schema or TrainConfig):
+        keys.append(prefix + f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            keys += config_keys(type(default), f"{prefix}{f.name}.")
+    return keys
+
+
+def unknown_key(key: str, schema=None) -> ConfigError:
+    """The refusal of dotted `key`, naming the key meant where one is close: `lr` -> optimizer.lr,
+    `optimizer.lrr` -> optimizer.lr, `tpp` -> tp (keys of `schema`, TrainConfig by default)."""
+    keys = config_keys(schema)
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(key, keys, n=1)
+    hint = f" (did you mean {' or '.join(close[:2])}?)" if close else ""
+    section = key.rsplit(".", 1)[0] if "." in key and key.rsplit(".", 1)[0] in keys else ""
+    siblings = [k.rsplit(".", 1)[-1] for k in keys if (k.rsplit(".", 1)[0] if "." in k else "") == section]
+    return ConfigError(f"Unknown config key {key}{hint}; the keys{' of ' + section if section else ''} are: "
+                       f"{', '.join(siblings)}.")
+
+
+def check_keys(given: dict, schema=None) -> None:
+    """Refuse every key of the composed config `given` (nested dicts) that is no field of `schema`
+    (TrainConfig by default): Hydra's `+key=value` adds keys that the dataclass would otherwise silently drop."""
+    def check(given: dict, section, prefix: str) -> None:
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in given.items():
+            if key not in fields:
+                raise unknown_key(prefix + key, schema)
+            field = fields[key]
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(default) and isinstance(value, dict):
+                check(value, type(default), f"{prefix}{key}.")
+    check(given, schema or TrainConfig, "")
+
+
+def check_ranges(cfg: TrainConfig, section: str = "") -> None:
+    """The RANGES rules of the keys under `section` ("" = all)."""
+    for key, (ok, requirement) in RANGES.items():
+        if key.startswith(section):
+            value = _get(cfg, key)
+            if not ok(value):
+                raise ConfigError(f"{key}={value} must be {requirement}.")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
     ConfigError with one paragraph. Run by every rank before any process group exists."""
     _choices(cfg)
-    for key, (ok, requirement) in RANGES.items():
-        value = _get(cfg, key)
-        if not ok(value):
-            raise ConfigError(f"{key}={value} must be {requirement}.")
+    check_ranges(cfg)
     if not cfg.run_name.strip() or set(cfg.run_name.replace("\\", "/").split("/")) & {"", ".", ".."}:
         raise ConfigError(f"run_name={cfg.run_name!r} must name a directory below runs/ (no empty, '.' or '..' "
                           f"part); to put a run elsewhere, set run_dir=PATH.")

@@ -74,8 +74,9 @@ def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
     if os.path.normpath(new) == os.path.normpath(cfg.dir):
         new += "-new"
     command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
+    keys = " ".join([f"data.dir={new}"] + [f"data.{k}={shlex.quote(str(v))}" for k, v in changes.items()])
     return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
-            f"and run with data.dir={new}")
+            f"and run with {keys}")
 
 
 # ----------------------------------------------------------------------------------------------- corpus

@@ -14,13 +14,17 @@
   training loop shares with every rank at the end of a step; then all of them save and exit.
 * `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
+* `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
+  line Hydra refuses ends with one `error:` line too.
 """
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import io
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -149,3 +153,44 @@ class RunLock:
         if not self._file.closed:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+
+
+class HydraCommandLine:
+    """Runs a `@hydra.main` entry point so that a command line Hydra refuses (a wrong type, a value outside
+    a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
+    what Hydra prints while it composes the config is held, and given back by `composed()`, which the entry
+    point calls first; then stderr is the real one again."""
+    HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+
+    def __init__(self):
+        self.real = self.held = None
+
+    def composed(self, replay: bool = True) -> None:
+        if self.held is not None and sys.stderr is self.held:
+            sys.stderr = self.real
+            if replay:
+                self.real.write(self.held.getvalue())
+
+    def error(self) -> str:
+        """Hydra's refusal as one line; an unknown key as config.unknown_key says it (Hydra's advice, `+key=`,
+        would only be refused next: no such key is read)."""
+        from .config import unknown_key
+        text = " ".join(line.strip() for line in self.held.getvalue().splitlines()
+                        if line.strip() and line.strip() != self.HINT)
+        key = re.search(r"Could not override '([^']+)'", text)
+        if key and " not in " in text:
+            return str(unknown_key(key.group(1)))
+        return text.split(" full_key:")[0] or "the configuration could not be composed"   # (OmegaConf's trailer)
+
+    def run(self, main) -> None:
+        self.real, self.held = sys.stderr, io.StringIO()
+        sys.stderr = self.held
+        try:
+            main()
+        except SystemExit as e:                # Hydra refused the command line (its message is held)
+            if e.code not in (0, None) and sys.stderr is self.held:
+                self.composed(replay=False)
+                fail(self.error(), code=2)
+            raise
+        finally:
+            self.composed()

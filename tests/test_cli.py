@@ -57,17 +57,36 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
 
 @pytest.mark.parametrize("override, facts", [
     ("precision.dtype=fp8", ["Invalid value 'fp8', expected one of [fp32, fp16, bf16]"]),
-    ("foo=1", ["Key 'foo' not in 'TrainConfig'"]),
-    ("+foo=1", ["Unknown config key foo"]),
+    ("foo=1", ["Unknown config key foo; the keys are: model, data"]),
+    ("+foo=1", ["Unknown config key foo; the keys are: model, data"]),
+    ("lr=0.1", ["Unknown config key lr (did you mean optimizer.lr?)"]),
+    ("+lr=0.1", ["Unknown config key lr (did you mean optimizer.lr?)"]),
+    ("optimizer.lrr=0.1", ["Unknown config key optimizer.lrr (did you mean optimizer.lr?); the keys of optimizer are: lr,"]),
     ("tp=abc", ["'abc'", "could not be converted to Integer"]),
-], ids=["fp8", "unknown-key", "appended-unknown-key", "wrong-type"])
+], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
-    """Hydra's refusals come out as our one line too (its text, without its stack-trace hint)."""
+    """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
+    names the key meant, not Hydra's advice to append it with +key=, which would be refused next."""
     run_dir = tmp_path / "run"
     r = python_train([*model_args(small_data, run_dir), override])
     assert_one_error(r, facts, "python")
-    assert "HYDRA_FULL_ERROR" not in r.all, r
+    assert "HYDRA_FULL_ERROR" not in r.all and "To append" not in r.all, r
     assert not run_dir.exists(), r                    # it failed before the run started
+
+
+@pytest.mark.parametrize("override, facts", [
+    ("+data.vocab=4096", ["Unknown config key data.vocab (did you mean data.vocab_size?)"]),
+    ("data.num_workers=0", ["data.num_workers=0 must be >= 1"]),
+    ("data.vocab_size=abc", ["'abc'", "could not be converted to Integer"]),
+], ids=["appended-typo", "out-of-range", "wrong-type"])
+def test_prepare_data_refuses_what_train_refuses(tmp_path, override, facts):
+    """tools/prepare_data.py (make data) checks the data.* keys as train.py does: a key it would drop, or a
+    value out of range, is one line and exit 2, and nothing is built."""
+    from commandline import PYTHON, finish, start
+    out = tmp_path / "data"
+    r = finish(start([PYTHON, "tools/prepare_data.py", override, f"data.dir={out}"], env()))
+    assert_one_error(r, facts, "python")
+    assert not (out / "tokenizer.model").exists(), r
 
 
 # ------------------------------------------------------------------------------------------ torchrun

@@ -203,15 +203,16 @@ def test_bad_files_give_one_line_error(copy_of, corrupt):
 
 def test_wrong_vocab_size(prepared):
     """A valid directory built for another vocabulary is never offered for overwriting: the hint builds
-    the asked-for vocabulary in a sibling directory, naming every data key that decides it."""
+    the asked-for vocabulary in a sibling directory, naming every data key that decides it, and runs with
+    that vocabulary (a data.vocab_size left as it was would be refused by the new directory)."""
     cfg, _ = prepared
     with pytest.raises(DataError, match=r"tokenizer\.model: has 512 tokens, but model\.vocab_size=1024") as err:
         load_datasets(cfg, SEQ, seed=1, vocab_size=1024)
     msg = str(err.value)
     sibling = str(Path(cfg.dir).parent / "corpus-v1024")
     assert "\n" not in msg and f"{cfg.dir} is left as it is" in msg
-    assert (f"python tools/prepare_data.py data.source={cfg.source} data.dir={sibling} data.vocab_size=1024 "
-            f"and run with data.dir={sibling}") in msg
+    assert msg.endswith(f"python tools/prepare_data.py data.source={cfg.source} data.dir={sibling} "
+                        f"data.vocab_size=1024 and run with data.dir={sibling} data.vocab_size=1024")
 
 
 def test_other_source_is_not_overwritten(prepared, tmp_path):

@@ -11,23 +11,28 @@ import sys
 import hydra
 from omegaconf import OmegaConf
 
-from megatron_mini.config import register_configs
+from megatron_mini.config import ConfigError, check_keys, check_ranges, register_configs
 from megatron_mini.data import DataError, prepare
+from megatron_mini.launch import HydraCommandLine, fail
 
 register_configs()
+command_line = HydraCommandLine()
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
-def main(cfg) -> None:
+def main(dict_cfg) -> None:
+    command_line.composed()
     try:
-        prepare(OmegaConf.to_object(cfg.data))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        check_keys(OmegaConf.to_container(dict_cfg, resolve=False))   # (train.py's checks of the data.* keys)
+        cfg = OmegaConf.to_object(dict_cfg)
+        check_ranges(cfg, "data.")
+        prepare(cfg.data)
+    except (ConfigError, DataError) as e:
+        fail(str(e), code=2)
 
 
 if __name__ == "__main__":
     # Hydra creates its run dir: make it data.dir (created anyway) rather than an empty runs/<run_name>.
     if not any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:]):
         sys.argv.append("hydra.run.dir=${data.dir}")
-    main()
+    command_line.run(main)
