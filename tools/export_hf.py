@@ -10,6 +10,7 @@ dp, ZeRO) exports the same way; the name map and the conversion are in megatron_
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_mini.hf import export
@@ -22,6 +23,9 @@ def main(argv=None) -> int:
     p.add_argument("out_dir", help="the Hugging Face model directory to write")
     p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run)")
     args = p.parse_args(argv)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
+        return 2
     try:
         path = export(args.checkpoint, args.out_dir, args.tokenizer)
     except CheckpointError as e:

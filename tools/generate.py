@@ -7,8 +7,9 @@ The model is megatron_mini's own at tp=pp=dp=1 (megatron_mini/inference.py), dec
 cache: the prompt is prefilled once, then each new token runs one position; once the text fills the
 model's window (seq_len) the last half window is prefilled again. --no-kv-cache reruns the last
 seq_len tokens for every token instead (for comparison). Sampling stops at EOS (end of a document);
-an empty prompt starts from EOS, i.e. at the start of a document. The text goes to stdout; the
-checkpoint, device and tokens/s go to stderr.
+an empty prompt starts from EOS, i.e. at the start of a document; a prompt longer than seq_len is cut
+to its last seq_len tokens (a note on stderr says so). The text goes to stdout; the checkpoint, device
+and tokens/s go to stderr.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def main(argv=None) -> int:
         return 2
     print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
     prompt = tok.encode(args.prompt) or [tok.eos_id]
+    seq_len = ckpt.cfg.model.seq_len
+    if len(prompt) > seq_len:
+        print(f"note: the model's context is {seq_len} tokens: the first {len(prompt) - seq_len} of the prompt's "
+              f"{len(prompt)} tokens are dropped (the printed text keeps them)", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,

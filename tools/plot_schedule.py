@@ -18,17 +18,20 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from megatron_mini.config import ConfigError  # noqa: E402
-from megatron_mini.schedules import SimResult, simulate  # noqa: E402
+from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
 
 
 def schedule_name(kind: str, vpp: int) -> str:
-    return "GPipe" if kind == "gpipe" else ("interleaved 1F1B" if vpp > 1 else "1F1B")
+    if kind == "1f1b":
+        return "interleaved 1F1B" if vpp > 1 else "1F1B"
+    return "GPipe" if kind == "gpipe" else kind
 
 
 def bubble_formula(pp: int, vpp: int, m: int) -> str:
@@ -90,29 +93,40 @@ def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per rank (1f1b with vpp > 1 = interleaved)")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--schedule", choices=KINDS, default="1f1b")
     p.add_argument("--compare", action="store_true", help="draw GPipe, 1F1B and interleaved 1F1B one above the other")
-    p.add_argument("-o", "--output", default="schedule.png", help="PNG to write")
+    p.add_argument("-o", "--output", default="schedule.png", help="image to write (.png, .svg, .pdf, ...)")
     args = p.parse_args(argv)
-
+    for name in ("pp", "vpp", "microbatches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(args.output)[1][1:].lower() not in formats:
+        p.error(f"-o {args.output}: matplotlib writes only {', '.join('.' + f for f in sorted(formats))}")
     if args.compare:
-        interleaved_vpp = args.vpp if args.vpp > 1 else 2
-        if args.vpp == 1:
-            print("note: --vpp 1, so the interleaved 1F1B panel uses vpp=2")
-        panels = [("gpipe", args.pp, 1, args.microbatches), ("1f1b", args.pp, 1, args.microbatches),
-                  ("1f1b", args.pp, interleaved_vpp, args.microbatches)]
+        args.panels = [("gpipe", args.pp, 1, args.microbatches), ("1f1b", args.pp, 1, args.microbatches),
+                       ("1f1b", args.pp, max(args.vpp, 2), args.microbatches)]
     else:
-        panels = [(args.schedule, args.pp, args.vpp, args.microbatches)]
-    try:
-        results = plot(panels, args.output)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    for (kind, pp, vpp, m), result in zip(panels, results):
+        args.panels = [(args.schedule, args.pp, args.vpp, args.microbatches)]
+    for panel in args.panels:
+        try:
+            check_schedule(*panel)
+        except ConfigError as e:
+            p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare and args.vpp == 1:
+        print("note: --vpp 1, so the interleaved 1F1B panel uses vpp=2")
+    results = plot(args.panels, args.output)
+    for (kind, pp, vpp, m), result in zip(args.panels, results):
         print(f"{schedule_name(kind, vpp)} pp={pp} vpp={vpp} m={m}: bubble fraction {result.bubble:.6f} "
               f"(textbook {bubble_formula(pp, vpp, m)}); peak in-flight microbatches per rank "
               f"{result.peak_in_flight}" + (" (counted per model chunk)" if vpp > 1 else ""))

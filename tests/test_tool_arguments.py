@@ -1,0 +1,97 @@
+"""Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, compare_runs.py,
+generate.py) give one line on stderr and a non-zero exit, no traceback; generate.py notes a cut prompt."""
+import json
+
+import pytest
+
+from harness import small_config, train_on_ranks
+from megatron_mini import inference, schedules
+
+import compare_runs  # tools/, on pytest's pythonpath
+import export_hf
+import generate
+import plot_schedule
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(small_data, tmp_path_factory) -> str:
+    """A one-step, two-block run's checkpoint (seq_len 32)."""
+    cfg = small_config(small_data, tmp_path_factory.mktemp("tiny") / "run", steps=1, gbs=2,
+                       **{"model.num_layers": 2})
+    return train_on_ranks(1, cfg)["checkpoint"]
+
+
+def _one_error_line(capsys) -> str:
+    """stderr's one error line (argparse's parser.error puts its usage lines before it)."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error: " in line]
+    assert "Traceback" not in err and len(errors) == 1 and err.endswith(errors[0] + "\n"), err
+    assert all(line.startswith(("usage: ", " ")) for line in err.splitlines()[:-1]), err
+    return errors[0]
+
+
+def _exit_code(tool, argv) -> int:
+    with pytest.raises(SystemExit) as stop:
+        tool.main(argv)
+    return stop.value.code
+
+
+@pytest.mark.parametrize("argv, fact", [
+    (["--pp", "0", "-m", "4"], "--pp must be >= 1, got 0"),
+    (["--pp", "2", "--vpp", "0", "-m", "4"], "--vpp must be >= 1, got 0"),
+    (["--pp", "2", "-m", "-1"], "--microbatches must be >= 1, got -1"),
+    (["--pp", "4", "--vpp", "2", "-m", "6"], "must be a multiple of 4, but it is 6"),
+    (["--pp", "4", "-m", "6", "--compare"], "must be a multiple of 4, but it is 6"),  # the interleaved panel
+    (["--pp", "2", "-m", "4", "-o", "s.txt"], ".png"),
+])
+def test_plot_schedule_bad_arguments(argv, fact, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(plot_schedule, argv) == 2
+    err = _one_error_line(capsys)
+    assert "error: " in err and fact in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_plot_schedule_offers_the_schedules_kinds(monkeypatch):
+    """--schedule's choices are schedules.KINDS, so a new kind can be drawn without editing the tool."""
+    assert plot_schedule.KINDS is schedules.KINDS
+    monkeypatch.setattr(plot_schedule, "KINDS", schedules.KINDS + ("zero_bubble",))
+    assert plot_schedule.parse_args(["--pp", "2", "-m", "4", "--schedule", "zero_bubble"]).schedule == "zero_bubble"
+
+
+def test_export_to_an_existing_file_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("keep me")
+    assert export_hf.main([tiny_checkpoint, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(out) in err and "not a directory" in err, err
+    assert out.read_text() == "keep me"
+
+
+def test_compare_runs_refuses_an_unwritable_suffix(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in range(5)))
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(compare_runs, [str(run), "-o", "c.txt"]) == 2
+    err = _one_error_line(capsys)
+    assert "c.txt" in err and ".png" in err and ".pdf" in err and ".svg" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]          # neither c.txt nor c.csv
+
+
+def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys):
+    ckpt = inference.read_checkpoint(tiny_checkpoint)
+    tok = inference.find_tokenizer(ckpt)
+    seq_len = ckpt.cfg.model.seq_len
+    prompt = "def main(args):\n    return [x * 2 for x in args if x is not None]\n" * 4
+    n = len(tok.encode(prompt))
+    assert n > seq_len
+    argv = [tiny_checkpoint, "--max-new-tokens", "2", "--temperature", "0", "--device", "cpu"]
+    assert generate.main(argv + ["--prompt", prompt]) == 0
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1, err
+    assert f"{n - seq_len} of the prompt's {n} tokens" in notes[0] and f"context is {seq_len} tokens" in notes[0]
+    assert out.startswith(tok.decode(tok.encode(prompt)))                 # the whole prompt is still printed
+    assert generate.main(argv + ["--prompt", "def main("]) == 0
+    assert "note: " not in capsys.readouterr().err
