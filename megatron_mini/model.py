@@ -186,10 +186,10 @@ class KVCache:
 
 
 class Layer(nn.Module):
-    """A pipeline unit; its parameters' global names are `prefix.local_name`, and `index` is its place in
-    the layer list [Embedding, Block_1..L, Head] (what keys its dropout masks: RNGTracker.seed)."""
+    """A pipeline unit; its parameters' global names are `prefix.local_name`. The embedding and the blocks
+    have an `index`, their place in the layer list [Embedding, Block_1..L, Head], which keys their dropout
+    masks (RNGTracker.seed)."""
     prefix = ""
-    index = 0
 
     def global_name(self, local: str) -> str:
         return f"{self.prefix}.{local}"
@@ -198,7 +198,7 @@ class Layer(nn.Module):
 class Embedding(Layer):
     """ids [b, s] -> word + position embeddings [s(/tp), b, h]: positions 0 .. s - 1 (this rank's
     shard of them with sp), or those after a cache's `length` (inference)."""
-    prefix = "embedding"
+    prefix, index = "embedding", 0
 
     def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()
@@ -369,11 +369,14 @@ class GPTChunk(nn.Module):
         if self.blocks_compiled:                # ParallelContext.compile_chunks: the blocks as one graph
             self._blocks = torch.compile(self._blocks, dynamic=False)
 
+    def _key(self, layer: Layer, sample: int | None) -> None:
+        if sample is not None:
+            self.rng.seed(sample, layer.index)
+
     def _blocks(self, x, cache, sample=None):
         r = None                           # a block's output not yet added to the residual stream x
         for block in self.blocks:
-            if sample is not None:
-                self.rng.seed(sample, block.index)
+            self._key(block, sample)
             x, r = block(x, r, cache)
         return x, r
 
@@ -384,8 +387,7 @@ class GPTChunk(nn.Module):
         if self.rng is None or not self.training:
             sample = None
         if self.has_embedding:
-            if sample is not None:
-                self.rng.seed(sample, 0)
+            self._key(self.layers[0], sample)
             x = self.layers[0](x, cache)
         x, r = self._blocks(x, cache, sample)     # (sample is None where the blocks are one compiled graph)
         if self.has_head:

@@ -137,8 +137,8 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train_data, self.val_data, self.tokenizer = datasets
         self.dtype = DTYPES[cfg.precision.dtype]
-        self.rng = RNGTracker(cfg.seed, mesh.tp_rank, device)
-        self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, self.rng, device)
+        self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, RNGTracker(cfg.seed, mesh.tp_rank, device),
+                                                               device)
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len

@@ -76,19 +76,16 @@ def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
 
 
 def _reduce_scatter_outputs(cfg):
-    """The gradient sync's reduce-scatter outputs (each bucket's shard_out) after one step's backward."""
+    """The sizes of the reduce-scatter outputs (each bucket's shard_out) that one step's gradient sync launches."""
     from harness import make_trainer
     from megatron_mini.data_parallel import GradBuffer
     shards = []
-    finish = GradBuffer.finish_grad_sync
+    launch = GradBuffer._launch
 
-    def recording(self):
-        for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
-        shards.extend(None if b.shard_out is None else b.shard_out.numel() for b in self.buckets)
-        finish(self)
-    GradBuffer.finish_grad_sync = recording
+    def recording(self, bucket):
+        launch(self, bucket)
+        shards.append(None if bucket.shard_out is None else bucket.shard_out.numel())
+    GradBuffer._launch = recording
     trainer = make_trainer(cfg)
     trainer.train_step()
     return shards, trainer.buffers[0].grads_flat.numel()
