@@ -1,5 +1,5 @@
 """Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, compare_runs.py,
-generate.py) give one line on stderr and a non-zero exit, no traceback; generate.py notes a cut prompt."""
+plan.py, generate.py) give one line on stderr and a non-zero exit, no traceback; generate.py notes a cut prompt."""
 import json
 
 import pytest
@@ -10,6 +10,7 @@ from megatron_mini import inference, schedules
 import compare_runs  # tools/, on pytest's pythonpath
 import export_hf
 import generate
+import plan
 import plot_schedule
 
 
@@ -77,6 +78,15 @@ def test_compare_runs_refuses_an_unwritable_suffix(tmp_path, monkeypatch, capsys
     err = _one_error_line(capsys)
     assert "c.txt" in err and ".png" in err and ".pdf" in err and ".svg" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]          # neither c.txt nor c.csv
+
+
+def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "plan", lambda base: pytest.fail("planned before refusing --plot"))
+    assert _exit_code(plan, ["--csv", "p.csv", "--plot", "p.txt"]) == 2
+    err = _one_error_line(capsys)
+    assert "--plot p.txt: matplotlib writes only" in err and ".png" in err, err
+    assert not list(tmp_path.iterdir())                                # no p.csv either
 
 
 def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys):

@@ -22,6 +22,8 @@ import sys
 import zlib
 from dataclasses import dataclass
 
+from plotting import image_path_error
+
 # The .wandb file: a 7-byte header, then LevelDB-log style chunks in 32 KiB blocks.
 _FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
 _CHUNK_HEADER = struct.Struct("<IHB")  # crc32 of (type byte + payload), payload length, type
@@ -262,13 +264,6 @@ def save_csv(rows: list[dict], path: str) -> None:
         writer.writerows({c: "" if row[c] is None else row[c] for c in COLUMNS} for row in rows)
 
 
-def plot_formats() -> list[str]:
-    """The file suffixes (no dot) matplotlib can save a figure as."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    return sorted(FigureCanvasBase.get_supported_filetypes())
-
-
 def plot(runs: list[Run], path: str, smooth: float) -> None:
     """Train loss (raw thin, smoothed thick), val loss (dashed, markers), loss scale on a log axis."""
     import matplotlib
@@ -320,9 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--labels has {len(labels)} labels for {len(args.runs)} runs")
     if not 0 <= args.smooth < 1:
         parser.error(f"--smooth {args.smooth} must be in [0, 1)")
-    formats = plot_formats()
-    if os.path.splitext(args.output)[1][1:].lower() not in formats:
-        parser.error(f"-o {args.output}: matplotlib writes only {', '.join('.' + f for f in formats)}")
+    if (error := image_path_error(args.output)) is not None:
+        parser.error(f"-o {error}")
     try:
         runs = [read_run(spec) for spec in args.runs]
     except RunError as e:

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bench.report import text_table
+from plotting import image_path_error
 from megatron_mini.config import ConfigError, check_keys, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.planner import GiB, Estimate, Plan, PlanConfig, estimate, model_bytes, plan, register_configs
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", help="write every layout to this CSV file")
     ap.add_argument("--plot", help="draw step time against memory per rank into this PNG")
     args = ap.parse_args(argv)
+    if args.plot and (error := image_path_error(args.plot)) is not None:
+        ap.error(f"--plot {error}")
     try:
         base = load_config(args.overrides)
         chosen = parse_layout(args.layout, base) if args.layout else None

@@ -18,12 +18,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from megatron_mini.config import ConfigError  # noqa: E402
 from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  # noqa: E402
+from plotting import image_path_error  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
 
@@ -105,9 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("pp", "vpp", "microbatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if os.path.splitext(args.output)[1][1:].lower() not in formats:
-        p.error(f"-o {args.output}: matplotlib writes only {', '.join('.' + f for f in sorted(formats))}")
+    if (error := image_path_error(args.output)) is not None:
+        p.error(f"-o {error}")
     if args.compare:
         args.panels = [("gpipe", args.pp, 1, args.microbatches), ("1f1b", args.pp, 1, args.microbatches),
                        ("1f1b", args.pp, max(args.vpp, 2), args.microbatches)]
