@@ -38,7 +38,6 @@ class Bucket:
     pending: int = 0
     launched: bool = False
     work: object = None              # the async collective's handle (None for a group of one)
-    shard_out: torch.Tensor | None = None
     gather: object = None            # ZeRO-1: the in-flight all-gather of the updated weights
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
@@ -142,9 +141,9 @@ class GradBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         grads = self.grads_flat[bucket.start:bucket.end]
-        if self.zero and self.dp > 1:     # (at dp=1 there is nothing to reduce, and no shard to hold)
-            bucket.shard_out = torch.empty_like(grads[: grads.numel() // self.dp])
-            bucket.work = comm.reduce_scatter_into(bucket.shard_out, grads, self.mesh.dp_group, async_op=True)
+        if self.zero:      # in place, as Megatron's: the output is this rank's own slice of the input (NCCL
+            lo, hi = self.valid_range(bucket)     # documents in-place reduce-scatter; tests/test_zero.py runs gloo)
+            bucket.work = comm.reduce_scatter_into(self.grads_flat[lo:hi], grads, self.mesh.dp_group, async_op=True)
         else:
             bucket.work = comm.all_reduce(grads, self.mesh.dp_group, async_op=True)
         bucket.launched = True
@@ -157,10 +156,7 @@ class GradBuffer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            if self.zero and self.dp > 1:
-                lo, hi = self.valid_range(bucket)
-                self.grads_flat[lo:hi].copy_(bucket.shard_out)
-            bucket.launched, bucket.work, bucket.shard_out = False, None, None
+            bucket.launched, bucket.work = False, None
         self.overlap = False
 
     def zero_grad(self) -> None:

@@ -76,31 +76,34 @@ def test_zero1_divides_optimizer_state_by_dp(small_data, tmp_path):
 
 
 def _reduce_scatter_outputs(cfg):
-    """The sizes of the reduce-scatter outputs (each bucket's shard_out) that one step's gradient sync launches."""
+    """Where each reduce-scatter of one step's gradient sync writes, as (element offset into the buffer's
+    grads_flat, or None for another tensor; elements), beside the buffer's valid ranges."""
     from harness import make_trainer
-    from megatron_mini.data_parallel import GradBuffer
-    shards = []
-    launch = GradBuffer._launch
+    from megatron_mini import data_parallel
+    outputs, trainer = [], None
+    reduce_scatter_into = data_parallel.comm.reduce_scatter_into
 
-    def recording(self, bucket):
-        launch(self, bucket)
-        shards.append(None if bucket.shard_out is None else bucket.shard_out.numel())
-    GradBuffer._launch = recording
+    def recording(out, t, group, **kw):
+        flat = trainer.buffers[0].grads_flat
+        inside = out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        outputs.append((out.storage_offset() - flat.storage_offset() if inside else None, out.numel()))
+        return reduce_scatter_into(out, t, group, **kw)
+    data_parallel.comm.reduce_scatter_into = recording
     trainer = make_trainer(cfg)
     trainer.train_step()
-    return shards, trainer.buffers[0].grads_flat.numel()
+    buffer = trainer.buffers[0]
+    return outputs, [(lo - buffer.buckets[0].start, hi - lo) for lo, hi in map(buffer.valid_range, buffer.buckets)]
 
 
-def test_zero1_at_dp1_holds_no_reduce_scatter_output(small_data, tmp_path):
-    """ZeRO-1 on one DP rank has no gradient to share: no bucket holds a copy of its gradients for a
-    reduce-scatter (it held all of them, 4 bytes a parameter that neither the plan nor memory_bytes counts);
-    at dp=2 each holds its half."""
+def test_zero1_reduces_each_bucket_into_its_own_shard(small_data, tmp_path):
+    """ZeRO-1's reduce-scatter writes in place, into this rank's shard of the bucket in grads_flat (as
+    Megatron's): it allocates no output (a separate one held 4/dp bytes a parameter until the sync ended,
+    which neither the plan nor memory_bytes counts)."""
     from ranks import spawn
 
-    shards, _ = spawn(1, _reduce_scatter_outputs, small_config(small_data, tmp_path, zero=1))[0]
-    assert shards and all(s is None for s in shards)
-    shards, numel = spawn(2, _reduce_scatter_outputs, small_config(small_data, tmp_path, zero=1))[0]
-    assert sum(shards) * 2 == numel
+    for rank in spawn(2, _reduce_scatter_outputs, small_config(small_data, tmp_path, zero=1)):
+        outputs, valid = rank
+        assert outputs and sorted(outputs) == sorted(valid), rank
 
 
 ORDER_LAYOUTS = {"pp1": dict(), "pp1-vpp2": dict(vpp=2), "pp2-last-stage": dict(pp=2)}
