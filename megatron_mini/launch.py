@@ -56,11 +56,29 @@ def launch_env() -> tuple[int, int, int, int]:
         local_rank = _int_env("LOCAL_RANK", 0)
         return _int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank, _int_env("LOCAL_WORLD_SIZE", local_rank + 1)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        local_rank = _int_env("SLURM_LOCALID", 0)
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), local_rank,
-                int(per_node) if per_node.isdigit() else local_rank + 1)
+        return _int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0), _slurm_tasks_here()
     return 0, 1, 0, 1
+
+
+def _slurm_tasks_here() -> int:
+    """How many tasks of this job step run on this node: entry SLURM_NODEID of the step's tasks per node
+    (SLURM_STEP_TASKS_PER_NODE, else the job's SLURM_TASKS_PER_NODE), a list like `4(x2),2` for 4, 4, 2.
+    Every task of a node reads the same entry, so all of them make the same device choice."""
+    env = os.environ
+    node = _int_env("SLURM_NODEID", 0)
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = []
+        for part in env.get(name, "").split(","):
+            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+            if match is None:
+                counts = []
+                break
+            counts += [int(match[1])] * int(match[2] or 1)
+        if node < len(counts):
+            return counts[node]
+    raise ConfigError("SLURM sets SLURM_PROCID here but neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE "
+                      f"(e.g. 4(x2),2) gives this node's (SLURM_NODEID={node}) number of tasks, which the device choice "
+                      "needs; launch with srun inside an allocation (sbatch/salloc), or with torchrun.")
 
 
 def gpu_slot() -> tuple[int, int]:

@@ -54,7 +54,8 @@ def env(hooks: Path | None = None, interpreter: bool = True, **variables) -> dic
     hooks when given; TRITON_INTERPRET dropped unless `interpreter`."""
     e = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "HYDRA_FULL_ERROR")}
+                      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASKS_PER_NODE",
+                      "SLURM_STEP_TASKS_PER_NODE", "HYDRA_FULL_ERROR")}
     if not interpreter:
         e.pop("TRITON_INTERPRET", None)
     e.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")

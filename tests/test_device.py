@@ -57,27 +57,59 @@ def test_impossible_device_choices_are_refused(device, backend, local_world, gpu
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_PER_TASK")
+                 "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                 "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS_PER_TASK")
+SRUN_5_OF_8 = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+               "SLURM_TASKS_PER_NODE": "4(x2)"}   # srun -n 8 on 2 nodes, without --ntasks-per-node
 
 
 @pytest.mark.parametrize("env, slot, device", [
     ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (1, 4), "cuda:1"),
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4"}, (1, 4), "cuda:1"),
+    (SRUN_5_OF_8, (1, 4), "cuda:1"),
     # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4",
-      "SLURM_GPUS_PER_TASK": "1"}, (0, 1), "cuda:0"),
+    ({**SRUN_5_OF_8, "SLURM_GPUS_PER_TASK": "1"}, (0, 1), "cuda:0"),
 ], ids=["torchrun", "slurm", "slurm-gpus-per-task"])
 def test_gpu_slot_under_each_launcher(monkeypatch, env, slot, device):
     """With 4 GPUs visible (torchrun, plain srun) ranks take cuda:local_rank on NCCL; with one GPU bound
     per SLURM task (device_count() = 1 in each of 4 tasks) every task takes its own cuda:0, on NCCL, not
     a refusal for 4 ranks on 1 GPU."""
+    _set_launcher_env(monkeypatch, env)
+    assert gpu_slot() == slot
+    gpus = 1 if "SLURM_GPUS_PER_TASK" in env else 4
+    assert [str(x) for x in choose_device("auto", "auto", *gpu_slot(), gpus)] == [device, "nccl"]
+
+
+def _set_launcher_env(monkeypatch, env: dict) -> None:
     for k in LAUNCHER_VARS:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert gpu_slot() == slot
-    gpus = 1 if "SLURM_GPUS_PER_TASK" in env else 4
-    assert [str(x) for x in choose_device("auto", "auto", *gpu_slot(), gpus)] == [device, "nccl"]
+
+
+@pytest.mark.parametrize("per_node, step_per_node, node, tasks", [
+    ("4(x2),2", None, 0, 4), ("4(x2),2", None, 1, 4), ("4(x2),2", None, 2, 2),
+    ("8", "3,5", 1, 5),                      # the step's own count (srun -n 8 in a 2-node allocation of 8 each)
+])
+def test_slurm_tasks_of_a_node_are_the_same_for_all_of_them(monkeypatch, per_node, step_per_node, node, tasks):
+    """Every task of a node reads the same number (it was SLURM_LOCALID + 1 without SLURM_NTASKS_PER_NODE,
+    so on a node with fewer GPUs than tasks some ranks took a GPU and the others stopped)."""
+    for local in range(tasks):
+        env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "10", "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
+               "SLURM_TASKS_PER_NODE": per_node, **({"SLURM_STEP_TASKS_PER_NODE": step_per_node} if step_per_node else {})}
+        _set_launcher_env(monkeypatch, env)
+        assert gpu_slot() == (local, tasks)
+
+
+@pytest.mark.parametrize("per_node", [None, "4(x2)", "4(x)"])
+def test_slurm_without_this_nodes_task_count_is_refused(monkeypatch, per_node):
+    env = {**SRUN_5_OF_8, "SLURM_NODEID": "2"}     # a third node that the list does not have
+    if per_node is None:
+        del env["SLURM_TASKS_PER_NODE"]
+    else:
+        env["SLURM_TASKS_PER_NODE"] = per_node
+    _set_launcher_env(monkeypatch, env)
+    with pytest.raises(ConfigError, match="SLURM_NODEID=2"):
+        gpu_slot()
 
 
 def test_set_tf32_uses_one_api_and_returns_the_previous_setting():
