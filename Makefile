@@ -38,11 +38,12 @@ test: venv
 bench: venv
 	$(RUN_ENV) $(PYTHON) tools/bench_train.py $(ARGS)
 
+# on a GPU their tables replace their sections of docs/benchmarks.md (--doc); a CPU smoke run writes no doc
 bench-kernels: venv
-	$(PYTHON) tools/bench_kernels.py $(ARGS)
+	$(PYTHON) tools/bench_kernels.py --doc $(ARGS)
 
 bench-gpu: venv
-	$(PYTHON) tools/bench_gpu.py $(ARGS)
+	$(PYTHON) tools/bench_gpu.py --doc $(ARGS)
 
 # every Triton kernel launch compiled for an H100 (sm_90) on any machine: registers, spills, shared memory
 check-kernels: venv
@@ -68,5 +69,6 @@ demo-48: data
 plot-schedule: venv
 	$(PYTHON) tools/plot_schedule.py --pp 4 --vpp 2 --microbatches 8 --compare -o docs/schedule_pp4_vpp2_m8.png
 
-clean-venv:
-	rm -rf $(VENV)
+clean-venv:   # only the project's own .venv: never an environment named with VENV=
+	@[ "$(VENV)" = .venv ] || { echo "clean-venv removes only ./.venv, not VENV=$(VENV)"; exit 2; }
+	rm -rf .venv

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -106,6 +107,26 @@ def test_bench_gpu_auto_vs_torch_on_one_code_path_is_no_verdict():
     assert verdict([rec("default", 480_508, ["attention"]), rec("torch", 484_592, [])]) == "MISSED by 0.8%"
 
 
+def test_bench_gpu_doc_merge_keeps_the_same_code_path_verdict(tmp_path):
+    """--doc merges the rows of an earlier command back with what each used (triton_ops): a later command that
+    runs another row must not turn "same code path" into a verdict on noise."""
+    import bench_gpu
+
+    def rec(row, tokens, command):
+        return {"model": "small", "model_name": "gpt2-small", "row": row, "config": row, "status": "ok", "dtype": "bf16", "mbs": 16,
+                "microbatches": 8, "seq_len": 1024, "tokens_per_step": 131072, "steps": 8, "warmup_steps": 3,
+                "skipped_steps": 0, "median_s": 131072 / tokens, "tokens_per_s": tokens, "model_tflops": 300.0,
+                "peak_tflops": 989.4, "mfu": 0.32, "first_loss": 9.1, "last_loss": 8.0, "triton_ops": [], "command": command,
+                "date": "d", "device": "H100"}
+    path = str(tmp_path / "doc.md")
+    with open(path, "w") as f:
+        f.write("# doc\n")
+    bench_gpu.write_doc(path, {"small": [rec("default", 480_508, "cmd1"), rec("torch", 484_592, "cmd1")]})
+    bench_gpu.write_doc(path, {"small": [rec("fp16", 475_355, "cmd2")]})
+    goal = [line for line in open(path).read().splitlines() if "kernels=auto / kernels=torch" in line]
+    assert len(goal) == 1 and "same code path" in goal[0], goal
+
+
 def test_bench_gpu_doc_keeps_models_and_rows_not_rerun(tmp_path):
     import bench_gpu
 
@@ -175,7 +196,7 @@ def test_bench_train_doc_keeps_sections_not_rerun(tmp_path):
     from bench.report import Report, write_train_doc
 
     def report(section, text, goal):
-        rep = Report(section, f"Section {section}", loads=[1.0])
+        rep = Report(section, f"Section {section}", types.SimpleNamespace(loads=[1.0], smoke=False))
         rep.text(text)
         rep.goal(goal, "1.0", ">= 1", True)
         rep.finish()

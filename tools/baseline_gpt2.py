@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from megatron_mini.hardware import set_tf32
 
+from bench.report import at_least
+
 
 @dataclass
 class GPTConfig:
@@ -175,16 +177,16 @@ class BaselineTrainer:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--mbs", type=int, default=8)
-    ap.add_argument("--accum", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=at_least(1), default=4)
+    ap.add_argument("--heads", type=at_least(1), default=8)
+    ap.add_argument("--hidden", type=at_least(1), default=256)
+    ap.add_argument("--seq", type=at_least(1), default=256)
+    ap.add_argument("--vocab", type=at_least(1), default=1024)
+    ap.add_argument("--mbs", type=at_least(1), default=8)
+    ap.add_argument("--accum", type=at_least(1), default=4)
+    ap.add_argument("--steps", type=at_least(1), default=10)
+    ap.add_argument("--warmup", type=at_least(0), default=2)
+    ap.add_argument("--threads", type=at_least(1), default=2)
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: torch.autocast(bfloat16) with fp32 weights (nanoGPT's mixed precision)")

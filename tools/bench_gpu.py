@@ -55,7 +55,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
 
-from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table,  # noqa: E402
+from bench.report import (DOC, add_output_args, at_least, command_line, device_line, fmt, markdown_table,  # noqa: E402
                           ratio, read_doc_section, short_error, write_doc_section)
 from bench.harness import free_port  # noqa: E402
 from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
@@ -388,7 +388,7 @@ The method and the row definitions are in the docstring of tools/bench_gpu.py.""
 DOC_FIELDS = ("model", "model_name", "vocab", "row", "config", "dtype", "mbs", "microbatches", "seq_len",
               "tokens_per_step", "status", "reason", "steps", "warmup_steps", "skipped_steps", "median_s",
               "tokens_per_s", "model_tflops", "peak_tflops", "mfu", "peak_mem_gib", "first_loss", "last_loss",
-              "note", "command", "date", "device")
+              "note", "triton_ops", "command", "date", "device")
 DATA_TAG = "<!-- bench_gpu data: "
 
 
@@ -438,16 +438,16 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--models", default="small,medium,1.3b", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10; smoke 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="warmup steps per row (default 3; smoke 1)")
-    ap.add_argument("--compile-warmup-extra", type=int, default=2,
+    ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per row (default 10; smoke 2)")
+    ap.add_argument("--warmup", type=at_least(0), default=None, help="warmup steps per row (default 3; smoke 1)")
+    ap.add_argument("--compile-warmup-extra", type=at_least(0), default=2,
                     help="extra warmup steps of compiled rows (default 2)")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="the device's dense peak TFLOP/s for MFU (default: megatron_mini.hardware's table)")
     ap.add_argument("--profile", metavar="ROW", default=None,
                     help="instead of the benchmark: torch.profiler over a few steps of ROW for each model")
-    ap.add_argument("--profile-steps", type=int, default=3)
-    ap.add_argument("--profile-top", type=int, default=25)
+    ap.add_argument("--profile-steps", type=at_least(1), default=3)
+    ap.add_argument("--profile-top", type=at_least(1), default=25)
     ap.add_argument("--trace", default=None, help="with --profile: also write a chrome trace here")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per row, no compile "
                     "(automatic without CUDA); exercises the code only")

@@ -66,7 +66,7 @@ import sys
 import time
 import traceback
 
-from bench.report import (DOC, add_output_args, command_line, device_line, fmt, markdown_table, short_error,
+from bench.report import (DOC, add_output_args, at_least, command_line, device_line, fmt, markdown_table, short_error,
                           write_doc_section)
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
@@ -449,8 +449,8 @@ def main(argv=None) -> int:
                     "then through the Triton interpreter); exercises the script, claims no speed")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default: all)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
+    ap.add_argument("--warmup", type=at_least(1), default=25, help="do_bench warmup, ms (default 25)")
+    ap.add_argument("--rep", type=at_least(1), default=100, help="do_bench repetition time, ms (default 100)")
     add_output_args(ap, "bench_kernels")
     args = ap.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]

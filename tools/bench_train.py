@@ -33,7 +33,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from bench import pipeline, precision, tensor_parallel, throughput  # noqa: E402
 from bench.harness import Bench  # noqa: E402
-from bench.report import DOC, GOAL_HEADERS, command_line, device_line, print_table, write_train_doc  # noqa: E402
+from bench.report import DOC, GOAL_HEADERS, at_least, command_line, device_line, print_table, write_train_doc  # noqa: E402
 from bench.workload import S2, SMOKE  # noqa: E402
 
 SECTIONS = {1: throughput, 2: tensor_parallel, 3: pipeline, 4: precision}
@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", type=int, action="append", choices=list(SECTIONS),
                     help="run only this section (repeatable); default: all")
-    ap.add_argument("--steps", type=int, default=None,
+    ap.add_argument("--steps", type=at_least(1), default=None,
                     help=f"measured steps per row (default per section: {default_steps})")
     ap.add_argument("--doc", default=DOC, help="markdown file to update (default docs/benchmarks.md)")
     ap.add_argument("--no-doc", action="store_true", help="print only")
@@ -63,7 +63,7 @@ def main() -> None:
 
     worlds = sorted({w for s in sections for w in SECTIONS[s].WORLDS})
     reports = []
-    with Bench(SMOKE if args.smoke else S2, worlds, log) as bench:
+    with Bench(SMOKE if args.smoke else S2, worlds, log, smoke=args.smoke) as bench:
         for s in sections:
             steps = args.steps or default_steps[s]
             log(f"section {s}: {steps} measured steps per row")

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet):
+# What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet). A session
+# has 30 minutes of device time, the machine's start included, and 10 minutes a call: three stages at most.
+# In order of what they settle (docs/benchmarks.md, "What the next GPU run should do"):
 #
-#   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
+#   tools/gpu_session.sh compile  # compile=true against eager and the compiled baseline at the three sizes,
+#                                 # and docs/probes/eager_glue.py (bias gradients, the qkv split)
 #   tools/gpu_session.sh make     # the README's two commands as written, `make test` (the whole suite with
 #                                 # CUDA visible) then `make train` on 1 GPU, with the machine's python3 as
 #                                 # the venv and .gpu/wheelhouse for PyPI
-#   tools/gpu_session.sh compile  # compile=true against eager and the compiled baseline at the three sizes,
-#                                 # and docs/probes/eager_glue.py (bias gradients, the qkv split)
+#   tools/gpu_session.sh sweep    # the flash attention's launch configurations (tools/sweep_attention.py, with
+#                                 # and without dropout) and the cross-entropy kernel against torch
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
 #                                         # a call has 10 minutes), their tables written into a copy of
 #                                         # docs/benchmarks.md in session.tgz
+#   tools/gpu_session.sh check    # the GPU-touching tests, the gradient GEMM's way, quick benches
 #
 # Run here, before the calls (this machine reaches PyPI; the GPU machine does not):
 #
@@ -18,13 +22,17 @@
 #                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12)
 #
 # The stages need .gpu (ignored; carried with the call). `make` prepares its own data: the default corpus is
-# the running Python's standard library, so a machine with another Python trains on another corpus. The
-# stage's logs and result files are packed into $OUT/session.tgz; the last lines printed are a summary.
+# the running Python's standard library, so a machine with another Python trains on another corpus. Each
+# call starts with empty logs; after every step they are packed into $OUT/session.tgz again, so a call cut
+# off by its limit still brings back the steps it finished. The last lines printed are a summary, and the
+# exit status is 1 when a step failed.
 set -u
-STAGE=${1:?stage: wheels (here), check, make, compile or bench}
+STAGE=${1:?stage: wheels (here), compile, make, sweep, bench or check}
+case $STAGE in wheels|compile|make|sweep|bench|check) ;; *) echo "unknown stage $STAGE: wheels (here), compile, make, sweep, bench or check"; exit 2 ;; esac
 MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
+rm -rf "$LOGS"
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 PY=python3
@@ -47,12 +55,15 @@ else
   export PYTHONPATH=$PWD:/tmp/site
 fi
 
-step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status
+FAILED=0
+step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status, pack the logs
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
+  [ $rc = 0 ] || FAILED=1
   echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
+  tar czf "$OUT/session.tgz" -C "$LOGS" .
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -96,6 +107,13 @@ compile)
   tails=""
   tables="glue.log small/bench_gpu.md medium/bench_gpu.md 1.3b/bench_gpu.md"
   ;;
+sweep)
+  step sweep 240 $PY tools/sweep_attention.py --quick          # the limits sum to 540 s
+  step sweep_dropout 200 $PY tools/sweep_attention.py --quick --dropout 0.1
+  step bench_ce 100 $PY tools/bench_kernels.py --ops ce --out "$LOGS"
+  tails=""
+  tables="sweep.log sweep_dropout.log bench_kernels.md"
+  ;;
 bench)
   cp docs/benchmarks.md "$LOGS/"
   step bench_kernels 260 $PY tools/bench_kernels.py --out "$LOGS" --doc "$LOGS/benchmarks.md"
@@ -103,11 +121,13 @@ bench)
   tails=""
   tables="bench_kernels.md bench_gpu.md"
   ;;
-*) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 
 tar czf "$OUT/session.tgz" -C "$LOGS" .
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
 for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|Timeout|[0-9]+ (passed|failed)|^done:' "$LOGS/$t.log" | cut -c1-200; done
-for t in $tables; do echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | head -60; done
+for t in $tables; do   # a table file from its head, a log (the sweep's table, the probe's) from its tail
+  echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | case $t in *.log) tail -40 ;; *) head -60 ;; esac
+done
+exit $FAILED

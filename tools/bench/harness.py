@@ -206,11 +206,12 @@ class Row:
 
 
 class Bench:
-    """One benchmark run: the model shape, the executors (this process with 2 threads and a pool per
-    world size), the log, and the 1-minute load averages sampled after every round."""
+    """One benchmark run: the model shape (smoke: a tiny one that checks the script), the executors (this
+    process with 2 threads and a pool per world size), the log, and the 1-minute load averages sampled
+    after every round."""
 
-    def __init__(self, model, worlds, log=print):
-        self.model, self.log, self.loads = model, log, []
+    def __init__(self, model, worlds, log=print, smoke: bool = False):
+        self.model, self.log, self.loads, self.smoke = model, log, [], smoke
         self.local, self.pools = Local(2), {}
         try:
             for world in worlds:

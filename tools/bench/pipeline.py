@@ -33,7 +33,7 @@ def bubble_line(row, pp: int, v: int, kind: str, m: int) -> list:
 
 
 def run(bench: Bench, steps: int, mem_ms=(4, 8, 16)) -> Report:
-    rep = Report(3, "Section 3 (issue 4): pipeline parallelism", bench.loads)
+    rep = Report(3, "Section 3 (issue 4): pipeline parallelism", bench)
     local, pool2, pool4 = bench.local, bench.pools[2], bench.pools[4]
     L8 = replace(bench.model, name=f"{bench.model.name}-L8", num_layers=8)
     ref = bench.row("tp=pp=1", local)
@@ -46,8 +46,9 @@ def run(bench: Bench, steps: int, mem_ms=(4, 8, 16)) -> Report:
     bench.measure(rows, steps, flags=("trace",))
     m = GBS // MBS
     rep.text(f"fp32, {steps} measured steps per row (after 1 warmup step), interleaved; m = {m} microbatches of 8. "
-             "S2 has 4 blocks, which cannot fill pp x vpp = 8 virtual stages, so the pp=4 vpp=2 row uses S2 with "
-             "8 layers (S2-L8) and is compared with S2-L8 at tp=pp=1. **pp=4 runs 4 ranks on 2 cores**: its "
+             f"{bench.model.name} has {bench.model.num_layers} blocks, which cannot fill pp x vpp = 8 virtual stages, "
+             f"so the pp=4 vpp=2 row uses {bench.model.name} with 8 layers ({L8.name}) and is compared with {L8.name} "
+             "at tp=pp=1. **pp=4 runs 4 ranks on 2 cores**: its "
              "tokens/s is not what 4 cores would give; the tokens per CPU-second column normalises by the CPU "
              "time all ranks used (a per-core figure that oversubscription does not distort; it excludes idle "
              "bubble time, and the 2-thread reference's figure includes its OpenMP threads' spinning).")

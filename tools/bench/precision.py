@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from bench.harness import Bench
 from bench.report import Report, mb
+from bench.workload import MBS
 
 STEPS, WORLDS = 8, (2, 4)
 
 
 def run(bench: Bench, steps: int) -> Report:
-    rep = Report(4, "Section 4 (issue 5): precision, ZeRO-1, activation recompute", bench.loads)
+    rep = Report(4, "Section 4 (issue 5): precision, ZeRO-1, activation recompute", bench)
     local = bench.local
     fp32 = bench.row("fp32, recompute=none", local)
     bf16 = bench.row("bf16", local, dtype="bf16")
@@ -63,12 +64,14 @@ def run(bench: Bench, steps: int) -> Report:
              ", ".join(f"{d}: {mb(opt[d, 1, 1])}/{mb(opt[d, 1, 2])}/{mb(opt[d, 1, 4])} MiB at dp=1/2/4"
                        for d in ("fp32", "bf16")),
              "within 1% of 1/dp", ok)
+    block_input_mib = MBS * bench.model.seq_len * bench.model.hidden_size * 4 / 2**20      # fp32 [s, b, h]
     rep.text("\nrecompute=selective recomputes the attention core (softmax(q k^T) v). Both attention paths are "
              "fused (F.scaled_dot_product_attention with kernels=torch, the Triton flash attention with "
              "kernels=triton): the s x s probabilities are never stored, and the attention output shares its storage "
              "with the output projection's saved input (on CPU for SDPA; always for the flash kernel), so selective "
              "saves only the log-sum-exp: its memory equals none, and it pays the attention forward again. "
-             "recompute=full keeps only each block's input (2 MiB per block per microbatch here) plus the head.")
+             f"recompute=full keeps only each block's input ({block_input_mib:g} MiB per block per microbatch here) plus "
+             "the head.")
     a_full, a_sel, a_none = peak[full.name], peak[sel.name], peak[fp32.name]
     rep.goal("activation memory full < selective <= none",
              f"{mb(a_full)} < {mb(a_sel)} <= {mb(a_none)} MiB", "order", a_full < a_sel <= a_none)

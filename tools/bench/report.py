@@ -3,6 +3,7 @@ sections of docs/benchmarks.md between `<!-- tag begin -->` and `<!-- tag end --
 section reports with their goals."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import os
@@ -28,6 +29,20 @@ def add_output_args(ap, tag: str) -> None:
     ap.add_argument("--doc", nargs="?", const="", default=None,
                     help=f"update the {tag} section of this markdown file (default docs/benchmarks.md); "
                          "a smoke run writes only to an explicitly named file")
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= low (a count of steps or milliseconds), else argparse's one-line error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 def write_doc_section(path: str, tag: str, body: str) -> None:
@@ -158,12 +173,12 @@ def row_line(row, ref=None) -> list:
 
 
 class Report:
-    """One bench_train section: its text and tables (printed as they come), its goals, its duration and
-    the load averages sampled during it (from `loads`, the run's list)."""
+    """One bench_train section of `bench` (harness.Bench): its text and tables (printed as they come), its
+    goals (no verdict on a smoke run's tiny model), its duration and the load averages sampled during it."""
 
-    def __init__(self, section: int, title: str, loads: list):
-        self.section, self.title, self.parts, self.goals = section, title, [], []
-        self.date, self.t0, self.loads, self.first_load = now(), time.time(), loads, len(loads)
+    def __init__(self, section: int, title: str, bench):
+        self.section, self.title, self.parts, self.goals, self.smoke = section, title, [], [], bench.smoke
+        self.date, self.t0, self.loads, self.first_load = now(), time.time(), bench.loads, len(bench.loads)
 
     def finish(self) -> None:
         loads = self.loads[self.first_load:] or [os.getloadavg()[0]]
@@ -180,7 +195,7 @@ class Report:
 
     def goal(self, name: str, measured: str, target: str, ok: bool, ok_fastest: bool | None = None) -> None:
         """ok: the goal's verdict (medians); ok_fastest: the same on the fastest steps (timing goals)."""
-        verdict = lambda v: "PASS" if v else "MISS"  # noqa: E731
+        verdict = lambda v: "n/a (smoke run)" if self.smoke else "PASS" if v else "MISS"  # noqa: E731
         self.goals.append((self.section, name, measured, target, verdict(ok),
                            verdict(ok) if ok_fastest is None else verdict(ok_fastest)))
 

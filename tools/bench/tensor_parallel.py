@@ -26,7 +26,7 @@ def ledger_lines(ledger: dict, sizes: dict) -> list:
 
 
 def run(bench: Bench, steps: int) -> Report:
-    rep = Report(2, "Section 2 (issue 3): tensor and sequence parallelism", bench.loads)
+    rep = Report(2, "Section 2 (issue 3): tensor and sequence parallelism", bench)
     ref = bench.row("megatron_mini tp=1", bench.local)
     tp2 = bench.row("megatron_mini tp=2", bench.pools[2], tp=2)
     sp = bench.row("megatron_mini tp=2 sp", bench.pools[2], tp=2, sp=True)
