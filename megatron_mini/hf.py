@@ -111,7 +111,7 @@ from transformers import GPT2LMHeadModel
 model = GPT2LMHeadModel.from_pretrained("{out}")
 sp = spm.SentencePieceProcessor(model_file="{out}/tokenizer.model")
 ids = torch.tensor([sp.encode("def main(")])
-out = model.generate(ids, max_new_tokens=50, do_sample=False)
+out = model.generate(ids, max_new_tokens=min(50, {seq_len} - ids.shape[1]), do_sample=False)  # {seq_len} positions
 print(sp.decode(out[0].tolist()))
 ```
 
@@ -121,8 +121,9 @@ document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenize
 """
 
 
-def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> str:
-    """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint path."""
+def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Checkpoint:
+    """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint read
+    (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over)."""
     ckpt = read_checkpoint(checkpoint)
     tok = find_tokenizer(ckpt, tokenizer)
     tensors = hf_state_dict(ckpt)
@@ -135,5 +136,5 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> str:
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
                               hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
-                              out=out_dir, eos=tok.eos_id))
-    return ckpt.path
+                              out=os.path.abspath(out_dir), eos=tok.eos_id))
+    return ckpt

@@ -9,7 +9,9 @@ are the command lines over this module and megatron_mini/hf.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ class Checkpoint:
     meta: dict         # meta.json: step, consumed_samples, layout, config
     cfg: TrainConfig   # the training config, rebuilt from meta["config"]
     tensors: dict      # {global name: full fp32 tensor}
+    notes: list = dataclasses.field(default_factory=list)   # newer checkpoints of the run that were passed over, and why
 
 
 def config_from_dict(d: dict, cls=TrainConfig):
@@ -58,14 +61,14 @@ def read_checkpoint(path: str) -> Checkpoint:
             raise CheckpointError(f"{path} is not a megatron_mini checkpoint (no meta.json) nor a run directory with "
                                   f"checkpoints; pass a checkpoint directory such as runs/NAME/checkpoints/step_000100, "
                                   f"or a run directory")
-        path, meta = found.path, found.meta
+        path, meta, notes = found.path, found.meta, found.notes
     else:
-        meta = checkpoint.verify(path)
+        meta, notes = checkpoint.verify(path), []
     try:
         cfg = config_from_dict(meta["config"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/meta.json: unreadable ({_first_line(e)})") from None
-    return Checkpoint(path, meta, cfg, checkpoint.load_model_tensors(path))
+    return Checkpoint(path, meta, cfg, checkpoint.load_model_tensors(path), notes)
 
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
@@ -122,9 +125,11 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
 @torch.no_grad()
 def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              num_samples: int = 1, eos_id: int | None = None, generator: torch.Generator | None = None,
-             kv_cache: bool = True) -> list:
+             kv_cache: bool = True, timing: dict | None = None) -> list:
     """Continue the prompt `ids` num_samples times: a list of num_samples lists of at most max_new_tokens
     new ids, each ending at its first eos_id (kept). Greedy when temperature == 0; top_k=0 keeps all.
+    `timing`, when given, receives the seconds to the first new token (the prompt's prefill) and after
+    it ("prefill_s", "decode_s": the device synchronised at both).
 
     The first forward runs the prompt's last seq_len tokens (the model's context, learned positions).
     With the KV cache (default) each later token runs one position. When the cache holds seq_len
@@ -139,7 +144,9 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     vocab = model.layers[-1].vocab_size
     bad = [f"{name}={value} must be >= {low}" for name, value, low in
            (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
-            ("num_samples", num_samples, 1)) if value < low]
+            ("num_samples", num_samples, 1)) if not value >= low]           # (NaN is not >= anything)
+    if temperature == math.inf:
+        bad.append("temperature=inf: every token would be equally likely")
     if not len(ids):
         bad.append("the prompt is empty (start from [eos_id] for none)")
     elif not all(0 <= i < vocab for i in ids):
@@ -149,17 +156,20 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     x = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # [n, t]
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     cache, feed = (KVCache() if kv_cache else None), x[:, -seq_len:]             # feed: what the model runs next
-    for _ in range(max_new_tokens):
+    clock = _Clock(device) if timing is not None else None
+    for step in range(max_new_tokens):
         last = logits(model, feed, cache)[:, -1]                                   # [n, V]
         if temperature == 0:
             nxt = last.argmax(-1)
         else:
-            last = last / temperature
+            last = (last - last.max(-1, keepdim=True).values) / temperature   # <= 0: a tiny temperature is greedy
             if top_k:
                 kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
                 last = last.masked_fill(last < kth, float("-inf"))
             nxt = torch.multinomial(last.softmax(-1), 1, generator=generator).squeeze(-1)
         x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
+        if clock is not None and step == 0:
+            timing["prefill_s"] = clock.lap()
         if eos_id is not None:
             done |= nxt == eos_id
             if done.all():
@@ -171,4 +181,24 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         else:                                                                       # the window is full
             cache, feed = KVCache(), x[:, -max(1, seq_len // 2):]
     rows = x[:, len(ids):].tolist()
+    if clock is not None:
+        timing.setdefault("prefill_s", 0.0)
+        timing["decode_s"] = clock.lap()
     return [row[:row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+
+
+class _Clock:
+    """Seconds between laps, with the device's queued work finished at each."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        t, self.t = self.t, self._now()
+        return self.t - t

@@ -212,8 +212,10 @@ class Embedding(Layer):
     def forward(self, ids, cache: KVCache | None = None):
         x = self.word_embeddings(ids.t())
         s = x.shape[0]
-        if cache is not None:
-            first = cache.length                   # inference: the positions after the cached ones
+        if cache is not None:                      # inference: the positions after the cached ones
+            if self.sp:
+                raise ValueError("a KVCache needs the whole sequence on every rank: build the model with sp=False")
+            first = cache.length
         else:
             first = self.tp_group.rank * s if self.sp else 0
         positions = self.position_embeddings[first:first + s]

@@ -114,7 +114,51 @@ def test_generate_cli(exported, kv_cache):
     new = inference.generate(inference.load_model(ckpt), prompt, n, temperature=0, eos_id=tok.eos_id,
                              kv_cache=kv_cache)[0]
     assert run.stdout == tok.decode(prompt + new) + "\n"
-    assert f"{len(new)} tokens in " in run.stderr and "tokens/s" in run.stderr
+    prefill = min(len(prompt), ckpt.cfg.model.seq_len)
+    assert f"prefill of {prefill} tokens x 1: " in run.stderr, run.stderr
+    assert f"then {len(new) - 1} tokens in " in run.stderr and "tokens/s" in run.stderr, run.stderr
+
+
+def test_tools_note_a_newer_checkpoint_they_pass_over(exported, tmp_path, capsys):
+    """A run whose newest checkpoint (the one `latest` names) is corrupt: generate and export take the one
+    before, as resume does, and say why on stderr (they took it silently)."""
+    import shutil
+    ckpt, _, _ = exported[1]
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(ckpt.path)), run)
+    good, bad = run / "checkpoints" / os.path.basename(ckpt.path), run / "checkpoints" / "step_000009"
+    shutil.copytree(good, bad)
+    data = bytearray((bad / "model_pp00.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "model_pp00.pt").write_bytes(bytes(data))
+    (run / "checkpoints" / "latest").write_text("step_000009")
+    assert generate.main([str(run), "--max-new-tokens", "1", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: skipped {bad}" in err and f"{good} (step " in err, err
+    assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert f"note: skipped {bad}" in err and f"exported {good} ->" in out, (out, err)
+
+
+def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, capsys):
+    ckpt, _, _ = exported[1]
+    (tmp_path / "afile").write_text("keep")
+    assert export_hf.main([ckpt.path, str(tmp_path / "afile" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {tmp_path / 'afile' / 'sub'}: ") and err.count("\n") == 1, err
+
+
+def test_exported_readme_example_stays_in_the_context(exported, tmp_path):
+    """The README's example, run as written, generates within the model's positions (it asked for 50 new
+    tokens whatever the context, which overran a 32-position model)."""
+    ckpt, _, _ = exported[1]
+    out = tmp_path / "hf"
+    assert export_hf.main([ckpt.path, str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    code = readme.split("```python\n")[1].split("```")[0]
+    assert str(out.resolve()) in code
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert run.returncode == 0 and run.stdout.startswith("def main("), run.stderr[-2000:]
 
 
 def _random_model(tp: int = 1, sp: bool = False, seq_len: int = 32):
@@ -181,12 +225,24 @@ def test_generate_refuses_bad_arguments():
     for kwargs, message in (({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
                             ({"top_k": -1, "num_samples": 0}, "top_k=-1 must be >= 0; num_samples=0 must be >= 1"),
                             ({"max_new_tokens": -2}, "max_new_tokens=-2 must be >= 0"),
+                            ({"temperature": float("nan")}, "temperature=nan must be >= 0"),
+                            ({"temperature": float("inf")}, "temperature=inf"),
                             ({"ids": []}, "the prompt is empty"),
                             ({"ids": [3, 96, -1, 7]}, r"prompt ids must be in \[0, 96\): got \[96, -1\]")):
         args = {"ids": [1, 2], "max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=message):
             inference.generate(model, **args)
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
+    # a positive temperature too small for the logits' range samples what greedy picks (it overflowed to NaN)
+    greedy = inference.generate(model, [1, 2], 6, temperature=0)
+    assert inference.generate(model, [1, 2], 6, temperature=1e-45, generator=torch.Generator().manual_seed(0)) == greedy
+
+
+def test_kv_cache_refuses_a_sequence_parallel_model():
+    """With sp each rank embeds its own slice of the sequence: a cache's positions would be wrong silently."""
+    ids = torch.randint(0, 96, (1, 4))
+    with pytest.raises(ValueError, match="sp=False"):
+        _random_model(sp=True)(ids, cache=KVCache())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

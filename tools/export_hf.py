@@ -27,11 +27,16 @@ def main(argv=None) -> int:
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
     try:
-        path = export(args.checkpoint, args.out_dir, args.tokenizer)
+        ckpt = export(args.checkpoint, args.out_dir, args.tokenizer)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {path} -> {args.out_dir}")
+    except OSError as e:
+        print(f"error: cannot write {args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    for note in ckpt.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"exported {ckpt.path} -> {args.out_dir}")
     return 0
 
 

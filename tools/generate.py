@@ -8,14 +8,14 @@ cache: the prompt is prefilled once, then each new token runs one position; once
 model's window (seq_len) the last half window is prefilled again. --no-kv-cache reruns the last
 seq_len tokens for every token instead (for comparison). Sampling stops at EOS (end of a document);
 an empty prompt starts from EOS, i.e. at the start of a document; a prompt longer than seq_len is cut
-to its last seq_len tokens (a note on stderr says so). The text goes to stdout; the checkpoint, device
-and tokens/s go to stderr.
+to its last seq_len tokens (a note on stderr says so). The text goes to stdout; the checkpoint, device,
+the prompt's prefill time and the tokens/s after it (a one-token warmup run first) go to stderr.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-import time
 
 import torch
 
@@ -37,8 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rerun the last seq_len tokens for every new token (slower; for comparison)")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "temperature", "top_k"):
-        if getattr(args, name) < 0:
+        if not getattr(args, name) >= 0:                                  # (NaN is not >= 0)
             p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.temperature == math.inf:
+        p.error("--temperature must be finite")
     if args.num_samples < 1:
         p.error("--num-samples must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -57,20 +59,24 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in ckpt.notes:
+        print(f"note: {note}", file=sys.stderr)
     print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
     prompt = tok.encode(args.prompt) or [tok.eos_id]
     seq_len = ckpt.cfg.model.seq_len
     if len(prompt) > seq_len:
         print(f"note: the model's context is {seq_len} tokens: the first {len(prompt) - seq_len} of the prompt's "
               f"{len(prompt)} tokens are dropped (the printed text keeps them)", file=sys.stderr)
+    generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)      # warmup: the first call's one-off set-up is not timed
     generator = torch.Generator(device).manual_seed(args.seed)
-    start = time.perf_counter()
+    timing = {}
     samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
-                       tok.eos_id, generator, kv_cache=args.kv_cache)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(new) for new in samples)
-    print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s "
-          f"({'KV cache' if args.kv_cache else 'no KV cache'})", file=sys.stderr)
+                       tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing)
+    decoded = sum(max(len(new) - 1, 0) for new in samples)              # the tokens after the first of each sample
+    rate = f"{decoded / timing['decode_s']:.1f} tokens/s" if decoded and timing["decode_s"] > 0 else "-"
+    print(f"prefill of {min(len(prompt), seq_len)} tokens x {args.num_samples}: {timing['prefill_s']:.3f} s; then "
+          f"{decoded} tokens in {timing['decode_s']:.2f} s: {rate} ({'KV cache' if args.kv_cache else 'no KV cache'})",
+          file=sys.stderr)
     for i, new in enumerate(samples):
         if args.num_samples > 1:
             print(f"----- sample {i + 1} -----")
