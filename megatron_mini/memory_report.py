@@ -8,6 +8,8 @@ this run holds, so that a run that departs from its plan shows it at once:
 Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json."""
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import logging
 
@@ -26,7 +28,8 @@ class MemoryReport:
         self.planned = None
         if plan and self.mesh.rank == 0:
             from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
-            self.planned = planned_memory(trainer.cfg, self.mesh.dp)
+            # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention)
+            self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type), self.mesh.dp)
         self.measuring = plan     # until the first step is measured
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
             if plan and not trainer.cfg.compile else None

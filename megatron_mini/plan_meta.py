@@ -13,7 +13,8 @@
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
 - bubble: schedules.simulate (its idle time is the same for any m >= 2 pp of one m mod pp, so it runs at
   2 pp + m mod pp).
-Attention is measured as a GPU's fused (flash) kernel saves it; the Triton kernels are not planned.
+Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
+math path); the Triton kernels are planned as the torch ones.
 """
 from __future__ import annotations
 
@@ -106,11 +107,19 @@ def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     return list(vectors), dict(sends)
 
 
+def math_attention(cfg: TrainConfig) -> bool:
+    """Whether cfg's attention runs SDPA's math path, which saves the [s, s] weights and dropout mask: on
+    the CPU with dropout (torch's CPU flash kernel takes none), unless the Triton flash attention runs.
+    Elsewhere it is planned as a fused kernel."""
+    return cfg.device == "cpu" and cfg.model.dropout > 0 and cfg.kernels not in ("triton", "attention")
+
+
 def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     """Facts (bytes saved for backward, ledger, overlaps; no FLOPs) of one microbatch forward + backward of
     the layer `layers[0]`, on meta; a block gets a pending residual r when `residual` (as every block but a
     chunk's first). The CPU stream is restored after (recomputation sets it; the GPUs' are not touched)."""
-    with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta):
+    sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
+    with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
         dtype = DTYPES[cfg.precision.dtype]
         ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, META), cfg.sp, cfg.recompute)
@@ -162,7 +171,7 @@ class Planner:
         for name, first, residual in (("embedding", 0, False), ("first", 1, False), ("block", 1, True),
                                       ("head", cfg.model.num_layers + 1, False)):
             key = (name, cfg.tp, cfg.sp, cfg.recompute if first == 1 else "none", cfg.precision.dtype, cfg.mbs,
-                   dataclasses.astuple(cfg.model))
+                   dataclasses.astuple(cfg.model), math_attention(cfg))
             jobs.append((name, key, (cfg, (first, first + 1), residual)))
         return jobs
 

@@ -41,6 +41,7 @@ GRID = {                                   # name: (world size, layout)
     "pp2-vpp2-own": (4, dict(pp=2, vpp=2, embedding_stage="own")),
     "dp2-zero-selective": (2, dict(zero=1, recompute="selective")),
     "tp2-pp2-sp-bf16": (4, dict(tp=2, pp=2, sp=True, **{"precision.dtype": "bf16"})),
+    "pp2-dropout": (2, dict(pp=2, **{"model.dropout": 0.1})),      # on the CPU: SDPA's math path
 }
 
 
@@ -210,8 +211,9 @@ def test_plan_command_line(small_data, tmp_path, capsys):
 # ----------------------------------------------------------------------------- train.py's start-up report
 def test_training_prints_the_plan_next_to_the_run(small_data, tmp_path):
     """Planned weights, grads and optimizer state equal what every rank holds; planned activations are
-    within 10% of the first step's; and planning changes nothing in the run."""
-    layout = dict(tp=2, pp=2, sp=True, steps=2)
+    within 10% of the first step's (with dropout too, whose CPU attention saves its [s, s] weights); and
+    planning changes nothing in the run."""
+    layout = dict(tp=2, pp=2, sp=True, steps=2, **{"model.dropout": 0.1})
     planned = train_on_ranks(4, small_config(small_data, tmp_path / "plan", memory_plan=True, **layout))
     plain = train_on_ranks(4, small_config(small_data, tmp_path / "plain", **layout))
     assert planned["loss"] == plain["loss"] and planned["grad_norm"] == plain["grad_norm"]
@@ -427,7 +429,7 @@ def test_memory_report_gives_the_allocator_peak_under_compile_too(compile_, capl
     from megatron_mini.memory_report import MemoryReport
 
     mesh = types.SimpleNamespace(rank=0, dp=1, coords=lambda r: (0, 0, 0))
-    trainer = types.SimpleNamespace(mesh=mesh, cfg=types.SimpleNamespace(compile=compile_), chunks=[],
+    trainer = types.SimpleNamespace(mesh=mesh, cfg=TrainConfig(compile=compile_), chunks=[],
                                     device=torch.device("cuda"))
     with mock.patch("megatron_mini.plan_meta.planned_memory", return_value=None):
         report = MemoryReport(trainer, logging.getLogger("memory-test"), plan=True)
