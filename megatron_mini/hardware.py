@@ -8,8 +8,9 @@ vendors' dense (no sparsity) tensor-core figures from the data sheets:
     H100 NVL        bf16/fp16 835.5, tf32 417.5, fp32 60   (NVIDIA H100 NVL data sheet, 94 GB)
     H200 SXM        as H100 SXM, with 141 GB of HBM3e      (NVIDIA H200 data sheet)
     H200 NVL        as H100 NVL, with 141 GB of HBM3e
+    GH200           as H100 SXM, with 96 GB of HBM3 (144 GB of HBM3e: "GH200 144G") (NVIDIA GH200 data sheet)
 A device name picks the entry whose longest match string it contains ("NVIDIA H200 NVL" is the NVL
-card, not the SXM one whose name, "NVIDIA H200", it also contains).
+card, not the SXM one whose name, "NVIDIA H200", it also contains; "NVIDIA GH200 480GB" is no H200).
 `precision.peak_tflops` overrides the table (any other GPU, or a clock-capped one).
 """
 from __future__ import annotations
@@ -41,6 +42,9 @@ GPUS = {
     "h200": GPU("H200 141GB", 141.0, {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}, ("H200",)),
     "h200-nvl": GPU("H200 NVL 141GB", 141.0, {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
                     ("H200 NVL",)),
+    "gh200": GPU("GH200 96GB", 96.0, {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}, ("GH200",)),
+    "gh200-144g": GPU("GH200 144GB", 144.0, {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+                      ("GH200 144G",)),
 }
 
 

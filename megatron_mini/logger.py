@@ -20,7 +20,7 @@ import torch
 
 from .config import TrainConfig, WandbConfig
 from .files import atomic_write
-from .hardware import peak_tflops
+from .hardware import math_dtype, peak_tflops
 
 
 def resolve_mode(mode: str) -> str:
@@ -185,7 +185,16 @@ class Throughput:
         self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
         self.ranks_per_device = ranks_per_device
         self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
+        self.dtype = math_dtype(cfg.precision.dtype, cfg.precision.tf32)
         self.per = "GPU" if device.type == "cuda" and backend == "nccl" else "rank"   # (gloo: ranks may share one)
+
+    def missing_peak_note(self) -> str | None:
+        """A GPU whose dense peak is not known (not in hardware.GPUS, no precision.peak_tflops): the one line
+        that says why there is no MFU and how to get it; None otherwise (a CPU has no MFU to miss)."""
+        if self.device.type != "cuda" or self.peak:
+            return None
+        return (f"no MFU: {torch.cuda.get_device_name(self.device)} is not in megatron_mini/hardware.py's table; "
+                f"give its dense {self.dtype} peak with precision.peak_tflops=N")
 
     def __call__(self, tokens: int, seconds: float) -> dict:
         tokens_per_s = tokens / max(seconds, 1e-9)

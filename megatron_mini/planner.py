@@ -61,7 +61,8 @@ class ClusterConfig:
     efficiency: float = 0.5
     memory_gib: float = 0.0          # 0: the GPU's
     reserve_gib: float = 3.0         # what a layout may not use: the driver's share (an "80 GB" A100 offers
-                                     # 79.3 GiB), the CUDA context, NCCL's buffers, the allocator's slack
+                                     # 79.3 GiB), the CUDA context, NCCL's buffers, the allocator's slack,
+                                     # one layer's backward temporaries (the plan counts saved tensors)
 
     @property
     def capacity_gib(self) -> float:

@@ -379,6 +379,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     local_world = gpu_slot()[1]               # ranks sharing a node's GPUs round-robin: each GPU's share
     sharing = local_world / min(local_world, torch.cuda.device_count()) if run.device.type == "cuda" else 1.0
     rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing)
+    if (note := rate.missing_peak_note()) is not None:
+        log.info(f"note: {note}")
     first_step, start_time = trainer.step, time.time()
     if cfg.eval_interval and trainer.step == 0:
         _evaluate(trainer, history, logger, log, " (before training)")

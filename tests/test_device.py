@@ -144,9 +144,28 @@ def test_gpu_names_pick_their_own_entry():
     name it contains (an H200 NVL's dense bf16 peak is 835.5, not 989.4)."""
     names = {"NVIDIA H100 80GB HBM3": "h100-80gb", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
              "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100-80gb",
-             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GeForce RTX 4090": None}
+             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GH200 480GB": "gh200", "NVIDIA GH200 144G HBM3e": "gh200-144g",
+             "NVIDIA GeForce RTX 4090": None}
     assert {name: gpu_key_of_name(name) for name in names} == names
     assert GPUS[gpu_key_of_name("NVIDIA H200 NVL")].tflops["bf16"] == 835.5
+
+
+def test_a_gpu_missing_from_the_table_says_why_there_is_no_mfu(monkeypatch):
+    """An unknown GPU gets one start-up note naming it and precision.peak_tflops (the console line just had no
+    MFU); a known one, a given peak, or a CPU get none. (CUDA is stood in for: only its name is read.)"""
+    from megatron_mini.config import PrecisionConfig, TrainConfig
+    from megatron_mini.logger import Throughput
+
+    cuda = torch.device("cuda", 0)
+    for name, peak, expected in (("NVIDIA GeForce RTX 4090", 0.0, True), ("NVIDIA H100 80GB HBM3", 0.0, False),
+                                 ("NVIDIA GeForce RTX 4090", 165.2, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        cfg = TrainConfig(precision=PrecisionConfig(dtype="fp32", peak_tflops=peak))
+        note = Throughput(cfg, 1, cuda, "nccl").missing_peak_note()
+        assert (note is not None) == expected, (name, peak, note)
+        if expected:
+            assert name in note and "precision.peak_tflops" in note and "tf32 peak" in note, note
+    assert Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo").missing_peak_note() is None
 
 
 def test_flops_per_token_equals_torch_flop_count():
