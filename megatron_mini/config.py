@@ -290,11 +290,19 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be {requirement}.")
 
 
+def check_layout_free(cfg: TrainConfig) -> None:
+    """What validate() checks that no layout changes: the choices, every value's range, the model's shape."""
+    _choices(cfg)
+    check_ranges(cfg)
+    m = cfg.model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
     ConfigError with one paragraph. Run by every rank before any process group exists."""
-    _choices(cfg)
-    check_ranges(cfg)
+    check_layout_free(cfg)
     if not cfg.run_name.strip() or set(cfg.run_name.replace("\\", "/").split("/")) & {"", ".", ".."}:
         raise ConfigError(f"run_name={cfg.run_name!r} must name a directory below runs/ (no empty, '.' or '..' "
                           f"part); to put a run elsewhere, set run_dir=PATH.")
@@ -331,8 +339,6 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         )
     if m.num_heads % cfg.tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by tp={cfg.tp}.")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
     if m.padded_vocab_size % cfg.tp:
         raise ConfigError(
             f"The padded vocabulary {m.padded_vocab_size} (vocab_size={m.vocab_size} padded to a multiple of "

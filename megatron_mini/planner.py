@@ -135,11 +135,11 @@ def _divisors(n: int) -> list:
 
 def layouts(base: PlanConfig) -> tuple[list, Counter]:
     """Every layout of base's model on base.cluster that validate() accepts, and the reasons the others
-    were refused (counted): tp whose groups lie in a node (_in_node), pp, vpp (up to 8), dp = gpus / (tp pp),
+    were refused (counted): tp whose groups lie in a node (in_node), pp, vpp (up to 8), dp = gpus / (tp pp),
     ZeRO when dp > 1, recompute, sp when tp > 1, and each embedding_stage where it changes the split."""
     c, valid, refused = base.cluster, [], Counter()
     for tp in _divisors(c.gpus):
-        if not _in_node(c, tp):
+        if not in_node(c, tp):
             refused["tp not dividing the GPUs of a node (TP across nodes)"] += 1
             continue
         for pp in _divisors(c.gpus // tp):
@@ -193,7 +193,7 @@ def _collective_s(op: str, nbytes: float, n: int, gbps: float) -> float:
     return nbytes / (gbps * 1e9)                            # send / recv
 
 
-def _in_node(cluster: ClusterConfig, span: int) -> bool:
+def in_node(cluster: ClusterConfig, span: int) -> bool:
     """Whether every group of `span` consecutive global ranks, starting at a multiple of span, lies in one
     node: span divides gpus_per_node, or the cluster is one node."""
     return cluster.gpus <= cluster.gpus_per_node or cluster.gpus_per_node % span == 0
@@ -201,7 +201,7 @@ def _in_node(cluster: ClusterConfig, span: int) -> bool:
 
 def _link_gbps(cluster: ClusterConfig, span: int) -> float:
     """The link of groups spanning `span` consecutive global ranks: NVLink when they lie in a node."""
-    return cluster.intra_node_gbps if _in_node(cluster, span) else cluster.inter_node_gbps
+    return cluster.intra_node_gbps if in_node(cluster, span) else cluster.inter_node_gbps
 
 
 def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, flops_per_s: float) -> dict:
@@ -239,7 +239,7 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
-        if _in_node(cluster, cfg.tp * dp):                             # ... on the link the TP overlaps use
+        if in_node(cluster, cfg.tp * dp):                             # ... on the link the TP overlaps use
             last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
         t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,

@@ -89,6 +89,27 @@ def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, 
     assert not list(tmp_path.iterdir())                                # no p.csv either
 
 
+@pytest.mark.parametrize("argv, fact", [
+    (["--top", "0"], "--top: must be >= 1, got 0"),
+    (["--csv", "no/such/dir/p.csv"], "--csv no/such/dir/p.csv: the directory"),
+    (["--plot", "no/such/dir/p.png"], "--plot no/such/dir/p.png: the directory"),
+    (["gbs=-1"], "gbs=-1 must be >= 1"),                                   # wrong for every layout: said once
+    (["model.num_heads=7"], "model.hidden_size=128 is not divisible by num_heads=7"),
+    (["cluster.gpus=8", "cluster.gpus_per_node=2", "--layout", "tp=4"], "TP groups would span nodes"),
+])
+def test_plan_bad_arguments_are_one_line_before_planning(argv, fact, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "plan", lambda base: pytest.fail("planned before refusing"))
+    try:
+        code = plan.main(argv)
+    except SystemExit as stop:                                             # argparse's refusals
+        code = stop.code
+    assert code == 2
+    err = _one_error_line(capsys)
+    assert fact in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys):
     ckpt = inference.read_checkpoint(tiny_checkpoint)
     tok = inference.find_tokenizer(ckpt)

@@ -29,11 +29,12 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bench.report import text_table
+from bench.report import at_least, text_table
 from plotting import image_path_error
-from megatron_mini.config import ConfigError, check_keys, validate
+from megatron_mini.config import ConfigError, check_keys, check_layout_free, validate
 from megatron_mini.hardware import GPUS
-from megatron_mini.planner import GiB, Estimate, Plan, PlanConfig, estimate, model_bytes, plan, register_configs
+from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in_node, model_bytes, plan,
+                                   register_configs)
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 TERMS = ("compute", "tp", "pp", "bubble", "dp", "emb")
@@ -58,6 +59,7 @@ def load_config(overrides: list) -> PlanConfig:
     check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
     cfg = OmegaConf.to_object(composed)
     cfg.cluster.check()
+    check_layout_free(cfg)             # a value no layout can fix is one error, not a refusal of every layout
     return cfg
 
 
@@ -84,6 +86,9 @@ def parse_layout(text: str, base: PlanConfig) -> PlanConfig:
             changes[key] = value
     cfg = dataclasses.replace(base, **changes)
     validate(cfg, base.cluster.gpus)
+    if not in_node(base.cluster, cfg.tp):
+        raise ConfigError(f"--layout {text}: tp={cfg.tp} does not divide the {base.cluster.gpus_per_node} GPUs of a "
+                          f"node, so its TP groups would span nodes (the planner enumerates no such layout)")
     return cfg
 
 
@@ -197,12 +202,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="train.py keys and cluster keys, key=value")
     ap.add_argument("--layout", help="explain one layout, e.g. tp=4,pp=12,zero=1,embedding_stage=layer")
-    ap.add_argument("--top", type=int, default=10, help="how many of the layouts that fit to list")
+    ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list")
     ap.add_argument("--csv", help="write every layout to this CSV file")
     ap.add_argument("--plot", help="draw step time against memory per rank into this PNG")
     args = ap.parse_args(argv)
     if args.plot and (error := image_path_error(args.plot)) is not None:
         ap.error(f"--plot {error}")
+    for option, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            ap.error(f"{option} {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist")
     try:
         base = load_config(args.overrides)
         chosen = parse_layout(args.layout, base) if args.layout else None
