@@ -31,7 +31,7 @@ class Checkpoint:
     meta: dict         # meta.json: step, consumed_samples, layout, config
     cfg: TrainConfig   # the training config, rebuilt from meta["config"]
     tensors: dict      # {global name: full fp32 tensor}
-    notes: list = dataclasses.field(default_factory=list)   # newer checkpoints of the run that were passed over, and why
+    notes: list = dataclasses.field(default_factory=list)   # newer checkpoints of the run passed over, and why
 
 
 def config_from_dict(d: dict, cls=TrainConfig):

@@ -56,7 +56,8 @@ def launch_env() -> tuple[int, int, int, int]:
         local_rank = _int_env("LOCAL_RANK", 0)
         return _int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank, _int_env("LOCAL_WORLD_SIZE", local_rank + 1)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return _int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0), _slurm_tasks_here()
+        return (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0),
+                _slurm_tasks_here())
     return 0, 1, 0, 1
 
 
@@ -77,8 +78,8 @@ def _slurm_tasks_here() -> int:
         if node < len(counts):
             return counts[node]
     raise ConfigError("SLURM sets SLURM_PROCID here but neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE "
-                      f"(e.g. 4(x2),2) gives this node's (SLURM_NODEID={node}) number of tasks, which the device choice "
-                      "needs; launch with srun inside an allocation (sbatch/salloc), or with torchrun.")
+                      f"(e.g. 4(x2),2) gives this node's (SLURM_NODEID={node}) number of tasks, which the device "
+                      "choice needs; launch with srun inside an allocation (sbatch/salloc), or with torchrun.")
 
 
 def gpu_slot() -> tuple[int, int]:

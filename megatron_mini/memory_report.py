@@ -8,9 +8,8 @@ this run holds, so that a run that departs from its plan shows it at once:
 Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json."""
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import logging
 
 import torch

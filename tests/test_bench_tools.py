@@ -113,11 +113,11 @@ def test_bench_gpu_doc_merge_keeps_the_same_code_path_verdict(tmp_path):
     import bench_gpu
 
     def rec(row, tokens, command):
-        return {"model": "small", "model_name": "gpt2-small", "row": row, "config": row, "status": "ok", "dtype": "bf16", "mbs": 16,
-                "microbatches": 8, "seq_len": 1024, "tokens_per_step": 131072, "steps": 8, "warmup_steps": 3,
-                "skipped_steps": 0, "median_s": 131072 / tokens, "tokens_per_s": tokens, "model_tflops": 300.0,
-                "peak_tflops": 989.4, "mfu": 0.32, "first_loss": 9.1, "last_loss": 8.0, "triton_ops": [], "command": command,
-                "date": "d", "device": "H100"}
+        return {"model": "small", "model_name": "gpt2-small", "row": row, "config": row, "status": "ok",
+                "dtype": "bf16", "mbs": 16, "microbatches": 8, "seq_len": 1024, "tokens_per_step": 131072,
+                "steps": 8, "warmup_steps": 3, "skipped_steps": 0, "median_s": 131072 / tokens, "tokens_per_s": tokens,
+                "model_tflops": 300.0, "peak_tflops": 989.4, "mfu": 0.32, "first_loss": 9.1, "last_loss": 8.0,
+                "triton_ops": [], "command": command, "date": "d", "device": "H100"}
     path = str(tmp_path / "doc.md")
     with open(path, "w") as f:
         f.write("# doc\n")

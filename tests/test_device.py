@@ -95,7 +95,9 @@ def test_slurm_tasks_of_a_node_are_the_same_for_all_of_them(monkeypatch, per_nod
     so on a node with fewer GPUs than tasks some ranks took a GPU and the others stopped)."""
     for local in range(tasks):
         env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "10", "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
-               "SLURM_TASKS_PER_NODE": per_node, **({"SLURM_STEP_TASKS_PER_NODE": step_per_node} if step_per_node else {})}
+               "SLURM_TASKS_PER_NODE": per_node}
+        if step_per_node:
+            env["SLURM_STEP_TASKS_PER_NODE"] = step_per_node
         _set_launcher_env(monkeypatch, env)
         assert gpu_slot() == (local, tasks)
 
@@ -144,7 +146,8 @@ def test_gpu_names_pick_their_own_entry():
     name it contains (an H200 NVL's dense bf16 peak is 835.5, not 989.4)."""
     names = {"NVIDIA H100 80GB HBM3": "h100-80gb", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
              "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100-80gb",
-             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GH200 480GB": "gh200", "NVIDIA GH200 144G HBM3e": "gh200-144g",
+             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GH200 480GB": "gh200",
+             "NVIDIA GH200 144G HBM3e": "gh200-144g",
              "NVIDIA GeForce RTX 4090": None}
     assert {name: gpu_key_of_name(name) for name in names} == names
     assert GPUS[gpu_key_of_name("NVIDIA H200 NVL")].tflops["bf16"] == 835.5

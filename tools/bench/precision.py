@@ -70,8 +70,8 @@ def run(bench: Bench, steps: int) -> Report:
              "kernels=triton): the s x s probabilities are never stored, and the attention output shares its storage "
              "with the output projection's saved input (on CPU for SDPA; always for the flash kernel), so selective "
              "saves only the log-sum-exp: its memory equals none, and it pays the attention forward again. "
-             f"recompute=full keeps only each block's input ({block_input_mib:g} MiB per block per microbatch here) plus "
-             "the head.")
+             f"recompute=full keeps only each block's input ({block_input_mib:g} MiB per block per microbatch "
+             "here) plus the head.")
     a_full, a_sel, a_none = peak[full.name], peak[sel.name], peak[fp32.name]
     rep.goal("activation memory full < selective <= none",
              f"{mb(a_full)} < {mb(a_sel)} <= {mb(a_none)} MiB", "order", a_full < a_sel <= a_none)

@@ -24,7 +24,8 @@ def run(bench: Bench, steps: int) -> Report:
     rep.text(f"\nframework / baseline = {ratios_text(lib, base)} (goal >= 1.0); dp=2 / tp=pp=dp=1 (2 threads) = "
              f"{ratios_text(dp2, lib)} (goal >= 0.95).")
     vocab = bench.model.vocab_size
-    rep.text(f"Final losses (random tokens, so all near ln({vocab}) = {math.log(vocab):.2f}): baseline {base.steps[-1]['loss']:.4f}, "
+    rep.text(f"Final losses (random tokens, so all near ln({vocab}) = {math.log(vocab):.2f}): "
+             f"baseline {base.steps[-1]['loss']:.4f}, "
              f"framework {lib.steps[-1]['loss']:.4f}, dp=2 {dp2.steps[-1]['loss']:.4f}.")
     rep.throughput_goal("framework tp=pp=dp=1 / plain PyTorch GPT-2 (tokens/s)", lib, base, 1.0)
     rep.throughput_goal("dp=2 (2x1 thread) / tp=pp=dp=1 (2 threads)", dp2, lib, 0.95)
