@@ -29,7 +29,7 @@ from commandline import (assert_one_error, env, finish, model_args, python_train
 from harness import make_trainer, small_config, train_on_ranks
 from megatron_mini.checkpoint import load_model_tensors
 from megatron_mini.launch import RunLock
-from ranks import spawn
+from ranks import free_port, spawn
 
 
 # ----------------------------------------------------------------------------------------- fixtures
@@ -176,13 +176,6 @@ def test_refusal(refusals, case):
     assert_one_error(result, facts, launcher)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_process_needs_no_port(small_data, tmp_path):
     """`python train.py` joins a group of one through an in-memory store: a second run beside it, or anything
     holding MASTER_PORT, is no EADDRINUSE."""
@@ -197,7 +190,7 @@ def test_one_process_needs_no_port(small_data, tmp_path):
 def test_a_rank_that_never_comes_is_one_line(small_data, tmp_path):
     """A job whose other rank never starts (a task that died before it ran) ends each rank that waited, after
     timeout_s, with one line naming the address and the ways out, not a rendezvous traceback."""
-    port = _free_port()
+    port = free_port()
     for rank in (0, 1):
         r = python_train([*model_args(small_data, tmp_path / f"run{rank}"), "timeout_s=3"],
                          env(RANK=rank, WORLD_SIZE=2, MASTER_PORT=port))
