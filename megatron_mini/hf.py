@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 from safetensors.torch import save_file
 
@@ -123,18 +124,26 @@ document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenize
 
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Checkpoint:
     """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint read
-    (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over)."""
+    (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over). The files
+    are written into a staging directory beside `out_dir` and then moved in, so an export that fails
+    (a full disk) leaves `out_dir` as it was."""
     ckpt = read_checkpoint(checkpoint)
     tok = find_tokenizer(ckpt, tokenizer)
     tensors = hf_state_dict(ckpt)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(ckpt, tok.eos_id), f, indent=2)
-    shutil.copyfile(tok.path, os.path.join(out_dir, "tokenizer.model"))
     m = ckpt.cfg.model
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
-        f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
-                              hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
-                              out=os.path.abspath(out_dir), eos=tok.eos_id))
+    os.makedirs(out_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
+    try:
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(hf_config(ckpt, tok.eos_id), f, indent=2)
+        shutil.copyfile(tok.path, os.path.join(staging, "tokenizer.model"))
+        with open(os.path.join(staging, "README.md"), "w") as f:
+            f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
+                                  hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
+                                  out=os.path.abspath(out_dir), eos=tok.eos_id))
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return ckpt

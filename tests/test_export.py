@@ -148,6 +148,24 @@ def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, ca
     assert err.startswith(f"error: cannot write {tmp_path / 'afile' / 'sub'}: ") and err.count("\n") == 1, err
 
 
+def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monkeypatch, capsys):
+    """The files are staged beside the output and moved in at the end: an export that fails half-way (here
+    at the tokenizer's copy, after the weights) leaves an earlier export whole and no staging directory."""
+    from megatron_mini import hf
+    ckpt, _, _ = exported[1]
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the earlier export")
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf.shutil, "copyfile", fail)
+    assert export_hf.main([ckpt.path, str(out)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"the earlier export"
+
+
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path):
     """The README's example, run as written, generates within the model's positions (it asked for 50 new
     tokens whatever the context, which overran a 32-position model)."""
