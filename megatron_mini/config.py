@@ -291,18 +291,10 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
 
 
 def check_layout_free(cfg: TrainConfig) -> None:
-    """What validate() checks that no layout changes: the choices, every value's range, the model's shape."""
+    """What validate() checks that no layout changes: the choices, every value's range, run_name and resume,
+    the lr and loss-scale bounds, the model's shape."""
     _choices(cfg)
     check_ranges(cfg)
-    m = cfg.model
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
-
-
-def validate(cfg: TrainConfig, world_size: int) -> int:
-    """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
-    ConfigError with one paragraph. Run by every rank before any process group exists."""
-    check_layout_free(cfg)
     if not cfg.run_name.strip() or set(cfg.run_name.replace("\\", "/").split("/")) & {"", ".", ".."}:
         raise ConfigError(f"run_name={cfg.run_name!r} must name a directory below runs/ (no empty, '.' or '..' "
                           f"part); to put a run elsewhere, set run_dir=PATH.")
@@ -318,6 +310,15 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="
                           f"{p.initial_loss_scale:g}: the loss scale only falls from its initial value to the "
                           f"minimum; set precision.min_loss_scale <= {p.initial_loss_scale:g}.")
+    m = cfg.model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> int:
+    """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
+    ConfigError with one paragraph. Run by every rank before any process group exists."""
+    check_layout_free(cfg)
     m = cfg.model
     model_parallel = cfg.tp * cfg.pp
     if world_size < model_parallel:

@@ -128,8 +128,8 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
              kv_cache: bool = True, timing: dict | None = None) -> list:
     """Continue the prompt `ids` num_samples times: a list of num_samples lists of at most max_new_tokens
     new ids, each ending at its first eos_id (kept). Greedy when temperature == 0; top_k=0 keeps all.
-    `timing`, when given, receives the seconds to the first new token (the prompt's prefill) and after
-    it ("prefill_s", "decode_s": the device synchronised at both).
+    `timing`, when given and max_new_tokens > 0, receives the seconds to the first new token (the prompt's
+    prefill) and after it ("prefill_s", "decode_s": the device synchronised at both).
 
     The first forward runs the prompt's last seq_len tokens (the model's context, learned positions).
     With the KV cache (default) each later token runs one position. When the cache holds seq_len
@@ -159,7 +159,7 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     clock = _Clock(device) if timing is not None else None
     for step in range(max_new_tokens):
         last = logits(model, feed, cache)[:, -1]                                   # [n, V]
-        if temperature == 0:
+        if float(torch.tensor(temperature, dtype=last.dtype)) == 0:     # 0, or too small for the logits' dtype
             nxt = last.argmax(-1)
         else:
             last = (last - last.max(-1, keepdim=True).values) / temperature   # <= 0: a tiny temperature is greedy
@@ -181,8 +181,7 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         else:                                                                       # the window is full
             cache, feed = KVCache(), x[:, -max(1, seq_len // 2):]
     rows = x[:, len(ids):].tolist()
-    if clock is not None:
-        timing.setdefault("prefill_s", 0.0)
+    if clock is not None and max_new_tokens:
         timing["decode_s"] = clock.lap()
     return [row[:row.index(eos_id) + 1] if eos_id in row else row for row in rows]
 

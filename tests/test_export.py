@@ -253,7 +253,9 @@ def test_generate_refuses_bad_arguments():
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
     # a positive temperature too small for the logits' range samples what greedy picks (it overflowed to NaN)
     greedy = inference.generate(model, [1, 2], 6, temperature=0)
-    assert inference.generate(model, [1, 2], 6, temperature=1e-45, generator=torch.Generator().manual_seed(0)) == greedy
+    for tiny in (1e-45, 1e-50):                                     # (1e-50 is 0 in the logits' fp32)
+        assert inference.generate(model, [1, 2], 6, temperature=tiny, generator=torch.Generator().manual_seed(0)) \
+            == greedy, tiny
 
 
 def test_kv_cache_refuses_a_sequence_parallel_model():

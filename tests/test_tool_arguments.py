@@ -94,6 +94,8 @@ def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, 
     (["--csv", "no/such/dir/p.csv"], "--csv no/such/dir/p.csv: the directory"),
     (["--plot", "no/such/dir/p.png"], "--plot no/such/dir/p.png: the directory"),
     (["gbs=-1"], "gbs=-1 must be >= 1"),                                   # wrong for every layout: said once
+    (["optimizer.min_lr=1"], "optimizer.min_lr=1.0 is above optimizer.lr"),
+    (["--csv", "."], "--csv . is a directory"),
     (["model.num_heads=7"], "model.hidden_size=128 is not divisible by num_heads=7"),
     (["cluster.gpus=8", "cluster.gpus_per_node=2", "--layout", "tp=4"], "TP groups would span nodes"),
 ])
@@ -108,6 +110,13 @@ def test_plan_bad_arguments_are_one_line_before_planning(argv, fact, tmp_path, m
     err = _one_error_line(capsys)
     assert fact in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys):
+    """--max-new-tokens 0 prints the prompt and no timing line (it printed a prefill that never ran)."""
+    assert generate.main([tiny_checkpoint, "--max-new-tokens", "0", "--device", "cpu", "--prompt", "def f("]) == 0
+    out, err = capsys.readouterr()
+    assert out == "def f(\n" and "prefill" not in err and "tokens/s" not in err, (out, err)
 
 
 def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys):

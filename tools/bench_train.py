@@ -33,7 +33,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from bench import pipeline, precision, tensor_parallel, throughput  # noqa: E402
 from bench.harness import Bench  # noqa: E402
-from bench.report import DOC, GOAL_HEADERS, at_least, command_line, device_line, print_table, write_train_doc  # noqa: E402
+from bench.report import (DOC, GOAL_HEADERS, at_least, command_line, device_line, print_table,  # noqa: E402
+                          write_train_doc)
 from bench.workload import S2, SMOKE  # noqa: E402
 
 SECTIONS = {1: throughput, 2: tensor_parallel, 3: pipeline, 4: precision}

@@ -67,16 +67,18 @@ def main(argv=None) -> int:
     if len(prompt) > seq_len:
         print(f"note: the model's context is {seq_len} tokens: the first {len(prompt) - seq_len} of the prompt's "
               f"{len(prompt)} tokens are dropped (the printed text keeps them)", file=sys.stderr)
-    generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)      # warmup: the first call's one-off set-up is not timed
+    if args.max_new_tokens:
+        generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)  # warmup: the first call's one-off set-up is not timed
     generator = torch.Generator(device).manual_seed(args.seed)
     timing = {}
     samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
                        tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing)
     decoded = sum(max(len(new) - 1, 0) for new in samples)              # the tokens after the first of each sample
     rate = f"{decoded / timing['decode_s']:.1f} tokens/s" if decoded and timing["decode_s"] > 0 else "-"
-    print(f"prefill of {min(len(prompt), seq_len)} tokens x {args.num_samples}: {timing['prefill_s']:.3f} s; then "
-          f"{decoded} tokens in {timing['decode_s']:.2f} s: {rate} ({'KV cache' if args.kv_cache else 'no KV cache'})",
-          file=sys.stderr)
+    if args.max_new_tokens:
+        print(f"prefill of {min(len(prompt), seq_len)} tokens x {args.num_samples}: {timing['prefill_s']:.3f} s; "
+              f"then {decoded} tokens in {timing['decode_s']:.2f} s: {rate} "
+              f"({'KV cache' if args.kv_cache else 'no KV cache'})", file=sys.stderr)
     for i, new in enumerate(samples):
         if args.num_samples > 1:
             print(f"----- sample {i + 1} -----")

@@ -27,8 +27,12 @@
 # off by its limit still brings back the steps it finished. The last lines printed are a summary, and the
 # exit status is 1 when a step failed.
 set -u
-STAGE=${1:?stage: wheels (here), compile, make, sweep, bench or check}
-case $STAGE in wheels|compile|make|sweep|bench|check) ;; *) echo "unknown stage $STAGE: wheels (here), compile, make, sweep, bench or check"; exit 2 ;; esac
+STAGES="wheels (here), compile, make, sweep, bench or check"
+STAGE=${1:-}
+case $STAGE in
+  wheels|compile|make|sweep|bench|check) ;;
+  *) echo "usage: tools/gpu_session.sh STAGE [MODELS]; STAGE: $STAGES (got '$STAGE')"; exit 2 ;;
+esac
 MODELS=${2:-small}
 OUT=${OUT:-/tmp/gpu_out}
 LOGS=/tmp/session
@@ -56,14 +60,17 @@ else
 fi
 
 FAILED=0
-step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status, pack the logs
+pack() {   # the logs into $OUT/session.tgz, whole or not at all (a call killed mid-tar keeps the last one)
+  tar czf "$OUT/.session.tgz" -C "$LOGS" . && mv "$OUT/.session.tgz" "$OUT/session.tgz"
+}
+step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status, pack
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || FAILED=1
   echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
-  tar czf "$OUT/session.tgz" -C "$LOGS" .
+  pack
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -123,7 +130,7 @@ bench)
   ;;
 esac
 
-tar czf "$OUT/session.tgz" -C "$LOGS" .
+pack
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
 for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|Timeout|[0-9]+ (passed|failed)|^done:' "$LOGS/$t.log" | cut -c1-200; done

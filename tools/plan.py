@@ -209,6 +209,8 @@ def main(argv=None) -> int:
     if args.plot and (error := image_path_error(args.plot)) is not None:
         ap.error(f"--plot {error}")
     for option, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path and os.path.isdir(path):
+            ap.error(f"{option} {path} is a directory: name the file to write")
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             ap.error(f"{option} {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist")
     try:
