@@ -129,8 +129,9 @@ class PrecisionConfig:
     dtype: DType = DType.fp32
     tf32: bool = True                # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs)
     peak_tflops: float = 0.0         # the MFU denominator per GPU; 0: from hardware.py's table
-    # fp16 dynamic loss scaling (Megatron-LM defaults)
-    initial_loss_scale: float = 2.0 ** 32
+    # fp16 dynamic loss scaling: Megatron-LM's defaults, but for the start: Megatron starts at 2^32 and skips
+    # ~17 steps to come down to a usable scale; 2^16 (apex's and DeepSpeed's start) skips only the first few
+    initial_loss_scale: float = 2.0 ** 16
     loss_scale_growth_factor: float = 2.0
     loss_scale_growth_interval: int = 1000
     loss_scale_backoff_factor: float = 0.5
@@ -167,7 +168,8 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
                                      # attention / cross_entropy: Triton for that op, torch for the others
-    compile: bool = False            # torch.compile: at tp=1 a chunk's blocks as one graph, else each block
+    compile: bool = False            # torch.compile: a chunk's blocks as one graph at tp=1 without full recompute
+                                     # or dropout (ParallelContext.compile_chunks), else each block
     # batch and schedule
     mbs: int = 4
     gbs: int = 32

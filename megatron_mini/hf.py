@@ -142,6 +142,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Check
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
                                   hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
                                   out=os.path.abspath(out_dir), eos=tok.eos_id))
+        # safetensors creates its file 0600 whatever the umask: give it the mode the other files got
+        os.chmod(os.path.join(staging, "model.safetensors"), os.stat(os.path.join(staging, "config.json")).st_mode)
         for name in os.listdir(staging):
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
     finally:

@@ -41,6 +41,8 @@ def exported(small_data, tmp_path_factory):
         model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True,
                                                                    local_files_only=True)
         assert not any(info.values()), info
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert len(set(modes.values())) == 1, modes                      # the weights too (safetensors made them 0600)
         ckpt = inference.read_checkpoint(history["checkpoint"])
         assert ckpt.meta["layout"]["tp"] == tp
         tok = inference.find_tokenizer(ckpt)

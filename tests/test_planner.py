@@ -198,7 +198,11 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "torchrun --nnodes=2 --nproc_per_node=8" in printed and "--layout tp=2,pp=2,zero=1:" in printed
     with open(out_csv) as f:
+        header = next(csv.reader(f))
+        f.seek(0)
         rows = list(csv.DictReader(f))
+    assert len(set(header)) == len(header), header                     # (dp and bubble were there twice)
+    assert all(int(r["dp"]) >= 1 and 0 <= float(r["bubble_fraction"]) < 1 for r in rows)
     assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
     assert out_png.stat().st_size > 10_000
     assert main(args + ["--layout", "tp=3"]) == 2

@@ -6,7 +6,7 @@ import torch
 
 from ranks import spawn
 from harness import make_trainer, small_config, train_on_ranks
-from megatron_mini.config import PrecisionConfig
+from megatron_mini.config import PrecisionConfig, register_configs
 from megatron_mini.optimizer import DynamicLossScaler
 
 
@@ -183,3 +183,19 @@ def test_nan_loss_stops_without_saving(small_data, tmp_path):
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*")]
     assert "Nothing was saved over the last good checkpoint" in str(err.value)
     assert len(saved) < 30 and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_a_precision_preset_is_its_dtype_key():
+    """precision=fp16 and precision.dtype=fp16 compose the same PrecisionConfig (the preset started the loss
+    scale at 2^16 and the dataclass at 2^32), and so for every preset."""
+    import os
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        for dtype in ("fp32", "fp16", "bf16"):
+            preset, key = (OmegaConf.to_object(compose(config_name="config", overrides=[o])).precision
+                           for o in (f"precision={dtype}", f"precision.dtype={dtype}"))
+            assert preset == key, (dtype, preset, key)

@@ -163,7 +163,8 @@ def torchrun(e: Estimate, overrides: list) -> str:
 def write_csv(path: str, p: Plan) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["layout", "dp", "fits", "memory_gib", "step_s", "tokens_per_s", "bubble", *TERMS,
+        w.writerow(["layout", "dp", "fits", "memory_gib", "step_s", "tokens_per_s", "bubble_fraction",
+                    *(f"{t}_s" for t in TERMS),
                     *(f"{k}_gib" for k in ("weights", "grads", "optimizer", "activations"))])
         for e in p.estimates:
             worst = e.worst
