@@ -205,6 +205,8 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert all(int(r["dp"]) >= 1 and 0 <= float(r["bubble_fraction"]) < 1 for r in rows)
     assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
     assert out_png.stat().st_size > 10_000
+    assert main(args + ["--top", "1"]) == 0
+    assert capsys.readouterr().out.count(": rank ") == 1                  # the one layout listed, explained once
     assert main(args + ["--layout", "tp=3"]) == 2
     assert "tp x pp = 3 x 1" in capsys.readouterr().err
     assert main(args + ["cluster.gpu=a100"]) == 2                  # not a GPU of hardware.GPUS

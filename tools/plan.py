@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     if p.fitting:
         head = ["#", "layout", "dp", "memory GiB", "step s", "tokens/s", "MFU", *(f"{t} s" for t in TERMS)]
         print("\n" + text_table(head, [summary_row(i + 1, e) for i, e in enumerate(p.fitting[:args.top])]))
-        for i, e in enumerate(p.fitting[:3]):
+        for i, e in enumerate(p.fitting[:min(3, args.top)]):      # the top ones listed, at most 3
             print("\n" + explain(e, i + 1))
         print("\nwhy the others lost (against the best):\n" + why_others_lost(p))
         print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
