@@ -9,8 +9,8 @@
 Saving: each stage's writer (mesh.stage_writer) writes its files into `step_N.tmp/` and hashes them;
 rank 0 writes meta.json with the hashes, renames the directory to `step_N/`, then rewrites `latest`
 (tmp + rename) and removes all but the newest `keep` checkpoints. A failed write on any rank (a full
-disk, no permission) is agreed on by every rank: the temp directory is removed, `latest` stays on the last good checkpoint
-and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
+disk, no permission) is agreed on by every rank: the temp directory is removed, `latest` stays on the
+last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's

@@ -67,7 +67,7 @@ def math_dtype(dtype: str, tf32: bool) -> str:
 def peak_tflops(device: torch.device, dtype: str, tf32: bool, override: float = 0.0) -> float | None:
     """Dense peak TFLOP/s of one `device` for matmuls in `dtype` (override if > 0); None when unknown
     (a CPU, or a GPU missing from the table)."""
-    return override if override > 0 else table_peak(gpu_key(device), dtype, tf32)
+    return table_peak(gpu_key(device), dtype, tf32, override)
 
 
 def table_peak(key: str | None, dtype: str, tf32: bool, override: float = 0.0) -> float | None:

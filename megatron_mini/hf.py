@@ -125,8 +125,8 @@ document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenize
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Checkpoint:
     """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint read
     (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over). The files
-    are written into a staging directory beside `out_dir` and then moved in, so an export that fails
-    (a full disk) leaves `out_dir` as it was."""
+    are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
+    export that fails (a full disk) leaves the files already there as they were."""
     ckpt = read_checkpoint(checkpoint)
     tok = find_tokenizer(ckpt, tokenizer)
     tensors = hf_state_dict(ckpt)

@@ -64,7 +64,8 @@ class PipelineEngine:
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         return self._run(self.eval_schedule, batch, None, None)
 
-    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None, first_sample: int | None) -> torch.Tensor:
+    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None,
+             first_sample: int | None) -> torch.Tensor:
         pp, vpp = self.mesh.pp, self.cfg.vpp
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -31,7 +31,7 @@ from .comm import Ledger
 from .config import TrainConfig
 from .mesh import ParallelMesh
 from .meter import SavedTensorMeter
-from .model import ParallelContext, build_chunks
+from .model import ParallelContext, build_chunks, select_triton_ops
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
@@ -111,7 +111,9 @@ def math_attention(cfg: TrainConfig) -> bool:
     """Whether cfg's attention runs SDPA's math path, which saves the [s, s] weights and dropout mask: on
     the CPU with dropout (torch's CPU flash kernel takes none), unless the Triton flash attention runs.
     Elsewhere it is planned as a fused kernel."""
-    return cfg.device == "cpu" and cfg.model.dropout > 0 and cfg.kernels not in ("triton", "attention")
+    cpu = torch.device("cpu")
+    return cfg.device == "cpu" and cfg.model.dropout > 0 and \
+        not select_triton_ops(cfg.kernels, cfg.model, cpu, cfg.tp, cfg.precision.dtype).attention
 
 
 def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:

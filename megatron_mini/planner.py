@@ -239,7 +239,7 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
         compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
-        if in_node(cluster, cfg.tp * dp):                             # ... on the link the TP overlaps use
+        if in_node(cluster, cfg.tp * dp):                              # ... on the link the TP overlaps use
             last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
         t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,

@@ -389,8 +389,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         out = _per_rank(out_features, tp_group, "out_features")
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = new_param((out, in_features), ParamSpec("normal", std, tp_dim=0, tp_groups=tp_groups), dtype, device)
-        self.bias = new_param((out,), ParamSpec("zeros", tp_dim=0, tp_groups=tp_groups, no_weight_decay=True), dtype, device)
+        self.weight = new_param((out, in_features), ParamSpec("normal", std, tp_dim=0, tp_groups=tp_groups),
+                                dtype, device)
+        self.bias = new_param((out,), ParamSpec("zeros", tp_dim=0, tp_groups=tp_groups, no_weight_decay=True),
+                              dtype, device)
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)

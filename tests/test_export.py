@@ -151,8 +151,9 @@ def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, ca
 
 
 def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monkeypatch, capsys):
-    """The files are staged beside the output and moved in at the end: an export that fails half-way (here
-    at the tokenizer's copy, after the weights) leaves an earlier export whole and no staging directory."""
+    """The files are staged inside the output directory and moved into place at the end: an export that fails
+    half-way (here at the tokenizer's copy, after the weights) leaves an earlier export whole and no staging
+    directory."""
     from megatron_mini import hf
     ckpt, _, _ = exported[1]
     out = tmp_path / "hf"

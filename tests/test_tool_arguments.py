@@ -38,9 +38,9 @@ def _exit_code(tool, argv) -> int:
 
 
 @pytest.mark.parametrize("argv, fact", [
-    (["--pp", "0", "-m", "4"], "--pp must be >= 1, got 0"),
-    (["--pp", "2", "--vpp", "0", "-m", "4"], "--vpp must be >= 1, got 0"),
-    (["--pp", "2", "-m", "-1"], "--microbatches must be >= 1, got -1"),
+    (["--pp", "0", "-m", "4"], "--pp: must be >= 1, got 0"),
+    (["--pp", "2", "--vpp", "0", "-m", "4"], "--vpp: must be >= 1, got 0"),
+    (["--pp", "2", "-m", "-1"], "--microbatches/-m: must be >= 1, got -1"),
     (["--pp", "4", "--vpp", "2", "-m", "6"], "must be a multiple of 4, but it is 6"),
     (["--pp", "4", "-m", "6", "--compare"], "must be a multiple of 4, but it is 6"),  # the interleaved panel
     (["--pp", "2", "-m", "4", "-o", "s.txt"], ".png"),

@@ -130,7 +130,6 @@ bench)
   ;;
 esac
 
-pack
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
 for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|Timeout|[0-9]+ (passed|failed)|^done:' "$LOGS/$t.log" | cut -c1-200; done

@@ -23,6 +23,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from megatron_mini.config import ConfigError  # noqa: E402
 from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  # noqa: E402
+from bench.report import at_least  # noqa: E402
 from plotting import image_path_error  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
@@ -95,16 +96,13 @@ def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--vpp", type=int, default=1, help="model chunks per rank (1f1b with vpp > 1 = interleaved)")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
+    p.add_argument("--pp", type=at_least(1), required=True, help="pipeline ranks")
+    p.add_argument("--vpp", type=at_least(1), default=1, help="model chunks per rank (1f1b with vpp > 1 = interleaved)")
+    p.add_argument("--microbatches", "-m", type=at_least(1), required=True, help="microbatches per step")
     p.add_argument("--schedule", choices=KINDS, default="1f1b")
     p.add_argument("--compare", action="store_true", help="draw GPipe, 1F1B and interleaved 1F1B one above the other")
     p.add_argument("-o", "--output", default="schedule.png", help="image to write (.png, .svg, .pdf, ...)")
     args = p.parse_args(argv)
-    for name in ("pp", "vpp", "microbatches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if (error := image_path_error(args.output)) is not None:
         p.error(f"-o {error}")
     if args.compare:

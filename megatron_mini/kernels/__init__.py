@@ -18,7 +18,7 @@ set TRITON_INTERPRET=1 before importing a submodule.
 """
 import os
 
-MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (shared memory at 256 overflows)
+MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (256 overflows shared memory)
 MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
 
 
