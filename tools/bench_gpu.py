@@ -58,7 +58,7 @@ from megatron_mini.hardware import peak_tflops  # noqa: E402
 from bench.report import (DOC, add_output_args, at_least, command_line, device_line, fmt, markdown_table,  # noqa: E402
                           ratio, read_doc_section, short_error, write_doc_section)
 from bench.harness import free_port  # noqa: E402
-from bench.workload import SyntheticTokens, lib_cfg, synthetic_datasets  # noqa: E402
+from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,36 +115,11 @@ def row_dtype(row: str) -> str:
 
 
 # ============================================================================ runners
-class FrameworkRunner:
-    def __init__(self, cfg, device):
-        from megatron_mini.mesh import ParallelMesh
-        from megatron_mini.model import select_triton_ops
-        from megatron_mini.training import Trainer
-        self.cfg = cfg
-        self.trainer = Trainer(cfg, ParallelMesh(1, 1, 1), synthetic_datasets(cfg.model), device)
-        self.tf32 = cfg.precision.tf32
-        ops = select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype)
-        self.triton_ops = [op for op, on in dataclasses.asdict(ops).items() if on]
-
-    def step(self) -> tuple:
-        out = self.trainer.train_step()
-        return out["loss"], bool(out.get("skipped", False))
-
-
-class BaselineRunner:
-    def __init__(self, model, mbs: int, m: int, device, compile: bool):
-        from baseline_gpt2 import BaselineTrainer, GPTConfig
-        cfg = GPTConfig(model.num_layers, model.num_heads, model.hidden_size, model.seq_len, model.padded_vocab_size)
-        self.trainer = BaselineTrainer(cfg, mbs, m, device=device, dtype="bf16", compile=compile)
-        self.data = SyntheticTokens(model.vocab_size, model.seq_len, 1)     # the framework's training tokens
-        self.mbs, self.gbs, self.consumed = mbs, mbs * m, 0
-        self.tf32 = False
-
-    def step(self) -> tuple:
-        from megatron_mini.dataset import get_batch
-        batch = get_batch(self.data, self.consumed, self.gbs, self.mbs, 0, 1)
-        self.consumed += self.gbs
-        return self.trainer.train_step(batch), False
+def triton_ops(cfg, device) -> list:
+    """The ops that run Triton kernels under cfg on `device` (the Trainer's choice, model.select_triton_ops)."""
+    from megatron_mini.model import select_triton_ops
+    return [op for op, on in dataclasses.asdict(select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp,
+                                                                  cfg.precision.dtype)).items() if on]
 
 
 def build(row: str, model, mbs: int, m: int, device, smoke: bool):
@@ -152,8 +127,10 @@ def build(row: str, model, mbs: int, m: int, device, smoke: bool):
     if compiled and smoke:
         raise RowSkipped("smoke run: no torch.compile")
     if row.startswith("baseline"):
-        return BaselineRunner(model, mbs, m, device, compile=compiled)
-    return FrameworkRunner(framework_config(row, model, mbs, m, device.type), device)
+        tokens = SyntheticTokens(model.vocab_size, model.seq_len, 1)      # the framework's training tokens
+        return BaselineRunner(model, mbs, m, device, "bf16", compiled, tokens)
+    from megatron_mini.mesh import ParallelMesh
+    return LibRunner(framework_config(row, model, mbs, m, device.type), ParallelMesh(1, 1, 1), device)
 
 
 # ============================================================================ measuring
@@ -190,21 +167,21 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
         runner = build(row, model, mbs, m, device, args.smoke)
         _sync(device)
         rec["build_s"] = time.perf_counter() - t0
-        if isinstance(runner, FrameworkRunner):
-            rec["triton_ops"] = runner.triton_ops
+        if isinstance(runner, LibRunner):
+            rec["triton_ops"] = triton_ops(runner.cfg, device)
         t0 = time.perf_counter()
-        losses = [runner.step()[0] for _ in range(warmup)]
+        losses = [runner.step() for _ in range(warmup)]
         _sync(device)
         rec["warmup_s"] = time.perf_counter() - t0
         times, skipped = [], 0
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
-            loss, was_skipped = runner.step()
+            loss = runner.step()
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
-            skipped += was_skipped
+            skipped += runner.skipped
         rec.update(steps=len(times), warmup_steps=warmup, skipped_steps=skipped, step_s=times,
                    median_s=statistics.median(times), min_s=min(times), first_loss=losses[0], last_loss=losses[-1])
         rec["tokens_per_s"] = tokens / rec["median_s"]

@@ -1,7 +1,8 @@
 """Which layout for this model on this cluster (megatron_mini/planner.py): every valid (tp, pp, vpp, dp,
 ZeRO, recompute, sp, embedding_stage), its memory per rank and predicted step time, the best ones.
 
-    python tools/plan.py model=gpt3-175b gbs=2048 mbs=1 precision=bf16 cluster.gpus=384 cluster.gpus_per_node=8 cluster.gpu=a100-80gb
+    python tools/plan.py model=gpt3-175b gbs=2048 mbs=1 precision=bf16 cluster.gpus=384 cluster.gpus_per_node=8 \\
+        cluster.gpu=a100-80gb
     python tools/plan.py model=bloom-176b gbs=2048 mbs=1 precision=bf16 cluster=jean-zay-a100 \\
         --layout tp=4,pp=12,zero=1,embedding_stage=layer --csv plan.csv --plot docs/plan_bloom.png
 
@@ -131,7 +132,8 @@ def why_others_lost(p: Plan) -> str:
         lost.setdefault(label, []).append(e)
     lines = [f"  {len(p.estimates) - len(p.fitting)} do not fit in {p.base.cluster.capacity_gib:.0f} GiB"]
     for label, es in sorted(lost.items(), key=lambda kv: -len(kv[1])):
-        lines.append(f"  {len(es)} lose most to {label}, e.g. {es[0].layout_args()} (+{es[0].step_s - best.step_s:.2f} s)")
+        extra = es[0].step_s - best.step_s
+        lines.append(f"  {len(es)} lose most to {label}, e.g. {es[0].layout_args()} (+{extra:.2f} s)")
     return "\n".join(lines)
 
 
@@ -168,8 +170,8 @@ def write_csv(path: str, p: Plan) -> None:
                     *(f"{k}_gib" for k in ("weights", "grads", "optimizer", "activations"))])
         for e in p.estimates:
             worst = e.worst
-            w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.3f}", f"{e.step_s:.4f}", f"{e.tokens_per_s:.1f}",
-                        f"{e.bubble:.5f}", *(f"{e.times[t]:.4f}" for t in TERMS),
+            w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.3f}", f"{e.step_s:.4f}",
+                        f"{e.tokens_per_s:.1f}", f"{e.bubble:.5f}", *(f"{e.times[t]:.4f}" for t in TERMS),
                         *(f"{worst.memory[k] / GiB:.3f}" for k in ("weights", "grads", "optimizer", "activations"))])
 
 

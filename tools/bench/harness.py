@@ -29,7 +29,7 @@ def handle(state: dict, op: str, args: tuple):
     if op == "build":
         key, baseline, cfg = args
         if baseline:
-            objs[key] = BaselineRunner(cfg)
+            objs[key] = BaselineRunner(cfg.model, cfg.mbs, cfg.gbs // cfg.mbs)
         else:
             from megatron_mini.mesh import ParallelMesh
             layout = (cfg.tp, cfg.pp, state["world"] // (cfg.tp * cfg.pp))

@@ -47,18 +47,22 @@ def synthetic_datasets(model: ModelConfig) -> tuple:
 
 
 class LibRunner:
-    """One megatron_mini Trainer on synthetic data, on the CPU."""
+    """One megatron_mini Trainer on synthetic data (train_step's loss; `skipped`: whether the last step was
+    an fp16 overflow the optimizer skipped)."""
 
-    def __init__(self, cfg: TrainConfig, mesh):
+    def __init__(self, cfg: TrainConfig, mesh, device: torch.device = torch.device("cpu")):
         from megatron_mini.training import Trainer
-        self.cfg, self.mesh = cfg, mesh
-        self.trainer = Trainer(cfg, mesh, synthetic_datasets(cfg.model), torch.device("cpu"))
+        self.cfg, self.mesh, self.skipped = cfg, mesh, False
+        self.tf32 = cfg.precision.tf32
+        self.trainer = Trainer(cfg, mesh, synthetic_datasets(cfg.model), device)
 
     def params(self) -> list:
         return [p for c in self.trainer.chunks for p in c.parameters()]
 
     def step(self) -> float:
-        return self.trainer.train_step()["loss"]
+        out = self.trainer.train_step()
+        self.skipped = bool(out.get("skipped", False))
+        return out["loss"]
 
     def memory_bytes(self) -> dict:
         """Optimizer.memory_bytes() of this rank, and its parameter count."""
@@ -66,16 +70,26 @@ class LibRunner:
 
 
 class BaselineRunner:
-    """tools/baseline_gpt2.py's trainer at the shape and batch of `cfg` (fp32, CPU, its own random tokens)."""
+    """tools/baseline_gpt2.py's trainer at `model`'s shape (its padded vocabulary), mbs x m microbatches.
+    `tokens`: a dataset of token rows, batched by megatron_mini.dataset.get_batch as the framework's are
+    (the same sequences at the same step); None: the baseline's own random tokens."""
+    skipped = False
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, model: ModelConfig, mbs: int, m: int, device: torch.device | str = "cpu", dtype: str = "fp32",
+                 compile: bool = False, tokens=None):
         from baseline_gpt2 import BaselineTrainer, GPTConfig
-        m = cfg.model
-        self.trainer = BaselineTrainer(GPTConfig(m.num_layers, m.num_heads, m.hidden_size, m.seq_len, m.vocab_size),
-                                       cfg.mbs, cfg.gbs // cfg.mbs)
+        cfg = GPTConfig(model.num_layers, model.num_heads, model.hidden_size, model.seq_len, model.padded_vocab_size)
+        self.trainer = BaselineTrainer(cfg, mbs, m, device=device, dtype=dtype, compile=compile)
+        self.tf32 = self.trainer.device.type == "cuda" and dtype == "fp32"      # BaselineTrainer's rule
+        self.tokens, self.mbs, self.gbs, self.consumed = tokens, mbs, mbs * m, 0
 
     def params(self) -> list:
         return list(self.trainer.model.parameters())
 
     def step(self) -> float:
-        return self.trainer.train_step()
+        if self.tokens is None:
+            return self.trainer.train_step()
+        from megatron_mini.dataset import get_batch
+        batch = get_batch(self.tokens, self.consumed, self.gbs, self.mbs, 0, 1)
+        self.consumed += self.gbs
+        return self.trainer.train_step(batch)
