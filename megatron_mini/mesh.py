@@ -121,6 +121,14 @@ def choose_device(device: str, backend: str, local_rank: int, local_world_size: 
     return torch.device("cuda", local_rank % gpus), backend
 
 
+def ranks_per_gpu(device: torch.device, local_world_size: int, gpus: int) -> float:
+    """How many ranks each GPU of this node serves (choose_device shares them round-robin when the ranks
+    outnumber them): local_world_size / min(local_world_size, gpus) on CUDA; 1 on a CPU."""
+    if device.type != "cuda":
+        return 1.0
+    return local_world_size / min(local_world_size, gpus)
+
+
 def init_process_group(device: torch.device, backend: str, timeout_s: int) -> None:
     """Join the job's default group on `backend` (SLURM runs need MASTER_ADDR/PORT set); a rendezvous
     that fails (a rank that never came, a port in use) is one CommError naming the address.

@@ -33,7 +33,7 @@ from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_d
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
 from .memory_report import MemoryReport
-from .mesh import ParallelMesh, choose_device, init_process_group
+from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss
@@ -376,8 +376,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 
-    local_world = gpu_slot()[1]               # ranks sharing a node's GPUs round-robin: each GPU's share
-    sharing = local_world / min(local_world, torch.cuda.device_count()) if run.device.type == "cuda" else 1.0
+    sharing = ranks_per_gpu(run.device, gpu_slot()[1], torch.cuda.device_count())
     rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing)
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")

@@ -321,3 +321,4 @@ def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):
         assert (note is not None) == repeats
     assert f"eval_iters={len(val) // gbs} reads each at most once" in note
     assert "raise data.val_fraction" in evaluation_note(1, len(val) + 1, len(val))
+    assert evaluation_note(2, 4, 8) is None and evaluation_note(3, 4, 8) is not None   # exactly the whole set: once

@@ -16,7 +16,7 @@ from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
-from megatron_mini.mesh import choose_device
+from megatron_mini.mesh import choose_device, ranks_per_gpu
 from megatron_mini.model import ParallelContext, build_chunks
 
 
@@ -88,7 +88,7 @@ def _set_launcher_env(monkeypatch, env: dict) -> None:
 
 @pytest.mark.parametrize("per_node, step_per_node, node, tasks", [
     ("4(x2),2", None, 0, 4), ("4(x2),2", None, 1, 4), ("4(x2),2", None, 2, 2),
-    ("8", "3,5", 1, 5),                      # the step's own count (srun -n 8 in a 2-node allocation of 8 each)
+    ("8(x2)", "3,5", 1, 5),                  # the step's own count (srun -n 8 in a 2-node allocation of 8 each)
 ])
 def test_slurm_tasks_of_a_node_are_the_same_for_all_of_them(monkeypatch, per_node, step_per_node, node, tasks):
     """Every task of a node reads the same number (it was SLURM_LOCALID + 1 without SLURM_NTASKS_PER_NODE,
@@ -102,15 +102,17 @@ def test_slurm_tasks_of_a_node_are_the_same_for_all_of_them(monkeypatch, per_nod
         assert gpu_slot() == (local, tasks)
 
 
-@pytest.mark.parametrize("per_node", [None, "4(x2)", "4(x)"])
-def test_slurm_without_this_nodes_task_count_is_refused(monkeypatch, per_node):
-    env = {**SRUN_5_OF_8, "SLURM_NODEID": "2"}     # a third node that the list does not have
+@pytest.mark.parametrize("per_node, node", [(None, 2), ("4(x2)", 2), ("4(x)", 2), ("4(x),2", 0)])
+def test_slurm_without_this_nodes_task_count_is_refused(monkeypatch, per_node, node):
+    """A third node that the list does not have; a list with a malformed entry gives no node its count
+    (skipping the entry would shift every later node's)."""
+    env = {**SRUN_5_OF_8, "SLURM_NODEID": str(node)}
     if per_node is None:
         del env["SLURM_TASKS_PER_NODE"]
     else:
         env["SLURM_TASKS_PER_NODE"] = per_node
     _set_launcher_env(monkeypatch, env)
-    with pytest.raises(ConfigError, match="SLURM_NODEID=2"):
+    with pytest.raises(ConfigError, match=f"SLURM_NODEID={node}"):
         gpu_slot()
 
 
@@ -244,8 +246,8 @@ def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path, layout):
     shared = train_on_ranks(4, dataclasses.replace(small_config(small_data, tmp_path / "four", **common), **layout))
     assert_same_training(ref, shared)
     k = 4 / min(4, torch.cuda.device_count())
-    for run, ranks_per_gpu in ((ref, 1), (shared, k)):
-        assert run["summary"]["mfu"] == pytest.approx(ranks_per_gpu * run["summary"]["tflops"] / 100.0, rel=1e-9)
+    for run, share in ((ref, 1), (shared, k)):
+        assert run["summary"]["mfu"] == pytest.approx(share * run["summary"]["tflops"] / 100.0, rel=1e-9)
 
 
 def test_mfu_of_a_gpu_that_ranks_share():
@@ -258,3 +260,12 @@ def test_mfu_of_a_gpu_that_ranks_share():
     r = Throughput(cfg, 4, torch.device("cpu"), "gloo", ranks_per_device=4)(tokens=10_000, seconds=2.0)
     assert r["tflops"] == pytest.approx(cfg.model.flops_per_token() * 5_000 / 4 / 1e12, rel=1e-12)
     assert r["mfu"] == pytest.approx(4 * r["tflops"] / 100.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("device, local_world, gpus, share", [
+    ("cuda:0", 4, 1, 4.0), ("cuda:1", 4, 2, 2.0), ("cuda:0", 3, 2, 1.5), ("cuda:3", 4, 8, 1.0), ("cpu", 4, 0, 1.0),
+    ("cpu", 4, 2, 1.0)])
+def test_ranks_per_gpu(device, local_world, gpus, share):
+    """The share that the MFU multiplies a rank's TFLOP/s by: ranks over the GPUs they take round-robin
+    (choose_device with device=cuda), fewer ranks than GPUs one each, none on a CPU (even with GPUs present)."""
+    assert ranks_per_gpu(torch.device(device), local_world, gpus) == share

@@ -169,12 +169,14 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     assert (out / "model.safetensors").read_bytes() == b"the earlier export"
 
 
-def test_exported_readme_example_stays_in_the_context(exported, tmp_path):
-    """The README's example, run as written, generates within the model's positions (it asked for 50 new
-    tokens whatever the context, which overran a 32-position model)."""
+def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):
+    """The README's example, run as written from another directory, loads the export given by a relative
+    path and generates within the model's positions (it asked for 50 new tokens whatever the context,
+    which overran a 32-position model)."""
     ckpt, _, _ = exported[1]
     out = tmp_path / "hf"
-    assert export_hf.main([ckpt.path, str(out)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert export_hf.main([ckpt.path, "hf"]) == 0
     readme = (out / "README.md").read_text()
     code = readme.split("```python\n")[1].split("```")[0]
     assert str(out.resolve()) in code

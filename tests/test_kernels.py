@@ -272,11 +272,12 @@ def test_layer_norm_strided_weights_and_wrong_sizes():
         add_layer_norm(x, x, _randn(32, seed=2), _randn(31, seed=3))
 
 
-def test_layer_norm_of_no_rows():
-    x, w, b = _randn(0, 32).requires_grad_(), _randn(32, seed=2).requires_grad_(), _randn(32, seed=3).requires_grad_()
+@pytest.mark.parametrize("shape", [(0, 32), (3, 0, 32)])
+def test_layer_norm_of_no_rows(shape):
+    x, w, b = _randn(*shape).requires_grad_(), _randn(32, seed=2).requires_grad_(), _randn(32, seed=3).requires_grad_()
     y = layer_norm(x, w, b)
     h, y2 = add_layer_norm(x, x, w, b)
-    assert y.shape == y2.shape == h.shape == (0, 32)
+    assert y.shape == y2.shape == h.shape == shape
     dw, db = torch.autograd.grad(y.sum() + y2.sum(), (w, b))
     assert not dw.any() and not db.any()
 

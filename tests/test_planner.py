@@ -450,3 +450,16 @@ def test_memory_report_gives_the_allocator_peak_under_compile_too(compile_, capl
     assert len(gathered) == 1 and measured["allocated_peak"] == 5 * 2 ** 30
     assert ("activations" in measured) != compile_
     assert "5120 (the allocator's peak)" in caplog.text
+
+
+@pytest.mark.parametrize("device, dropout, kernels, math", [
+    ("cpu", 0.1, "torch", True), ("cpu", 0.0, "torch", False), ("cuda", 0.1, "torch", False),
+    ("auto", 0.1, "torch", False), ("cpu", 0.1, "triton", False), ("cpu", 0.1, "layer_norm", True)])
+def test_plan_takes_the_math_attention_only_on_the_cpu_with_dropout(device, dropout, kernels, math):
+    """The plan saves SDPA's [s, s] weights and mask where the run would take the math path: the CPU with
+    dropout (its flash kernel takes none), unless the Triton flash attention runs; a GPU plan with dropout
+    is a fused kernel's."""
+    from megatron_mini.plan_meta import math_attention
+    cfg = TrainConfig(device=device, kernels=kernels)
+    cfg.model.dropout = dropout
+    assert math_attention(cfg) is math

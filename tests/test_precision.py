@@ -43,6 +43,10 @@ def test_loss_scaler_resumed_under_new_settings():
     assert s.scale == 2048.0 and s.clean_steps == 0
     s.update(found_inf=True)
     assert s.scale == 1024.0                 # hysteresis 1: the first overflow backs off
+    s = DynamicLossScaler(PrecisionConfig(dtype="fp16", loss_scale_hysteresis=1))
+    s.load_state_dict(saved)                 # 2 overflows left under the old hysteresis: capped at the new 1
+    s.update(found_inf=True)
+    assert s.scale == 512.0
 
 
 def test_learning_rate_schedule():

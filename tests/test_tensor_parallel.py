@@ -718,8 +718,9 @@ def test_accumulate_matmul_adds_the_product_into_fp32(device, dtype):
 
 
 def test_gemm_probe_skips_ways_that_fail_or_are_wrong(monkeypatch):
-    """A way this torch refuses (TypeError, as addmm without out_dtype) or that computes something else
-    is not chosen; the 16-bit product then an add always works."""
+    """A way this torch refuses (TypeError, as addmm without out_dtype), that computes something else, or
+    that overwrites the fp32 tensor instead of adding into it (gradient accumulation would keep only the
+    last microbatch) is not chosen; the 16-bit product then an add always works."""
     from megatron_mini import tensor_parallel as tp_mod
 
     def refuses(out, a, b):
@@ -731,7 +732,13 @@ def test_gemm_probe_skips_ways_that_fail_or_are_wrong(monkeypatch):
     monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "addmm", refuses)
     monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "mm", wrong)
     tp_mod.gemm_into_fp32.cache_clear()
+    def overwrites(out, a, b):
+        out.copy_(a.float() @ b.float())
+
     try:
+        assert tp_mod.gemm_into_fp32("cpu", torch.bfloat16) == "cast"
+        monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "mm", overwrites)
+        tp_mod.gemm_into_fp32.cache_clear()
         assert tp_mod.gemm_into_fp32("cpu", torch.bfloat16) == "cast"
         monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "mm", tp_mod._mm_then_add)   # a correct "mm" is taken
         tp_mod.gemm_into_fp32.cache_clear()

@@ -112,11 +112,26 @@ def test_plan_bad_arguments_are_one_line_before_planning(argv, fact, tmp_path, m
     assert not list(tmp_path.iterdir())
 
 
-def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys):
-    """--max-new-tokens 0 prints the prompt and no timing line (it printed a prefill that never ran)."""
+def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monkeypatch):
+    """--max-new-tokens 0 prints the prompt and no timing line (it printed a prefill that never ran), and
+    runs no warmup."""
+    calls = []
+    monkeypatch.setattr(generate, "generate", lambda *a, **k: calls.append(a[2]) or inference.generate(*a, **k))
     assert generate.main([tiny_checkpoint, "--max-new-tokens", "0", "--device", "cpu", "--prompt", "def f("]) == 0
     out, err = capsys.readouterr()
     assert out == "def f(\n" and "prefill" not in err and "tokens/s" not in err, (out, err)
+    assert calls == [0]                                 # the call itself, no one-token warmup
+
+
+def test_generate_times_prefill_and_decode_apart(tiny_checkpoint, monkeypatch):
+    """The decode time starts where the prefill's ends: a clock that ticks 1 s per reading gives 1 s each
+    (a decode timed from the start would read 2)."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(inference._Clock, "_now", lambda self: float(next(ticks)))
+    model = inference.load_model(inference.read_checkpoint(tiny_checkpoint))
+    timing = {}
+    assert len(inference.generate(model, [1, 2, 3], 4, 0.0, timing=timing)[0]) == 4
+    assert timing == {"prefill_s": 1.0, "decode_s": 1.0}
 
 
 def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys):
@@ -134,4 +149,9 @@ def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys
     assert f"{n - seq_len} of the prompt's {n} tokens" in notes[0] and f"context is {seq_len} tokens" in notes[0]
     assert out.startswith(tok.decode(tok.encode(prompt)))                 # the whole prompt is still printed
     assert generate.main(argv + ["--prompt", "def main("]) == 0
+    assert "note: " not in capsys.readouterr().err
+    ids = tok.encode(prompt)
+    whole = next(text for text in (tok.decode(ids[:k]) for k in range(seq_len - 8, seq_len + 8))
+                 if len(tok.encode(text)) == seq_len)              # a prompt of exactly the context: nothing dropped
+    assert generate.main(argv + ["--prompt", whole]) == 0
     assert "note: " not in capsys.readouterr().err
