@@ -7,9 +7,11 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_FSIZE_LIMIT=bytes                       no file may grow past this (RLIMIT_FSIZE): a full disk
   HOOK_CRASH_RANK=r, HOOK_CRASH_AT_FSYNC=n     rank r kills itself (SIGKILL) right after its n-th
                                                os.fsync (the checkpoint writer's), on the first attempt
+  HOOK_CRASH_SIGNAL=SIGSTOP                    ... or stops itself there instead (the test resumes it)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -40,11 +42,12 @@ if os.environ.get("RANK") is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (_n, _n))
     if os.environ.get("HOOK_CRASH_RANK") == _rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _fsync, _calls, _at = os.fsync, [0], int(os.environ["HOOK_CRASH_AT_FSYNC"])
+        _sig = getattr(signal, os.environ.get("HOOK_CRASH_SIGNAL", "SIGKILL"))
         def _crashing_fsync(fd):
             _fsync(fd)
             _calls[0] += 1
             if _calls[0] == _at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), _sig)
         os.fsync = _crashing_fsync
 """
 
@@ -80,6 +83,23 @@ def start(argv: list, environment: dict) -> subprocess.Popen:
                             text=True, start_new_session=True)
     proc.started = time.monotonic()
     return proc
+
+
+@contextlib.contextmanager
+def running(argv: list, environment: dict):
+    """start(argv) for a test that acts on the job while it runs; whatever the test does, nothing of the job
+    outlives the block (a failed wait or assert kills it and every process below it, stopped ones too)."""
+    proc = start(argv, environment)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.communicate()
 
 
 def descendants(pid: int) -> list:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from commandline import (assert_one_error, env, finish, model_args, python_train, start,
+from commandline import (assert_one_error, env, finish, model_args, python_train, running, start,
                          torchrun_argv, torchrun_train)
 from harness import make_trainer, small_config, train_on_ranks
 from megatron_mini.checkpoint import load_model_tensors
@@ -303,13 +303,24 @@ def _workers(proc) -> list:
     return [int(c) for c in children]
 
 
-def _wait_for(path: Path, text: str = "", limit: float = 90) -> None:
+def _wait_for(proc, path: Path, text: str = "", limit: float = 90) -> None:
+    """Until `path` shows `text`; a job that ends first fails the test with its output."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if path.exists() and text in path.read_text(errors="replace"):
             return
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before {path} showed {text!r}: {finish(proc)}")
         time.sleep(0.2)
     pytest.fail(f"{path} did not show {text!r} within {limit} s")
+
+
+def _wait_stopped(pid: int, what: str, limit: float = 90) -> None:
+    """Until process `pid` is stopped (SIGSTOP: state T)."""
+    deadline = time.monotonic() + limit
+    while _state(pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(pid) == "T", f"{what} did not stop within {limit} s (state {_state(pid)})"
 
 
 def _alive(pid: int) -> bool:
@@ -317,6 +328,14 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T, Z, ...), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 RESUMABLE = ["save_interval=2", "keep_checkpoints=10", "eval_interval=0", "log_interval=1"]
@@ -338,17 +357,23 @@ def _same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, uninterrupted):
+def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted):
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
-    proc = start(torchrun_argv(2, args), env())
-    _wait_for(run_dir / "logs" / "rank0000.log", "step     3/")
-    os.kill(_workers(proc)[1], signal.SIGTERM)            # as Slurm warns a job before it ends it
-    r = finish(proc)
+    # rank 0 stops itself in the step-4 save (its 6th fsync), so the SIGTERM lands mid-run however late it is
+    # sent: every rank has cast step 4's stop vote, and step 5's is the first to count it
+    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6,
+                                             HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank0, "rank 0 (at its 6th fsync)")
+        os.kill(rank1, signal.SIGTERM)                        # as Slurm warns a job before it ends it
+        os.kill(rank0, signal.SIGCONT)
+        r = finish(proc)
     assert r.rc == 0, r
     assert "stopped by SIGTERM (to 1 of 2 ranks) after step" in r.out and "continue with resume=auto" in r.out, r
     stopped = int(json.loads((run_dir / "summary.json").read_text())["steps"])
-    assert 3 <= stopped < 10 and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
+    assert stopped == 5 and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
     again = torchrun_train(2, args)
     assert again.rc == 0 and f"resumed from {run_dir}/checkpoints/step_{stopped:06d}" in again.out, again
     _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
@@ -380,11 +405,11 @@ def test_a_signal_during_a_step_stops_after_that_step(small_data, tmp_path):
 def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
     """kill -9 of torchrun: its workers get SIGTERM (parent-death signal), save and exit; no orphan trains on."""
     run_dir = tmp_path / "run"
-    proc = start(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400"]), env())
-    _wait_for(run_dir / "logs" / "rank0000.log", "step     2/")
-    workers = _workers(proc)
-    proc.kill()
-    proc.communicate()
+    with running(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400"]), env()) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     2/")
+        workers = _workers(proc)
+        proc.kill()
+        proc.communicate()
     deadline = time.monotonic() + 60
     while any(_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -399,28 +424,34 @@ def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
     grace, as a stopped process cannot act on SIGTERM). The job ends within timeout_s + 30 s + 10 s."""
     timeout_s = 5
     run_dir = tmp_path / "run"
-    proc = start(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400",
-                                   f"timeout_s={timeout_s}"]), env())
-    _wait_for(run_dir / "logs" / "rank0000.log", "step     2/")
-    os.kill(_workers(proc)[1], signal.SIGSTOP)
-    stopped = time.monotonic()
-    r = finish(proc)
+    with running(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400",
+                                   f"timeout_s={timeout_s}"]), env()) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     2/")
+        os.kill(_workers(proc)[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        r = finish(proc)
     assert time.monotonic() - stopped < timeout_s + 30 + 10, r
     assert_one_error(r, ["rank 0: ", "group (ranks [0, 1]) failed"], "torchrun",
                      code=1, quick=False)
 
 
-def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, uninterrupted):
+def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
     """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
-    last checkpoint and ends with bitwise the weights of an uninterrupted run."""
+    last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
+    raced: rank 0 stops itself (SIGSTOP) after its 10th fsync (the first file of the step-6 save; step 4 is
+    saved and named by `latest`), so the job cannot reach its end before the kill, however late the kill is."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
-    proc = start(torchrun_argv(2, args, "--max-restarts=1"), env())
-    _wait_for(run_dir / "checkpoints" / "latest", "step_000004")
-    os.kill(_workers(proc)[1], signal.SIGKILL)
-    r = finish(proc)
+    with running(torchrun_argv(2, args, "--max-restarts=1"),
+                 env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=10, HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+        _wait_for(proc, run_dir / "checkpoints" / "latest", "step_000004")
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank0, "rank 0 (at its 10th fsync)")
+        os.kill(rank1, signal.SIGKILL)
+        os.kill(rank0, signal.SIGCONT)
+        r = finish(proc)
     assert r.rc == 0, r
-    assert "resumed from" in r.out, r
+    assert f"resumed from {run_dir}/checkpoints/step_000004" in r.out, r
     _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
 
 
