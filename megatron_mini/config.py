@@ -193,20 +193,22 @@ class TrainConfig:
         return self.gbs // (self.mbs * dp)
 
 
+MAX_LOSS_SCALE = 2.0 ** 64    # fp16's dynamic loss scale never grows past it (a larger one only overflows)
 # (key, test, requirement) for every numeric key; 0 means "off" where a key says so
 _GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
 _UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
-RANGES = {
+RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the presets, so a bad one is the data's)
+    "data.vocab_size": _GE1, "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "data.tokenizer_sample_chars": _GE1, "data.num_workers": _GE1,
     "model.num_layers": _GE1, "model.hidden_size": _GE1, "model.num_heads": _GE1, "model.seq_len": _GE1,
     "model.vocab_size": _GE1, "model.vocab_pad_multiple": _GE1, "model.ffn_mult": _GE1,
     "model.label_smoothing": _UNIT, "model.dropout": _UNIT, "model.ln_eps": _GT0, "model.init_std": _GT0,
-    "data.vocab_size": _GE1, "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "data.tokenizer_sample_chars": _GE1, "data.num_workers": _GE1,
     "optimizer.lr": _GE0, "optimizer.min_lr": _GE0, "optimizer.warmup_steps": _GE0,
     "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT, "optimizer.eps": _GT0,
     "optimizer.grad_clip": (_GE0[0], ">= 0 (0: no clipping)"),
     "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
-    "precision.initial_loss_scale": _GT0, "precision.loss_scale_growth_factor": (lambda v: v >= 1, ">= 1"),
+    "precision.initial_loss_scale": (lambda v: 0 < v <= MAX_LOSS_SCALE, "in (0, 2**64]"),
+    "precision.loss_scale_growth_factor": (lambda v: v >= 1, ">= 1"),
     "precision.loss_scale_growth_interval": _GE1, "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "precision.loss_scale_hysteresis": _GE1, "precision.min_loss_scale": _GT0, "precision.max_skips_at_min_scale": _GE1,
     "tp": _GE1, "pp": _GE1, "vpp": _GE1, "zero": (lambda v: v in (0, 1), "0 (off) or 1 (ZeRO-1)"),
@@ -284,10 +286,13 @@ def check_keys(given: dict, schema=None) -> None:
 
 
 def check_ranges(cfg: TrainConfig, section: str = "") -> None:
-    """The RANGES rules of the keys under `section` ("" = all)."""
+    """The RANGES rules of the keys under `section` ("" = all); every number must be finite (inf passed the
+    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum)."""
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):
                 raise ConfigError(f"{key}={value} must be {requirement}.")
 

@@ -71,28 +71,42 @@ def first_sample(consumed_samples: int, gbs: int, dp_rank: int, dp: int) -> int:
     return consumed_samples + dp_rank * (gbs // dp)
 
 
-def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp_rank: int, dp: int):
+def get_batch(dataset: GPTDataset, consumed_samples: int, gbs: int, mbs: int, dp_rank: int, dp: int,
+              vocab: tuple | None = None):
     """This DP rank's share of the global batch that starts at sample `consumed_samples`: global position j
     is dataset[consumed_samples + j]; rank d takes positions [d*gbs/dp, (d+1)*gbs/dp) in order, as
-    microbatches of mbs. Returns torch.LongTensor [gbs / (dp*mbs), mbs, seq_len + 1]."""
+    microbatches of mbs. Returns torch.LongTensor [gbs / (dp*mbs), mbs, seq_len + 1].
+
+    vocab = (vocab_size, DataConfig): also refuse an id outside [0, vocab_size) (check_token_ids' DataError).
+    The rank then reads the whole global batch, so every rank reaches the same verdict before the step's
+    first collective (a damaged tokens.bin otherwise failed tp=1's embedding lookup, and became zero rows at
+    tp > 1); at dp = 1 its own rows are the whole batch, and the check costs a min and a max."""
     import torch  # here, so the data tools and their worker processes do not pay for importing torch
 
     if gbs % (dp * mbs):
         raise ValueError(f"gbs={gbs} is not divisible by dp x mbs = {dp} x {mbs}")
     per_rank = gbs // dp
-    first = first_sample(consumed_samples, gbs, dp_rank, dp)
-    rows = np.stack([dataset[first + j] for j in range(per_rank)])
+    first, count = (first_sample(consumed_samples, gbs, dp_rank, dp), per_rank) if vocab is None else \
+        (consumed_samples, gbs)
+    rows = np.stack([dataset[first + j] for j in range(count)])
+    if vocab is not None:
+        _refuse_ids(rows, dataset, first, *vocab)
+        rows = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return torch.from_numpy(rows).view(per_rank // mbs, mbs, rows.shape[1])
 
 
 def check_token_ids(dataset: GPTDataset, first: int, count: int, vocab_size: int, cfg: DataConfig) -> None:
     """Samples [first, first + count) hold only ids in [0, vocab_size): a damaged tokens.bin fails here,
     before an id indexes past the embedding."""
-    ids = np.stack([dataset[first + j] for j in range(count)])
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
+    _refuse_ids(np.stack([dataset[first + j] for j in range(count)]), dataset, first, vocab_size, cfg)
+
+
+def _refuse_ids(rows: np.ndarray, dataset: GPTDataset, first: int, vocab_size: int, cfg: DataConfig) -> None:
+    """DataError when samples first, first + 1, ... (`rows`) hold an id outside [0, vocab_size)."""
+    if rows.size and (rows.min() < 0 or rows.max() >= vocab_size):
+        bad = rows[(rows < 0) | (rows >= vocab_size)]
         raise DataError(dataset.indexed.bin_path, f"holds token id {int(bad[0])}, outside the vocabulary of "
-                        f"{vocab_size} (in samples {first}..{first + count - 1})", rebuild_command(cfg))
+                        f"{vocab_size} (in samples {first}..{first + len(rows) - 1})", rebuild_command(cfg))
 
 
 def data_meta(cfg: DataConfig) -> dict:

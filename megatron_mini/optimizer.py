@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
-from .config import OptimizerConfig, PrecisionConfig
+from .config import MAX_LOSS_SCALE, OptimizerConfig, PrecisionConfig
 from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
 from .tensor_parallel import gather_full, shard
@@ -29,8 +29,8 @@ STATES = ("master", "exp_avg", "exp_avg_sq")   # what Adam keeps per parameter e
 
 
 class DynamicLossScaler:
-    """fp16 loss scale: x growth_factor after growth_interval clean steps; x backoff_factor once
-    `hysteresis` overflows have been seen since the last growth; never below min_scale."""
+    """fp16 loss scale: x growth_factor after growth_interval clean steps (at most MAX_LOSS_SCALE); x backoff_factor
+    once `hysteresis` overflows have been seen since the last growth; never below min_scale."""
 
     def __init__(self, cfg: PrecisionConfig):
         self.scale = cfg.initial_loss_scale
@@ -52,7 +52,7 @@ class DynamicLossScaler:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:     # (>=: a resume may shorten the interval)
                 self.clean_steps, self.hysteresis_left = 0, self.hysteresis
-                self.scale *= self.growth_factor
+                self.scale = min(self.scale * self.growth_factor, MAX_LOSS_SCALE)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left,

@@ -142,6 +142,7 @@ class Trainer:
         self.m = cfg.num_microbatches(mesh.dp)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len
+        self.vocab = (cfg.model.vocab_size, cfg.data)      # every batch's ids are checked against it (get_batch)
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
         self.gc_frozen = False
@@ -158,7 +159,8 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         lr = learning_rate(self.optimizer.step_count, cfg)
-        batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
+        batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp,
+                          self.vocab)
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
         first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
@@ -193,7 +195,8 @@ class Trainer:
             chunk.eval()
         total = 0.0
         for i in range(self.cfg.eval_iters):
-            batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank, self.mesh.dp)
+            batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank,
+                              self.mesh.dp, self.vocab)
             total += self._global_loss(self.engine.eval_step(batch))[0]
         return total / self.cfg.eval_iters
 

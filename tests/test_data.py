@@ -322,3 +322,57 @@ def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):
     assert f"eval_iters={len(val) // gbs} reads each at most once" in note
     assert "raise data.val_fraction" in evaluation_note(1, len(val) + 1, len(val))
     assert evaluation_note(2, 4, 8) is None and evaluation_note(3, 4, 8) is not None   # exactly the whole set: once
+
+
+class _Damaged:
+    """A dataset whose sample `bad` holds an id past the vocabulary (a damaged tokens.bin in the middle)."""
+
+    def __init__(self, dataset, bad: int):
+        self.dataset, self.bad, self.indexed = dataset, bad, dataset.indexed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        row = self.dataset[i]
+        if i == self.bad:
+            row = row.copy()
+            row[3] = 60000
+        return row
+
+
+def _second_step_on_damaged_data(cfg, bad: int):
+    from harness import make_trainer
+    trainer = make_trainer(cfg)
+    trainer.train_data = _Damaged(trainer.train_data, bad)
+    trainer.train_step()
+    with pytest.raises(DataError) as err:
+        trainer.train_step()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("layout, bad", [(dict(tp=2), 20), (dict(), 30)], ids=["tp2", "dp2-rank1-half"])
+def test_a_damaged_sample_mid_run_stops_every_rank_at_that_step(small_data, tmp_path, layout, bad):
+    """An id past the vocabulary in a later batch (sample 20 or 30 of the second global batch, 16..31) is one
+    DataError naming the file, on every rank at the same step, whatever the layout: at tp > 1 the embedding
+    took it for another rank's id and trained on a zero row; at dp = 2 only the rank that read it failed (tp = 1:
+    an IndexError in the embedding), and the others waited for it in the gradient reduction."""
+    from harness import small_config
+    from ranks import spawn
+    cfg = dataclasses.replace(small_config(small_data, tmp_path), **layout)
+    messages = spawn(2, _second_step_on_damaged_data, cfg, bad, timeout=300)
+    assert messages[0] == messages[1], messages
+    assert "tokens.bin: holds token id 60000, outside the vocabulary of 512 (in samples 16..31)" in messages[0]
+
+
+def test_get_batch_checks_the_whole_global_batch_on_every_rank(prepared):
+    """With the vocabulary given, each DP rank reads the whole global batch and refuses a bad id in any rank's
+    share (the same verdict everywhere), and still returns only its own share."""
+    cfg, _ = prepared
+    train, _, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    damaged = _Damaged(train, 13)                   # in DP rank 1's half of samples 8..15
+    for rank in (0, 1):
+        with pytest.raises(DataError, match="in samples 8..15"):
+            get_batch(damaged, 8, 8, 2, rank, 2, (VOCAB, cfg))
+        assert get_batch(train, 8, 8, 2, rank, 2, (VOCAB, cfg)).equal(get_batch(train, 8, 8, 2, rank, 2))
+    assert get_batch(damaged, 0, 8, 2, 1, 2, (VOCAB, cfg)).shape == (2, 2, SEQ + 1)    # samples 0..7: clean

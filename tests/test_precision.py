@@ -49,6 +49,16 @@ def test_loss_scaler_resumed_under_new_settings():
     assert s.scale == 512.0
 
 
+def test_loss_scale_grows_no_further_than_its_cap():
+    """Growth stops at MAX_LOSS_SCALE (a scale past fp32's range would be inf, and inf x backoff stays inf)."""
+    from megatron_mini.config import MAX_LOSS_SCALE
+    s = DynamicLossScaler(PrecisionConfig(dtype="fp16", initial_loss_scale=MAX_LOSS_SCALE / 2,
+                                          loss_scale_growth_factor=1e30, loss_scale_growth_interval=1))
+    s.update(found_inf=False)
+    s.update(found_inf=False)
+    assert s.scale == MAX_LOSS_SCALE == 2.0 ** 64
+
+
 def test_learning_rate_schedule():
     """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine down to exactly min_lr at the last step."""
     from megatron_mini.config import OptimizerConfig, TrainConfig
