@@ -254,19 +254,20 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- saving
-def gather_text(text: str, mesh, device, size: int = 512) -> list:
-    """Every rank's `text` (UTF-8, up to `size` bytes), in rank order: one all-gather of fixed-size rows."""
+def gather_text(text: str, group, device, size: int = 512) -> list:
+    """Every rank's `text` (UTF-8, up to `size` bytes) of `group` (a comm.Group), in group order: one all-gather
+    of fixed-size rows."""
     data = text.encode()[:size]
     row = torch.zeros(1, size, dtype=torch.uint8)
     row[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-    rows = comm.all_gather(row.to(device), mesh.world_group, dim=0).cpu()
+    rows = comm.all_gather(row.to(device), group, dim=0).cpu()
     return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
 
 
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
     """(rank, message) of the first rank whose `failure` is not None, the same on every rank; None when
     no rank failed."""
-    return next(((r, text) for r, text in enumerate(gather_text(failure or "", mesh, device)) if text), None)
+    return next(((r, text) for r, text in enumerate(gather_text(failure or "", mesh.world_group, device)) if text), None)
 
 
 def _try(fn, *args) -> str | None:
@@ -310,7 +311,8 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
             digests[name] = _save_file(obj, os.path.join(tmp, name))
     check(_try(write), "writing its files")
     # every rank's (name, sha256) pairs, 2 at most per rank
-    gathered = gather_text("\n".join(f"{name} {digest}" for name, digest in digests.items()), mesh, device)
+    gathered = gather_text("\n".join(f"{name} {digest}" for name, digest in digests.items()), mesh.world_group,
+                           device)
 
     def publish():
         pairs = [line.split() for text in gathered for line in text.splitlines()]

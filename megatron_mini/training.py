@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import hashlib
 import importlib.util
 import json
 import logging
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .comm import Group, Ledger
 from .errors import CommError
 from .files import atomic_write
 from .hardware import set_tf32
@@ -341,9 +343,31 @@ def train(cfg: TrainConfig) -> dict:
             run.lock.release()
 
 
+def agree_on_config(cfg: TrainConfig, device: torch.device) -> None:
+    """The job's first collective, before the mesh (whose groups cfg's layout decides): every rank runs rank
+    0's resolved config, or every rank stops with one ConfigError. Hydra resolves the command line on each
+    rank, so ${now:...} or ${oc.env:...} can differ between them (ranks then wrote to different run directories,
+    found only when a checkpoint's files went missing)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    group = Group("world", list(range(world)), dist.group.WORLD, Ledger())
+    seen = checkpoint.gather_text(f"{hashlib.sha256(text.encode()).hexdigest()} {cfg.run_dir}", group, device)
+    hashes, dirs = zip(*(x.split(" ", 1) for x in seen))
+    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if differ:
+        r = differ[0]
+        where = f" (run_dir: rank 0 {dirs[0]}, rank {r} {dirs[r]})" if dirs[r] != dirs[0] else ""
+        raise ConfigError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ[:8]))} resolved the "
+                          f"config differently from rank 0{where}: an interpolation such as ${{now:...}} or "
+                          f"${{oc.env:...}} gives each rank its own value; give the value itself on the command line.")
+
+
 def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest | None) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
     init_process_group(run.device, run.backend, cfg.timeout_s)
+    agree_on_config(cfg, run.device)
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))

@@ -156,3 +156,15 @@ def test_two_rank_run_succeeds(small_data, tmp_path):
     assert latest == "step_000002"
     assert (run_dir / "checkpoints" / latest / "meta.json").is_file()
     assert f"checkpoint: {run_dir / 'checkpoints' / latest}" in r.out, r
+
+
+def test_ranks_that_resolve_the_config_differently_stop(small_data, tmp_path):
+    """Hydra resolves the command line on each rank: a run_dir through ${oc.env:RANK} is runs/r0 on rank 0 and
+    runs/r1 on rank 1. Every rank stops at the job's first collective with one line naming both (they trained
+    into two directories, or failed at the first save)."""
+    run = tmp_path / "r"
+    args = [a for a in model_args(small_data, run) if not a.startswith("run_dir=")]
+    r = torchrun_train(2, [*args, f"run_dir={run}" + "${oc.env:RANK}"])
+    assert_one_error(r, ["rank 1 resolved the config differently from rank 0",
+                         f"(run_dir: rank 0 {run}0, rank 1 {run}1)", "give the value itself"], "torchrun")
+    assert not (tmp_path / "r0" / "checkpoints").exists() and not (tmp_path / "r1" / "checkpoints").exists()
