@@ -34,6 +34,7 @@ import torch
 
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
+from .errors import CommError, first_line
 from .files import atomic_write
 STEP_DIR = re.compile(r"step_(\d+)$")
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
@@ -137,6 +138,9 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
         assert isinstance(files, dict) and files
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
+    lacks = _meta_lacks(meta)
+    if lacks:
+        raise CheckpointError(f"{path}/meta.json has no {lacks} (not a megatron_mini checkpoint, or a damaged one).")
     for name in files:
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"{os.path.join(path, name)} is missing (an incomplete checkpoint).")
@@ -150,6 +154,24 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
             raise CheckpointError(f"{os.path.join(path, name)} does not match its sha256 in meta.json (a corrupt "
                                   f"checkpoint).")
     return meta
+
+
+def _meta_lacks(meta: dict) -> str | None:
+    """What of the keys training and inference read a meta.json lacks (or holds with the wrong type)."""
+    def count(key):
+        return isinstance(meta.get(key), int) and not isinstance(meta[key], bool) and meta[key] >= 0
+
+    config = meta.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    data = config.get("data") if isinstance(config, dict) else None
+    for what, ok in (("step (a count)", count("step")), ("consumed_samples (a count)", count("consumed_samples")),
+                     ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
+                     ("config.seed", isinstance(config, dict) and "seed" in config),
+                     ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data)):
+        if not ok:
+            return what
+    missing = [f"config.model.{k}" for k in MODEL_KEYS if k not in model]
+    return ", ".join(missing) or None
 
 
 def present(path: str) -> dict:
@@ -345,13 +367,24 @@ def load_model_tensors(path: str) -> dict:
     return tensors
 
 
-def load(path: str, buffers: list, optimizer) -> dict:
+def load(path: str, buffers: list, optimizer, mesh, device) -> dict:
     """Restore weights and optimizer state (any layout); returns meta. (The dropout streams are keyed by
-    sample and layer, rng.py: there is no RNG state to restore.)"""
-    meta = read_meta(path)
-    weights = load_model_tensors(path)
-    for buf in buffers:
-        buf.load_weights(weights)
-    stages = [_load_mapped(f) for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
-    optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
-    return meta
+    sample and layer, rng.py: there is no RNG state to restore.) Tensors that do not fit this model (a name
+    missing, another shape: a checkpoint of another model or of older code) are one CheckpointError on every
+    rank, whichever ranks found it."""
+    failure = None
+    try:
+        weights = load_model_tensors(path)
+        for buf in buffers:
+            buf.load_weights(weights)
+        stages = [_load_mapped(f) for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
+        optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
+    except CommError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
+                   f"older code; resume from another checkpoint, or start a new run under another run_name.")
+    found = first_failure(failure, mesh, device)
+    if found:
+        raise CheckpointError(found[1])
+    return read_meta(path)

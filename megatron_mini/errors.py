@@ -18,3 +18,9 @@ class RunError(Exception):
 class CommError(RuntimeError):
     """A collective or transfer that failed: a peer died, or stalled past the groups' timeout (comm.py
     names the rank, the op and the group)."""
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: the first line of its message`, for a one-line error that quotes an exception."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -20,6 +20,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .data import DataError, Tokenizer
+from .errors import first_line
 from .model import GPTChunk, KVCache, ParallelContext, build_chunks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,11 +48,6 @@ def config_from_dict(d: dict, cls=TrainConfig):
     return cls(**kwargs)
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def read_checkpoint(path: str) -> Checkpoint:
     """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
     file) and read into memory (CPU)."""
@@ -67,7 +63,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     try:
         cfg = config_from_dict(meta["config"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}/meta.json: unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}/meta.json: unreadable ({first_line(e)})") from None
     return Checkpoint(path, meta, cfg, checkpoint.load_model_tensors(path), notes)
 
 

@@ -212,7 +212,7 @@ class Trainer:
         return path
 
     def load(self, path: str) -> None:
-        meta = checkpoint.load(path, self.buffers, self.optimizer)
+        meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
         self.last_checkpoint = path
 

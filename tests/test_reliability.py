@@ -64,6 +64,24 @@ def _corrupt(path: Path, offset: int = 2000) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _edit_meta(edit):
+    def damage(path: Path) -> None:
+        meta = json.loads((path / "meta.json").read_text())
+        edit(meta)
+        (path / "meta.json").write_text(json.dumps(meta))
+    return damage
+
+
+def _rename_a_tensor(path: Path) -> None:
+    """A checkpoint of older code: one parameter under another name (its file's checksum updated)."""
+    from megatron_mini.checkpoint import sha256_file
+    f = path / "model_pp00.pt"
+    tensors = torch.load(f, weights_only=True)
+    tensors["head.ln_f.b"] = tensors.pop("head.ln_f.bias")
+    torch.save(tensors, f)
+    _edit_meta(lambda meta: meta["files"].update({"model_pp00.pt": sha256_file(str(f))}))(path)
+
+
 def _refusal_cases(data, trained, tmp: Path) -> list:
     """(id, nproc, extra args, facts of our line, environment) of every refusal."""
     ckpt = Path(trained.run_dir) / "checkpoints" / "step_000003"
@@ -88,6 +106,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     flipped = ckpt_copy("flipped", lambda p: _corrupt(p / "optim_pp00.pt"))
     bad_meta = ckpt_copy("bad_meta", lambda p: (p / "meta.json").write_text("{not json"))
     no_optim = ckpt_copy("no_optim", lambda p: (p / "optim_pp00.pt").unlink())
+    no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
+    text_step = ckpt_copy("text_step", _edit_meta(lambda meta: meta.update(step="3")))
+    renamed = ckpt_copy("renamed", _rename_a_tensor)
     resume = [f"resume={ckpt}", "steps=5"]
     plain, no_interpreter = env(), env(interpreter=False)
     cases = [
@@ -122,6 +143,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/optim_pp00.pt does not match its sha256"]),
         ("resume-bad-meta", 1, [f"resume={bad_meta}"], [f"{bad_meta}/meta.json is unreadable"]),
         ("resume-no-optimizer", 1, [f"resume={no_optim}"], [f"{no_optim}/optim_pp00.pt is missing"]),
+        ("resume-meta-no-config", 1, [f"resume={no_config}"], [f"{no_config}/meta.json has no config (not a "]),
+        ("resume-meta-text-step", 1, [f"resume={text_step}"], [f"{text_step}/meta.json has no step (a count)"]),
+        ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],
+         [f"{renamed} does not fit this run's model (KeyError: 'head.ln_f.bias')", "start a new run"]),
         ("resume-more-layers", 1, [*resume, "model.num_layers=4"], ["model.num_layers: 8 -> 4"]),
         ("resume-other-heads", 1, [*resume, "model.num_heads=2"], ["model.num_heads: 4 -> 2"]),
         ("resume-other-hidden", 1, [*resume, "model.hidden_size=96"], ["model.hidden_size: 64 -> 96"]),
@@ -164,6 +189,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
+               "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge", "interpolation", "multirun",
                "rank-not-an-integer", "cuda-without-gpu"]
