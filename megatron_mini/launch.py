@@ -50,15 +50,25 @@ def _int_env(name: str, default: int) -> int:
 
 def launch_env() -> tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
-    else a single process. A variable that is no integer is a ConfigError."""
+    else a single process. A variable that is no integer, or a rank outside [0, world size), is a
+    ConfigError (a stale RANK in the shell waited for ranks that never came)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         local_rank = _int_env("LOCAL_RANK", 0)
-        return _int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank, _int_env("LOCAL_WORLD_SIZE", local_rank + 1)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0),
-                _slurm_tasks_here())
-    return 0, 1, 0, 1
+        found = (_int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank,
+                 _int_env("LOCAL_WORLD_SIZE", local_rank + 1))
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        found = (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0),
+                 _slurm_tasks_here())
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "tasks on this node")
+    else:
+        return 0, 1, 0, 1
+    for (rank, size), (rank_name, size_name) in (((found[0], found[1]), names[:2]), ((found[2], found[3]), names[2:])):
+        if size < 1 or not 0 <= rank < size:
+            raise ConfigError(f"{rank_name}={rank} with {size_name}={size}: a launcher (torchrun, srun) sets these to "
+                              f"this process's place in the job, a rank in [0, size); unset them to run one process.")
+    return found
 
 
 def _slurm_tasks_here() -> int:

@@ -161,6 +161,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          ["Environment variable 'MEGATRON_MINI_NO_SUCH_VARIABLE' not found"]),
         ("multirun", 1, ["-m", "steps=1,2"], ["multirun (-m) is not supported"]),
         ("rank-not-an-integer", 1, [], ["RANK='abc' is not an integer"], env(RANK="abc", WORLD_SIZE=2)),
+        ("rank-outside-the-world", 1, [], ["RANK=5 with WORLD_SIZE=2", "a rank in [0, size)"],
+         env(RANK=5, WORLD_SIZE=2)),
+        ("world-of-none", 1, [], ["RANK=0 with WORLD_SIZE=0"], env(RANK=0, WORLD_SIZE=0)),
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
@@ -192,7 +195,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge", "interpolation", "multirun",
-               "rank-not-an-integer", "cuda-without-gpu"]
+               "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "cuda-without-gpu"]
 
 
 # one-rank refusals that run under torchrun: one of each kind (the multi-rank ones always do)
