@@ -287,7 +287,7 @@ def check_keys(given: dict, schema=None) -> None:
 
 def check_ranges(cfg: TrainConfig, section: str = "") -> None:
     """The RANGES rules of the keys under `section` ("" = all); every number must be finite (inf passed the
-    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum)."""
+    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum); no data path is empty."""
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
@@ -295,6 +295,10 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):
                 raise ConfigError(f"{key}={value} must be {requirement}.")
+    for key, what in (("data.source", "stdlib, a directory of .txt files or a .jsonl file"),
+                      ("data.dir", "the directory of the prepared data")):
+        if key.startswith(section) and not str(_get(cfg, key)).strip():  # ('' wrote the data into the current dir)
+            raise ConfigError(f"{key} is empty: give {what}.")
 
 
 def check_layout_free(cfg: TrainConfig) -> None:

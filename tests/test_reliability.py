@@ -121,6 +121,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          ["precision.initial_loss_scale=inf must be a finite number in (0, 2**64]"]),
         ("adam-eps-inf", 1, ["optimizer.eps=inf"], ["optimizer.eps=inf must be a finite number > 0"]),
         ("data-vocab-negative", 1, ["data.vocab_size=-5"], ["data.vocab_size=-5 must be >= 1"]),
+        ("data-dir-empty", 1, ["data.dir="], ["data.dir is empty: give the directory of the prepared data"]),
         ("log-interval-0", 1, ["log_interval=0"], ["log_interval=0 must be >= 1"]),
         ("eval-iters-0", 1, ["eval_iters=0"], ["eval_iters=0 must be >= 1"]),
         ("heads-0", 1, ["model.num_heads=0"], ["model.num_heads=0 must be >= 1"]),
@@ -188,7 +189,7 @@ def refusals(small_data, trained, tmp_path_factory):
 
 
 REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "negative-lr", "loss-scale-inf",
-               "adam-eps-inf", "data-vocab-negative", "log-interval-0",
+               "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
