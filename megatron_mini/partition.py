@@ -67,6 +67,10 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
         if len(fixed) > stages:
             raise ConfigError(f"{placed} name two block stages, but there is one (embedding_stage={embedding_stage}, "
                               f"pp x vpp = {S}) and it holds all {L} blocks; leave them 0.")
+        if len(fixed) == stages == 1 and fixed[0] != L:
+            raise ConfigError(f"{placed} place {fixed[0]} block{'s' * (fixed[0] != 1)} on the one block stage "
+                              f"(embedding_stage={embedding_stage}, pp x vpp = {S}), which holds all {L}: set it to "
+                              f"{L}, or leave it 0.")
         if len(fixed) == stages and sum(fixed) != L:
             raise ConfigError(f"{placed} place {sum(fixed)} blocks on the {stages} block stages, which must hold all "
                               f"{L}: make them add up to {L}, or set only one of them.")

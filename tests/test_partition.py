@@ -72,3 +72,13 @@ def test_every_suggested_block_count_works():
                     partition(int(count), stages, placement, first, last)
                     checked += 1
     assert checked > 500
+
+
+@pytest.mark.parametrize("first, last", [(1, 0), (0, 1)])
+def test_one_block_stage_with_one_count_says_how_to_fix_it(first, last):
+    """embedding_stage=own at pp x vpp = 3 has one block stage: a count for it must be all L blocks (it advised
+    "set only one of them" when only one was set). Its L is accepted."""
+    with pytest.raises(ConfigError, match=r"place 1 block on the one block stage .* holds all 4: set it to 4, "
+                                          r"or leave it 0\.$"):
+        partition(4, 3, "own", first, last)
+    assert partition(4, 3, "own", 4 * bool(first), 4 * bool(last)) == partition(4, 3, "own", 0, 0)
