@@ -193,7 +193,7 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     from plan import main
 
     args = ["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=16", "cluster.gpus_per_node=8"]
-    out_csv, out_png = tmp_path / "plan.csv", tmp_path / "plan.png"
+    out_csv, out_png = tmp_path / "tables" / "plan.csv", tmp_path / "figures" / "new" / "plan.png"   # created
     assert main(args + ["--layout", "tp=2,pp=2,zero=1", "--csv", str(out_csv), "--plot", str(out_png)]) == 0
     printed = capsys.readouterr().out
     assert "torchrun --nnodes=2 --nproc_per_node=8" in printed and "--layout tp=2,pp=2,zero=1:" in printed

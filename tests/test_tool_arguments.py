@@ -1,6 +1,8 @@
 """Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, compare_runs.py,
-plan.py, generate.py) give one line on stderr and a non-zero exit, no traceback; generate.py notes a cut prompt."""
+plan.py, generate.py, the benches' output options) give one line on stderr and a non-zero exit, no traceback;
+an output file that cannot be written is refused before any work; generate.py notes a cut prompt."""
 import json
+import os
 
 import pytest
 
@@ -91,8 +93,6 @@ def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("argv, fact", [
     (["--top", "0"], "--top: must be >= 1, got 0"),
-    (["--csv", "no/such/dir/p.csv"], "--csv no/such/dir/p.csv: the directory"),
-    (["--plot", "no/such/dir/p.png"], "--plot no/such/dir/p.png: the directory"),
     (["gbs=-1"], "gbs=-1 must be >= 1"),                                   # wrong for every layout: said once
     (["optimizer.min_lr=1"], "optimizer.min_lr=1.0 is above optimizer.lr"),
     (["--csv", "."], "--csv . is a directory"),
@@ -110,6 +110,124 @@ def test_plan_bad_arguments_are_one_line_before_planning(argv, fact, tmp_path, m
     err = _one_error_line(capsys)
     assert fact in err, err
     assert not list(tmp_path.iterdir())
+
+
+def _run_dir(tmp_path) -> str:
+    """A run directory compare_runs reads: five steps of metrics.jsonl."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in range(5)))
+    return str(run)
+
+
+# Each tool that writes a file, as (module, argv writing to PATH, the option, what it must not start first).
+WRITERS = {
+    "compare_runs -o": (compare_runs, lambda path: ["run", "-o", path], "-o", "read_run"),
+    "plot_schedule -o": (plot_schedule, lambda path: ["--pp", "2", "-m", "4", "-o", path], "-o", "plot"),
+    "plan --csv": (plan, lambda path: ["--csv", path[:-len(".png")] + ".csv"], "--csv", "plan"),
+    "plan --plot": (plan, lambda path: ["--plot", path], "--plot", "plan"),
+}
+
+
+def _read_only(monkeypatch, directory) -> None:
+    """os.access says `directory` may not be written (a chmod does not stop root, whom the tests run as)."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: (
+        False if os.path.abspath(path) == str(directory) and mode & os.W_OK else real(path, mode, *args, **kwargs)))
+
+
+@pytest.mark.parametrize("where, fact", [
+    ("afile/x.png", "{tmp}/afile is not a directory"),              # the directory is a file
+    ("afile/sub/x.png", "{tmp}/afile is not a directory"),          # one to create would be under a file
+    ("ro/x.png", "the directory {tmp}/ro is not writable"),
+    ("ro/sub/x.png", "the directory {tmp}/ro is not writable"),
+])
+@pytest.mark.parametrize("tool", WRITERS)
+def test_tools_refuse_an_unwritable_output_before_any_work(tool, where, fact, tmp_path, monkeypatch, capsys):
+    """compare_runs -o gave a FileNotFoundError traceback, plot_schedule -o an OSError after drawing, plan --csv
+    one after the whole plan: now one line, exit 2, before anything is read, simulated or planned."""
+    module, argv, option, work = WRITERS[tool]
+    _run_dir(tmp_path)
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "ro").mkdir()
+    _read_only(monkeypatch, tmp_path / "ro")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module, work, lambda *a: pytest.fail(f"{tool}: {work} ran before refusing {where}"))
+    path = argv(where)[-1]
+    assert _exit_code(module, argv(where)) == 2
+    err = _one_error_line(capsys)
+    assert f"{option} {path}: " + fact.format(tmp=tmp_path) in err, err
+    assert (tmp_path / "afile").read_text() == "keep me" and not list((tmp_path / "ro").iterdir())
+
+
+@pytest.mark.parametrize("tool", ["compare_runs -o", "plot_schedule -o"])
+def test_tools_create_the_missing_directories_of_an_output(tool, tmp_path, monkeypatch):
+    """One rule for every tool (plot_schedule created them, compare_runs gave a FileNotFoundError traceback and
+    plan refused them; plan's case is test_planner.test_plan_command_line), and their --help says it."""
+    module, argv, _, _ = WRITERS[tool]
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert module.main(argv("new/dir/x.png")) == 0
+    written = sorted(p.name for p in (tmp_path / "new" / "dir").iterdir())
+    assert written == (["x.csv", "x.png"] if module is compare_runs else ["x.png"]), written
+
+
+@pytest.mark.parametrize("module, argv", [(compare_runs, ["run"]), (plot_schedule, ["--pp", "2", "-m", "4"]),
+                                          (plan, [])])
+def test_tools_help_says_missing_directories_are_created(module, argv, capsys):
+    assert _exit_code(module, argv + ["--help"]) == 0
+    assert "missing directories are created" in " ".join(capsys.readouterr().out.split())
+
+
+def _failing_write(errno: int, reason: str):
+    def write(*args, **kwargs):
+        raise OSError(errno, reason)
+    return write
+
+
+@pytest.mark.parametrize("tool", ["compare_runs -o", "plot_schedule -o"])
+def test_a_figure_that_fails_to_save_is_one_line(tool, tmp_path, monkeypatch, capsys):
+    """A write that fails after the check (a full disk, a read-only remount) is one line and exit 2, not
+    savefig's OSError traceback."""
+    import matplotlib.figure
+
+    module, argv, _, _ = WRITERS[tool]
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", _failing_write(30, "Read-only file system"))
+    assert _exit_code(module, argv("out/x.png")) == 2
+    assert _one_error_line(capsys) == "error: cannot write out/x.png: Read-only file system"
+
+
+def test_a_table_that_fails_to_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """compare_runs' FILE.csv and plan's --csv: a failing write is one line, exit 2."""
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compare_runs, "save_csv", _failing_write(28, "No space left on device"))
+    assert _exit_code(compare_runs, ["run", "-o", "c.png"]) == 2
+    assert _one_error_line(capsys) == "error: cannot write c.csv: No space left on device"
+    monkeypatch.setattr(plan, "write_csv", _failing_write(28, "No space left on device"))
+    assert _exit_code(plan, ["cluster.gpus=1", "cluster.gpus_per_node=1", "--csv", "p.csv"]) == 2
+    assert _one_error_line(capsys) == "error: cannot write p.csv: No space left on device"
+
+
+@pytest.mark.parametrize("tool, argv, work", [
+    ("bench_kernels", ["--out", "afile/out"], "run"),
+    ("bench_kernels", ["--doc", "afile/b.md"], "run"),
+    ("bench_gpu", ["--out", "afile"], "_init_one_rank_group"),
+    ("bench_gpu", ["--doc", "afile/sub/b.md"], "_init_one_rank_group"),
+    ("bench_gpu", ["--profile", "default", "--trace", "afile/t.json"], "_init_one_rank_group"),
+])
+def test_benches_refuse_an_unwritable_output_before_running(tool, argv, work, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(tool)
+    (tmp_path / "afile").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module, work, lambda *a, **k: pytest.fail(f"{tool} ran before refusing {argv}"))
+    assert _exit_code(module, argv) == 2
+    err = _one_error_line(capsys)
+    assert f"{argv[-2]} {argv[-1]}: {tmp_path}/afile is not a directory" in err, err
 
 
 def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monkeypatch):

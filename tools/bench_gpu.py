@@ -55,8 +55,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
 
-from bench.report import (DOC, add_output_args, at_least, command_line, device_line, fmt, markdown_table,  # noqa: E402
-                          ratio, read_doc_section, short_error, write_doc_section)
+from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line,  # noqa: E402
+                          device_line, fmt, markdown_table, ratio, read_doc_section, short_error, write_doc_section)
+from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 from bench.harness import free_port  # noqa: E402
 from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
 
@@ -229,7 +230,7 @@ def profile_row(row: str, key: str, args, device, log) -> str:
             _sync(device)
             wall = time.perf_counter() - t0
         if args.trace:
-            prof.export_chrome_trace(args.trace)
+            write_output(args.trace, prof.export_chrome_trace)
             log(f"wrote the chrome trace {args.trace}")
     finally:
         runner = None
@@ -425,11 +426,13 @@ def main(argv=None) -> int:
                     help="instead of the benchmark: torch.profiler over a few steps of ROW for each model")
     ap.add_argument("--profile-steps", type=at_least(1), default=3)
     ap.add_argument("--profile-top", type=at_least(1), default=25)
-    ap.add_argument("--trace", default=None, help="with --profile: also write a chrome trace here")
+    ap.add_argument("--trace", default=None, help=f"with --profile: also write a chrome trace here ({CREATED})")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per row, no compile "
                     "(automatic without CUDA); exercises the code only")
     add_output_args(ap, "bench_gpu")
     args = ap.parse_args(argv)
+    check_output_args(ap, args)
+    refuse_unwritable(ap, "--trace", args.trace)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     if [r for r in rows if r not in ROWS] or [k for k in keys if k not in MODELS]:

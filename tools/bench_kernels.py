@@ -66,8 +66,8 @@ import sys
 import time
 import traceback
 
-from bench.report import (DOC, add_output_args, at_least, command_line, device_line, fmt, markdown_table, short_error,
-                          write_doc_section)
+from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line, device_line, fmt,
+                          markdown_table, short_error, write_doc_section)
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -453,6 +453,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=at_least(1), default=100, help="do_bench repetition time, ms (default 100)")
     add_output_args(ap, "bench_kernels")
     args = ap.parse_args(argv)
+    check_output_args(ap, args)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
     if bad:

@@ -36,6 +36,7 @@ from bench.harness import Bench  # noqa: E402
 from bench.report import (DOC, GOAL_HEADERS, at_least, command_line, device_line, print_table,  # noqa: E402
                           write_train_doc)
 from bench.workload import S2, SMOKE  # noqa: E402
+from plotting import CREATED, refuse_unwritable  # noqa: E402
 
 SECTIONS = {1: throughput, 2: tensor_parallel, 3: pipeline, 4: precision}
 
@@ -47,12 +48,14 @@ def main() -> None:
                     help="run only this section (repeatable); default: all")
     ap.add_argument("--steps", type=at_least(1), default=None,
                     help=f"measured steps per row (default per section: {default_steps})")
-    ap.add_argument("--doc", default=DOC, help="markdown file to update (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default=DOC, help=f"markdown file to update (default docs/benchmarks.md; {CREATED})")
     ap.add_argument("--no-doc", action="store_true", help="print only")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model instead of S2, to check the script (writes only to an explicit --doc)")
     args = ap.parse_args()
     args.no_doc = args.no_doc or (args.smoke and args.doc == DOC)    # never overwrite the real figures with smoke ones
+    if not args.no_doc:
+        refuse_unwritable(ap, "--doc", args.doc)
     sections = sorted(set(args.section or SECTIONS))
     command = command_line("bench_train.py", "OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 .venv/bin/python")
     device = device_line(with_date=False)

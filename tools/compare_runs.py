@@ -22,7 +22,7 @@ import sys
 import zlib
 from dataclasses import dataclass
 
-from plotting import image_path_error
+from plotting import CREATED, refuse_unwritable, write_output
 
 # The .wandb file: a 7-byte header, then LevelDB-log style chunks in 32 KiB blocks.
 _FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
@@ -298,7 +298,7 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
     ax.add_artist(ax.legend(loc="upper right", title="run"))
     ax.legend(handles=styles, loc="upper center")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_output(path, lambda path: fig.savefig(path, dpi=120))
     plt.close(fig)
 
 
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare the loss curves of training runs.")
     parser.add_argument("runs", nargs="+", metavar="RUN",
                         help="run directory, wandb run directory, or wandb:entity/project/run_id")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="plot to write (table: FILE.csv)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                        help=f"plot to write (table: FILE.csv; {CREATED})")
     parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight of the smoothed curves (default 0.9)")
     parser.add_argument("--labels", help="comma-separated legend labels, one per RUN")
     args = parser.parse_args(argv)
@@ -315,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--labels has {len(labels)} labels for {len(args.runs)} runs")
     if not 0 <= args.smooth < 1:
         parser.error(f"--smooth {args.smooth} must be in [0, 1)")
-    if (error := image_path_error(args.output)) is not None:
-        parser.error(f"-o {error}")
+    table_path = os.path.splitext(args.output)[0] + ".csv"
+    refuse_unwritable(parser, "-o", args.output, image=True)
+    refuse_unwritable(parser, "-o", table_path)              # (a directory of that name)
     try:
         runs = [read_run(spec) for spec in args.runs]
     except RunError as e:
@@ -327,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = table(runs, args.smooth)
     print_table(rows)
     plot(runs, args.output, args.smooth)
-    save_csv(rows, os.path.splitext(args.output)[0] + ".csv")
-    print(f"wrote {args.output} and {os.path.splitext(args.output)[0]}.csv")
+    write_output(table_path, lambda path: save_csv(rows, path))
+    print(f"wrote {args.output} and {table_path}")
     return 0
 
 

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bench.report import at_least, text_table
-from plotting import image_path_error
+from plotting import CREATED, refuse_unwritable, write_output
 from megatron_mini.config import ConfigError, check_keys, check_layout_free, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in_node, model_bytes, plan,
@@ -198,7 +198,7 @@ def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
     ax.set_title(f"{p.base.model.name} on {p.base.cluster.gpus} x {p.base.cluster.gpu}: every valid layout")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_output(path, lambda path: fig.savefig(path, dpi=120))
 
 
 def main(argv=None) -> int:
@@ -206,16 +206,11 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="train.py keys and cluster keys, key=value")
     ap.add_argument("--layout", help="explain one layout, e.g. tp=4,pp=12,zero=1,embedding_stage=layer")
     ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list")
-    ap.add_argument("--csv", help="write every layout to this CSV file")
-    ap.add_argument("--plot", help="draw step time against memory per rank into this PNG")
+    ap.add_argument("--csv", help=f"write every layout to this CSV file ({CREATED})")
+    ap.add_argument("--plot", help=f"draw step time against memory per rank into this PNG ({CREATED})")
     args = ap.parse_args(argv)
-    if args.plot and (error := image_path_error(args.plot)) is not None:
-        ap.error(f"--plot {error}")
-    for option, path in (("--csv", args.csv), ("--plot", args.plot)):
-        if path and os.path.isdir(path):
-            ap.error(f"{option} {path} is a directory: name the file to write")
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            ap.error(f"{option} {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist")
+    refuse_unwritable(ap, "--csv", args.csv)
+    refuse_unwritable(ap, "--plot", args.plot, image=True)
     try:
         base = load_config(args.overrides)
         chosen = parse_layout(args.layout, base) if args.layout else None
@@ -249,7 +244,7 @@ def main(argv=None) -> int:
         rank = 1 + sum(e.step_s < found.step_s for e in p.fitting) if found.fits else None
         print("\n--layout " + args.layout + ":\n" + explain(found, rank))
     if args.csv:
-        write_csv(args.csv, p)
+        write_output(args.csv, lambda path: write_csv(path, p))
         print(f"\nwrote {args.csv}")
     if args.plot:
         draw(args.plot, p, found)

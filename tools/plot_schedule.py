@@ -11,7 +11,6 @@ space is the pipeline bubble. --compare stacks GPipe, 1F1B and interleaved 1F1B 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import matplotlib
@@ -24,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from megatron_mini.config import ConfigError  # noqa: E402
 from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  # noqa: E402
 from bench.report import at_least  # noqa: E402
-from plotting import image_path_error  # noqa: E402
+from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
 
@@ -88,8 +87,7 @@ def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult
     legend += [Patch(facecolor=CHUNK_GREYS[c], label=f"chunk {c}") for c in range(min(max_vpp, 4)) if max_vpp > 1]
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=130)
+    write_output(output, lambda path: fig.savefig(path, dpi=130))
     plt.close(fig)
     return results
 
@@ -101,10 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", "-m", type=at_least(1), required=True, help="microbatches per step")
     p.add_argument("--schedule", choices=KINDS, default="1f1b")
     p.add_argument("--compare", action="store_true", help="draw GPipe, 1F1B and interleaved 1F1B one above the other")
-    p.add_argument("-o", "--output", default="schedule.png", help="image to write (.png, .svg, .pdf, ...)")
+    p.add_argument("-o", "--output", default="schedule.png", help=f"image to write (.png, .svg, .pdf, ...; {CREATED})")
     args = p.parse_args(argv)
-    if (error := image_path_error(args.output)) is not None:
-        p.error(f"-o {error}")
+    refuse_unwritable(p, "-o", args.output, image=True)
     if args.compare:
         args.panels = [("gpipe", args.pp, 1, args.microbatches), ("1f1b", args.pp, 1, args.microbatches),
                        ("1f1b", args.pp, max(args.vpp, 2), args.microbatches)]

@@ -1,7 +1,16 @@
-"""What the tools that draw share: the image formats matplotlib can write."""
+"""What the tools that write files share: the image formats matplotlib can write, and one rule for every file a
+tool is told to write (plan.py --csv/--plot, plot_schedule.py -o, compare_runs.py -o, the benches' --out/--doc):
+its missing directories are created; a path that cannot be written (a directory, a file in the way, a directory
+not writable) is refused before any work, and a write that fails anyway (a full disk, a directory removed
+meanwhile) ends the tool with one line."""
 from __future__ import annotations
 
 import os
+import sys
+
+from megatron_mini.files import unwritable_dir
+
+CREATED = "missing directories are created"       # the rule, as the tools' --help says it
 
 
 def image_path_error(path: str) -> str | None:
@@ -12,3 +21,39 @@ def image_path_error(path: str) -> str | None:
     if os.path.splitext(path)[1][1:].lower() in formats:
         return None
     return f"{path}: matplotlib writes only {', '.join('.' + f for f in formats)}"
+
+
+def output_path_error(path: str, image: bool = False, directory: bool = False) -> str | None:
+    """None when this tool can write the file `path` (an image when `image`; with `directory`, `path` is a
+    directory to write files into), creating its missing directories; else the one-line reason, starting
+    with `path`."""
+    if image and (error := image_path_error(path)) is not None:
+        return error
+    if directory:
+        problem = unwritable_dir(path)
+        return f"{path}: {problem}" if problem else None
+    if os.path.isdir(path):
+        return f"{path} is a directory: name the file to write"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    problem = unwritable_dir(os.path.dirname(os.path.abspath(path)))
+    return f"{path}: {problem}" if problem else None
+
+
+def refuse_unwritable(parser, option: str, path: str | None, image: bool = False, directory: bool = False) -> None:
+    """argparse's one-line refusal (exit 2) of `option` `path` when output_path_error finds a reason; nothing
+    when the option was not given."""
+    if path and (error := output_path_error(path, image, directory)) is not None:
+        parser.error(f"{option} {error}")
+
+
+def write_output(path: str, write) -> None:
+    """Create `path`'s missing directories and call write(path). An OSError there, which the check before the
+    work could not foresee (a full disk, a directory removed or made read-only since), ends the tool with one
+    line, `error: cannot write PATH: reason`, and exit status 2."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write(path)
+    except OSError as e:
+        print(f"error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(2) from None

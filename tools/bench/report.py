@@ -13,6 +13,8 @@ import statistics
 import sys
 import time
 
+from plotting import CREATED, refuse_unwritable
+
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                    "docs", "benchmarks.md")
 MIB = 2 ** 20
@@ -25,10 +27,16 @@ def _markers(tag: str) -> tuple:
 
 def add_output_args(ap, tag: str) -> None:
     """The --out / --doc options every GPU bench takes (`tag`: its section in the markdown file)."""
-    ap.add_argument("--out", default=None, help=f"directory for {tag}.md and {tag}.json")
+    ap.add_argument("--out", default=None, help=f"directory for {tag}.md and {tag}.json ({CREATED})")
     ap.add_argument("--doc", nargs="?", const="", default=None,
-                    help=f"update the {tag} section of this markdown file (default docs/benchmarks.md); "
+                    help=f"update the {tag} section of this markdown file (default docs/benchmarks.md; {CREATED}); "
                          "a smoke run writes only to an explicitly named file")
+
+
+def check_output_args(ap, args) -> None:
+    """Refuse, before the bench runs, an --out directory or a named --doc file that cannot be written."""
+    refuse_unwritable(ap, "--out", args.out, directory=True)
+    refuse_unwritable(ap, "--doc", args.doc)
 
 
 def at_least(low: int):
@@ -250,6 +258,7 @@ def write_train_doc(path: str, reports: list, command: str, device: str) -> None
     if "<!-- bench_train header -->" not in text:
         tags = [f"bench_train section {i}" for i in range(1, 5)] + ["bench_train goals"]
         skeleton = TRAIN_DOC_HEADER + "\n" + "\n\n".join("\n".join(_markers(t)) for t in tags) + "\n"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(skeleton + ("\n" + text if text else ""))
     for rep in reports:
