@@ -30,7 +30,7 @@ import numpy as np
 import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
-from megatron_mini.files import atomic_write
+from megatron_mini.files import atomic_write, existing_part, remove_empty_dirs, unwritable_dir
 
 _MAGIC = b"MMINIIDX"
 _VERSION = 1
@@ -369,10 +369,24 @@ class _Progress:
 def prepare(cfg: DataConfig) -> dict:
     """corpus -> tokenizer -> tokens.bin/.idx + meta.json in cfg.dir; a step whose output exists and matches
     (corpus hash, vocab size, tokenizer sha256) is skipped, and a valid build of another corpus or vocabulary
-    is refused (_refuse_other_data). Returns the contents of meta.json."""
-    t0, out = time.time(), Path(cfg.dir)
+    is refused (_refuse_other_data). Returns the contents of meta.json. A data.dir that cannot be created or
+    written is refused first; a refused build leaves no empty data.dir (nor parents) that it created."""
+    out = Path(cfg.dir)
+    if (problem := unwritable_dir(out)) is not None:
+        raise DataError(f"data.dir={cfg.dir}", f"{problem}; choose another data.dir", rebuild=None)
     _refuse_other_data(cfg, out)
+    existing = existing_part(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build(cfg, out)
+    except BaseException:
+        remove_empty_dirs(out, existing)
+        raise
+
+
+def _build(cfg: DataConfig, out: Path) -> dict:
+    """prepare()'s work in the directory `out`, which exists."""
+    t0 = time.time()
     docs, info = read_corpus(cfg.source)
     print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
           f"(python {info['python']}, sha256 {info['corpus_sha256'][:12]})")

@@ -190,9 +190,13 @@ class HydraCommandLine:
     what Hydra prints while it composes the config is held, and given back by `composed()`, which the entry
     point calls first; then stderr is the real one again."""
     HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+    TRACEBACK = "Traceback (most recent call last)"
+    CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
-    def __init__(self):
+    def __init__(self, conf: str = CONF):
+        self.conf = conf                       # the config directory: its subdirectories are the config groups
         self.real = self.held = None
+        self.argv = []
 
     def composed(self, replay: bool = True) -> None:
         if self.held is not None and sys.stderr is self.held:
@@ -204,14 +208,32 @@ class HydraCommandLine:
         """Hydra's refusal as one line; an unknown key as config.unknown_key says it (Hydra's advice, `+key=`,
         would only be refused next: no such key is read)."""
         from .config import unknown_key
-        text = " ".join(line.strip() for line in self.held.getvalue().splitlines()
-                        if line.strip() and line.strip() != self.HINT)
+        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() != self.HINT]
+        lines = [line for line in lines if line]
+        if any(line.startswith(self.TRACEBACK) for line in lines):
+            return self.crash(lines[-1])
+        text = " ".join(lines)
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
             return str(unknown_key(key.group(1)))
         return text.split(" full_key:")[0] or "the configuration could not be composed"   # (OmegaConf's trailer)
 
+    def crash(self, exception: str) -> str:
+        """Hydra failed inside itself (it printed a traceback of its own frames, which say nothing to a user):
+        the command line's fault where it is known (a config group given no name of its own, e.g. model=[1,2]
+        or model=1, which Hydra does not check), else the exception, its last line."""
+        for arg in self.argv:
+            key, equals, value = arg.partition("=")
+            group = key.lstrip("+~")
+            if not equals or not group or not os.path.isdir(os.path.join(self.conf, group)):
+                continue
+            names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
+            if value.strip() not in names:
+                return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
+        return f"Hydra could not start with this command line: {exception}"
+
     def run(self, main) -> None:
+        self.argv = sys.argv[1:]
         self.real, self.held = sys.stderr, io.StringIO()
         sys.stderr = self.held
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import multiprocessing
 import os
 import sys
@@ -71,6 +72,9 @@ class ClusterConfig:
 
     def check(self) -> None:
         """One ConfigError for a value that cannot describe a cluster."""
+        for f in dataclasses.fields(self):      # nan passes every comparison below, inf fits everything
+            if isinstance(f.default, float) and not math.isfinite(getattr(self, f.name)):
+                raise ConfigError(f"cluster.{f.name}={getattr(self, f.name)} must be a finite number.")
         if self.gpu not in GPUS:
             raise ConfigError(f"cluster.gpu={self.gpu!r}: choose one of {', '.join(GPUS)} (megatron_mini/hardware.py).")
         for key in ("gpus", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "efficiency"):

@@ -17,6 +17,7 @@ makes rank 0 the last to fail (test_message_survives_slow_rank0).
 """
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
@@ -63,7 +64,10 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("+lr=0.1", ["Unknown config key lr (did you mean optimizer.lr?)"]),
     ("optimizer.lrr=0.1", ["Unknown config key optimizer.lrr (did you mean optimizer.lr?); the keys of optimizer are: lr,"]),
     ("tp=abc", ["'abc'", "could not be converted to Integer"]),
-], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type"])
+    ("model=[1,2]", ["model=[1,2]: model is a config group, which takes one name (bloom-176b, ", ", tiny)"]),
+    ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
+], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type",
+        "group-list", "group-number"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
     names the key meant, not Hydra's advice to append it with +key=, which would be refused next."""
@@ -72,6 +76,23 @@ def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     assert_one_error(r, facts, "python")
     assert "HYDRA_FULL_ERROR" not in r.all and "To append" not in r.all, r
     assert not run_dir.exists(), r                    # it failed before the run started
+
+
+def test_a_traceback_hydra_prints_becomes_its_last_line():
+    """Where Hydra fails inside itself it prints a traceback of its frames (model=[1,2] gave a 2,200-character
+    `error: Traceback ...` line): the command line's fault when a config group got no name of its own, else
+    the exception."""
+    from megatron_mini.launch import HydraCommandLine
+
+    command_line = HydraCommandLine()
+    command_line.held = io.StringIO('Traceback (most recent call last):\n  File "pathlib.py", line 1116, in mkdir\n'
+                                    "    os.mkdir(self, mode)\nFileExistsError: [Errno 17] File exists: '/dev/null'\n\n"
+                                    f"{HydraCommandLine.HINT}\n")
+    command_line.argv = ["model=tiny", "hydra.run.dir=/dev/null"]
+    assert command_line.error() == ("Hydra could not start with this command line: FileExistsError: [Errno 17] "
+                                    "File exists: '/dev/null'")
+    command_line.argv = ["model=tiny", "+optimizer=[a]"]
+    assert command_line.error() == "+optimizer=[a]: optimizer is a config group, which takes one name (adamw)"
 
 
 @pytest.mark.parametrize("override, facts", [
@@ -87,6 +108,31 @@ def test_prepare_data_refuses_what_train_refuses(tmp_path, override, facts):
     r = finish(start([PYTHON, "tools/prepare_data.py", override, f"data.dir={out}"], env()))
     assert_one_error(r, facts, "python")
     assert not (out / "tokenizer.model").exists(), r
+
+
+@pytest.mark.parametrize("where", ["afile", "afile/sub", "/dev/null"])
+def test_prepare_data_refuses_a_data_dir_it_cannot_create(tmp_path, where):
+    """A data.dir that is a file, or would be under one, is one line naming data.dir, exit 2 (it was
+    `error: Traceback ... FileExistsError`: Hydra created data.dir as its run directory before main ran)."""
+    from commandline import PYTHON, finish, start
+    (tmp_path / "afile").write_text("keep me")
+    data_dir = where if where.startswith("/") else str(tmp_path / where)
+    blocker = where if where.startswith("/") else str(tmp_path / "afile")
+    r = finish(start([PYTHON, "tools/prepare_data.py", f"data.dir={data_dir}", "data.vocab_size=300"], env()))
+    assert_one_error(r, [f"data.dir={data_dir}: {blocker} is not a directory"], "python")
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_refused_prepare_data_leaves_no_empty_data_dir(tmp_path):
+    """A refused build (here its source) removes the data.dir it created (and the parents it created), when
+    nothing was written into it; a directory that was there before stays."""
+    from commandline import PYTHON, finish, start
+    (tmp_path / "there").mkdir()
+    for data_dir in (tmp_path / "new" / "data", tmp_path / "there"):
+        r = finish(start([PYTHON, "tools/prepare_data.py", f"data.source={tmp_path / 'nonexistent'}",
+                          f"data.dir={data_dir}"], env()))
+        assert_one_error(r, [f"data.source={tmp_path / 'nonexistent'}: not found"], "python")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
 
 
 # ------------------------------------------------------------------------------------------ torchrun

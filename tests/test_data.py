@@ -4,6 +4,7 @@ One small corpus (40 standard-library files copied as .txt, vocab 512) is prepar
 """
 import dataclasses
 import json
+import os
 import platform
 import re
 import shutil
@@ -116,6 +117,31 @@ def test_jsonl_encoding_errors_name_the_line(tmp_path):
     path.write_text('{"text": "ok"}\n\n{"text": "bad \\ud800 surrogate"}\n')
     with pytest.raises(DataError, match=r"c\.jsonl:3: the text holds a lone surrogate \('\\ud800' at character 5\)"):
         read_corpus(str(path))
+
+
+def test_prepare_refuses_a_data_dir_it_cannot_write_before_reading(tmp_path, monkeypatch):
+    """A data.dir that is a file, under one, or in a read-only directory is one DataError naming data.dir, before
+    the corpus is read (it was an OSError traceback); a refusal after data.dir was created leaves no empty
+    directory of this run's behind (tools/prepare_data.py's command-line cases: tests/test_cli.py)."""
+    import megatron_mini.data as data
+
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "ro").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: (
+        False if Path(path) == tmp_path / "ro" and mode & os.W_OK else real_access(path, mode, *a, **k)))
+    monkeypatch.setattr(data, "read_corpus", lambda source: pytest.fail("read the corpus before refusing data.dir"))
+    for where, problem in (("afile", f"{tmp_path}/afile is not a directory"),
+                           ("afile/sub", f"{tmp_path}/afile is not a directory"),
+                           ("ro/sub", f"the directory {tmp_path}/ro is not writable")):
+        with pytest.raises(DataError) as refused:
+            prepare(DataConfig(source="stdlib", dir=str(tmp_path / where)))
+        assert str(refused.value) == f"data.dir={tmp_path / where}: {problem}; choose another data.dir"
+    monkeypatch.setattr(data, "read_corpus", lambda source: read_corpus(str(tmp_path / "nonexistent")))
+    with pytest.raises(DataError, match="nonexistent: not found"):
+        prepare(DataConfig(source="stdlib", dir=str(tmp_path / "new" / "out")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ro"]
+    assert (tmp_path / "afile").read_text() == "keep me" and not list((tmp_path / "ro").iterdir())
 
 
 def test_tokenizer_vocabulary_out_of_range_says_which_sizes_work(tmp_path):

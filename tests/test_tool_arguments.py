@@ -98,6 +98,9 @@ def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, 
     (["--csv", "."], "--csv . is a directory"),
     (["model.num_heads=7"], "model.hidden_size=128 is not divisible by num_heads=7"),
     (["cluster.gpus=8", "cluster.gpus_per_node=2", "--layout", "tp=4"], "TP groups would span nodes"),
+    (["cluster.reserve_gib=nan"], "cluster.reserve_gib=nan must be a finite number"),     # (nan < 0 is False)
+    (["cluster.memory_gib=inf"], "cluster.memory_gib=inf must be a finite number"),       # (everything fit)
+    (["cluster.inter_node_gbps=inf"], "cluster.inter_node_gbps=inf must be a finite number"),
 ])
 def test_plan_bad_arguments_are_one_line_before_planning(argv, fact, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

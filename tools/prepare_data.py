@@ -6,8 +6,6 @@
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare).
 """
-import sys
-
 import hydra
 from omegaconf import OmegaConf
 
@@ -29,10 +27,9 @@ def main(dict_cfg) -> None:
         prepare(cfg.data)
     except (ConfigError, DataError) as e:
         fail(str(e), code=2)
+    except OSError as e:                   # checked writable before the build: a full disk, a corpus file unread
+        fail(f"{e.filename or dict_cfg.data.dir}: {e.strerror or e}", code=2)
 
 
 if __name__ == "__main__":
-    # Hydra creates its run dir: make it data.dir (created anyway) rather than an empty runs/<run_name>.
-    if not any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:]):
-        sys.argv.append("hydra.run.dir=${data.dir}")
-    command_line.run(main)
+    command_line.run(main)    # (Hydra's run dir is conf/config.yaml's ".": it creates no directory)
