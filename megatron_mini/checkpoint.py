@@ -289,7 +289,8 @@ def gather_text(text: str, group, device, size: int = 512) -> list:
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
     """(rank, message) of the first rank whose `failure` is not None, the same on every rank; None when
     no rank failed."""
-    return next(((r, text) for r, text in enumerate(gather_text(failure or "", mesh.world_group, device)) if text), None)
+    return next(((r, text) for r, text in enumerate(gather_text(failure or "", mesh.world_group, device)) if text),
+                None)
 
 
 def _try(fn, *args) -> str | None:

@@ -209,14 +209,16 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
     "precision.initial_loss_scale": (lambda v: 0 < v <= MAX_LOSS_SCALE, "in (0, 2**64]"),
     "precision.loss_scale_growth_factor": (lambda v: v >= 1, ">= 1"),
-    "precision.loss_scale_growth_interval": _GE1, "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "precision.loss_scale_growth_interval": _GE1,
+    "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "precision.loss_scale_hysteresis": _GE1, "precision.min_loss_scale": _GT0, "precision.max_skips_at_min_scale": _GE1,
     "tp": _GE1, "pp": _GE1, "vpp": _GE1, "zero": (lambda v: v in (0, 1), "0 (off) or 1 (ZeRO-1)"),
     "pipeline_first_blocks": (_GE0[0], ">= 0 (0: balanced)"), "pipeline_last_blocks": (_GE0[0], ">= 0 (0: balanced)"),
     "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
     "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
-    "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"), "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
 }
 
 
@@ -354,7 +356,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     if m.padded_vocab_size % cfg.tp:
         raise ConfigError(
             f"The padded vocabulary {m.padded_vocab_size} (vocab_size={m.vocab_size} padded to a multiple of "
-            f"{m.vocab_pad_multiple}) is not divisible by tp={cfg.tp}; set model.vocab_pad_multiple to a multiple of {cfg.tp}."
+            f"{m.vocab_pad_multiple}) is not divisible by tp={cfg.tp}; "
+            f"set model.vocab_pad_multiple to a multiple of {cfg.tp}."
         )
     if m.ffn_hidden_size % cfg.tp:
         raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")

@@ -211,11 +211,13 @@ def _tokenizer_failure(message: str, vocab_size: int, chars: int) -> str:
     small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
     if small:
         return (f"data.vocab_size={vocab_size} is too small for this corpus: its tokenizer needs at least "
-                f"{small[1]} tokens (256 bytes, <unk>, EOS and each character it keeps); set data.vocab_size >= {small[1]}")
+                f"{small[1]} tokens (256 bytes, <unk>, EOS and each character it keeps); "
+                f"set data.vocab_size >= {small[1]}")
     large = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
     if large:
         return (f"data.vocab_size={vocab_size} is too large for this corpus ({chars:,} characters sampled): "
-                f"its tokenizer can learn at most {large[1]} tokens; set data.vocab_size <= {large[1]} or use a larger corpus")
+                f"its tokenizer can learn at most {large[1]} tokens; "
+                f"set data.vocab_size <= {large[1]} or use a larger corpus")
     return f"could not train a {vocab_size}-token tokenizer on {chars:,} characters ({message})"
 
 

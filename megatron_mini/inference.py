@@ -55,7 +55,8 @@ def read_checkpoint(path: str) -> Checkpoint:
         found = checkpoint.newest(path)
         if found is None:
             raise CheckpointError(f"{path} is not a megatron_mini checkpoint (no meta.json) nor a run directory with "
-                                  f"checkpoints; pass a checkpoint directory such as runs/NAME/checkpoints/step_000100, "
+                                  f"checkpoints; pass a checkpoint directory such as "
+                                  f"runs/NAME/checkpoints/step_000100, "
                                   f"or a run directory")
         path, meta, notes = found.path, found.meta, found.notes
     else:

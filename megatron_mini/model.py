@@ -204,7 +204,8 @@ class Embedding(Layer):
         super().__init__()
         self.tp_group, self.sp = ctx.tp_group, ctx.sp
         self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, ctx.tp_group,
-                                                      sequence_parallel=ctx.sp, std=m.init_std, tied=True, device=device)
+                                                      sequence_parallel=ctx.sp, std=m.init_std, tied=True,
+                                                      device=device)
         self.position_embeddings = new_param((m.seq_len, m.hidden_size),
                                              ParamSpec("normal", 0.01, sequence_parallel=ctx.sp), device=device)
         self.dropout = Dropout(m.dropout, ctx)
@@ -330,7 +331,8 @@ class Head(Layer):
 
     def __init__(self, m: ModelConfig, ctx: ParallelContext, word_embeddings: nn.Parameter | None, device):
         super().__init__()
-        self.tp_group, self.sp, self.vocab_size, self.label_smoothing = ctx.tp_group, ctx.sp, m.vocab_size, m.label_smoothing
+        self.tp_group, self.sp = ctx.tp_group, ctx.sp
+        self.vocab_size, self.label_smoothing = m.vocab_size, m.label_smoothing
         self.ln_f = LayerNorm(m, ctx, device)
         if word_embeddings is None:
             word_embeddings = new_param((m.padded_vocab_size // ctx.tp_group.size, m.hidden_size),

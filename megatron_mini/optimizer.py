@@ -35,7 +35,8 @@ class DynamicLossScaler:
     def __init__(self, cfg: PrecisionConfig):
         self.scale = cfg.initial_loss_scale
         self.growth_factor, self.growth_interval = cfg.loss_scale_growth_factor, cfg.loss_scale_growth_interval
-        self.backoff_factor, self.hysteresis, self.min_scale = cfg.loss_scale_backoff_factor, cfg.loss_scale_hysteresis, cfg.min_loss_scale
+        self.backoff_factor, self.hysteresis = cfg.loss_scale_backoff_factor, cfg.loss_scale_hysteresis
+        self.min_scale = cfg.min_loss_scale
         self.clean_steps, self.hysteresis_left = 0, self.hysteresis
         self.skips_at_min = 0        # overflows in a row at min_scale: the run cannot recover past some
         self.skipped_steps = 0       # overflowed (skipped) steps since the run began, resumes included

@@ -48,7 +48,8 @@ class PipelineEngine:
         gpipe = build_schedule("gpipe", mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
         self.eval_schedule = [a for a in gpipe if a.op in ("forward", "send_act", "recv_act")]
         # each chunk's last backward: its buckets may start reducing over DP as they fill
-        self.last_backward = set({a.chunk: (a.chunk, a.microbatch) for a in self.schedule if a.op == "backward"}.values())
+        self.last_backward = set({a.chunk: (a.chunk, a.microbatch)
+                                  for a in self.schedule if a.op == "backward"}.values())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
         self.trace = []    # (Action, t_start, t_end) of the last step, in execution order: host perf_counter

@@ -65,7 +65,8 @@ class Facts:
                      _merged(self.ledger, other.ledger), dict(sorted(overlaps.items())))
 
     def __mul__(self, n: int) -> "Facts":
-        return Facts(n * self.activation_bytes, n * self.flops, {k: (n * c, n * b) for k, (c, b) in self.ledger.items()},
+        return Facts(n * self.activation_bytes, n * self.flops,
+                     {k: (n * c, n * b) for k, (c, b) in self.ledger.items()},
                      {k: n * c for k, c in self.overlaps.items() if n})
 
 

@@ -295,7 +295,8 @@ def _in_processes(pool: ProcessPoolExecutor, planner: Planner, cfgs: list, clust
                   workers: int) -> list:
     """[estimate(cfg) for cfg in cfgs] in the pool's processes: first the layer kinds (dealt out), then the
     layouts (in shares of about equal work); the layers measured come back into `planner`."""
-    jobs = list({key: job for cfg in cfgs for _, key, job in planner.layer_jobs(cfg) if key not in planner.layers}.items())
+    jobs = list({key: job for cfg in cfgs for _, key, job in planner.layer_jobs(cfg)
+                 if key not in planner.layers}.items())
     for measured in pool.map(_measure_layers, [jobs[w::workers] for w in range(workers)]):
         planner.layers.update(measured)
     shares = _shares(cfgs, workers)

@@ -302,7 +302,8 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, fused):
         ctx.save_for_backward(x if weight.requires_grad else None)     # x is for dW alone
-        ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no main_grad)
+        ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no
+                                               # main_grad)
         ctx.group, ctx.sequence_parallel, ctx.fused = group, sequence_parallel, fused
         return F.linear(comm.all_gather(x, group) if sequence_parallel else x, weight, bias)
 

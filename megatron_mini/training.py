@@ -64,8 +64,9 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
             raise ConfigError(f"kernels={cfg.kernels} needs the triton package (Linux with a GPU); use kernels=torch "
                               "or auto.")
         if device.type == "cpu" and not interpreting():
-            raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter (slow; for "
-                              "tests): set TRITON_INTERPRET=1 in the environment to do that, or use kernels=torch.")
+            raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter "
+                              "(slow; for tests): set TRITON_INTERPRET=1 in the environment to do that, "
+                              "or use kernels=torch.")
     m = cfg.model
     if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
         why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout)
@@ -173,7 +174,8 @@ class Trainer:
         grad_norm, skipped = self.optimizer.step(lr)
         if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
             raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
-                                     f"{scaler.min_scale:g} (step {self.step + 1}): the gradients are not finite at any scale")
+                                     f"{scaler.min_scale:g} (step {self.step + 1}): "
+                                     "the gradients are not finite at any scale")
         self.step += 1
         self.consumed_samples += cfg.gbs
         if not self.gc_frozen:
@@ -321,7 +323,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     log.info(f"checkpoint: {last_ckpt}")
     log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
     log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
-             + (f"  (upload with: wandb sync {logger.wandb_path})" if logger.wandb_path and logger.mode == 'offline' else ""))
+             + (f"  (upload with: wandb sync {logger.wandb_path})"
+                if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
     return summary
 

@@ -45,7 +45,8 @@ def _check(b, h, s, d, dtype, causal=True, scale=None):
     assert o.shape == q.shape and o.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert torch.isfinite(o).all() and all(torch.isfinite(g).all() for g in grads)
     grad_size = do.double().norm().item()   # the incoming gradient's size, for a gradient that is exactly 0
-    errors = {"o": _rel(o, o_ref), **{n: _rel(g, r, grad_size) for n, g, r in zip(("dq", "dk", "dv"), grads, grads_ref)}}
+    errors = {"o": _rel(o, o_ref),
+              **{n: _rel(g, r, grad_size) for n, g, r in zip(("dq", "dk", "dv"), grads, grads_ref)}}
     assert all(e <= TOL[dtype] for e in errors.values()), errors   # (a NaN fails: max() would skip it)
 
 

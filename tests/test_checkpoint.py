@@ -56,7 +56,8 @@ def test_fp16_resume_keeps_the_loss_scalers_counts(small_data, tmp_path):
     the minimum scale where it stopped (the give-up rule spans a resume). Scale 2^40 overflows every step
     at every scale down to the minimum here, 2^37: the scale falls to it in 3 steps, then 3 overflow at it."""
     fp16 = dict(steps=6, save_interval=3, **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 40,
-                                             "precision.loss_scale_hysteresis": 1, "precision.min_loss_scale": 2.0 ** 37})
+                                             "precision.loss_scale_hysteresis": 1,
+                                             "precision.min_loss_scale": 2.0 ** 37})
     full = train_on_ranks(1, small_config(small_data, tmp_path / "full", **fp16))
     step3 = os.path.join(tmp_path / "full", "checkpoints", "step_000003")
     resumed = train_on_ranks(1, small_config(small_data, tmp_path / "resumed", resume=step3, **fp16))
@@ -88,7 +89,8 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     assert sorted(os.listdir(run / "checkpoints" / "step_000010.superseded")) == files
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 5 and max(steps) == 7
-    assert (run / "metrics.superseded.jsonl").read_text() == json.dumps({"step": 10, "loss": 9.0}) + '\n{"step": 10, "lo\n'
+    assert (run / "metrics.superseded.jsonl").read_text() == (json.dumps({"step": 10, "loss": 9.0})
+                                                              + '\n{"step": 10, "lo\n')
     again = train_on_ranks(1, small_config(small_data, run, steps=8, keep_checkpoints=1, resume="auto"))
     assert len(again["loss"]) == 1 and again["checkpoint"] == str(run / "checkpoints" / "step_000008")
 

@@ -62,7 +62,8 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("+foo=1", ["Unknown config key foo; the keys are: model, data"]),
     ("lr=0.1", ["Unknown config key lr (did you mean optimizer.lr?)"]),
     ("+lr=0.1", ["Unknown config key lr (did you mean optimizer.lr?)"]),
-    ("optimizer.lrr=0.1", ["Unknown config key optimizer.lrr (did you mean optimizer.lr?); the keys of optimizer are: lr,"]),
+    ("optimizer.lrr=0.1", ["Unknown config key optimizer.lrr (did you mean optimizer.lr?); "
+                           "the keys of optimizer are: lr,"]),
     ("tp=abc", ["'abc'", "could not be converted to Integer"]),
     ("model=[1,2]", ["model=[1,2]: model is a config group, which takes one name (bloom-176b, ", ", tiny)"]),
     ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
@@ -149,7 +150,8 @@ MULTI_RANK_CASES = [
                  ["padded vocabulary 515", "not divisible by tp=2", "model.vocab_pad_multiple"], id="vocab-pad-tp"),
     pytest.param(2, ["tp=2", "sp=true", "model.seq_len=33"], ["model.seq_len=33 divisible by tp=2"], id="seq-sp-tp"),
     pytest.param(2, ["pp=2", "model.num_layers=7", "embedding_stage=none"],
-                 ["Cannot split the model evenly over the pipeline: 7 blocks must divide over 2 virtual stages", "Block counts that would work here: 6, 8"], id="layers-pp"),
+                 ["Cannot split the model evenly over the pipeline: 7 blocks must divide over 2 virtual stages",
+                  "Block counts that would work here: 6, 8"], id="layers-pp"),
     # gbs 12 / mbs 4 = 3 microbatches, not a multiple of pp=2
     pytest.param(2, ["pp=2", "vpp=2", "gbs=12", "mbs=4"],
                  ["Interleaved 1F1B (pp=2, vpp=2)", "multiple of 2, but it is 3"], id="interleaved-microbatches"),
@@ -187,7 +189,8 @@ def test_two_rank_run_succeeds(small_data, tmp_path):
     args = [a for a in model_args(small_data, run_dir) if a != "memory_plan=false"]   # the default, as users run
     r = torchrun_train(2, [*args, "resume=never"])
     assert r.rc == 0, r
-    assert re.search(r"memory per rank, MiB \(planned \| held\):\n  rank    0 .*\n  rank    1 \(tp 0, dp 1, pp 0\): weights ", r.out), r
+    assert re.search(r"memory per rank, MiB \(planned \| held\):\n  rank    0 .*\n"
+                     r"  rank    1 \(tp 0, dp 1, pp 0\): weights ", r.out), r
     assert "memory at the first step's peak, MiB (planned | measured)" in r.out, r
     assert "Traceback" not in r.all, r
     assert "leaked" not in r.all, r          # the exit frees what the run froze (else triton's bindings complain)

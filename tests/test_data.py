@@ -17,7 +17,8 @@ import pytest
 import sentencepiece as spm
 
 from megatron_mini.config import DataConfig
-from megatron_mini.data import DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus, train_tokenizer
+from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus,
+                                train_tokenizer)
 from megatron_mini.dataset import get_batch, load_datasets, rebuild_command, split_documents
 from megatron_mini.training import evaluation_note
 
@@ -148,7 +149,8 @@ def test_tokenizer_vocabulary_out_of_range_says_which_sizes_work(tmp_path):
     """sentencepiece's refusals in data.vocab_size's terms: the smallest size that holds the bytes, the
     special tokens and every character kept, and the largest this corpus can learn; both sizes then train."""
     docs = ["hello world " * 50 + "caf\u00e9 \u2603 \u6f22\u5b57 " * 10] * 20
-    with pytest.raises(DataError, match=r"data\.vocab_size=200 is too small for this corpus: .* at least (\d+) tokens") as small:
+    with pytest.raises(DataError,
+                       match=r"data\.vocab_size=200 is too small for this corpus: .* at least (\d+) tokens") as small:
         train_tokenizer(docs, 200, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
     with pytest.raises(DataError, match=r"data\.vocab_size=20000 is too large .* at most (\d+) tokens") as large:
         train_tokenizer(docs, 20000, sample_chars=100_000, seed=1, path=tmp_path / "t.model")

@@ -235,7 +235,8 @@ def test_step_lines_leave_out_evaluation_and_save_time(small_data, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sp=True), dict(tp=2, sp=True, zero=1)], ids=["tp2-pp2-sp", "tp2-dp2-sp-zero1"])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sp=True), dict(tp=2, sp=True, zero=1)],
+                         ids=["tp2-pp2-sp", "tp2-dp2-sp-zero1"])
 def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path, layout):
     """4 ranks sharing cuda:0 over gloo (collectives on CUDA tensors, p2p staged on the host, RNG tracker,
     kernels under SP and checkpoints on CUDA; at dp=2 ZeRO-1's reduce-scatter and its in-place weight

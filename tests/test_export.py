@@ -107,8 +107,9 @@ def test_generate_cli(exported, kv_cache):
     """Greedy past the context window: the CLI prints what generate() gives in-process, tokens/s on stderr."""
     ckpt, _, tok = exported[1]
     n = 40
-    argv = [sys.executable, generate.__file__, ckpt.path, "--prompt", PROMPT,
-            "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"] + ([] if kv_cache else ["--no-kv-cache"])
+    argv = ([sys.executable, generate.__file__, ckpt.path, "--prompt", PROMPT,
+             "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"]
+            + ([] if kv_cache else ["--no-kv-cache"]))
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     prompt = tok.encode(PROMPT)

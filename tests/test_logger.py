@@ -187,7 +187,8 @@ def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
     assert rows["short"][5:7] == ["+0.0000", "2"]
     assert rows["long"][5:7] == ["+0.5000", "2"]
     assert rows["late"][5:7] == ["-", "-"]
-    assert rows["late:"] == "late: no gap vs ref: no step where both it and the reference short logged a train loss".split()
+    assert rows["late:"] == ("late: no gap vs ref: no step where both it and the reference short "
+                             "logged a train loss").split()
     rows, _ = table(long, short)
     assert rows["short"][5:7] == ["-0.5000", "2"]
 

@@ -247,7 +247,8 @@ def test_dp_reduction_inside_a_node_waits_for_the_tp_traffic_of_its_window(small
     peak = GPUS["h100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * 0.5
     last_backward = 2 / 3 * inside.ranks[0].microbatch_flops / peak
     assert across.times["dp"] > last_backward                       # partly exposed: a window change shows
-    tp_hidden = sum(calls * flops / peak for (group, *_, flops), calls in inside.ranks[0].overlaps.items() if group == "tp")
+    tp_hidden = sum(calls * flops / peak for (group, *_, flops), calls in inside.ranks[0].overlaps.items()
+                    if group == "tp")
     assert (tp_hidden > 0) == (tp > 1)
     m = cfg.num_microbatches(2)
     assert inside.times["dp"] - across.times["dp"] == pytest.approx(tp_hidden / m, rel=1e-9)
@@ -364,7 +365,8 @@ def test_the_printed_command_launches_the_best_layout(small_data, tmp_path):
         with initialize_config_dir(config_dir=CONF, version_base=None):
             launched = OmegaConf.to_object(compose(config_name="config", overrides=line.split(" train.py ")[1].split()))
         keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name in
-                "tp pp vpp sp zero recompute embedding_stage schedule pipeline_first_blocks pipeline_last_blocks".split()]
+                ("tp pp vpp sp zero recompute embedding_stage schedule "
+                 "pipeline_first_blocks pipeline_last_blocks").split()]
         assert {k: getattr(launched, k) for k in keys} == {k: getattr(best, k) for k in keys}, line
         assert launched.schedule == "gpipe" and launched.gbs == 64 and "cluster" not in line
 

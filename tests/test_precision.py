@@ -79,7 +79,8 @@ def _lrs_through_skips(cfg):
 def test_skipped_fp16_steps_do_not_spend_the_warmup(small_data, tmp_path):
     """A loss scale of 2^24 overflows fp16 for the first steps: they apply nothing, and the first update
     that applies gets the first warmup lr (lr / warmup_steps), the next the second."""
-    cfg = small_config(small_data, tmp_path, gbs=4, **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 24})
+    cfg = small_config(small_data, tmp_path, gbs=4,
+                       **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 24})
     steps = spawn(1, _lrs_through_skips, cfg)[0]
     o = cfg.optimizer
     assert steps[0][1] and sum(not skipped for _, skipped in steps) >= 2, steps
@@ -192,7 +193,8 @@ def test_nan_loss_stops_without_saving(small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, steps=30, save_interval=1, **{"optimizer.lr": 1e6,
                                                                           "optimizer.warmup_steps": 1,
                                                                           "optimizer.grad_clip": 0.0})
-    with pytest.raises(RuntimeError, match=r"Training stopped \(fp32\): the (training loss|gradient norm) is (nan|inf)") as err:
+    with pytest.raises(RuntimeError,
+                       match=r"Training stopped \(fp32\): the (training loss|gradient norm) is (nan|inf)") as err:
         train_on_ranks(1, cfg)
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*")]
     assert "Nothing was saved over the last good checkpoint" in str(err.value)

@@ -102,7 +102,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     not_a_dir.write_text("x")
     empty = tmp / "empty"
     empty.mkdir()
-    truncated = ckpt_copy("truncated", lambda p: (p / "model_pp00.pt").write_bytes((p / "model_pp00.pt").read_bytes()[:999]))
+    truncated = ckpt_copy("truncated",
+                          lambda p: (p / "model_pp00.pt").write_bytes((p / "model_pp00.pt").read_bytes()[:999]))
     flipped = ckpt_copy("flipped", lambda p: _corrupt(p / "optim_pp00.pt"))
     bad_meta = ckpt_copy("bad_meta", lambda p: (p / "meta.json").write_text("{not json"))
     no_optim = ckpt_copy("no_optim", lambda p: (p / "optim_pp00.pt").unlink())
@@ -113,7 +114,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     plain, no_interpreter = env(), env(interpreter=False)
     cases = [
         ("appended-key", 1, ["+foo=1"], ["Unknown config key foo"]),
-        ("appended-typo", 1, ["+optimizer.lrr=1e-3"], ["Unknown config key optimizer.lrr (did you mean optimizer.lr?)"]),
+        ("appended-typo", 1, ["+optimizer.lrr=1e-3"],
+         ["Unknown config key optimizer.lrr (did you mean optimizer.lr?)"]),
         ("device-tpu", 1, ["device=tpu"], ["Invalid value 'tpu', expected one of [auto, cpu, cuda]"]),
         ("no-layers", 1, ["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
         ("negative-lr", 1, ["optimizer.lr=-0.001"], ["optimizer.lr=-0.001 must be >= 0"]),
@@ -130,7 +132,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("first-blocks-negative", 1, ["pipeline_first_blocks=-4"], ["pipeline_first_blocks=-4 must be >= 0"]),
         ("first-blocks-too-many", 3, ["pp=3", "pipeline_first_blocks=10"],
          ["pipeline_first_blocks=10 + pipeline_last_blocks=0 leave no blocks"]),
-        ("pp3-uneven", 3, ["pp=3"], ["8 blocks must divide over 3 virtual stages", "pipeline_first_blocks=2 gives 2+3+3"]),
+        ("pp3-uneven", 3, ["pp=3"],
+         ["8 blocks must divide over 3 virtual stages", "pipeline_first_blocks=2 gives 2+3+3"]),
         ("triton-on-cpu", 1, ["kernels=triton"], ["set TRITON_INTERPRET=1", "or use kernels=torch"], no_interpreter),
         ("attention-head-dim", 2, ["pp=2", "kernels=attention", "model.hidden_size=272", "model.num_heads=2"],
          ["kernels=attention: the Triton attention supports head dims up to 128, and hidden_size / num_heads = 136",
@@ -157,7 +160,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-blank", 1, ["resume="], ["resume is empty: use resume=auto"]),
         ("run-name-parent", 1, ["run_name=../x"], ["run_name='../x' must name a directory below runs/"]),
         ("seed-negative", 1, ["seed=-1"], ["seed=-1 must be in [0, 2**32)"]),
-        ("timeout-huge", 1, ["timeout_s=1000000000000000"], ["timeout_s=1000000000000000 must be in [1, 10**8] seconds"]),
+        ("timeout-huge", 1, ["timeout_s=1000000000000000"],
+         ["timeout_s=1000000000000000 must be in [1, 10**8] seconds"]),
         ("interpolation", 1, ["seed=${oc.env:MEGATRON_MINI_NO_SUCH_VARIABLE}"],
          ["Environment variable 'MEGATRON_MINI_NO_SUCH_VARIABLE' not found"]),
         ("multirun", 1, ["-m", "steps=1,2"], ["multirun (-m) is not supported"]),
@@ -191,11 +195,13 @@ def refusals(small_data, trained, tmp_path_factory):
 REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "negative-lr", "loss-scale-inf",
                "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
-               "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir", "token-ids", "resume-empty-dir", "resume-run-dir",
+               "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
+               "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
-               "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge", "interpolation", "multirun",
+               "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge",
+               "interpolation", "multirun",
                "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "cuda-without-gpu"]
 
 

@@ -110,7 +110,8 @@ def test_swapped_receives_mismatch():
 def test_dropped_send_deadlocks():
     lists = _lists(vpp=2, m=4)
     del lists[0][_index(lists[0], "send_act", 1, 3)]      # the last message from rank 0 to rank 1
-    with pytest.raises(ScheduleError, match=r"deadlocks: .*rank 1 waits in batch \[.*recv_act\(c1, mb3\)<-0 \(unmatched\)"):
+    with pytest.raises(ScheduleError,
+                       match=r"deadlocks: .*rank 1 waits in batch \[.*recv_act\(c1, mb3\)<-0 \(unmatched\)"):
         simulate_actions(lists, 2, 4)
 
 

@@ -333,7 +333,8 @@ def _rng_checks(mesh) -> dict:
 
     cpu = torch.device("cpu")
     out = {}
-    for name, (sample, layer) in {"a": (8, 3), "a_again": (8, 3), "other_sample": (12, 3), "other_layer": (8, 4)}.items():
+    for name, (sample, layer) in {"a": (8, 3), "a_again": (8, 3), "other_sample": (12, 3),
+                                  "other_layer": (8, 4)}.items():
         tracker = RNGTracker(1234, mesh.tp_rank, cpu)
         tracker.seed(sample, layer)
         start = torch.get_rng_state()
@@ -611,7 +612,8 @@ def test_vocab_parallel_cross_entropy(res, mesh, case):
         assert c["logits_unchanged"], "the forward modified the logits"
         assert c["loss_dtype"] == "torch.float32" and c["loss_shape"] == (8, 2)
         assert c["grad_dtype"] == ("torch.bfloat16" if "bf16" in case else "torch.float32")
-        # two all-reduces: the max [tokens], then sum-exp + target logit (+ the logit sum with label smoothing); none backward
+        # two all-reduces: the max [tokens], then sum-exp + target logit (+ the logit sum with label smoothing);
+        # none backward
         tokens = c["tokens"] * 4
         expected = {} if tp == 1 else {("tp", "all_reduce"): (2, tokens * (4 if "0.1" in case else 3))}
         assert c["fwd"] == expected, f"forward ledger {c['fwd']} != {expected}"

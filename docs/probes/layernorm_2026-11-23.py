@@ -159,7 +159,8 @@ def main():
                     best = (tt, bm, wp)
         rows.append((N, "ours fwd best", f"BM{best[1]} w{best[2]}", best[0], fwd_bytes / best[0] / 1e3))
         f = lambda: L._fwd.fn[(triton.cdiv(M, best[1]),)](x, x, x, y, w, b, mu, rstd, N, N, N, N, M, N, 1e-5,  # noqa
-                                                            HAS_RESIDUAL=False, BLOCK_M=best[1], BLOCK_N=BN, num_warps=best[2])
+                                                            HAS_RESIDUAL=False, BLOCK_M=best[1], BLOCK_N=BN,
+                                                            num_warps=best[2])
         f()
         rows.append((N, "  fwd err y", "", rel(y, yr.detach()), 0.0))
 
