@@ -215,13 +215,17 @@ class HydraCommandLine:
         text = " ".join(lines)
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
-            return str(unknown_key(key.group(1)))
+            return self.group_misuse() or str(unknown_key(key.group(1)))
         return text.split(" full_key:")[0] or "the configuration could not be composed"   # (OmegaConf's trailer)
 
     def crash(self, exception: str) -> str:
         """Hydra failed inside itself (it printed a traceback of its own frames, which say nothing to a user):
-        the command line's fault where it is known (a config group given no name of its own, e.g. model=[1,2]
-        or model=1, which Hydra does not check), else the exception, its last line."""
+        the command line's fault where it is known (group_misuse), else the exception, its last line."""
+        return self.group_misuse() or f"Hydra could not start with this command line: {exception}"
+
+    def group_misuse(self) -> str | None:
+        """A config group given something other than one of its names (model=[1,2], model=1, model={a:1}), which
+        Hydra does not check: one line naming the group's names; None when every group got one."""
         for arg in self.argv:
             key, equals, value = arg.partition("=")
             group = key.lstrip("+~")
@@ -230,7 +234,7 @@ class HydraCommandLine:
             names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
             if value.strip() not in names:
                 return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
-        return f"Hydra could not start with this command line: {exception}"
+        return None
 
     def run(self, main) -> None:
         self.argv = sys.argv[1:]

@@ -67,8 +67,9 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("tp=abc", ["'abc'", "could not be converted to Integer"]),
     ("model=[1,2]", ["model=[1,2]: model is a config group, which takes one name (bloom-176b, ", ", tiny)"]),
     ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
+    ("optimizer={a:1}", ["optimizer={a:1}: optimizer is a config group, which takes one name (adamw)"]),
 ], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type",
-        "group-list", "group-number"])
+        "group-list", "group-number", "group-mapping"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
     names the key meant, not Hydra's advice to append it with +key=, which would be refused next."""
