@@ -276,3 +276,25 @@ def test_generate_notes_a_prompt_longer_than_the_context(tiny_checkpoint, capsys
                  if len(tok.encode(text)) == seq_len)              # a prompt of exactly the context: nothing dropped
     assert generate.main(argv + ["--prompt", whole]) == 0
     assert "note: " not in capsys.readouterr().err
+
+
+def test_a_bench_write_that_fails_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """The benches write their tables after the rows are measured (bench_kernels after every row): a write that
+    fails then (a full disk; here a file where its directory should be) is one line and exit 2, not a traceback,
+    and a file that was there keeps its old content."""
+    from bench import report
+    blocked = tmp_path / "afile"
+    blocked.write_text("x")
+    with pytest.raises(SystemExit) as stop:
+        report.write_doc_section(str(blocked / "doc.md"), "t", "body")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: cannot write {blocked / 'doc.md'}: {blocked} is not a directory\n"
+    doc = tmp_path / "doc.md"
+    doc.write_text("old\n")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(report.os, "replace", full_disk)
+    with pytest.raises(SystemExit):
+        report.write_text(str(doc), "new\n")
+    assert doc.read_text() == "old\n" and "No space left on device" in capsys.readouterr().err

@@ -56,7 +56,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from megatron_mini.hardware import peak_tflops  # noqa: E402
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line,  # noqa: E402
-                          device_line, fmt, markdown_table, ratio, read_doc_section, short_error, write_doc_section)
+                          device_line, fmt, markdown_table, ratio, read_doc_section, short_error, write_doc_section,
+                          write_text)
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 from bench.harness import free_port  # noqa: E402
 from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
@@ -508,11 +509,10 @@ def main(argv=None) -> int:
 
 
 def _write_out(out: str, dev_text: str, command: str, results: list, by_model: dict, smoke: bool) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench_gpu.json"), "w") as f:
-        json.dump({"device": dev_text, "command": command, "results": results}, f, indent=1, default=str)
-    with open(os.path.join(out, "bench_gpu.md"), "w") as f:
-        f.write("\n\n".join(model_section(k, recs, smoke) for k, recs in by_model.items() if recs) + "\n")
+    write_text(os.path.join(out, "bench_gpu.json"),
+               json.dumps({"device": dev_text, "command": command, "results": results}, indent=1, default=str))
+    write_text(os.path.join(out, "bench_gpu.md"),
+               "\n\n".join(model_section(k, recs, smoke) for k, recs in by_model.items() if recs) + "\n")
 
 
 def _init_one_rank_group() -> None:

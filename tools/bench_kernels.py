@@ -67,7 +67,7 @@ import time
 import traceback
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line, device_line, fmt,
-                          markdown_table, short_error, write_doc_section)
+                          markdown_table, short_error, write_doc_section, write_text)
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -480,12 +480,11 @@ def main(argv=None) -> int:
                   rep_ms=min(args.rep, 10) if smoke else args.rep, cpu_reps=2)
     def write_out(results, done):
         """--out's files, rewritten after every row (a run cut short by a time limit keeps what it measured)."""
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
-            f.write(report(results, smoke, device, command) + ("\n" if done else "\n\n(unfinished: rows so far)\n"))
-        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-            json.dump({"device": device, "command": command, "smoke": smoke, "done": done, "results": results,
-                       "goals": goals(results, smoke)}, f, indent=1, default=str)
+        write_text(os.path.join(args.out, "bench_kernels.md"),
+                   report(results, smoke, device, command) + ("\n" if done else "\n\n(unfinished: rows so far)\n"))
+        write_text(os.path.join(args.out, "bench_kernels.json"),
+                   json.dumps({"device": device, "command": command, "smoke": smoke, "done": done, "results": results,
+                               "goals": goals(results, smoke)}, indent=1, default=str))
 
     results = run(ops, smoke, timer, compile_ok=not smoke and not args.no_compile, log=log,
                   on_row=(lambda rows: write_out(rows, False)) if args.out else None)

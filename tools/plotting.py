@@ -54,6 +54,7 @@ def write_output(path: str, write) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write(path)
-    except OSError as e:
-        print(f"error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:       # (a file where a directory should be: say so, not makedirs' "File exists")
+        why = unwritable_dir(os.path.dirname(os.path.abspath(path))) or e.strerror or e
+        print(f"error: cannot write {path}: {why}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from plotting import CREATED, refuse_unwritable
+from plotting import CREATED, refuse_unwritable, write_output
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                    "docs", "benchmarks.md")
@@ -65,10 +65,18 @@ def write_doc_section(path: str, tag: str, body: str) -> None:
         text = text.rstrip("\n") + ("\n\n" if text else "") + f"{begin}\n{end}\n"
     i, j = text.index(begin) + len(begin), text.index(end)
     text = text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    write_text(path, text)
+
+
+def write_text(path: str, text: str) -> None:
+    """`text` into `path` whole (a .tmp file renamed over it), its missing directories created; a write that
+    fails (a full disk mid-run) is one line and exit 2 (plotting.write_output), not a traceback after the rows
+    were measured."""
+    def write(p):
+        with open(p + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(p + ".tmp", p)
+    write_output(path, write)
 
 
 def read_doc_section(path: str, tag: str) -> str | None:
@@ -258,9 +266,7 @@ def write_train_doc(path: str, reports: list, command: str, device: str) -> None
     if "<!-- bench_train header -->" not in text:
         tags = [f"bench_train section {i}" for i in range(1, 5)] + ["bench_train goals"]
         skeleton = TRAIN_DOC_HEADER + "\n" + "\n\n".join("\n".join(_markers(t)) for t in tags) + "\n"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(skeleton + ("\n" + text if text else ""))
+        write_text(path, skeleton + ("\n" + text if text else ""))
     for rep in reports:
         write_doc_section(path, f"bench_train section {rep.section}", rep.markdown(command, device))
     kept = {}
