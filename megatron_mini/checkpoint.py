@@ -382,7 +382,7 @@ def load(path: str, buffers: list, optimizer, mesh, device) -> dict:
         optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
     except CommError:
         raise
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+    except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
         failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
                    f"older code; resume from another checkpoint, or start a new run under another run_name.")
     found = first_failure(failure, mesh, device)

@@ -293,7 +293,7 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
-            if not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value):   # (an int of any size is finite)
                 raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):
                 raise ConfigError(f"{key}={value} must be {requirement}.")

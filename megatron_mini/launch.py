@@ -184,6 +184,14 @@ class RunLock:
             self._file.close()
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 class HydraCommandLine:
     """Runs a `@hydra.main` entry point so that a command line Hydra refuses (a wrong type, a value outside
     a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
@@ -224,15 +232,16 @@ class HydraCommandLine:
         return self.group_misuse() or f"Hydra could not start with this command line: {exception}"
 
     def group_misuse(self) -> str | None:
-        """A config group given something other than one of its names (model=[1,2], model=1, model={a:1}), which
-        Hydra does not check: one line naming the group's names; None when every group got one."""
+        """A config group given what cannot be the name of a config file (model=[1,2], model={a:1}, model=1),
+        which Hydra does not check: one line naming the group's names in conf/; None when every group got a
+        name (one from another config dir, --config-dir, too)."""
         for arg in self.argv:
             key, equals, value = arg.partition("=")
-            group = key.lstrip("+~")
+            group, value = key.lstrip("+~"), value.strip()
             if not equals or not group or not os.path.isdir(os.path.join(self.conf, group)):
                 continue
             names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
-            if value.strip() not in names:
+            if value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)):
                 return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
         return None
 

@@ -97,6 +97,16 @@ def test_a_traceback_hydra_prints_becomes_its_last_line():
     assert command_line.error() == "+optimizer=[a]: optimizer is a config group, which takes one name (adamw)"
 
 
+def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_path):
+    """model=mine from --config-dir is a name, not a misuse of the group: the line names the real fault."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text(
+        "name: mine\nnum_layers: 2\nhidden_size: 32\nnum_heads: 2\nseq_len: 16\nvocab_size: ${data.vocab_size}\n")
+    r = python_train(["--config-dir", str(tmp_path / "conf"), *model_args(small_data, tmp_path / "run"),
+                      "model=mine", "nope=1"])
+    assert_one_error(r, ["Unknown config key nope"], "python")
+
+
 @pytest.mark.parametrize("override, facts", [
     ("+data.vocab=4096", ["Unknown config key data.vocab (did you mean data.vocab_size?)"]),
     ("data.num_workers=0", ["data.num_workers=0 must be >= 1"]),

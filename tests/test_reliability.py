@@ -82,6 +82,16 @@ def _rename_a_tensor(path: Path) -> None:
     _edit_meta(lambda meta: meta["files"].update({"model_pp00.pt": sha256_file(str(f))}))(path)
 
 
+def _garble_optimizer_state(path: Path) -> None:
+    """An optimizer file whose state is no mapping (its checksum updated): every rank fails to read it."""
+    from megatron_mini.checkpoint import sha256_file
+    f = path / "optim_pp00.pt"
+    saved = torch.load(f, weights_only=True)
+    saved["state"] = []
+    torch.save(saved, f)
+    _edit_meta(lambda meta: meta["files"].update({"optim_pp00.pt": sha256_file(str(f))}))(path)
+
+
 def _refusal_cases(data, trained, tmp: Path) -> list:
     """(id, nproc, extra args, facts of our line, environment) of every refusal."""
     ckpt = Path(trained.run_dir) / "checkpoints" / "step_000003"
@@ -110,6 +120,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
     text_step = ckpt_copy("text_step", _edit_meta(lambda meta: meta.update(step="3")))
     renamed = ckpt_copy("renamed", _rename_a_tensor)
+    garbled = ckpt_copy("garbled", _garble_optimizer_state)
     resume = [f"resume={ckpt}", "steps=5"]
     plain, no_interpreter = env(), env(interpreter=False)
     cases = [
@@ -151,6 +162,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-meta-text-step", 1, [f"resume={text_step}"], [f"{text_step}/meta.json has no step (a count)"]),
         ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],
          [f"{renamed} does not fit this run's model (KeyError: 'head.ln_f.bias')", "start a new run"]),
+        ("resume-garbled-optimizer", 2, [f"resume={garbled}", "steps=5"],
+         [f"{garbled} does not fit this run's model (AttributeError: "]),
+        ("seed-huge", 1, ["seed=1" + "0" * 400], ["must be in [0, 2**32)"]),
         ("resume-more-layers", 1, [*resume, "model.num_layers=4"], ["model.num_layers: 8 -> 4"]),
         ("resume-other-heads", 1, [*resume, "model.num_heads=2"], ["model.num_heads: 4 -> 2"]),
         ("resume-other-hidden", 1, [*resume, "model.hidden_size=96"], ["model.hidden_size: 64 -> 96"]),
@@ -198,7 +212,8 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
                "token-ids", "resume-empty-dir", "resume-run-dir",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
-               "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor",
+               "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor", "resume-garbled-optimizer",
+               "seed-huge",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge",
                "interpolation", "multirun",
