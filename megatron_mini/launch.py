@@ -64,10 +64,12 @@ def launch_env() -> tuple[int, int, int, int]:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "tasks on this node")
     else:
         return 0, 1, 0, 1
-    for (rank, size), (rank_name, size_name) in (((found[0], found[1]), names[:2]), ((found[2], found[3]), names[2:])):
+    for i in (0, 2):                   # (rank, world size), then (local rank, local world size)
+        rank, size = found[i], found[i + 1]
         if size < 1 or not 0 <= rank < size:
-            raise ConfigError(f"{rank_name}={rank} with {size_name}={size}: a launcher (torchrun, srun) sets these to "
-                              f"this process's place in the job, a rank in [0, size); unset them to run one process.")
+            raise ConfigError(f"{names[i]}={rank} with {names[i + 1]}={size}: a launcher (torchrun, srun) sets these "
+                              f"to this process's place in the job, a rank in [0, size); unset them to run one "
+                              f"process.")
     return found
 
 
@@ -216,8 +218,7 @@ class HydraCommandLine:
         """Hydra's refusal as one line; an unknown key as config.unknown_key says it (Hydra's advice, `+key=`,
         would only be refused next: no such key is read)."""
         from .config import unknown_key
-        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() != self.HINT]
-        lines = [line for line in lines if line]
+        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() not in ("", self.HINT)]
         if any(line.startswith(self.TRACEBACK) for line in lines):
             return self.crash(lines[-1])
         text = " ".join(lines)

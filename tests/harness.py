@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -76,3 +77,11 @@ def assert_same_training(ref: dict, other: dict, rtol: float = 1e-5, wtol: float
 
 def replace(cfg: TrainConfig, **changes) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def pretend_read_only(monkeypatch, directory) -> None:
+    """os.access says `directory` may not be written (a chmod does not stop root, whom the tests run as)."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: (
+        False if os.path.abspath(path) == os.path.abspath(directory) and mode & os.W_OK
+        else real(path, mode, *args, **kwargs)))

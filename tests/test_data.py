@@ -4,7 +4,6 @@ One small corpus (40 standard-library files copied as .txt, vocab 512) is prepar
 """
 import dataclasses
 import json
-import os
 import platform
 import re
 import shutil
@@ -125,12 +124,11 @@ def test_prepare_refuses_a_data_dir_it_cannot_write_before_reading(tmp_path, mon
     the corpus is read (it was an OSError traceback); a refusal after data.dir was created leaves no empty
     directory of this run's behind (tools/prepare_data.py's command-line cases: tests/test_cli.py)."""
     import megatron_mini.data as data
+    from harness import pretend_read_only
 
     (tmp_path / "afile").write_text("keep me")
     (tmp_path / "ro").mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: (
-        False if Path(path) == tmp_path / "ro" and mode & os.W_OK else real_access(path, mode, *a, **k)))
+    pretend_read_only(monkeypatch, tmp_path / "ro")
     monkeypatch.setattr(data, "read_corpus", lambda source: pytest.fail("read the corpus before refusing data.dir"))
     for where, problem in (("afile", f"{tmp_path}/afile is not a directory"),
                            ("afile/sub", f"{tmp_path}/afile is not a directory"),
@@ -384,7 +382,7 @@ def test_a_damaged_sample_mid_run_stops_every_rank_at_that_step(small_data, tmp_
     """An id past the vocabulary in a later batch (sample 20 or 30 of the second global batch, 16..31) is one
     DataError naming the file, on every rank at the same step, whatever the layout: at tp > 1 the embedding
     took it for another rank's id and trained on a zero row; at dp = 2 only the rank that read it failed (tp = 1:
-    an IndexError in the embedding), and the others waited for it in the gradient reduction."""
+    an IndexError in the embedding)."""
     from harness import small_config
     from ranks import spawn
     cfg = dataclasses.replace(small_config(small_data, tmp_path), **layout)

@@ -72,24 +72,17 @@ def _edit_meta(edit):
     return damage
 
 
-def _rename_a_tensor(path: Path) -> None:
-    """A checkpoint of older code: one parameter under another name (its file's checksum updated)."""
-    from megatron_mini.checkpoint import sha256_file
-    f = path / "model_pp00.pt"
-    tensors = torch.load(f, weights_only=True)
-    tensors["head.ln_f.b"] = tensors.pop("head.ln_f.bias")
-    torch.save(tensors, f)
-    _edit_meta(lambda meta: meta["files"].update({"model_pp00.pt": sha256_file(str(f))}))(path)
-
-
-def _garble_optimizer_state(path: Path) -> None:
-    """An optimizer file whose state is no mapping (its checksum updated): every rank fails to read it."""
-    from megatron_mini.checkpoint import sha256_file
-    f = path / "optim_pp00.pt"
-    saved = torch.load(f, weights_only=True)
-    saved["state"] = []
-    torch.save(saved, f)
-    _edit_meta(lambda meta: meta["files"].update({"optim_pp00.pt": sha256_file(str(f))}))(path)
+def _edit_file(name: str, edit):
+    """A checkpoint damage that edits the objects of file `name` in place and updates its checksum in meta.json
+    (so that it verifies, and fails only where it is read)."""
+    def damage(path: Path) -> None:
+        from megatron_mini.checkpoint import sha256_file
+        f = path / name
+        saved = torch.load(f, weights_only=True)
+        edit(saved)
+        torch.save(saved, f)
+        _edit_meta(lambda meta: meta["files"].update({name: sha256_file(str(f))}))(path)
+    return damage
 
 
 def _refusal_cases(data, trained, tmp: Path) -> list:
@@ -119,8 +112,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     no_optim = ckpt_copy("no_optim", lambda p: (p / "optim_pp00.pt").unlink())
     no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
     text_step = ckpt_copy("text_step", _edit_meta(lambda meta: meta.update(step="3")))
-    renamed = ckpt_copy("renamed", _rename_a_tensor)
-    garbled = ckpt_copy("garbled", _garble_optimizer_state)
+    # a checkpoint of older code, one parameter under another name; an optimizer state that is no mapping
+    renamed = ckpt_copy("renamed", _edit_file("model_pp00.pt",
+                                              lambda t: t.update({"head.ln_f.b": t.pop("head.ln_f.bias")})))
+    garbled = ckpt_copy("garbled", _edit_file("optim_pp00.pt", lambda saved: saved.update(state=[])))
     resume = [f"resume={ckpt}", "steps=5"]
     plain, no_interpreter = env(), env(interpreter=False)
     cases = [

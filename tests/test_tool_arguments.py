@@ -2,11 +2,10 @@
 plan.py, generate.py, the benches' output options) give one line on stderr and a non-zero exit, no traceback;
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt."""
 import json
-import os
 
 import pytest
 
-from harness import small_config, train_on_ranks
+from harness import pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
 
 import compare_runs  # tools/, on pytest's pythonpath
@@ -132,13 +131,6 @@ WRITERS = {
 }
 
 
-def _read_only(monkeypatch, directory) -> None:
-    """os.access says `directory` may not be written (a chmod does not stop root, whom the tests run as)."""
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: (
-        False if os.path.abspath(path) == str(directory) and mode & os.W_OK else real(path, mode, *args, **kwargs)))
-
-
 @pytest.mark.parametrize("where, fact", [
     ("afile/x.png", "{tmp}/afile is not a directory"),              # the directory is a file
     ("afile/sub/x.png", "{tmp}/afile is not a directory"),          # one to create would be under a file
@@ -153,7 +145,7 @@ def test_tools_refuse_an_unwritable_output_before_any_work(tool, where, fact, tm
     _run_dir(tmp_path)
     (tmp_path / "afile").write_text("keep me")
     (tmp_path / "ro").mkdir()
-    _read_only(monkeypatch, tmp_path / "ro")
+    pretend_read_only(monkeypatch, tmp_path / "ro")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(module, work, lambda *a: pytest.fail(f"{tool}: {work} ran before refusing {where}"))
     path = argv(where)[-1]

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 
+from megatron_mini.files import atomic_write
 from plotting import CREATED, refuse_unwritable, write_output
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -69,14 +70,9 @@ def write_doc_section(path: str, tag: str, body: str) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """`text` into `path` whole (a .tmp file renamed over it), its missing directories created; a write that
-    fails (a full disk mid-run) is one line and exit 2 (plotting.write_output), not a traceback after the rows
-    were measured."""
-    def write(p):
-        with open(p + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(p + ".tmp", p)
-    write_output(path, write)
+    """`text` into `path` whole (files.atomic_write), its missing directories created; a write that fails (a full
+    disk mid-run) is one line and exit 2 (plotting.write_output), not a traceback after the rows were measured."""
+    write_output(path, lambda p: atomic_write(p, text))
 
 
 def read_doc_section(path: str, tag: str) -> str | None:
