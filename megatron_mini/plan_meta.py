@@ -257,8 +257,8 @@ class Planner:
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
         """The simulator's idle / busy time of cfg's schedule for m microbatches: its idle time is the
-        same for every m >= 2 pp with the same m mod pp (GPipe's with vpp > 1 depends on the remainder),
-        so it is simulated at 2 pp + m mod pp (or at m when smaller)."""
+        same for every m >= 2 pp with the same m mod pp, so it is simulated at 2 pp + m mod pp (or at m
+        when smaller)."""
         small = m if m < 2 * cfg.pp else 2 * cfg.pp + m % cfg.pp
         key = (cfg.schedule, cfg.pp, cfg.vpp, small)
         if key not in self._idle:

@@ -177,7 +177,7 @@ def layouts(base: PlanConfig) -> tuple[list, Counter]:
 
 _REASONS = [("not divisible by tp", "a width (heads, MLP, vocabulary) not divisible by tp"),
             ("Cannot split the model evenly", "the blocks do not split evenly over pp x vpp stages"),
-            ("Interleaved 1F1B", "interleaving needs the microbatches to be a multiple of pp"),
+            ("Interleaved 1F1B", "interleaving needs at least pp microbatches"),
             ("is not divisible by mbs x dp", "gbs not divisible by mbs x dp"),
             ("Sequence parallelism needs", "the sequence not divisible by tp (sp)"),
             ("embedding_stage=own needs", "own embedding/head stages need pp x vpp >= 3")]

@@ -19,13 +19,18 @@ Execution contract (the engine does exactly this, the simulator models exactly t
 
 Communication placement, one rule for every schedule: a rank's computes form steps (one compute
 each, except that interleaved 1F1B runs a steady (forward, backward) pair as one step). Between
-consecutive steps S and T a rank posts one batch: [sends of S's outputs, receives of T's inputs],
-act before grad. That is Megatron's send_forward_recv_backward / send_backward_recv_forward for
-1F1B and send_forward_backward_recv_forward_backward for interleaved 1F1B. A send completes only
-once the peer has posted its receive, so the pairing is what keeps ranks out of wait cycles
-(with pp=2 both directions of a step share one batch). Interleaved 1F1B needs whole pairs: with
-one batch per compute a gradient is sent a step before its receiver posts for it, and the ranks
-deadlock. `simulate` checks all of this for any layout.
+consecutive steps S and T a rank posts one batch: the sends of S's outputs, then the receives
+posted there, act before grad. A send completes only once the peer has posted its receive, so each
+receive is posted in the batch that runs at the same time as its send: rank r runs forward i while
+rank 0 runs forward i + r, and backward j while rank pp-1 runs backward j + pp-1-r (i, j: indices in
+`forward_order`, `backward_order`), or just before the compute that needs it, if that comes first.
+For a message between neighbouring ranks that is T's receive (Megatron's send_forward_recv_backward
+/ send_backward_recv_forward for 1F1B, send_forward_backward_recv_forward_backward for interleaved
+1F1B). The chunk-to-chunk hand-over with vpp > 1 (the last rank's activation to rank 0, rank 0's
+gradient to the last rank) arrives N - pp steps before it is needed (N = `microbatch_group`, pp
+when m is a multiple of pp) and waits in the receiver's buffer. With pp=2 both directions of a step
+share one batch. Interleaved 1F1B needs whole pairs: with one batch per compute the ranks wait on
+each other's sends (pp=2 deadlocks). `simulate` checks all of this for any layout.
 """
 from __future__ import annotations
 
@@ -63,12 +68,21 @@ def check_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> None:
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if value < 1:
             raise ConfigError(f"The pipeline schedule needs {name} >= 1, got {name}={value}.")
-    if kind == "1f1b" and vpp > 1 and num_microbatches % pp:
+    if kind == "1f1b" and vpp > 1 and num_microbatches < pp:
         raise ConfigError(
             f"Interleaved 1F1B (pp={pp}, vpp={vpp}) sends microbatches through each model chunk in "
-            f"groups of pp={pp}, so the number of microbatches per step (global batch size / (micro "
-            f"batch size x dp)) must be a multiple of {pp}, but it is {num_microbatches}. Use "
-            f"{', '.join(str(pp * k) for k in range(1, 4))}, ... microbatches, or vpp=1, or schedule=gpipe.")
+            f"groups of at least pp={pp}, so it needs at least {pp} microbatches per step (global batch "
+            f"size / (micro batch size x dp)), but there are {num_microbatches}. Use {pp} or more "
+            f"microbatches, or vpp=1, or schedule=gpipe.")
+
+
+def microbatch_group(pp: int, num_microbatches: int) -> int:
+    """N, how many microbatches go through a chunk before the next chunk takes them (Megatron's
+    microbatch_group_size_per_vp_stage): the smallest N >= pp whose last group, m mod N, is empty or
+    holds at least pp (a shorter one would wait for its own hand-over); m when m < pp. N = pp when m
+    is a multiple of pp; with vpp > 1 it costs (vpp-1)(N-pp) more microbatches in flight on each rank."""
+    m = num_microbatches
+    return m if m < pp else next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
 
 
 def num_warmup(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
@@ -78,18 +92,19 @@ def num_warmup(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -
         return total
     if vpp == 1:
         return min(pp - rank - 1, num_microbatches)
-    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    return min(2 * (pp - rank - 1) + (vpp - 1) * microbatch_group(pp, num_microbatches), total)
 
 
 def forward_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
     """(chunk, microbatch) in the order every rank runs its forwards, for all schedules.
 
-    Groups of pp microbatches go through chunk 0, then chunk 1, ...; with vpp=1 this is simply
-    microbatch 0, 1, 2, ... A group of pp keeps the chunk-to-chunk hand-over (last rank to rank 0)
-    one microbatch ahead of where rank 0 needs it, so it never has to be buffered.
+    Groups of N = `microbatch_group` microbatches go through chunk 0, then chunk 1, ...; with vpp=1
+    this is simply microbatch 0, 1, 2, ... A group of at least pp keeps the chunk-to-chunk hand-over
+    (last rank to rank 0) ahead of where rank 0 needs it.
     """
-    return [(c, mb) for first in range(0, num_microbatches, pp) for c in range(vpp)
-            for mb in range(first, min(first + pp, num_microbatches))]
+    n = microbatch_group(pp, num_microbatches)
+    return [(c, mb) for first in range(0, num_microbatches, n) for c in range(vpp)
+            for mb in range(first, min(first + n, num_microbatches))]
 
 
 def backward_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
@@ -132,22 +147,43 @@ def _receive_input(a: Action, pp: int, vpp: int, rank: int) -> list[Action]:
     return [Action("recv_grad", a.chunk, a.microbatch, (rank + 1) % pp)]
 
 
+def _posted_receives(pp: int, vpp: int, num_microbatches: int, rank: int,
+                     steps: list[list[Action]]) -> dict[int, list[Action]]:
+    """{b: the receives `rank` posts in the batch after step b (b = -1: before the first step)}: each in
+    the batch that runs with its send (the module docstring), act before grad."""
+    order = {"forward": forward_order(pp, vpp, num_microbatches),
+             "backward": backward_order(pp, vpp, num_microbatches)}
+    index = {(op, key): i for op, keys in order.items() for i, key in enumerate(keys)}
+    step_of = {(a.op, index[a.op, (a.chunk, a.microbatch)]): t for t, step in enumerate(steps) for a in step}
+    posted: dict[int, list[Action]] = {}
+    for t, step in enumerate(steps):
+        for a in step:
+            for r in _receive_input(a, pp, vpp, rank):
+                b = t - 1
+                if (r.op, rank) in (("recv_act", 0), ("recv_grad", pp - 1)):   # a chunk-to-chunk hand-over
+                    sender = (a.chunk - 1 if a.op == "forward" else a.chunk + 1, a.microbatch)
+                    b = min(b, step_of.get((a.op, index[a.op, sender] + pp - 1), b))
+                posted.setdefault(b, []).append(r)
+    return {b: sorted(rs, key=lambda r: r.op != "recv_act") for b, rs in posted.items()}
+
+
 def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
     """The full action list of pipeline rank `rank` (see the module docstring for the contract).
 
-    kind "gpipe": all forwards, then all backwards (orders: `forward_order`, `backward_order`);
-    with vpp > 1 it reaches the bubble (pp-1)/(vpp*m) when m is a multiple of pp.
+    kind "gpipe": all forwards, then all backwards (orders: `forward_order`, `backward_order`).
     kind "1f1b": 1F1B for vpp=1, interleaved 1F1B (Narayanan et al. 2021) for vpp > 1.
+    Both reach the bubble (pp-1)/(vpp*m) for every m >= pp.
     """
     check_schedule(kind, pp, vpp, num_microbatches)
     if not 0 <= rank < pp:
         raise ValueError(f"rank {rank} is not a pipeline rank of pp={pp}")
     steps = compute_steps(kind, pp, vpp, num_microbatches, rank)
-    actions = [r for a in steps[0] for r in _receive_input(a, pp, vpp, rank)]
-    for step, after in zip(steps, steps[1:] + [[]]):
+    posted = _posted_receives(pp, vpp, num_microbatches, rank, steps)
+    actions = posted.get(-1, [])
+    for t, step in enumerate(steps):
         actions += step
         actions += [s for a in step for s in _send_output(a, pp, vpp, rank)]
-        actions += [r for a in after for r in _receive_input(a, pp, vpp, rank)]
+        actions += posted.get(t, [])
     return actions
 
 

@@ -36,11 +36,13 @@ LAYOUTS = {
     "pp2-vpp2-own": dict(pp=2, vpp=2, embedding_stage="own"),
     "pp4-layer": dict(pp=4, embedding_stage="layer", model__num_layers=6),
     "pp4-vpp2-own": dict(pp=4, vpp=2, embedding_stage="own", model__num_layers=6),
+    "pp3-vpp2": dict(pp=3, vpp=2, model__num_layers=6),      # 4 microbatches: groups of 4, not of pp
     "tp2-pp2-dp2-sp": dict(tp=2, pp=2, sp=True),
 }
 GBS = 8   # 4 microbatches of 2 at dp=1
 WORLD = {"tp2": 2, "tp4": 4, "tp2-sp": 2, "tp4-sp": 4, "tp2-dp2-sp": 4, "pp2-1f1b": 2, "pp4-1f1b": 4,
-         "pp4-gpipe": 4, "pp4-vpp2": 4, "pp2-vpp2-own": 2, "pp4-layer": 4, "pp4-vpp2-own": 4, "tp2-pp2-dp2-sp": 8}
+         "pp4-gpipe": 4, "pp4-vpp2": 4, "pp2-vpp2-own": 2, "pp4-layer": 4, "pp4-vpp2-own": 4, "pp3-vpp2": 3,
+         "tp2-pp2-dp2-sp": 8}
 
 
 def _config(small_data, run_dir, layout):

@@ -90,12 +90,13 @@ def test_bubble_is_the_simulators(kind, pp, vpp, factor, planner):
     assert bubble == pytest.approx(simulate(kind, pp, vpp, m).bubble, rel=1e-12)
 
 
-@pytest.mark.parametrize("m", [9, 10, 11, 13, 17, 23])
-def test_bubble_of_gpipe_interleaved_at_any_remainder(m, planner):
-    """GPipe with vpp > 1 accepts any m, and its idle time depends on m mod pp (at pp=4, vpp=2: a third
-    of the busy time at m=9, a fifth at m=8): the planner must not take m=8's for m=9."""
-    bubble = planner.bubble(TrainConfig(schedule="gpipe", pp=4, vpp=2), m)
-    assert bubble == pytest.approx(simulate("gpipe", 4, 2, m).bubble, rel=1e-12)
+@pytest.mark.parametrize("kind,m", [(kind, m) for kind in ("gpipe", "1f1b") for m in (2, 3, 5, 9, 10, 11, 13, 17, 23)
+                                    if kind == "gpipe" or m >= 4])
+def test_bubble_with_vpp_at_any_remainder(kind, m, planner):
+    """With vpp > 1 both schedules take m that are not multiples of pp (interleaving from m = pp): the planner's
+    bubble is the simulator's at every remainder, and below pp."""
+    bubble = planner.bubble(TrainConfig(schedule=kind, pp=4, vpp=2), m)
+    assert bubble == pytest.approx(simulate(kind, 4, 2, m).bubble, rel=1e-12)
 
 
 def test_meter_counts_meta_like_real_tensors():

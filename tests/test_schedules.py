@@ -1,6 +1,7 @@
 """Pipeline schedules as data: built, simulated (no processes), checked, and drawn."""
 import dataclasses
 import importlib.util
+import itertools
 import os
 import re
 
@@ -16,9 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def valid_microbatches(kind, pp, vpp):
-    """A spread of microbatch counts (fewer than, equal to, and more than pp) the schedule accepts."""
-    ms = sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp} - {0})
-    return [m for m in ms if not (kind == "1f1b" and vpp > 1 and m % pp)]
+    """A spread of microbatch counts (fewer than, equal to, more than and not a multiple of pp) the
+    schedule accepts."""
+    ms = sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp} - {0})
+    return [m for m in ms if not (kind == "1f1b" and vpp > 1 and m < pp)]
 
 
 def expected_bubble(kind, pp, vpp, m):
@@ -41,8 +43,8 @@ def test_grid(kind, pp, vpp):
             assert all(a.end <= b.start + 1e-12 for a, b in zip(timeline, timeline[1:]))
             if pp == 1:
                 assert all(not a.is_comm for a in actions)
-        # bubble: exact for 1F1B/interleaved; GPipe with vpp > 1 needs full groups of pp microbatches
-        if kind == "gpipe" and vpp > 1 and m % pp:
+        # bubble: exact for every m >= pp; GPipe with vpp > 1 and m < pp waits for its hand-overs
+        if kind == "gpipe" and vpp > 1 and m < pp:
             assert res.bubble >= expected_bubble(kind, pp, vpp, m) - 1e-9
         else:
             assert res.bubble == pytest.approx(expected_bubble(kind, pp, vpp, m), abs=1e-9)
@@ -53,11 +55,14 @@ def test_grid(kind, pp, vpp):
             assert all(peak <= pp - r for r, peak in enumerate(res.peak_in_flight))
 
 
-@pytest.mark.parametrize("pp,vpp,m", [(1, 3, 2), (2, 2, 4), (4, 1, 8), (4, 2, 4), (4, 2, 8), (3, 4, 9), (8, 2, 16)])
-def test_warmup_counts(pp, vpp, m):
-    """Warmup forwards: pp-r-1 for 1F1B, 2(pp-r-1) + (vpp-1)pp for interleaved, capped at m*vpp."""
+@pytest.mark.parametrize("pp,vpp,m,n", [(1, 3, 2, 1), (2, 2, 4, 2), (4, 1, 8, 4), (4, 2, 4, 4), (4, 2, 8, 4),
+                                        (3, 4, 9, 3), (8, 2, 16, 8), (2, 2, 3, 3), (4, 2, 9, 5), (4, 3, 6, 6),
+                                        (3, 2, 10, 5)])
+def test_warmup_counts(pp, vpp, m, n):
+    """Warmup forwards: pp-r-1 for 1F1B, 2(pp-r-1) + (vpp-1)N for interleaved, capped at m*vpp, where N is
+    the microbatch group (pp when m is a multiple of pp)."""
     for rank in range(pp):
-        warmup = min(pp - rank - 1, m) if vpp == 1 else min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+        warmup = min(pp - rank - 1, m) if vpp == 1 else min(2 * (pp - rank - 1) + (vpp - 1) * n, m * vpp)
         ops = [a.op for a in build_schedule("1f1b", pp, vpp, m, rank) if not a.is_comm]
         # then the steady state starts with a forward (if any are left) before the first backward
         assert ops.index("backward") == warmup + (warmup < m * vpp)
@@ -71,6 +76,39 @@ def test_interleaved_order():
     bwd = [(a.chunk, a.microbatch) for a in acts if a.op == "backward"]
     assert fwd == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
     assert bwd == [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 6])
+def test_microbatch_groups(pp):
+    """Every m >= pp splits into groups of N, the last one shorter only if it still holds pp (a shorter one
+    would wait for its own hand-over), with N the smallest such group from pp up; N = pp for multiples."""
+    for m in range(pp, 5 * pp):
+        fwd = schedules.forward_order(pp, 2, m)
+        runs = [len(list(g)) for c, g in itertools.groupby(fwd, key=lambda x: x[0]) if c == 0]
+        assert sum(runs) == m and min(runs) >= pp and set(runs[:-1]) <= {runs[0]}
+        assert runs[0] == schedules.microbatch_group(pp, m)
+        smaller = [n for n in range(pp, runs[0]) if m % n == 0 or m % n >= pp]
+        assert not smaller and (runs[0] == pp) == (m % pp == 0)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 5), (3, 8), (4, 10)])
+def test_hand_over_waits_in_the_buffer(monkeypatch, pp, m):
+    """With N > pp the last rank sends rank 0 a chunk's activation N - pp steps before rank 0 runs the next
+    chunk on it (and rank 0 sends the last rank a gradient early): each receive is posted with its send.
+    Posted just before the compute that needs it instead, the sends stall their ranks and deadlock."""
+    n = schedules.microbatch_group(pp, m)
+    assert n > pp
+    first = build_schedule("1f1b", pp, 2, m, 0)
+    recv, fwd = _index(first, "recv_act", 1, 0), _index(first, "forward", 1, 0)
+    assert [a.op for a in first[recv:fwd]].count("forward") == n - pp
+    assert simulate("1f1b", pp, 2, m).bubble == pytest.approx((pp - 1) / (2 * m))
+
+    def just_in_time(pp, vpp, m, rank, steps):
+        return {t - 1: [r for a in step for r in schedules._receive_input(a, pp, vpp, rank)]
+                for t, step in enumerate(steps)}
+    monkeypatch.setattr(schedules, "_posted_receives", just_in_time)
+    with pytest.raises(ScheduleError, match="deadlocks|does not match"):
+        simulate("1f1b", pp, 2, m)
 
 
 def test_comm_grouping():
@@ -150,27 +188,33 @@ def test_missing_and_repeated_compute_are_caught():
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_one_batch_per_compute_deadlocks_interleaved(monkeypatch, pp):
-    """Why interleaved 1F1B batches the comm of a whole (forward, backward) pair: one batch per compute deadlocks."""
+def test_one_batch_per_compute_fails_interleaved(monkeypatch, pp):
+    """Why interleaved 1F1B batches the comm of a whole (forward, backward) pair: with one batch per compute,
+    pp=2 deadlocks and pp=4 waits so long that its bubble is worse than 1F1B's without interleaving."""
+    assert simulate("1f1b", pp, 2, 2 * pp).bubble == pytest.approx((pp - 1) / (2 * 2 * pp))
     pairs = schedules.compute_steps
     monkeypatch.setattr(schedules, "compute_steps", lambda *args: [[a] for step in pairs(*args) for a in step])
-    with pytest.raises(ScheduleError, match="deadlocks"):
-        simulate("1f1b", pp, 2, 2 * pp)
+    if pp == 2:
+        with pytest.raises(ScheduleError, match="does not match"):
+            simulate("1f1b", pp, 2, 2 * pp)
+    else:
+        assert simulate("1f1b", pp, 2, 2 * pp).bubble > (pp - 1) / (2 * pp)
 
 
 # ------------------------------------------------------------------ configuration errors
 
 def test_check_schedule_rejects_bad_combinations():
-    with pytest.raises(ConfigError, match="multiple of 4.*4, 8, 12"):
-        check_schedule("1f1b", 4, 2, 6)
+    with pytest.raises(ConfigError, match="at least 4 microbatches per step.*but there are 3"):
+        check_schedule("1f1b", 4, 2, 3)
     with pytest.raises(ConfigError, match="schedule='zb': choose one of gpipe, 1f1b"):
         validate(TrainConfig(schedule="zb"), 1)          # the choice itself is config.Schedule's
     with pytest.raises(ConfigError, match="num_microbatches >= 1"):
         build_schedule("gpipe", 2, 1, 0, 0)
     with pytest.raises(ConfigError, match="vpp >= 1"):
         check_schedule("1f1b", 2, 0, 4)
-    check_schedule("1f1b", 4, 1, 6)     # plain 1F1B and GPipe take any microbatch count
-    check_schedule("gpipe", 4, 2, 6)
+    check_schedule("1f1b", 4, 2, 6)     # interleaving takes any m >= pp; plain 1F1B and GPipe any m
+    check_schedule("1f1b", 4, 1, 3)
+    check_schedule("gpipe", 4, 2, 3)
 
 
 # ------------------------------------------------------------------ the Gantt-chart tool

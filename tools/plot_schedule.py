@@ -35,7 +35,7 @@ def schedule_name(kind: str, vpp: int) -> str:
 
 
 def bubble_formula(pp: int, vpp: int, m: int) -> str:
-    """The textbook bubble fraction, as text (GPipe with vpp > 1 reaches it when m is a multiple of pp)."""
+    """The textbook bubble fraction, as text (every schedule reaches it when m >= pp)."""
     return f"(p-1)/(v·m) = {pp - 1}/{vpp * m}" if vpp > 1 else f"(p-1)/m = {pp - 1}/{m}"
 
 
