@@ -30,7 +30,7 @@ For a message between neighbouring ranks that is T's receive (Megatron's send_fo
 gradient to the last rank) arrives N - pp steps before it is needed (N = `microbatch_group`, pp
 when m is a multiple of pp) and waits in the receiver's buffer. With pp=2 both directions of a step
 share one batch. Interleaved 1F1B needs whole pairs: with one batch per compute the ranks wait on
-each other's sends (pp=2 deadlocks). `simulate` checks all of this for any layout.
+each other's sends (at pp=2 their messages no longer match). `simulate` checks all of this for any layout.
 """
 from __future__ import annotations
 

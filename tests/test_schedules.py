@@ -95,7 +95,8 @@ def test_microbatch_groups(pp):
 def test_hand_over_waits_in_the_buffer(monkeypatch, pp, m):
     """With N > pp the last rank sends rank 0 a chunk's activation N - pp steps before rank 0 runs the next
     chunk on it (and rank 0 sends the last rank a gradient early): each receive is posted with its send.
-    Posted just before the compute that needs it instead, the sends stall their ranks and deadlock."""
+    Posted just before the compute that needs it instead, the messages no longer match (pp=2) or the sends
+    stall their ranks and deadlock."""
     n = schedules.microbatch_group(pp, m)
     assert n > pp
     first = build_schedule("1f1b", pp, 2, m, 0)
@@ -190,7 +191,8 @@ def test_missing_and_repeated_compute_are_caught():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_batch_per_compute_fails_interleaved(monkeypatch, pp):
     """Why interleaved 1F1B batches the comm of a whole (forward, backward) pair: with one batch per compute,
-    pp=2 deadlocks and pp=4 waits so long that its bubble is worse than 1F1B's without interleaving."""
+    pp=2's messages no longer match and pp=4 waits so long that its bubble is worse than 1F1B's without
+    interleaving."""
     assert simulate("1f1b", pp, 2, 2 * pp).bubble == pytest.approx((pp - 1) / (2 * 2 * pp))
     pairs = schedules.compute_steps
     monkeypatch.setattr(schedules, "compute_steps", lambda *args: [[a] for step in pairs(*args) for a in step])
