@@ -11,8 +11,7 @@
   by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
   (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
-- bubble: schedules.simulate (its idle time is the same for any m >= 2 pp of one m mod pp, so it runs at
-  2 pp + m mod pp).
+- bubble: schedules.simulate (its idle time is the same for every m >= pp, so it runs at min(m, pp)).
 Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
 math path); the Triton kernels are planned as the torch ones.
 """
@@ -256,10 +255,10 @@ class Planner:
         return RankFacts(pp_rank, {**memory, "activations": peak}, peak_pairs, m * flops, ledger, flops, step.overlaps)
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
-        """The simulator's idle / busy time of cfg's schedule for m microbatches: its idle time is the
-        same for every m >= 2 pp with the same m mod pp, so it is simulated at 2 pp + m mod pp (or at m
-        when smaller)."""
-        small = m if m < 2 * cfg.pp else 2 * cfg.pp + m % cfg.pp
+        """The simulator's idle / busy time of cfg's schedule for m microbatches: every schedule reaches the
+        bubble (pp-1)/(vpp m) for m >= pp (tests/test_schedules.py's grid), so its idle time is the same for
+        every m >= pp, and it is simulated at min(m, pp)."""
+        small = min(m, cfg.pp)
         key = (cfg.schedule, cfg.pp, cfg.vpp, small)
         if key not in self._idle:
             sim = simulate(cfg.schedule, cfg.pp, cfg.vpp, small)

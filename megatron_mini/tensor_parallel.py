@@ -426,7 +426,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """ids [s, b] -> [s, b, h] (or [s/tp, b, h] with sp); rank i owns rows [i*V/tp, (i+1)*V/tp). Ids must
     lie in [0, V): at tp > 1 an id past the end gives a zero row where tp = 1 raises (the data's ids are
-    checked against the vocabulary when a run starts: dataset.check_token_ids)."""
+    checked against the vocabulary as every batch is read: dataset.get_batch)."""
 
     def __init__(self, num_embeddings, dim, tp_group: Group, *, sequence_parallel=False, std=0.02, tied=False,
                  dtype=torch.float32, device=None):

@@ -84,7 +84,7 @@ def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
                                            ("1f1b", 2, 3), ("gpipe", 2, 2)])
 @pytest.mark.parametrize("factor", [1, 2, 5])
 def test_bubble_is_the_simulators(kind, pp, vpp, factor, planner):
-    """The planner simulates at m = 2 pp and scales; the idle time does not depend on m there."""
+    """The planner simulates at m = min(m, pp) and scales; the idle time does not depend on m from pp up."""
     m = pp * factor
     bubble = planner.bubble(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m)
     assert bubble == pytest.approx(simulate(kind, pp, vpp, m).bubble, rel=1e-12)
