@@ -1,13 +1,24 @@
-"""Layout-free, checksummed checkpoints: every tensor stored full, under its parameter's global name.
+"""Layout-free, checksummed checkpoints: every rank writes its own slices, by global name, and any layout
+reads them back.
 
     {run_dir}/checkpoints/step_000100/
-        model_pp00.pt ...   {global name: full fp32 weight} of each pipeline stage (GradBuffer.full_weights)
-        optim_pp00.pt ...   Optimizer.state_dict(): {global name: {master, exp_avg, exp_avg_sq}}, step, scaler
-        meta.json           step, consumed_samples, layout, config, data identity, sha256 of every file
+        model_pp00_tp00.pt ...       {global name: weight, in the model's dtype} of one (pipeline stage,
+                                     TP rank): its TP slices (GradBuffer.saved_weights; written by DP rank 0)
+        optim_pp00_tp00_dp00.pt ...  {global name: {master, exp_avg, exp_avg_sq}}: the flat slice of each
+                                     parameter's TP slice that this rank's optimizer holds (Optimizer.saved_state:
+                                     DP rank 0's whole state, or with ZeRO-1 every rank's own shard)
+        meta.json                    step, consumed_samples, layout, config, data identity, the optimizer's
+                                     counters, the sha256 of every file, and the index: each tensor's full
+                                     shape and TP split ("tensors"), what each file holds ("shards")
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
 
-Saving: each stage's writer (mesh.stage_writer) writes its files into `step_N.tmp/` and hashes them;
-rank 0 writes meta.json with the hashes, renames the directory to `step_N/`, then rewrites `latest`
+As in Megatron, a save moves no tensor between ranks and no process holds more than its own state
+(BLOOM-176B's checkpoint is 2.24 TiB, 14 bytes per parameter: gathered onto one writer per pipeline stage,
+each of tp=4 pp=12's twelve would hold about 190 GiB of host memory). A replicated value is written once: the
+weights by DP rank 0, a TP-replicated parameter by TP rank 0, the tied embedding by the first stage.
+
+Saving: every rank writes its files into `step_N.tmp/` and hashes them; rank 0 writes meta.json with the
+hashes and the index (gathered as text), renames the directory to `step_N/`, then rewrites `latest`
 (tmp + rename) and removes all but the newest `keep` checkpoints. A failed write on any rank (a full
 disk, no permission) is agreed on by every rank: the temp directory is removed, `latest` stays on the
 last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
@@ -17,14 +28,15 @@ verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` c
 sha256, `check_compatible` refuses another model, tokenizer, corpus or seed. Before the process
 group exists a run checks only that the files are there (`present`); then its ranks share the hashing
 (`agree_verify`: each file is read by one rank, and every rank learns any failure), so a job does
-not read the whole checkpoint once per rank. A checkpoint loads into
-any layout (tp, pp, vpp, dp, ZeRO): each rank slices what it needs from the full tensors.
+not read the whole checkpoint once per rank. A `ShardReader` gives each rank the slices its layout
+(tp, pp, vpp, dp, ZeRO) needs, from the files that hold them, memory-mapped.
 """
 from __future__ import annotations
 
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -36,7 +48,10 @@ from . import comm
 from .config import ConfigError, RunError, TrainConfig
 from .errors import CommError, first_line
 from .files import atomic_write
+from .tensor_parallel import ParamSpec, full_shape, shard, unshard
+
 STEP_DIR = re.compile(r"step_(\d+)$")
+FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
               "ffn_mult", "ln_eps")
@@ -138,9 +153,14 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
         assert isinstance(files, dict) and files
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
+    if "format" not in meta and "model_pp00.pt" in files:
+        raise CheckpointError(f"{path} was written by an older megatron_mini (one file of full tensors per pipeline "
+                              f"stage), which this version does not read; continue it with the version that wrote it, "
+                              f"or start a new run under another run_name.")
     lacks = _meta_lacks(meta)
     if lacks:
         raise CheckpointError(f"{path}/meta.json has no {lacks} (not a megatron_mini checkpoint, or a damaged one).")
+    ShardReader(path, meta)             # (its index: JSON only, no file is opened)
     for name in files:
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"{os.path.join(path, name)} is missing (an incomplete checkpoint).")
@@ -167,7 +187,13 @@ def _meta_lacks(meta: dict) -> str | None:
     for what, ok in (("step (a count)", count("step")), ("consumed_samples (a count)", count("consumed_samples")),
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
-                     ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data)):
+                     ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
+                     (f"format {FORMAT}", meta.get("format") == FORMAT),
+                     ("layout.tp", isinstance(meta.get("layout"), dict) and isinstance(meta["layout"].get("tp"), int)),
+                     ("optimizer.step_count", isinstance(meta.get("optimizer"), dict)
+                      and "step_count" in meta["optimizer"]),
+                     ("shards", isinstance(meta.get("shards"), dict)),
+                     ("tensors", isinstance(meta.get("tensors"), dict))):
         if not ok:
             return what
     missing = [f"config.model.{k}" for k in MODEL_KEYS if k not in model]
@@ -276,14 +302,15 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- saving
-def gather_text(text: str, group, device, size: int = 512) -> list:
-    """Every rank's `text` (UTF-8, up to `size` bytes) of `group` (a comm.Group), in group order: one all-gather
-    of fixed-size rows."""
-    data = text.encode()[:size]
-    row = torch.zeros(1, size, dtype=torch.uint8)
+def gather_text(text: str, group, device) -> list:
+    """Every rank's `text` (UTF-8) of `group` (a comm.Group), in group order: an all-gather of the lengths, then
+    one of rows padded to the longest."""
+    data = text.encode()
+    sizes = comm.all_gather(torch.tensor([len(data)], device=device), group).tolist()
+    row = torch.zeros(1, max(sizes + [1]), dtype=torch.uint8)
     row[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-    rows = comm.all_gather(row.to(device), group, dim=0).cpu()
-    return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+    rows = comm.all_gather(row.to(device), group, dim=0).cpu().numpy()
+    return [rows[i, :n].tobytes().decode(errors="replace") for i, n in enumerate(sizes)]
 
 
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
@@ -321,28 +348,37 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
 
     check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
           "creating its directory")            # (an all-reduce that rank 0 joins once the directory exists)
-    weights = {name: t for buf in buffers for name, t in buf.full_weights().items()}
-    optim = optimizer.state_dict()
-    files = {}
-    if mesh.stage_writer:                             # one writer per pipeline stage
-        files[f"model_pp{mesh.pp_rank:02d}.pt"] = weights
-        files[f"optim_pp{mesh.pp_rank:02d}.pt"] = optim
+    weights = {name: t for buf in buffers for name, t in buf.saved_weights().items()}
+    state = optimizer.saved_state()
+    where = f"pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}"
+    files, index = {}, {}
+    if weights:
+        files[f"model_{where}.pt"] = weights
+        index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
+    if state:
+        name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
+        files[name] = {n: {k: v for k, v in s.items() if k != "range"} for n, s in state.items()}
+        index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: s["range"] for n, s in state.items()}}
+    tensors = {name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
+               for buf in buffers for p, name in buf.names.items() if buf.saves(p)}
     digests = {}
 
     def write():
         for name, obj in files.items():
             digests[name] = _save_file(obj, os.path.join(tmp, name))
     check(_try(write), "writing its files")
-    # every rank's (name, sha256) pairs, 2 at most per rank
-    gathered = gather_text("\n".join(f"{name} {digest}" for name, digest in digests.items()), mesh.world_group,
+    gathered = gather_text(json.dumps({"files": digests, "shards": index, "tensors": tensors}), mesh.world_group,
                            device)
 
     def publish():
-        pairs = [line.split() for text in gathered for line in text.splitlines()]
-        meta = {"step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
+        parts = [json.loads(text) for text in gathered]
+        meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
                 "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config, "data": data,
-                "files": dict(sorted(pairs))}
-        atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=2))
+                "optimizer": optimizer.counters(),
+                "files": dict(sorted(kv for part in parts for kv in part["files"].items())),
+                "shards": dict(sorted(kv for part in parts for kv in part["shards"].items())),
+                "tensors": dict(sorted(kv for part in parts for kv in part["tensors"].items()))}
+        atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         atomic_write(previous, os.path.basename(path))
@@ -356,16 +392,90 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
 # ----------------------------------------------------------------------------- loading
 def _load_mapped(f: str) -> dict:
     """A checkpoint file's tensors, memory-mapped: a rank reads the pages of the slices it copies out, and
-    the ranks of a node share one page cache (not a full copy of every stage's weights and Adam state each)."""
+    the ranks of a node share one page cache."""
     return torch.load(f, weights_only=True, map_location="cpu", mmap=True)
 
 
+class ShardReader:
+    """The tensors of a checkpoint by global name, in any layout, from its files (opened as they are needed,
+    memory-mapped). `key`: "weight", or one of the optimizer's "master", "exp_avg", "exp_avg_sq"."""
+
+    def __init__(self, path: str, meta: dict):
+        """CheckpointError if meta.json's index is malformed or leaves any value in no file."""
+        self.path, self._files = path, {}
+        self.weights, self.pieces = {}, {}      # {name: {tp rank: file}}, {name: {tp rank: [(lo, hi, file)]}}
+        try:
+            self.tp = meta["layout"]["tp"]
+            self.specs = {name: (tuple(shape), ParamSpec(tp_dim=dim, tp_groups=groups))
+                          for name, (shape, dim, groups) in meta["tensors"].items()}
+            for file, shard_ in meta["shards"].items():         # (each tensor is saved by one stage)
+                if file not in meta["files"]:
+                    raise ValueError(f"{file} has no checksum")
+                for name in shard_.get("weights", ()):
+                    self.weights.setdefault(name, {})[shard_["tp"]] = file
+                for name, (lo, hi) in shard_.get("ranges", {}).items():
+                    self.pieces.setdefault(name, {}).setdefault(shard_["tp"], []).append((lo, hi, file))
+            for name in self.specs:
+                for rank in range(self.tp if self.specs[name][1].tp_dim is not None else 1):
+                    self._check_whole(name, rank)
+            unknown = sorted((set(self.weights) | set(self.pieces)) - set(self.specs))
+            if unknown:
+                raise ValueError(f"{unknown[0]} has no shape")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}/meta.json: its index of the tensors is damaged ({first_line(e)}).") from None
+
+    def _local_shape(self, name: str) -> tuple:
+        """`name`'s shape on one TP rank of the saving layout."""
+        shape, spec = self.specs[name]
+        return tuple(n // self.tp if d == spec.tp_dim else n for d, n in enumerate(shape))
+
+    def _check_whole(self, name: str, rank: int) -> None:
+        """TP rank `rank`'s slice of `name` has a weight file, and optimizer pieces that tile it exactly."""
+        if rank not in self.weights.get(name, {}):
+            raise ValueError(f"no file holds TP rank {rank}'s weight of {name}")
+        self.pieces.get(name, {}).get(rank, []).sort()
+        at = 0
+        for lo, hi, _ in self.pieces.get(name, {}).get(rank, []):
+            if lo != at or hi <= lo:
+                break
+            at = hi
+        if at != math.prod(self._local_shape(name)):
+            raise ValueError(f"the optimizer state of {name} (TP rank {rank}) is not whole")
+
+    def names(self) -> list:
+        return sorted(self.weights)
+
+    def _file(self, file: str) -> dict:
+        if file not in self._files:
+            self._files[file] = _load_mapped(os.path.join(self.path, file))
+        return self._files[file]
+
+    def saved(self, name: str, key: str, tp_rank: int) -> torch.Tensor:
+        """`name`'s `key` as TP rank `tp_rank` of the saving layout held it (rank 0 for a replicated one)."""
+        shape = self._local_shape(name)
+        if key == "weight":
+            return self._file(self.weights[name][tp_rank])[name].view(shape)
+        flats = [self._file(file)[name][key] for _, _, file in self.pieces[name][tp_rank]]
+        return (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
+
+    def full(self, name: str, key: str = "weight") -> torch.Tensor:
+        """The full (tp=1) value."""
+        spec = self.specs[name][1]
+        tp = 1 if spec.tp_dim is None else self.tp
+        return unshard([self.saved(name, key, r) for r in range(tp)], spec)
+
+    def local(self, name: str, key: str, tp: int, tp_rank: int) -> torch.Tensor:
+        """TP rank `tp_rank`'s slice of it at `tp`: the saved slice itself where the TP degree is the same."""
+        spec = self.specs[name][1]
+        if spec.tp_dim is None or tp == self.tp:
+            return self.saved(name, key, 0 if spec.tp_dim is None else tp_rank)
+        return shard(self.full(name, key), spec, tp, tp_rank)
+
+
 def load_model_tensors(path: str) -> dict:
-    """{global name: full tensor} from every pipeline stage's file of a checkpoint."""
-    tensors = {}
-    for f in sorted(glob.glob(os.path.join(path, "model_pp*.pt"))):
-        tensors.update(_load_mapped(f))
-    return tensors
+    """{global name: full fp32 weight} of a checkpoint."""
+    reader = ShardReader(path, read_meta(path))
+    return {name: reader.full(name).float() for name in reader.names()}
 
 
 def load(path: str, buffers: list, optimizer, mesh, device) -> dict:
@@ -373,19 +483,23 @@ def load(path: str, buffers: list, optimizer, mesh, device) -> dict:
     sample and layer, rng.py: there is no RNG state to restore.) Tensors that do not fit this model (a name
     missing, another shape: a checkpoint of another model or of older code) are one CheckpointError on every
     rank, whichever ranks found it."""
-    failure = None
+    failure, meta = None, read_meta(path)
     try:
-        weights = load_model_tensors(path)
+        reader = ShardReader(path, meta)
         for buf in buffers:
-            buf.load_weights(weights)
-        stages = [_load_mapped(f) for f in sorted(glob.glob(os.path.join(path, "optim_pp*.pt")))]
-        optimizer.load_state_dict({**stages[0], "state": {k: v for st in stages for k, v in st["state"].items()}})
+            buf.load_weights(reader)
+        optimizer.load_state_dict(reader, meta["optimizer"])
     except CommError:
         raise
+    except CheckpointError as e:
+        failure = str(e)
     except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
         failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
                    f"older code; resume from another checkpoint, or start a new run under another run_name.")
     found = first_failure(failure, mesh, device)
     if found:
         raise CheckpointError(found[1])
-    return read_meta(path)
+    for buf in buffers:     # ZeRO-1: each rank set its own shard from the fp32 master; the others come from theirs
+        buf.start_param_gather()
+        buf.finish_param_gather()
+    return meta

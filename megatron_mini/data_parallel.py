@@ -11,8 +11,8 @@ multiple of dp. With pp > 1 the tied word embedding has a bucket of its own, so 
 line up between the first and last stage for the embedding-group sum. ZeRO-1 all-gathers the
 updated weights after the step, async, and a layer's forward waits only for its own buckets
 (Megatron's overlap_param_gather): the gathers overlap the next step's forward.
-`full_weights()` / `load_weights()` turn the buffer's parameters into full tensors by global
-name and back.
+`saved_weights()` / `load_weights()` give a checkpoint this rank's slices of the weights by global
+name, and take them back from a checkpoint saved in any layout.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import torch.nn as nn
 
 from . import comm
 from .mesh import ParallelMesh
-from .tensor_parallel import gather_full, shard
 
 
 
@@ -197,21 +196,27 @@ class GradBuffer:
                 module.register_forward_pre_hook(functools.partial(_wait_gathers, buckets))
                 self.first_used.update(dict.fromkeys(buckets))      # (a key already there keeps its place)
 
-    def full_weights(self) -> dict:
-        """{global name: full fp32 value} of this buffer's parameters on the stage's writer
-        (mesh.stage_writer), {} elsewhere. TP-gathered: every rank of the writer's TP group calls it."""
+    def saves(self, p: nn.Parameter) -> bool:
+        """Whether this rank's checkpoint holds `p` (its TP slice): replicated parameters only on TP rank 0,
+        and not the output layer's copy of the tied embedding (the first stage saves it). Which DP ranks save
+        a parameter is the caller's: the weights on DP rank 0, the optimizer state where its range lives."""
+        return not p.spec.copy and (p.spec.tp_dim is not None or self.mesh.tp_rank == 0)
+
+    def saved_weights(self) -> dict:
+        """{global name: this rank's TP slice, a copy on the CPU in the model's dtype} of the weights that this
+        rank writes in a checkpoint (DP rank 0, `saves`); no collective. (With 16-bit weights the fp32 master is
+        the optimizer's: a checkpoint holds 2 + 12 bytes per parameter, as BLOOM's did.)"""
         self.finish_param_gather()
         if self.mesh.dp_rank:
             return {}
-        full = {name: gather_full(p.detach().float(), p.spec, self.mesh.tp_group) for p, name in self.names.items()}
-        return {name: t.cpu() for name, t in full.items()} if self.mesh.stage_writer else {}
+        return {name: p.detach().to("cpu", copy=True) for p, name in self.names.items() if self.saves(p)}
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict) -> None:
-        """Copy this rank's slice of each parameter from {global name: full tensor}."""
+    def load_weights(self, reader) -> None:
+        """Copy this rank's slice of each parameter from a checkpoint.ShardReader (saved in any layout)."""
         self.finish_param_gather()
         for p, name in self.names.items():
-            p.copy_(shard(tensors[name], p.spec, self.mesh.tp, self.mesh.tp_rank))
+            p.copy_(reader.local(name, "weight", self.mesh.tp, self.mesh.tp_rank))
 
     def segments(self, lo: int, hi: int):
         """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""

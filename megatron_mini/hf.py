@@ -3,8 +3,9 @@
 The architectures are the same (pre-LN, learned positions, fused [q; k; v], GELU tanh =
 "gelu_new", LayerNorm eps, tied embeddings). megatron_mini's Linear weights are [out, in], GPT-2's
 Conv1D weights [in, out], hence the transposes; the padded vocabulary rows are dropped.
-lm_head.weight is not stored: GPT2LMHeadModel ties it to transformer.wte.weight. Checkpoints hold
-every tensor full under its global name, so a checkpoint of any layout exports the same way.
+lm_head.weight is not stored: GPT2LMHeadModel ties it to transformer.wte.weight. The checkpoint's
+full tensors come by global name from checkpoint.load_model_tensors, so a checkpoint of any layout
+exports the same way.
 """
 from __future__ import annotations
 

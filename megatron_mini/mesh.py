@@ -70,12 +70,6 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    @property
-    def stage_writer(self) -> bool:
-        """The one rank of each pipeline stage (tp_rank 0 of DP rank 0) that holds and writes the stage's
-        full tensors in a checkpoint."""
-        return self.tp_rank == 0 and self.dp_rank == 0
-
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp}, "
                 f"dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})")

@@ -23,7 +23,6 @@ from . import comm
 from .config import MAX_LOSS_SCALE, OptimizerConfig, PrecisionConfig
 from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
-from .tensor_parallel import gather_full, shard
 
 STATES = ("master", "exp_avg", "exp_avg_sq")   # what Adam keeps per parameter element, in fp32
 
@@ -221,51 +220,43 @@ class Optimizer:
                 "optimizer": sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes + (r.master.nbytes if r.separate_master else 0)
                                  for r in self.ranges)}
 
-    def state_dict(self) -> dict:
-        """{"state": {global name: {master, exp_avg, exp_avg_sq: full fp32 tensor}}, "step_count",
-        "scaler"} of this rank's pipeline stage, whatever the layout (TP-gathered and, with ZeRO-1,
-        all-gathered over DP), on the stage's writer (mesh.stage_writer; elsewhere "state" is empty).
-        Collective: every rank of the stage calls it. It goes bucket by bucket, so a device holds three
-        fp32 copies of one bucket at a time, and only the writer holds full tensors (on the CPU)."""
+    def saved_state(self) -> dict:
+        """{global name: {"range": [lo, hi], master, exp_avg, exp_avg_sq: fp32 copies on the CPU}}: the
+        optimizer state this rank writes in a checkpoint, the flat [lo, hi) of each parameter's TP slice
+        that its ranges hold (all of it without ZeRO-1, on DP rank 0 only; with ZeRO-1 every rank's own
+        shard), for the parameters GradBuffer.saves. No collective: no rank holds more than its own state."""
         self.finish_param_gather()
-        state, mesh = {}, self.mesh
+        saved = {}
         for r in self.ranges:
-            buf = r.buffer
-            gather_dp = self.zero and buf.dp > 1
-            if mesh.dp_rank and not gather_dp:
-                continue                      # the writer's TP group (DP rank 0) holds this bucket whole
-            bucket = next(b for b in buf.buckets if b.start <= r.lo < b.end)
-            flats = {}
-            for k in STATES:                  # this bucket's values, bucket.start at 0
-                local = getattr(r, k).float()
-                if gather_dp:
-                    flats[k] = torch.empty(bucket.end - bucket.start, dtype=torch.float32, device=local.device)
-                    comm.all_gather_into(flats[k], local.contiguous(), mesh.dp_group)
-                else:
-                    flats[k] = local          # (the range is the whole bucket)
-            if mesh.dp_rank:
-                continue
-            for p in bucket.params:
-                lo = buf.offsets[p] - bucket.start
-                full = {k: gather_full(flats[k][lo:lo + p.numel()].view(p.shape), p.spec, mesh.tp_group)
-                        for k in STATES}
-                if mesh.stage_writer:
-                    state[buf.names[p]] = {k: v.cpu() for k, v in full.items()}
-        return {"state": state, "step_count": self.step_count,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+            if not self.zero and self.mesh.dp_rank:
+                continue                      # a replica of DP rank 0's state
+            for p, name, a, b in r.buffer.segments(r.lo, r.hi):
+                if r.buffer.saves(p):
+                    first = r.buffer.offsets[p]
+                    saved[name] = {"range": [a - first, b - first],
+                                   **{k: getattr(r, k)[a - r.lo:b - r.lo].to("cpu", torch.float32, copy=True)
+                                      for k in STATES}}
+        return saved
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps besides the tensors (the same on every rank): Adam's step count and the
+        fp16 loss scaler's state."""
+        return {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     @torch.no_grad()
-    def load_state_dict(self, saved: dict) -> None:
-        """Take this rank's slices of a state_dict() saved in any layout (the weights are loaded already)."""
+    def load_state_dict(self, reader, counters: dict) -> None:
+        """Take this rank's slices from a checkpoint.ShardReader saved in any layout, and `counters`
+        (the weights are loaded already)."""
         self.finish_param_gather()
-        self.step_count = saved["step_count"]
-        if self.scaler and saved["scaler"]:
-            self.scaler.load_state_dict(saved["scaler"])
+        self.step_count = counters["step_count"]
+        if self.scaler and counters["scaler"]:
+            self.scaler.load_state_dict(counters["scaler"])
+        mesh = self.mesh
         for r in self.ranges:
             for p, name, a, b in r.buffer.segments(r.lo, r.hi):
                 first = r.buffer.offsets[p]
                 for k in STATES:
-                    flat = shard(saved["state"][name][k], p.spec, self.mesh.tp, self.mesh.tp_rank).reshape(-1)
+                    flat = reader.local(name, k, mesh.tp, mesh.tp_rank).reshape(-1)
                     getattr(r, k)[a - r.lo:b - r.lo] = flat[a - first:b - first]
             if r.separate_master:
                 r.param.copy_(r.master)

@@ -183,14 +183,6 @@ def unshard(shards: list, spec: ParamSpec) -> torch.Tensor:
     return torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim=d) for i in range(g)], dim=d)
 
 
-def gather_full(t: torch.Tensor, spec: ParamSpec, tp_group: Group) -> torch.Tensor:
-    """All-gather a TP-sharded tensor (a parameter or its optimizer state) to its full value."""
-    if spec.tp_dim is None or tp_group.size == 1:
-        return t
-    gathered = comm.all_gather(t.unsqueeze(0), tp_group, dim=0)
-    return unshard(list(gathered.unbind(0)), spec)
-
-
 # ----------------------------------------------------------------------------- layers
 def _addmm_fp32_out(out, a, b):
     torch.addmm(out, a, b, out_dtype=out.dtype, out=out)

@@ -62,8 +62,8 @@ def test_fp16_resume_keeps_the_loss_scalers_counts(small_data, tmp_path):
     step3 = os.path.join(tmp_path / "full", "checkpoints", "step_000003")
     resumed = train_on_ranks(1, small_config(small_data, tmp_path / "resumed", resume=step3, **fp16))
     assert full["summary"]["skipped_steps"] == resumed["summary"]["skipped_steps"] == 6
-    import torch
-    saved = [torch.load(os.path.join(d, "checkpoints", "step_000006", "optim_pp00.pt"), weights_only=True)["scaler"]
+    from megatron_mini.checkpoint import read_meta
+    saved = [read_meta(os.path.join(d, "checkpoints", "step_000006"))["optimizer"]["scaler"]
              for d in (tmp_path / "full", tmp_path / "resumed")]
     assert saved[0] == saved[1] and saved[0]["skips_at_min"] == 3 and saved[0]["scale"] == 2.0 ** 37
 
@@ -123,32 +123,162 @@ def test_an_unreadable_file_is_a_checkpoint_error(uninterrupted, monkeypatch):
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(checkpoint, "sha256_file", unreadable)
     path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
-    with pytest.raises(checkpoint.CheckpointError, match=r"model_pp00\.pt cannot be read \(Permission denied\)"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"model_pp00_tp00\.pt cannot be read \(Permission denied\)"):
         checkpoint.verify(path)
 
 
-def _saved_tensors(cfg):
+def _save_once(cfg, path):
+    """One step, then a save with the ledger reset: (rank, the save's collectives)."""
     from harness import make_trainer
     trainer = make_trainer(cfg)
     trainer.train_step()
-    weights = {k: v for buf in trainer.buffers for k, v in buf.full_weights().items()}
-    state = trainer.optimizer.state_dict()["state"]
-    mesh = trainer.mesh                       # (plain values: tensors do not cross the process boundary)
-    return (mesh.rank, mesh.stage_writer, {n: tuple(w.shape) for n, w in weights.items()},
-            {n: {k: tuple(v.shape) for k, v in s.items()} for n, s in state.items()})
+    trainer.mesh.ledger.reset()
+    trainer.save(path, {})
+    return trainer.mesh.rank, trainer.mesh.ledger.summary()
 
 
-def test_only_the_stage_writer_holds_full_tensors(small_data, tmp_path):
-    """tp=2 dp=2 ZeRO-1: the stage's writer (rank 0) gets every parameter's full weight and Adam state,
-    the other ranks, which take part in the gathers, hold none (at scale each would otherwise keep the
-    stage's 16 bytes per parameter in host memory during a save)."""
-    cfg = small_config(small_data, tmp_path, tp=2, zero=1, gbs=4)
-    results = sorted(spawn(4, _saved_tensors, cfg))
-    for rank, writer, weights, state in results:
-        assert writer == (rank == 0)
-        if writer:
-            assert set(weights) == set(state)
-            assert all(state[n] == dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), weights[n]) for n in weights)
-            assert sum(math.prod(shape) for shape in weights.values()) == cfg.model.num_params()
-        else:
-            assert weights == {} and state == {}
+@pytest.mark.parametrize("layout", [{"tp": 2, "zero": 1}, {"pp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "pp": 2}],
+                         ids=["tp2-dp2-zero1", "pp2-dp2-zero1", "tp2-dp2", "tp2-pp2"])
+def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, tmp_path):
+    """4 ranks: each writes its own slices only. The weight files hold every parameter once (a TP-replicated
+    one on TP rank 0, the tied embedding on the first stage: the count is the model's), each parameter's
+    optimizer state is tiled by its TP slices' flat ranges with no gap or overlap (with ZeRO-1 every DP rank
+    writes its shard), and the save's only collectives are all-gathers of text (failures, the index; 19 to 36 KB
+    in all here): no tensor is gathered onto a writer (gathering the weights alone would be 4 bytes per parameter)."""
+    import json
+
+    import torch
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, **layout)
+    results = spawn(4, _save_once, cfg, str(tmp_path))
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    tp, dp = layout.get("tp", 1), 4 // (layout.get("tp", 1) * layout.get("pp", 1))
+    weights = [f for f in meta["files"] if f.startswith("model_")]
+    optim = [f for f in meta["files"] if f.startswith("optim_")]
+    assert len(weights) == 4 // dp and len(optim) == (4 if cfg.zero else 4 // dp)
+    numel = {}
+    for f in weights:
+        for name, t in torch.load(ckpt / f, weights_only=True).items():
+            numel[name] = numel.get(name, 0) + t.numel()
+    assert sum(numel.values()) == cfg.model.num_params()
+    for name, total in numel.items():
+        assert total == math.prod(meta["tensors"][name][0]), name
+    tiles = {}
+    for f in optim:
+        saved, shard = torch.load(ckpt / f, weights_only=True), meta["shards"][f]
+        for name, (lo, hi) in shard["ranges"].items():
+            assert all(saved[name][k].numel() == hi - lo for k in ("master", "exp_avg", "exp_avg_sq"))
+            tiles.setdefault((name, shard["tp"]), []).append((lo, hi))
+    for (name, rank), ranges in tiles.items():
+        shape, tp_dim, _ = meta["tensors"][name]
+        ranges.sort()
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (name, ranges)
+        assert ranges[-1][1] == math.prod(shape) // (tp if tp_dim is not None else 1), (name, ranges)
+    assert sorted(tiles) == sorted((name, r) for name, (_, tp_dim, _) in meta["tensors"].items()
+                                   for r in range(tp if tp_dim is not None else 1))
+    for rank, ledger in results:
+        assert set(ledger) == {("world", "all_gather")}, (rank, ledger)
+        calls, nbytes = ledger[("world", "all_gather")]
+        assert nbytes < cfg.model.num_params(), (rank, ledger)     # a quarter of one fp32 copy of the model
+
+
+def _sharded_source(small_data, root, world, **layout):
+    """6 steps on `world` ranks in `layout`, saving at step 3: (the losses, step 3's checkpoint)."""
+    cfg = small_config(small_data, root, steps=6, save_interval=3, **layout)
+    return train_on_ranks(world, cfg)["loss"], os.path.join(root, "checkpoints", "step_000003")
+
+
+@pytest.mark.parametrize("source,targets", [
+    ((4, {"tp": 2, "zero": 1, "sp": True}), [(1, {}), (4, {"tp": 4}), (2, {"pp": 2, "vpp": 2, "zero": 1})]),
+    ((4, {"pp": 2, "vpp": 2, "zero": 1, "embedding_stage": "own"}), [(2, {"tp": 2}), (1, {})]),
+], ids=["from-tp2-sp-dp2-zero1", "from-pp2-vpp2-dp2-zero1"])
+def test_sharded_checkpoints_resume_in_any_layout(source, targets, small_data, tmp_path):
+    """A checkpoint of TP slices and ZeRO-1 shards (and of a pipeline whose last stage holds the tied
+    embedding's copy) continues the run in other layouts: losses after the resume within 1e-5 of the
+    uninterrupted run's, as the layout tests."""
+    world, layout = source
+    losses, step3 = _sharded_source(small_data, tmp_path / "source", world, gbs=8, **layout)
+    for i, (w, target) in enumerate(targets):
+        resumed = train_on_ranks(w, small_config(small_data, tmp_path / f"t{i}", steps=6, gbs=8, resume=step3,
+                                                 **target))
+        for a, b in zip(losses[3:], resumed["loss"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (target, losses[3:], resumed["loss"])
+
+
+def _loaded_weights(cfg, path):
+    """This rank's weights after loading checkpoint `path` into a Trainer of `cfg`, by name, as lists."""
+    from harness import make_trainer
+    trainer = make_trainer(cfg)
+    trainer.load(path)
+    return {name: p.detach().float().tolist() for buf in trainer.buffers for p, name in buf.names.items()}
+
+
+def test_a_bf16_checkpoint_resumes_exactly_and_in_fp32_from_its_master(small_data, tmp_path):
+    """The weights are saved in the model's dtype beside the fp32 master: a bf16 run resumes bit for bit, and
+    the same checkpoint resumed in fp32 starts from the master weights, not from their bf16 rounding, on one
+    rank and with ZeRO-1 on two."""
+    import torch
+
+    from megatron_mini.checkpoint import ShardReader, read_meta
+    bf16 = {"precision.dtype": "bf16"}
+    full = train_on_ranks(1, small_config(small_data, tmp_path / "full", steps=4, save_interval=2, **bf16))
+    step2 = str(tmp_path / "full" / "checkpoints" / "step_000002")
+    resumed = train_on_ranks(1, small_config(small_data, tmp_path / "resumed", steps=4, resume=step2, **bf16))
+    assert resumed["loss"] == full["loss"][2:]
+    reader = ShardReader(step2, read_meta(step2))
+    assert all(reader.full(name).dtype == torch.bfloat16 for name in reader.names())
+    fp32 = spawn(1, _loaded_weights, small_config(small_data, tmp_path / "fp32"), step2)
+    # ZeRO-1 over 2 ranks: each rank sets its own shard from the master, and must take the other's from its owner
+    fp32 += spawn(2, _loaded_weights, small_config(small_data, tmp_path / "fp32-zero", zero=1, gbs=4), step2)
+    rounded = 0
+    for name in fp32[0]:
+        master = reader.full(name, "master")
+        for rank, weights in enumerate(fp32):
+            assert torch.equal(torch.tensor(weights[name]), master), (rank, name)
+        assert torch.equal(reader.full(name), master.bfloat16()), name
+        rounded += not torch.equal(master, master.bfloat16().float())
+    assert rounded > len(fp32[0]) // 2          # most masters are not bf16 values: the test tells the two apart
+
+
+def test_a_checkpoint_of_the_older_format_is_refused_by_name(uninterrupted, tmp_path):
+    """A checkpoint written before the sharded format (one file of full tensors per pipeline stage, no
+    "format" in meta.json) is one line that says so, not a claim that it is damaged."""
+    import json
+    import shutil
+
+    from megatron_mini import checkpoint
+    old = tmp_path / "step_000005"
+    shutil.copytree(os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005"), old)
+    meta = json.loads((old / "meta.json").read_text())
+    for key in ("format", "shards", "tensors", "optimizer"):
+        meta.pop(key)
+    meta["files"] = {"model_pp00.pt": "0" * 64, "optim_pp00.pt": "0" * 64}
+    (old / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match="written by an older megatron_mini .one file of full tensors"):
+        checkpoint.verify(str(old))
+
+
+@pytest.mark.parametrize("damage", ["a shard dropped", "a range cut short", "no shapes", "a file without checksum"])
+def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
+    """meta.json's index must place every value of every tensor in a checksummed file: a damaged one is a
+    CheckpointError at verify (before any rank reads a tensor, so resume=auto skips it), not a KeyError later."""
+    import json
+    import shutil
+
+    from megatron_mini import checkpoint
+    ckpt = tmp_path / "step_000005"
+    shutil.copytree(os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005"), ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    optim = next(f for f in meta["shards"] if f.startswith("optim_"))
+    if damage == "a shard dropped":
+        meta["shards"].pop(next(f for f in meta["shards"] if f.startswith("model_")))
+    elif damage == "a range cut short":
+        name, (lo, hi) = next(iter(meta["shards"][optim]["ranges"].items()))
+        meta["shards"][optim]["ranges"][name] = [lo, hi - 1]
+    elif damage == "no shapes":
+        meta["tensors"] = {}
+    else:
+        meta["files"].pop(optim)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=r"meta.json: its index of the tensors is damaged \("):
+        checkpoint.verify(str(ckpt))

@@ -131,9 +131,9 @@ def test_tools_note_a_newer_checkpoint_they_pass_over(exported, tmp_path, capsys
     shutil.copytree(os.path.dirname(os.path.dirname(ckpt.path)), run)
     good, bad = run / "checkpoints" / os.path.basename(ckpt.path), run / "checkpoints" / "step_000009"
     shutil.copytree(good, bad)
-    data = bytearray((bad / "model_pp00.pt").read_bytes())
+    data = bytearray((bad / "model_pp00_tp00.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (bad / "model_pp00.pt").write_bytes(bytes(data))
+    (bad / "model_pp00_tp00.pt").write_bytes(bytes(data))
     (run / "checkpoints" / "latest").write_text("step_000009")
     assert generate.main([str(run), "--max-new-tokens", "1", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
@@ -301,7 +301,7 @@ def test_bad_checkpoint_is_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
     (tmp_path / "empty" / "meta.json").write_text('{"config": {}}')
-    (tmp_path / "empty" / "model_pp00.pt").write_bytes(b"not a torch file")
+    (tmp_path / "empty" / "model_pp00_tp00.pt").write_bytes(b"not a torch file")
     assert generate.main([str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1

@@ -52,7 +52,7 @@ def test_saves_keep_the_newest_checkpoints_with_checksums(trained):
     root = Path(trained.run_dir) / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
     meta = json.loads((root / "step_000003" / "meta.json").read_text())
-    assert set(meta["files"]) == {"model_pp00.pt", "optim_pp00.pt"}
+    assert set(meta["files"]) == {"model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt"}
     assert all(len(digest) == 64 for digest in meta["files"].values())
     assert meta["data"]["tokenizer_sha256"] and meta["data"]["corpus_sha256"]
 
@@ -105,17 +105,18 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     not_a_dir.write_text("x")
     empty = tmp / "empty"
     empty.mkdir()
-    truncated = ckpt_copy("truncated",
-                          lambda p: (p / "model_pp00.pt").write_bytes((p / "model_pp00.pt").read_bytes()[:999]))
-    flipped = ckpt_copy("flipped", lambda p: _corrupt(p / "optim_pp00.pt"))
+    weights, optim = "model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt"        # the files of a 1-rank checkpoint
+    truncated = ckpt_copy("truncated", lambda p: (p / weights).write_bytes((p / weights).read_bytes()[:999]))
+    flipped = ckpt_copy("flipped", lambda p: _corrupt(p / optim))
     bad_meta = ckpt_copy("bad_meta", lambda p: (p / "meta.json").write_text("{not json"))
-    no_optim = ckpt_copy("no_optim", lambda p: (p / "optim_pp00.pt").unlink())
+    no_optim = ckpt_copy("no_optim", lambda p: (p / optim).unlink())
     no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
     text_step = ckpt_copy("text_step", _edit_meta(lambda meta: meta.update(step="3")))
     # a checkpoint of older code, one parameter under another name; an optimizer state that is no mapping
-    renamed = ckpt_copy("renamed", _edit_file("model_pp00.pt",
+    renamed = ckpt_copy("renamed", _edit_file(weights,
                                               lambda t: t.update({"head.ln_f.b": t.pop("head.ln_f.bias")})))
-    garbled = ckpt_copy("garbled", _edit_file("optim_pp00.pt", lambda saved: saved.update(state=[])))
+    garbled = ckpt_copy("garbled", _edit_file(optim,
+                                              lambda saved: saved.update({"head.ln_f.bias": []})))
     resume = [f"resume={ckpt}", "steps=5"]
     plain, no_interpreter = env(), env(interpreter=False)
     cases = [
@@ -149,16 +150,16 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
                                                      f"vocabulary of 512", "rebuild it with:"]),
         ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
         ("resume-run-dir", 1, [f"resume={trained.run_dir}"], [f"{trained.run_dir} is not a checkpoint"]),
-        ("resume-truncated", 1, [f"resume={truncated}"], [f"{truncated}/model_pp00.pt does not match its sha256"]),
-        ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/optim_pp00.pt does not match its sha256"]),
+        ("resume-truncated", 1, [f"resume={truncated}"], [f"{truncated}/{weights} does not match its sha256"]),
+        ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/{optim} does not match its sha256"]),
         ("resume-bad-meta", 1, [f"resume={bad_meta}"], [f"{bad_meta}/meta.json is unreadable"]),
-        ("resume-no-optimizer", 1, [f"resume={no_optim}"], [f"{no_optim}/optim_pp00.pt is missing"]),
+        ("resume-no-optimizer", 1, [f"resume={no_optim}"], [f"{no_optim}/{optim} is missing"]),
         ("resume-meta-no-config", 1, [f"resume={no_config}"], [f"{no_config}/meta.json has no config (not a "]),
         ("resume-meta-text-step", 1, [f"resume={text_step}"], [f"{text_step}/meta.json has no step (a count)"]),
         ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],
          [f"{renamed} does not fit this run's model (KeyError: 'head.ln_f.bias')", "start a new run"]),
         ("resume-garbled-optimizer", 2, [f"resume={garbled}", "steps=5"],
-         [f"{garbled} does not fit this run's model (AttributeError: "]),
+         [f"{garbled} does not fit this run's model (TypeError: "]),
         ("seed-huge", 1, ["seed=1" + "0" * 400], ["must be in [0, 2**32)"]),
         ("resume-more-layers", 1, [*resume, "model.num_layers=4"], ["model.num_layers: 8 -> 4"]),
         ("resume-other-heads", 1, [*resume, "model.num_heads=2"], ["model.num_heads: 4 -> 2"]),
@@ -292,12 +293,12 @@ def test_a_locked_run_dir_is_refused(small_data, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- resuming
-@pytest.mark.parametrize("ranks,corrupt", [(1, "model_pp00.pt"), (2, "optim_pp00.pt")])
+@pytest.mark.parametrize("ranks,corrupt", [(1, "model_pp00_tp00.pt"), (2, "optim_pp00_tp00_dp00.pt")])
 def test_auto_resume_takes_the_newest_intact_checkpoint(trained, small_data, tmp_path, ranks, corrupt):
     """latest missing and the newest checkpoint corrupt: resume=auto takes the one before, says so, and sets
     the corrupt one aside; the resumed run continues exactly as the original did. On 2 ranks each hashes
-    half of the files, and only rank 1 hashes optim_pp00.pt (the files sorted, dealt out in turn): every
-    rank must still skip the checkpoint (or they would resume from different steps)."""
+    half of the files, and only rank 1 hashes the optimizer's file (the files sorted, dealt out in turn):
+    every rank must still skip the checkpoint (or they would resume from different steps)."""
     run_dir = _copy_run(trained, tmp_path / "run")
     (run_dir / "checkpoints" / "latest").unlink()
     _corrupt(run_dir / "checkpoints" / "step_000003" / corrupt)

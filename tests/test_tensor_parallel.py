@@ -106,12 +106,20 @@ def _shard_cols(t: torch.Tensor, tp: int, r: int, groups: int = 1) -> torch.Tens
     return torch.cat([blk.chunk(tp, -1)[r] for blk in t.chunk(groups, -1)], -1)
 
 
+def gather_full(t, spec, tp_group):
+    """All-gather a TP-sharded tensor (a parameter or its gradient) to its full value."""
+    from megatron_mini import comm
+    from megatron_mini.tensor_parallel import unshard
+    if spec.tp_dim is None or tp_group.size == 1:
+        return t
+    return unshard(list(comm.all_gather(t.unsqueeze(0), tp_group, dim=0).unbind(0)), spec)
+
+
 def _layer_checks(mesh) -> dict:
     import torch.distributed as dist
     import torch.nn as nn
 
-    from megatron_mini.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                               gather_full, shard)
+    from megatron_mini.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard
 
     T, r, grp = mesh.tp, mesh.tp_rank, mesh.tp_group
     S, B, IN, OUT = 8, 2, 16, 24
@@ -248,7 +256,7 @@ def _block_checks(mesh, mesh1) -> dict:
     from megatron_mini.meter import SavedTensorMeter
     from megatron_mini.model import Block, GPTChunk, ParallelContext, initialize
     from megatron_mini.rng import RNGTracker
-    from megatron_mini.tensor_parallel import full_shape, gather_full, shard
+    from megatron_mini.tensor_parallel import full_shape, shard
 
     cpu = torch.device("cpu")
     model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=16, vocab_size=64,
