@@ -61,6 +61,10 @@ class CheckpointError(ConfigError):
     """A checkpoint that is missing, incomplete, corrupt or not one: a one-line message."""
 
 
+class OlderFormatError(CheckpointError):
+    """A checkpoint of an older format: intact, but not this version's to read (resume=auto does not skip it)."""
+
+
 @dataclass
 class Resume:
     path: str
@@ -154,7 +158,7 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
     if "format" not in meta and "model_pp00.pt" in files:
-        raise CheckpointError(f"{path} was written by an older megatron_mini (one file of full tensors per pipeline "
+        raise OlderFormatError(f"{path} was written by an older megatron_mini (one file of full tensors per pipeline "
                               f"stage), which this version does not read; continue it with the version that wrote it, "
                               f"or start a new run under another run_name.")
     lacks = _meta_lacks(meta)
@@ -237,12 +241,15 @@ def read_step(path: str) -> int:
 def newest(run_dir: str, check=verify) -> Resume | None:
     """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify), whatever
     `latest` says, with notes on what was skipped; None when the run has no checkpoint; CheckpointError
-    when it has some but none is good."""
+    when it has some but none is good, OlderFormatError at the first of an older format (not skipped: the
+    run is intact, for the version that wrote it)."""
     candidates, notes, skipped = checkpoints_of(run_dir), [], []
     named = _read_latest(os.path.join(run_dir, "checkpoints"))
     for path in candidates:
         try:
             meta = check(path)
+        except OlderFormatError:
+            raise
         except CheckpointError as e:
             notes.append(f"skipped {path}: {str(e).rstrip('.')}")
             skipped.append(path)

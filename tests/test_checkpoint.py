@@ -242,20 +242,22 @@ def test_a_bf16_checkpoint_resumes_exactly_and_in_fp32_from_its_master(small_dat
 
 def test_a_checkpoint_of_the_older_format_is_refused_by_name(uninterrupted, tmp_path):
     """A checkpoint written before the sharded format (one file of full tensors per pipeline stage, no
-    "format" in meta.json) is one line that says so, not a claim that it is damaged."""
+    "format" in meta.json) is one line that says so, not a claim that it is damaged: resume=auto does not
+    skip it as a corrupt one (nor advise resume=PATH, which refuses it too)."""
     import json
     import shutil
 
     from megatron_mini import checkpoint
-    old = tmp_path / "step_000005"
+    old = tmp_path / "run" / "checkpoints" / "step_000005"
     shutil.copytree(os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005"), old)
     meta = json.loads((old / "meta.json").read_text())
     for key in ("format", "shards", "tensors", "optimizer"):
         meta.pop(key)
     meta["files"] = {"model_pp00.pt": "0" * 64, "optim_pp00.pt": "0" * 64}
     (old / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(checkpoint.CheckpointError, match="written by an older megatron_mini .one file of full tensors"):
-        checkpoint.verify(str(old))
+    for check in (lambda: checkpoint.verify(str(old)), lambda: checkpoint.newest(str(tmp_path / "run"))):
+        with pytest.raises(checkpoint.OlderFormatError, match=f"^{old} was written by an older megatron_mini .one"):
+            check()
 
 
 @pytest.mark.parametrize("damage", ["a shard dropped", "a range cut short", "no shapes", "a file without checksum"])
