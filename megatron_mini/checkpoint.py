@@ -193,11 +193,8 @@ def _meta_lacks(meta: dict) -> str | None:
                      ("config.seed", isinstance(config, dict) and "seed" in config),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
-                     ("layout.tp", isinstance(meta.get("layout"), dict) and isinstance(meta["layout"].get("tp"), int)),
                      ("optimizer.step_count", isinstance(meta.get("optimizer"), dict)
-                      and "step_count" in meta["optimizer"]),
-                     ("shards", isinstance(meta.get("shards"), dict)),
-                     ("tensors", isinstance(meta.get("tensors"), dict))):
+                      and "step_count" in meta["optimizer"])):
         if not ok:
             return what
     missing = [f"config.model.{k}" for k in MODEL_KEYS if k not in model]
@@ -364,8 +361,8 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
         index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
     if state:
         name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
-        files[name] = {n: {k: v for k, v in s.items() if k != "range"} for n, s in state.items()}
-        index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: s["range"] for n, s in state.items()}}
+        files[name] = {n: tensors for n, (_, tensors) in state.items()}
+        index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: r for n, (r, _) in state.items()}}
     tensors = {name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
                for buf in buffers for p, name in buf.names.items() if buf.saves(p)}
     digests = {}
@@ -422,6 +419,9 @@ class ShardReader:
                     self.weights.setdefault(name, {})[shard_["tp"]] = file
                 for name, (lo, hi) in shard_.get("ranges", {}).items():
                     self.pieces.setdefault(name, {}).setdefault(shard_["tp"], []).append((lo, hi, file))
+            for ranks in self.pieces.values():
+                for pieces in ranks.values():
+                    pieces.sort()
             for name in self.specs:
                 for rank in range(self.tp if self.specs[name][1].tp_dim is not None else 1):
                     self._check_whole(name, rank)
@@ -440,7 +440,6 @@ class ShardReader:
         """TP rank `rank`'s slice of `name` has a weight file, and optimizer pieces that tile it exactly."""
         if rank not in self.weights.get(name, {}):
             raise ValueError(f"no file holds TP rank {rank}'s weight of {name}")
-        self.pieces.get(name, {}).get(rank, []).sort()
         at = 0
         for lo, hi, _ in self.pieces.get(name, {}).get(rank, []):
             if lo != at or hi <= lo:

@@ -221,21 +221,21 @@ class Optimizer:
                                  for r in self.ranges)}
 
     def saved_state(self) -> dict:
-        """{global name: {"range": [lo, hi], master, exp_avg, exp_avg_sq: fp32 copies on the CPU}}: the
-        optimizer state this rank writes in a checkpoint, the flat [lo, hi) of each parameter's TP slice
-        that its ranges hold (all of it without ZeRO-1, on DP rank 0 only; with ZeRO-1 every rank's own
-        shard), for the parameters GradBuffer.saves. No collective: no rank holds more than its own state."""
+        """{global name: ([lo, hi], {master, exp_avg, exp_avg_sq: fp32 copy on the CPU})}: the optimizer
+        state this rank writes in a checkpoint, the flat [lo, hi) of each parameter's TP slice that its
+        ranges hold (all of it without ZeRO-1, on DP rank 0 only; with ZeRO-1 every rank's own shard), for
+        the parameters GradBuffer.saves. No collective: no rank holds more than its own state."""
         self.finish_param_gather()
+        if not self.zero and self.mesh.dp_rank:
+            return {}                             # a replica of DP rank 0's state
         saved = {}
         for r in self.ranges:
-            if not self.zero and self.mesh.dp_rank:
-                continue                      # a replica of DP rank 0's state
             for p, name, a, b in r.buffer.segments(r.lo, r.hi):
                 if r.buffer.saves(p):
                     first = r.buffer.offsets[p]
-                    saved[name] = {"range": [a - first, b - first],
-                                   **{k: getattr(r, k)[a - r.lo:b - r.lo].to("cpu", torch.float32, copy=True)
-                                      for k in STATES}}
+                    saved[name] = ([a - first, b - first],
+                                   {k: getattr(r, k)[a - r.lo:b - r.lo].to("cpu", torch.float32, copy=True)
+                                    for k in STATES})
         return saved
 
     def counters(self) -> dict:

@@ -182,12 +182,6 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
         assert nbytes < cfg.model.num_params(), (rank, ledger)     # a quarter of one fp32 copy of the model
 
 
-def _sharded_source(small_data, root, world, **layout):
-    """6 steps on `world` ranks in `layout`, saving at step 3: (the losses, step 3's checkpoint)."""
-    cfg = small_config(small_data, root, steps=6, save_interval=3, **layout)
-    return train_on_ranks(world, cfg)["loss"], os.path.join(root, "checkpoints", "step_000003")
-
-
 @pytest.mark.parametrize("source,targets", [
     ((4, {"tp": 2, "zero": 1, "sp": True}), [(1, {}), (4, {"tp": 4}), (2, {"pp": 2, "vpp": 2, "zero": 1})]),
     ((4, {"pp": 2, "vpp": 2, "zero": 1, "embedding_stage": "own"}), [(2, {"tp": 2}), (1, {})]),
@@ -197,7 +191,9 @@ def test_sharded_checkpoints_resume_in_any_layout(source, targets, small_data, t
     embedding's copy) continues the run in other layouts: losses after the resume within 1e-5 of the
     uninterrupted run's, as the layout tests."""
     world, layout = source
-    losses, step3 = _sharded_source(small_data, tmp_path / "source", world, gbs=8, **layout)
+    losses = train_on_ranks(world, small_config(small_data, tmp_path / "source", steps=6, save_interval=3, gbs=8,
+                                                **layout))["loss"]
+    step3 = os.path.join(tmp_path / "source", "checkpoints", "step_000003")
     for i, (w, target) in enumerate(targets):
         resumed = train_on_ranks(w, small_config(small_data, tmp_path / f"t{i}", steps=6, gbs=8, resume=step3,
                                                  **target))
