@@ -4,9 +4,10 @@ reads them back.
     {run_dir}/checkpoints/step_000100/
         model_pp00_tp00.pt ...       {global name: weight, in the model's dtype} of one (pipeline stage,
                                      TP rank): its TP slices (GradBuffer.saved_weights; written by DP rank 0)
-        optim_pp00_tp00_dp00.pt ...  {global name: {master, exp_avg, exp_avg_sq}}: the flat slice of each
+        optim_pp00_tp00_dp00.pt ...  {global name: {exp_avg, exp_avg_sq[, master]}}: the flat slice of each
                                      parameter's TP slice that this rank's optimizer holds (Optimizer.saved_state:
-                                     DP rank 0's whole state, or with ZeRO-1 every rank's own shard)
+                                     DP rank 0's whole state, or with ZeRO-1 every rank's own shard); the fp32
+                                     master only beside 16-bit weights (fp32 weights are their own master)
         meta.json                    step, consumed_samples, layout, config, data identity, the optimizer's
                                      counters, the sha256 of every file, and the index: each tensor's full
                                      shape and TP split ("tensors"), what each file holds ("shards")
@@ -14,13 +15,14 @@ reads them back.
 
 As in Megatron, a save moves no tensor between ranks and no process holds more than its own state
 (BLOOM-176B's checkpoint is 2.24 TiB, 14 bytes per parameter: gathered onto one writer per pipeline stage,
-each of tp=4 pp=12's twelve would hold about 190 GiB of host memory). A replicated value is written once: the
-weights by DP rank 0, a TP-replicated parameter by TP rank 0, the tied embedding by the first stage.
+each of tp=4 pp=12's twelve would hold about 190 GiB of host memory). A value is written once: the weights
+by DP rank 0, a TP-replicated parameter by TP rank 0, the tied embedding by the first stage, an fp32 master
+as the weight (12 bytes per parameter in fp32).
 
 Saving: every rank writes its files into `step_N.tmp/` and hashes them; rank 0 writes meta.json with the
-hashes and the index (gathered as text), renames the directory to `step_N/`, then rewrites `latest`
-(tmp + rename) and removes all but the newest `keep` checkpoints. A failed write on any rank (a full
-disk, no permission) is agreed on by every rank: the temp directory is removed, `latest` stays on the
+hashes and the index (gathered onto it as text), renames the directory to `step_N/`, then rewrites `latest`
+(tmp + rename) and removes all but the newest `keep` checkpoints. A failure on any rank (a full disk, no
+permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays on the
 last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
@@ -306,15 +308,19 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- saving
-def gather_text(text: str, group, device) -> list:
-    """Every rank's `text` (UTF-8) of `group` (a comm.Group), in group order: an all-gather of the lengths, then
-    one of rows padded to the longest."""
+def gather_text(text: str, group, device, to_first: bool = False) -> list | None:
+    """Every rank's `text` (UTF-8, no trailing NUL) of `group` (a comm.Group), in group order, on every rank; with
+    `to_first` on the group's first rank only (None on the others): an all-reduce of the longest length, then a
+    gather of the rows padded to it with NULs."""
     data = text.encode()
-    sizes = comm.all_gather(torch.tensor([len(data)], device=device), group).tolist()
-    row = torch.zeros(1, max(sizes + [1]), dtype=torch.uint8)
-    row[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-    rows = comm.all_gather(row.to(device), group, dim=0).cpu().numpy()
-    return [rows[i, :n].tobytes().decode(errors="replace") for i, n in enumerate(sizes)]
+    width = torch.tensor([len(data)], device=device)
+    comm.all_reduce(width, group, op=torch.distributed.ReduceOp.MAX)
+    row = torch.zeros(max(int(width), 1), dtype=torch.uint8)
+    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+    rows = comm.gather(row.to(device), group) if to_first else comm.all_gather(row.to(device)[None], group)
+    if rows is None:
+        return None
+    return [r.tobytes().rstrip(b"\0").decode(errors="replace") for r in rows.cpu().numpy()]
 
 
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
@@ -325,10 +331,12 @@ def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
 
 
 def _try(fn, *args) -> str | None:
+    """None, or how `fn` failed: a full disk, a permission, torch's stream writer, or anything else one rank
+    meets that the others, waiting in the next collective, must hear of."""
     try:
         fn(*args)
         return None
-    except (OSError, RuntimeError) as e:        # a full disk, a permission, torch's stream writer
+    except Exception as e:      # noqa: BLE001 - reported to every rank (save's check), not swallowed
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
@@ -352,27 +360,27 @@ def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, 
 
     check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
           "creating its directory")            # (an all-reduce that rank 0 joins once the directory exists)
-    weights = {name: t for buf in buffers for name, t in buf.saved_weights().items()}
-    state = optimizer.saved_state()
     where = f"pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}"
-    files, index = {}, {}
-    if weights:
-        files[f"model_{where}.pt"] = weights
-        index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
-    if state:
-        name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
-        files[name] = {n: tensors for n, (_, tensors) in state.items()}
-        index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: r for n, (r, _) in state.items()}}
-    tensors = {name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
-               for buf in buffers for p, name in buf.names.items() if buf.saves(p)}
-    digests = {}
+    index, tensors, digests = {}, {}, {}        # this rank's part of meta.json
 
-    def write():
+    def write():                                # (host copies, then files: an OOM is a failure as a full disk)
+        weights = {name: t for buf in buffers for name, t in buf.saved_weights().items()}
+        state = optimizer.saved_state()
+        files = {}
+        if weights:
+            files[f"model_{where}.pt"] = weights
+            index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
+        if state:
+            name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
+            files[name] = {n: saved for n, (_, saved) in state.items()}
+            index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: r for n, (r, _) in state.items()}}
+        tensors.update({name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
+                        for buf in buffers for p, name in buf.names.items() if name in weights})
         for name, obj in files.items():
             digests[name] = _save_file(obj, os.path.join(tmp, name))
     check(_try(write), "writing its files")
     gathered = gather_text(json.dumps({"files": digests, "shards": index, "tensors": tensors}), mesh.world_group,
-                           device)
+                           device, to_first=True)              # (the index is rank 0's to write: O(ranks) bytes)
 
     def publish():
         parts = [json.loads(text) for text in gathered]
@@ -461,7 +469,10 @@ class ShardReader:
         shape = self._local_shape(name)
         if key == "weight":
             return self._file(self.weights[name][tp_rank])[name].view(shape)
-        flats = [self._file(file)[name][key] for _, _, file in self.pieces[name][tp_rank]]
+        states = [self._file(file)[name] for _, _, file in self.pieces[name][tp_rank]]
+        if key == "master" and "master" not in states[0]:     # fp32 weights, their own master
+            return self.saved(name, "weight", tp_rank).float()
+        flats = [state[key] for state in states]
         return (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
 
     def full(self, name: str, key: str = "weight") -> torch.Tensor:

@@ -62,8 +62,8 @@ class Group:
         self.virtual = self.me is not None and self.size > 1
         me = self.me if self.me is not None else (dist.get_rank() if self.size > 1 else self.ranks[0])
         self.rank = self.ranks.index(me)                                  # this rank's index in the group
-        # gloo moves CUDA tensors in collectives but not in point-to-point: stage those on the host
-        self.p2p_via_host = self.pg is not None and dist.get_backend(self.pg) == "gloo"
+        # gloo moves CUDA tensors in most collectives but not in point-to-point or gather: stage those on the host
+        self.via_host = self.pg is not None and dist.get_backend(self.pg) == "gloo"
 
 
 # torch >= 2.13 names the flat collectives *_single (the *_tensor names are deprecated there)
@@ -147,6 +147,17 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+def gather(t: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """Every rank's `t` stacked on a new dim 0 (group order) on the group's first rank; None on the others.
+    (gloo gathers host tensors only: a CUDA `t` travels through a host copy there.)"""
+    if group.size == 1:
+        return t.unsqueeze(0)
+    wire = t.cpu() if group.via_host else t
+    out = [torch.empty_like(wire) for _ in range(group.size)] if group.rank == 0 else None
+    _run(group, "gather", _nbytes(t) * group.size, dist.gather, wire, out, dst=group.ranks[0])
+    return torch.stack(out).to(t.device) if out else None
+
+
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum `t` over the group and keep this rank's 1/size slice along `dim`."""
     if group.size == 1:
@@ -169,7 +180,7 @@ def batch_p2p(ops: list, group: Group, what: str = "send/recv") -> None:
         if group.virtual:
             continue
         wire = tensor
-        if group.p2p_via_host and tensor.is_cuda:
+        if group.via_host and tensor.is_cuda:
             wire = tensor.cpu() if kind == "send" else torch.empty(tensor.shape, dtype=tensor.dtype)
             if kind == "recv":
                 staged.append((tensor, wire))

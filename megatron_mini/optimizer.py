@@ -221,10 +221,12 @@ class Optimizer:
                                  for r in self.ranges)}
 
     def saved_state(self) -> dict:
-        """{global name: ([lo, hi], {master, exp_avg, exp_avg_sq: fp32 copy on the CPU})}: the optimizer
+        """{global name: ([lo, hi], {exp_avg, exp_avg_sq[, master]: fp32 copy on the CPU})}: the optimizer
         state this rank writes in a checkpoint, the flat [lo, hi) of each parameter's TP slice that its
         ranges hold (all of it without ZeRO-1, on DP rank 0 only; with ZeRO-1 every rank's own shard), for
-        the parameters GradBuffer.saves. No collective: no rank holds more than its own state."""
+        the parameters GradBuffer.saves. The master only with 16-bit weights: fp32 weights are their own
+        master, and the checkpoint's weights hold it (12 bytes per parameter, not 16). No collective: no
+        rank holds more than its own state."""
         self.finish_param_gather()
         if not self.zero and self.mesh.dp_rank:
             return {}                             # a replica of DP rank 0's state
@@ -235,7 +237,7 @@ class Optimizer:
                     first = r.buffer.offsets[p]
                     saved[name] = ([a - first, b - first],
                                    {k: getattr(r, k)[a - r.lo:b - r.lo].to("cpu", torch.float32, copy=True)
-                                    for k in STATES})
+                                    for k in STATES if k != "master" or r.separate_master})
         return saved
 
     def counters(self) -> dict:

@@ -137,18 +137,22 @@ def _save_once(cfg, path):
     return trainer.mesh.rank, trainer.mesh.ledger.summary()
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "zero": 1}, {"pp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "pp": 2}],
-                         ids=["tp2-dp2-zero1", "pp2-dp2-zero1", "tp2-dp2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", [{"tp": 2, "zero": 1}, {"pp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "pp": 2},
+                                    {"tp": 2, "zero": 1, "precision.dtype": "bf16"}],
+                         ids=["tp2-dp2-zero1", "pp2-dp2-zero1", "tp2-dp2", "tp2-pp2", "tp2-dp2-zero1-bf16"])
 def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, tmp_path):
     """4 ranks: each writes its own slices only. The weight files hold every parameter once (a TP-replicated
     one on TP rank 0, the tied embedding on the first stage: the count is the model's), each parameter's
     optimizer state is tiled by its TP slices' flat ranges with no gap or overlap (with ZeRO-1 every DP rank
-    writes its shard), and the save's only collectives are all-gathers of text (failures, the index; 19 to 36 KB
-    in all here): no tensor is gathered onto a writer (gathering the weights alone would be 4 bytes per parameter)."""
+    writes its shard), and the files' tensors are 12 bytes per parameter in fp32 (the weight is its own master)
+    and 14 in bf16 (2 + an fp32 master and two moments). The save's only collectives carry text: the failures'
+    all-gathers (empty) and the index's gather onto rank 0 (10 to 20 KB here): no tensor is gathered onto a
+    writer (gathering the weights alone would be 4 bytes per parameter)."""
     import json
 
     import torch
     cfg = small_config(small_data, tmp_path / "run", gbs=4, **layout)
+    bf16 = cfg.precision.dtype == "bf16"
     results = spawn(4, _save_once, cfg, str(tmp_path))
     ckpt = tmp_path / "checkpoints" / "step_000001"
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -156,10 +160,12 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     weights = [f for f in meta["files"] if f.startswith("model_")]
     optim = [f for f in meta["files"] if f.startswith("optim_")]
     assert len(weights) == 4 // dp and len(optim) == (4 if cfg.zero else 4 // dp)
-    numel = {}
+    numel, nbytes = {}, 0
     for f in weights:
         for name, t in torch.load(ckpt / f, weights_only=True).items():
             numel[name] = numel.get(name, 0) + t.numel()
+            nbytes += t.nbytes
+            assert t.dtype == (torch.bfloat16 if bf16 else torch.float32), (name, t.dtype)
     assert sum(numel.values()) == cfg.model.num_params()
     for name, total in numel.items():
         assert total == math.prod(meta["tensors"][name][0]), name
@@ -167,8 +173,11 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     for f in optim:
         saved, shard = torch.load(ckpt / f, weights_only=True), meta["shards"][f]
         for name, (lo, hi) in shard["ranges"].items():
-            assert all(saved[name][k].numel() == hi - lo for k in ("master", "exp_avg", "exp_avg_sq"))
+            assert sorted(saved[name]) == ["exp_avg", "exp_avg_sq"] + (["master"] if bf16 else []), name
+            assert all(t.numel() == hi - lo and t.dtype == torch.float32 for t in saved[name].values()), name
+            nbytes += sum(t.nbytes for t in saved[name].values())
             tiles.setdefault((name, shard["tp"]), []).append((lo, hi))
+    assert nbytes == (14 if bf16 else 12) * cfg.model.num_params()
     for (name, rank), ranges in tiles.items():
         shape, tp_dim, _ = meta["tensors"][name]
         ranges.sort()
@@ -177,9 +186,46 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     assert sorted(tiles) == sorted((name, r) for name, (_, tp_dim, _) in meta["tensors"].items()
                                    for r in range(tp if tp_dim is not None else 1))
     for rank, ledger in results:
-        assert set(ledger) == {("world", "all_gather")}, (rank, ledger)
-        calls, nbytes = ledger[("world", "all_gather")]
-        assert nbytes < cfg.model.num_params(), (rank, ledger)     # a quarter of one fp32 copy of the model
+        assert set(ledger) == {("world", op) for op in ("all_reduce", "all_gather", "gather")}, (rank, ledger)
+        assert ledger[("world", "all_gather")][1] <= 3 * 4, (rank, ledger)     # three failure checks, all empty
+        assert ledger[("world", "gather")][0] == 1, (rank, ledger)             # the index, once, onto rank 0
+        assert sum(n for _, n in ledger.values()) < cfg.model.num_params(), (rank, ledger)   # < 1/4 of fp32 weights
+
+
+def _save_failing(cfg, path, where):
+    """One step, then a save in which one rank fails in a way that is neither a full disk nor torch's: rank 1
+    cannot copy its optimizer state to the host (MemoryError), or rank 0 cannot write meta.json (ValueError).
+    Returns the RunError's message on this rank."""
+    from harness import make_trainer
+
+    from megatron_mini import checkpoint
+    from megatron_mini.config import RunError
+    trainer = make_trainer(cfg)
+    trainer.train_step()
+
+    def fail(error):
+        def raise_(*_):
+            raise error
+        return raise_
+    if where == "writing" and trainer.mesh.rank == 1:
+        trainer.optimizer.saved_state = fail(MemoryError("cannot allocate 1.2 GiB"))
+    if where == "publishing" and trainer.mesh.rank == 0:
+        checkpoint.atomic_write = fail(ValueError("not JSON"))
+    with pytest.raises(RunError) as caught:
+        trainer.save(path, {})
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("where,rank,why", [("writing", 1, "its files: MemoryError: cannot allocate 1.2 GiB"),
+                                            ("publishing", 0, "it: ValueError: not JSON")])
+def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, small_data, tmp_path):
+    """Whatever one rank raises while saving, every rank raises the same RunError naming it (none waits in the next
+    collective until timeout_s), and nothing of the save is left."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4)
+    messages = spawn(2, _save_failing, cfg, str(tmp_path), where)
+    assert messages[0] == messages[1], messages
+    assert f"failed on rank {rank} while {where} {why}. Its partial files were removed" in messages[0], messages
+    assert os.listdir(tmp_path / "checkpoints") == [], os.listdir(tmp_path / "checkpoints")
 
 
 @pytest.mark.parametrize("source,targets", [
