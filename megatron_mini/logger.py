@@ -47,10 +47,25 @@ def _has_api_key() -> bool:
         return False
 
 
-def run_id(run_dir: str, name: str) -> str:
-    """A wandb run id that is the same every time this run directory is (re)started under `name`."""
+def run_id(run_dir: str, name: str, branch: bool = False) -> str:
+    """The wandb run id this run directory logs to under `name`: the same on every restart, so that a resumed run
+    continues its wandb run. A branch (resume=PATH to a checkpoint older than the run's newest, which it sets
+    aside) starts a new wandb run, `<first id>-b<k>`: wandb keeps the first value logged at a step, so the
+    branch's steps up to the old history's last would be dropped from the old run. The ids a branch made are
+    kept in {run_dir}/wandb_ids.json ({name: [first id, ...]}, the last one current)."""
     digest = hashlib.sha1(f"{os.path.realpath(run_dir)}|{name}".encode()).hexdigest()[:10]
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:40]}-{digest}"
+    first = f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:40]}-{digest}"
+    path = os.path.join(run_dir, "wandb_ids.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except FileNotFoundError:
+        ids = {}
+    made = ids.get(name) or [first]
+    if branch:
+        ids[name] = made + [f"{first}-b{len(made)}"]
+        atomic_write(path, json.dumps(ids, indent=1))
+    return ids.get(name, made)[-1]
 
 
 def _plain(value):
@@ -89,7 +104,8 @@ def cut_metrics(run_dir: str, step: int) -> int:
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
 
-    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
+    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool, branch: bool = False):
+        """`branch`: the run resumed from a checkpoint older than its newest (a new wandb run; run_id)."""
         self.mode = resolve_mode(wandb_cfg.mode)
         self.enabled = enabled
         self.run_dir = run_dir
@@ -108,7 +124,7 @@ class RunLogger:
 
             self._run = wandb.init(
                 project=wandb_cfg.project, group=wandb_cfg.group, name=name, config=config,
-                dir=run_dir, mode=self.mode, id=run_id(run_dir, name), resume="allow",
+                dir=run_dir, mode=self.mode, id=run_id(run_dir, name, branch), resume="allow",
             )
             self._wandb_path = os.path.abspath(self._run.settings.sync_dir)
         except Exception as e:  # wandb must never stop training

@@ -396,7 +396,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         cut = cut_metrics(cfg.run_dir, trainer.step) if rank == 0 else 0
         if cut:
             log.info(f"resume: moved {cut} lines of metrics.jsonl past step {trainer.step} to metrics.superseded.jsonl")
-    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
+    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0,
+                       branch=bool(run.resume and run.resume.superseded))
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if cfg.compile else ''}")

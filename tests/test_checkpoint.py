@@ -72,7 +72,8 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     """resume=PATH to step 5 of a run that reached step 10 (a rollback, as after a loss spike): step 10 is
     renamed step_000010.superseded (kept whole; no resume=auto or pruning counts it), the new branch's saves
     are kept and named by `latest` (keep_checkpoints=1 pruned the one just written before), resume=auto
-    continues the branch, and metrics.jsonl holds the branch's lines only (the others moved aside)."""
+    continues the branch, and metrics.jsonl holds the branch's lines only (the others moved aside). wandb logs
+    the branch, and its continuation, to a new wandb run (wandb keeps the first value logged at a step)."""
     import json
     import shutil
     cfg, _ = uninterrupted
@@ -81,8 +82,9 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (5, 10))
                                        + '{"step": 10, "lo')                     # a line a kill cut short
     files = sorted(os.listdir(run / "checkpoints" / "step_000010"))
+    offline = {"wandb.mode": "offline"}
     branch = train_on_ranks(1, small_config(small_data, run, steps=7, keep_checkpoints=1,
-                                            resume=str(run / "checkpoints" / "step_000005")))
+                                            resume=str(run / "checkpoints" / "step_000005"), **offline))
     assert branch["checkpoint"] == str(run / "checkpoints" / "step_000007")
     assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000007", "step_000010.superseded"]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000007"
@@ -91,8 +93,15 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     assert steps[0] == 5 and max(steps) == 7
     assert (run / "metrics.superseded.jsonl").read_text() == (json.dumps({"step": 10, "loss": 9.0})
                                                               + '\n{"step": 10, "lo\n')
-    again = train_on_ranks(1, small_config(small_data, run, steps=8, keep_checkpoints=1, resume="auto"))
+    again = train_on_ranks(1, small_config(small_data, run, steps=8, keep_checkpoints=1, resume="auto", **offline))
     assert len(again["loss"]) == 1 and again["checkpoint"] == str(run / "checkpoints" / "step_000008")
+    from compare_runs import iter_wandb_records, wandb_files
+
+    from megatron_mini.logger import run_id
+    ids = json.loads((run / "wandb_ids.json").read_text())["run"]         # (wandb's name: the run directory's)
+    assert ids == [ids[0], ids[0] + "-b1"] and run_id(str(run), "run") == ids[1], ids
+    assert {r.run.run_id for f in wandb_files(str(run)) for r in iter_wandb_records(f)
+            if r.WhichOneof("record_type") == "run"} == {ids[1]}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 8])
