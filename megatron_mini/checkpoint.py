@@ -19,7 +19,7 @@ each of tp=4 pp=12's twelve would hold about 190 GiB of host memory). A value is
 by DP rank 0, a TP-replicated parameter by TP rank 0, the tied embedding by the first stage, an fp32 master
 as the weight (12 bytes per parameter in fp32).
 
-Saving: every rank writes its files into `step_N.tmp/` and hashes them; rank 0 writes meta.json with the
+Saving: every rank writes its files into `step_N.tmp/`, hashing them as it writes; rank 0 writes meta.json with the
 hashes and the index (gathered onto it as text), renames the directory to `step_N/`, then rewrites `latest`
 (tmp + rename) and removes all but the newest `keep` checkpoints. A failure on any rank (a full disk, no
 permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays on the
@@ -107,18 +107,21 @@ def sha256_file(path: str) -> str:
 
 
 class _Writer:
-    """A file for torch.save that keeps the OSError of a failed write (a full disk, a file size limit):
-    torch reports only its own RuntimeError ("unexpected pos ...") for it."""
+    """A file for torch.save that hashes what it writes (a save does not read its files back to hash them) and
+    keeps the OSError of a failed write (a full disk, a file size limit): torch reports only its own
+    RuntimeError ("unexpected pos ...") for it."""
 
     def __init__(self, f):
-        self.f, self.error = f, None
+        self.f, self.error, self.digest = f, None, hashlib.sha256()
 
     def write(self, data):
         try:
-            return self.f.write(data)
+            n = self.f.write(data)
         except OSError as e:
             self.error = e
             raise
+        self.digest.update(data)
+        return n
 
     def flush(self):
         self.f.flush()
@@ -136,7 +139,7 @@ def _save_file(obj, path: str) -> str:
             raise
         f.flush()
         os.fsync(f.fileno())
-    return sha256_file(path)
+    return writer.digest.hexdigest()
 
 
 def read_meta(path: str) -> dict:
