@@ -24,6 +24,9 @@ hashes and the index (gathered onto it as text), renames the directory to `step_
 (tmp + rename) and removes all but the newest `keep` checkpoints. A failure on any rank (a full disk, no
 permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays on the
 last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
+With async_save the files are written by a thread of each rank while training goes on from the host copies
+(`Save`), and the agreement and publication wait for the first step at whose end no rank is still writing (a
+count in the step's loss all-reduce), as Megatron's async save finalizes.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
@@ -42,6 +45,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -343,65 +347,102 @@ def _try(fn, *args) -> str | None:
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def save(path: str, step: int, consumed_samples: int, buffers: list, optimizer, mesh, config: dict,
-         data: dict, keep: int) -> None:
-    """Write the checkpoint `path` (step_N) of every rank's state; see the module doc."""
-    tmp, device = path + ".tmp", buffers[0].grads_flat.device
-    previous = os.path.join(os.path.dirname(path), "latest")
-    last_good = _read_latest(os.path.dirname(path)) or "none"
+class Save:
+    """One checkpoint `path` (step_N) of every rank's state being written; see the module doc. The constructor
+    copies this rank's slices to the host (the snapshot: training may go on at once) and writes its files,
+    in a thread when `background`; `finish` (every rank, once `writing` is false everywhere or to wait for it)
+    agrees on the outcome, and rank 0 publishes it."""
 
-    def check(failure: str | None, what: str) -> None:
-        found = first_failure(failure, mesh, device)
+    def __init__(self, path: str, step: int, consumed_samples: int, buffers: list, optimizer, mesh, config: dict,
+                 data: dict, keep: int, background: bool = False):
+        self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
+        self.tmp = path + ".tmp"
+        self.last_good = _read_latest(os.path.dirname(path)) or "none"
+        self.meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+                     "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
+                     "config": config, "data": data, "optimizer": optimizer.counters()}
+        self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
+        self._check(_try(self._make_dir) if mesh.rank == 0 else None,
+                    "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
+        self.failure = _try(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
+        self.thread = None
+        if background and self.failure is None:
+            self.thread = threading.Thread(target=self._write, name=f"save {os.path.basename(path)}", daemon=True)
+            self.thread.start()
+        elif self.failure is None:
+            self._write()
+
+    def _make_dir(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+
+    def _copy(self, buffers: list, optimizer) -> None:
+        """This rank's weights and optimizer state, copied to the host, and its part of meta.json's index."""
+        mesh = self.mesh
+        where = f"pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}"
+        weights = {name: t for buf in buffers for name, t in buf.saved_weights().items()}
+        state = optimizer.saved_state()
+        if weights:
+            self.files[f"model_{where}.pt"] = weights
+            self.index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
+        if state:
+            name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
+            self.files[name] = {n: saved for n, (_, saved) in state.items()}
+            self.index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank,
+                                "ranges": {n: r for n, (r, _) in state.items()}}
+        self.tensors = {name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
+                        for buf in buffers for p, name in buf.names.items() if name in weights}
+
+    def _write(self) -> None:
+        """The files, hashed as they are written (no collective: it may run in a thread); the host copies are
+        freed as each file is done."""
+        self.failure = _try(self._write_files)
+        self.files = {}
+
+    def _write_files(self) -> None:
+        for name, obj in self.files.items():
+            self.digests[name] = _save_file(obj, os.path.join(self.tmp, name))
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank's files are still being written (by its thread)."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def _check(self, failure: str | None, what: str) -> None:
+        """Every rank raises RunError when any rank's `failure` is not None."""
+        found = first_failure(failure, self.mesh, self.device)
         if found is None:
             return
         first, why = found
-        if mesh.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RunError(f"Saving checkpoint {path} failed on rank {first} while {what}: {why}. "
+        if self.mesh.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        raise RunError(f"Saving checkpoint {self.path} failed on rank {first} while {what}: {why}. "
                        f"Its partial files were removed; checkpoints/latest still names the last good checkpoint "
-                       f"({last_good}).", reporter=first)
+                       f"({self.last_good}).", reporter=first)
 
-    check(_try(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp))) if mesh.rank == 0 else None,
-          "creating its directory")            # (an all-reduce that rank 0 joins once the directory exists)
-    where = f"pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}"
-    index, tensors, digests = {}, {}, {}        # this rank's part of meta.json
+    def finish(self) -> str:
+        """Wait for this rank's files, agree on every rank's, gather the index onto rank 0, which writes
+        meta.json, renames step_N.tmp to step_N, names it in `latest` and prunes; returns the path."""
+        if self.thread is not None:
+            self.thread.join()
+        self._check(self.failure, "writing its files")
+        gathered = gather_text(json.dumps({"files": self.digests, "shards": self.index, "tensors": self.tensors}),
+                               self.mesh.world_group, self.device, to_first=True)    # (O(ranks) bytes, not ^2)
+        self._check(_try(self._publish, gathered) if self.mesh.rank == 0 else None, "publishing it")
+        return self.path
 
-    def write():                                # (host copies, then files: an OOM is a failure as a full disk)
-        weights = {name: t for buf in buffers for name, t in buf.saved_weights().items()}
-        state = optimizer.saved_state()
-        files = {}
-        if weights:
-            files[f"model_{where}.pt"] = weights
-            index[f"model_{where}.pt"] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "weights": sorted(weights)}
-        if state:
-            name = f"optim_{where}_dp{mesh.dp_rank:02d}.pt"
-            files[name] = {n: saved for n, (_, saved) in state.items()}
-            index[name] = {"pp": mesh.pp_rank, "tp": mesh.tp_rank, "ranges": {n: r for n, (r, _) in state.items()}}
-        tensors.update({name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
-                        for buf in buffers for p, name in buf.names.items() if name in weights})
-        for name, obj in files.items():
-            digests[name] = _save_file(obj, os.path.join(tmp, name))
-    check(_try(write), "writing its files")
-    gathered = gather_text(json.dumps({"files": digests, "shards": index, "tensors": tensors}), mesh.world_group,
-                           device, to_first=True)              # (the index is rank 0's to write: O(ranks) bytes)
-
-    def publish():
+    def _publish(self, gathered: list) -> None:
         parts = [json.loads(text) for text in gathered]
-        meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples, "world_size": mesh.world_size,
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "config": config, "data": data,
-                "optimizer": optimizer.counters(),
-                "files": dict(sorted(kv for part in parts for kv in part["files"].items())),
-                "shards": dict(sorted(kv for part in parts for kv in part["shards"].items())),
-                "tensors": dict(sorted(kv for part in parts for kv in part["tensors"].items()))}
-        atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        atomic_write(previous, os.path.basename(path))
-        root = os.path.dirname(path)
+        meta = {**self.meta, **{key: dict(sorted(kv for part in parts for kv in part[key].items()))
+                                for key in ("files", "shards", "tensors")}}
+        atomic_write(os.path.join(self.tmp, "meta.json"), json.dumps(meta, indent=1))
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.replace(self.tmp, self.path)
+        root = os.path.dirname(self.path)
+        atomic_write(os.path.join(root, "latest"), os.path.basename(self.path))
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        for old in checkpoints_of(os.path.dirname(root))[keep:] + stale:
+        for old in checkpoints_of(os.path.dirname(root))[self.keep:] + stale:
             shutil.rmtree(old, ignore_errors=True)
-    check(_try(publish) if mesh.rank == 0 else None, "publishing it")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -184,6 +184,7 @@ class TrainConfig:
     memory_plan: bool = True         # rank 0 prints the layout planner's memory per rank next to the run's
     save_interval: int = 0           # 0: only at the end
     keep_checkpoints: int = 2        # the newest N complete checkpoints are kept
+    async_save: bool = False         # interval saves write their files in a thread while training goes on
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
     device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
     dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo

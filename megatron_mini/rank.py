@@ -40,12 +40,13 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
 
 
-def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device) -> torch.Tensor:
+def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device,
+                writing: bool = False) -> torch.Tensor:
     """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of
-    ranks asked to stop]: one world all-reduce."""
-    t = torch.zeros(2, device=device)
+    ranks asked to stop, the number still writing a checkpoint]: one world all-reduce."""
+    t = torch.zeros(3, device=device)
     if mesh.is_last_stage and mesh.tp_rank == 0:
         t[0] = loss_sum.float()
-    t[1] = float(stop)
+    t[1], t[2] = float(stop), float(writing)
     comm.all_reduce(t, mesh.world_group)
     return t

@@ -148,16 +148,20 @@ class Trainer:
         self.vocab = (cfg.model.vocab_size, cfg.data)      # every batch's ids are checked against it (get_batch)
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
+        self.pending = None                # a checkpoint.Save whose files are being written (async_save)
         self.gc_frozen = False
 
-    def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int]:
-        """(mean loss per token, ranks asked to stop) of this step (reduce_loss)."""
-        loss, stops = reduce_loss(self.mesh, loss_sum, stop, self.device).tolist()
-        return loss / self.tokens_per_step, int(stops)
+    def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int, int]:
+        """(mean loss per token, ranks asked to stop, ranks still writing a checkpoint) of this step
+        (reduce_loss)."""
+        writing = self.pending is not None and self.pending.writing
+        loss, stops, writers = reduce_loss(self.mesh, loss_sum, stop, self.device, writing).tolist()
+        return loss / self.tokens_per_step, int(stops), int(writers)
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step. `stop`: this rank's SIGTERM flag, read after the forward and backward (a step is
-        long: a signal during it stops the run after it, not after the next); out["stop"]: how many ranks had one."""
+        long: a signal during it stops the run after it, not after the next); out["stop"]: how many ranks had one;
+        out["writing"]: how many ranks were still writing the pending checkpoint (async_save)."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -168,7 +172,7 @@ class Trainer:
         scale = scaler.scale if scaler else None
         first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
         loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step, first)
-        loss, stop = self._global_loss(loss_sum, bool(stop and stop.requested))
+        loss, stop, writing = self._global_loss(loss_sum, bool(stop and stop.requested))
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -187,7 +191,8 @@ class Trainer:
             atexit.unregister(gc.unfreeze)     # (once, however many Trainers a process builds)
             atexit.register(gc.unfreeze)
             self.gc_frozen = True
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop,
+                "writing": writing}
 
     @property
     def skipped_steps(self) -> int:
@@ -204,14 +209,25 @@ class Trainer:
             total += self._global_loss(self.engine.eval_step(batch))[0]
         return total / self.cfg.eval_iters
 
-    def save(self, run_dir: str, data: dict) -> str:
+    def save(self, run_dir: str, data: dict, background: bool = False) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
-        data's identity (checkpoint.data_identity), checked when the run resumes."""
+        data's identity (checkpoint.data_identity), checked when the run resumes. `background`: return once
+        the state is copied to the host; the files are written while training goes on, and finish_save
+        publishes them (a pending save is finished first)."""
+        self.finish_save()
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
-        checkpoint.save(path, self.step, self.consumed_samples, self.buffers, self.optimizer, self.mesh,
-                        dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints)
-        self.last_checkpoint = path
-        return path
+        self.pending = checkpoint.Save(path, self.step, self.consumed_samples, self.buffers, self.optimizer,
+                                       self.mesh, dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints,
+                                       background)
+        return path if background else self.finish_save()
+
+    def finish_save(self) -> str | None:
+        """Finish the pending save (every rank; it waits for this rank's files): the path it published."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        self.last_checkpoint = pending.finish()
+        return self.last_checkpoint
 
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
@@ -290,8 +306,13 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
         paused = time.time()
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
-        if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]:
-            log.info(f"saved {trainer.save(cfg.run_dir, run.data)}")
+        due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
+        if trainer.pending and (due or not out["writing"]):     # (not writing: every rank's files are done)
+            log.info(f"saved {trainer.finish_save()} (written while training)")
+        if due:
+            background = cfg.async_save and step < cfg.steps and not out["stop"]
+            path = trainer.save(cfg.run_dir, run.data, background)
+            log.info(f"saving {path} while training" if background else f"saved {path}")
         interval_start += time.time() - paused    # a step line's rate is the training steps' own
         if out["stop"]:
             why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"

@@ -237,6 +237,75 @@ def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, 
     assert os.listdir(tmp_path / "checkpoints") == [], os.listdir(tmp_path / "checkpoints")
 
 
+def _train_with_slow_writes(cfg, delays):
+    """train(cfg) on this rank, each checkpoint file written delays[rank] seconds late."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_mini import checkpoint
+    from megatron_mini.training import train
+    write = checkpoint._save_file
+
+    def slow(obj, path):
+        time.sleep(delays[dist.get_rank()])
+        return write(obj, path)
+    checkpoint._save_file = slow
+    return train(cfg)
+
+
+def test_async_saves_write_the_checkpoints_of_sync_saves_while_training(small_data, tmp_path):
+    """async_save=true on 2 ranks with ZeRO-1, rank 1 writing each file 0.4 s late so that its saves span steps
+    while rank 0's do not: the losses and every checkpoint's files are byte for byte those of sync saves (a
+    snapshot of the step they name), each save is published once both ranks have written their files (rank 0
+    alone finishing would be a collective rank 1 does not join), and the last one, at `steps`, before the run
+    ends."""
+    from megatron_mini.checkpoint import read_meta, verify
+    runs = {}
+    for kind in ("sync", "async"):
+        cfg = small_config(small_data, tmp_path / kind, steps=8, save_interval=2, keep_checkpoints=4, gbs=8, zero=1,
+                           async_save=kind == "async")
+        runs[kind] = spawn(2, _train_with_slow_writes, cfg, (0.0, 0.4), init_group=False)[0]
+    assert runs["async"]["loss"] == runs["sync"]["loss"]
+    log = (tmp_path / "async" / "logs" / "rank0000.log").read_text()
+    for step in (2, 4, 6, 8):
+        paths = [str(tmp_path / kind / "checkpoints" / f"step_{step:06d}") for kind in ("sync", "async")]
+        assert read_meta(paths[0])["files"] == verify(paths[1])["files"], step
+        done = f"saved {paths[1]}" + (" (written while training)" if step < 8 else "")
+        assert (f"saving {paths[1]} while training" in log) == (step < 8) and done in log, (step, log)
+    assert runs["async"]["checkpoint"] == paths[1]
+
+
+def _async_save_failing(cfg, path):
+    """A background save in which rank 1 cannot write its files, then a step: the RunError of finishing it."""
+    from harness import make_trainer
+
+    from megatron_mini import checkpoint
+    from megatron_mini.config import RunError
+    trainer = make_trainer(cfg)
+    trainer.train_step()
+    if trainer.mesh.rank == 1:
+        def full(*_):
+            raise OSError(28, "No space left on device")
+        checkpoint._save_file = full
+    trainer.save(path, {}, background=True)
+    trainer.train_step()
+    with pytest.raises(RunError) as caught:
+        trainer.finish_save()
+    return str(caught.value)
+
+
+def test_an_async_save_that_fails_on_one_rank_stops_every_rank(small_data, tmp_path):
+    """A background write that fails on rank 1 is every rank's RunError when the save is finished (the step
+    after it, or the next save), naming the rank and the error; nothing of the save is left."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, zero=1)        # (rank 1 writes its ZeRO-1 shard)
+    messages = spawn(2, _async_save_failing, cfg, str(tmp_path))
+    assert messages[0] == messages[1], messages
+    assert ("step_000001 failed on rank 1 while writing its files: OSError: [Errno 28] No space left on device. "
+            "Its partial files were removed") in messages[0], messages
+    assert os.listdir(tmp_path / "checkpoints") == [], os.listdir(tmp_path / "checkpoints")
+
+
 @pytest.mark.parametrize("source,targets", [
     ((4, {"tp": 2, "zero": 1, "sp": True}), [(1, {}), (4, {"tp": 4}), (2, {"pp": 2, "vpp": 2, "zero": 1})]),
     ((4, {"pp": 2, "vpp": 2, "zero": 1, "embedding_stage": "own"}), [(2, {"tp": 2}), (1, {})]),
