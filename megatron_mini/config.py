@@ -168,8 +168,9 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     kernels: Kernels = Kernels.auto  # auto: torch, or triton where measured faster on this GPU; layer_norm /
                                      # attention / cross_entropy: Triton for that op, torch for the others
-    compile: bool = False            # torch.compile: a chunk's blocks as one graph at tp=1 without full recompute
-                                     # or dropout (ParallelContext.compile_chunks), else each block
+    compile: Optional[bool] = None   # torch.compile: a chunk's blocks as one graph at tp=1 without full recompute
+                                     # or dropout (ParallelContext.compile_chunks), else each block; unset
+                                     # (null): on CUDA, not on a CPU (model.compiles)
     # batch and schedule
     mbs: int = 4
     gbs: int = 32

@@ -16,6 +16,7 @@ import torch
 
 from . import comm
 from .meter import SavedTensorMeter
+from .model import compiles
 
 MiB = 2 ** 20
 STATE = ("weights", "grads", "optimizer")
@@ -31,7 +32,7 @@ class MemoryReport:
             self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type), self.mesh.dp)
         self.measuring = plan     # until the first step is measured
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
-            if plan and not trainer.cfg.compile else None
+            if plan and not compiles(trainer.cfg.compile, trainer.device) else None
         self.ranks = []           # per rank: {"rank", "measured": {...}, "planned": {...}}
 
     def _gather(self, values: list) -> list:

@@ -9,7 +9,7 @@ from . import comm
 from .config import TrainConfig
 from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
-from .model import ParallelContext, build_chunks, select_triton_ops
+from .model import ParallelContext, build_chunks, compiles, select_triton_ops
 from .optimizer import Optimizer
 from .pipeline import local_stage_layers
 from .rng import RNGTracker
@@ -26,7 +26,7 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     if chunks is None:
         ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
                               select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype),
-                              cfg.compile)
+                              compiles(cfg.compile, device))
         chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
     seen, buffers = set(), []
     for chunk in chunks:

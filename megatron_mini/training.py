@@ -36,7 +36,7 @@ from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, l
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
-from .model import select_triton_ops
+from .model import compiles, select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
@@ -421,7 +421,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                        branch=bool(run.resume and run.resume.superseded))
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
-             f"{run.device} ({run.backend}){' | torch.compile' if cfg.compile else ''}")
+             f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg.compile, run.device) else ''}")
     note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
     if note:
         log.info(note)

@@ -67,17 +67,17 @@ def test_bench_gpu_smoke(tmp_path):
     out = _run(["tools/bench_gpu.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])
     data = json.loads((tmp_path / "bench_gpu.json").read_text())
     recs = {r["row"]: r for r in data["results"]}
-    assert list(recs) == ["default", "torch", "triton", "layer_norm", "cross_entropy", "compile", "fp16", "baseline",
+    assert list(recs) == ["default", "eager", "torch", "triton", "layer_norm", "cross_entropy", "fp16", "baseline",
                           "baseline-compile"]
-    must_run = ["default", "torch", "triton", "layer_norm", "cross_entropy", "fp16", "baseline"]
+    must_run = ["default", "eager", "torch", "triton", "layer_norm", "cross_entropy", "fp16", "baseline"]
     for row in must_run:
         r = recs[row]
         assert r["status"] == "ok", (row, r.get("reason"))
         assert r["steps"] == 2 and all(_finite(t) and t > 0 for t in r["step_s"])
         assert _finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and _finite(r["model_tflops"])
         assert _finite(r["first_loss"]) and _finite(r["last_loss"]) and 4 < r["first_loss"] < 7   # ~ln(256)
-    for row in ("compile", "baseline-compile"):
-        assert recs[row]["status"] == "skipped"
+    assert recs["baseline-compile"]["status"] == "skipped"
+    assert not any(recs[row]["compiled"] for row in must_run)          # a smoke run compiles nothing
     assert recs["default"]["triton_ops"] == recs["torch"]["triton_ops"] == []    # auto on a CPU: torch's
     assert recs["triton"]["triton_ops"] == ["layer_norm", "attention", "cross_entropy"]
     for row in must_run:

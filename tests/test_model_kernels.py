@@ -9,8 +9,8 @@ import torch
 from harness import small_config, train_on_ranks
 from ranks import spawn
 from megatron_mini import model
-from megatron_mini.config import ModelConfig
-from megatron_mini.model import TritonOps, select_triton_ops
+from megatron_mini.config import ModelConfig, TrainConfig
+from megatron_mini.model import TritonOps, compiles, select_triton_ops
 
 
 @pytest.mark.parametrize("kernels, ops", [("torch", (False, False, False)), ("triton", (True, True, True)),
@@ -45,6 +45,13 @@ def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
     assert auto() == TritonOps(False, False, True)                   # the dropout variant was not measured
     monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 64, "bf16", False)}))
     assert auto(tp=2) == TritonOps(False, False, True)
+
+
+def test_compile_unset_means_on_cuda_only():
+    """compile=null (the default): compiled on CUDA, eager on a CPU; true and false as set, anywhere."""
+    assert TrainConfig().compile is None
+    assert [compiles(None, d) for d in ("cpu", "cuda", torch.device("cuda", 1))] == [False, True, True]
+    assert [compiles(c, d) for c in (True, False) for d in ("cpu", "cuda")] == [True, True, False, False]
 
 
 def test_triton_kernels_train_like_torch(small_data, tmp_path):
@@ -97,8 +104,10 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
 
 def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path):
     """compile=true with kernels=triton: the kernels are opaque calls in the compiled blocks (a graph break
-    each; dynamo died tracing into Triton's interpreter), and the run trains as the eager one does."""
-    overrides = {"model.num_layers": 2, "steps": 2, "gbs": 2, "kernels": "triton", "precision.tf32": False}
+    each; dynamo died tracing into Triton's interpreter), and the run trains as the eager one does (on the
+    GPU when there is one: kernels=triton on a CPU needs the interpreter, which only the tests' CPU runs set)."""
+    overrides = {"model.num_layers": 2, "steps": 2, "gbs": 2, "kernels": "triton", "device": "auto",
+                 "precision.tf32": False}
     eager = train_on_ranks(1, small_config(small_data, tmp_path / "eager", compile=False, **overrides))
     cfg = small_config(small_data, tmp_path / "compiled", compile=True, **overrides)
     run, breaks, graphs = spawn(1, _train_counting_graphs, cfg, "aot_eager", init_group=False)[0]

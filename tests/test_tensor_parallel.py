@@ -225,16 +225,20 @@ def _ce_checks(mesh) -> dict:
         loss_ref = F.cross_entropy(lr[..., :V].reshape(-1, V), tgt.reshape(-1), reduction="none",
                                    label_smoothing=ls).reshape(S, B)
         loss_ref.backward(grad_loss)
-        local = logits.to(dtype).chunk(T, -1)[r].clone().requires_grad_()
+        # the Triton kernels on the GPU when there is one (each rank's tensors there, over gloo), else on CPU
+        # under the interpreter
+        dev = torch.device("cuda" if fused and torch.cuda.is_available() else "cpu")
+        local = logits.to(dtype).chunk(T, -1)[r].clone().to(dev).requires_grad_()
         before = local.detach().clone()
         mesh.ledger.reset()
-        loss = vocab_parallel_cross_entropy(local, tgt, grp, V, ls, fused=fused)
+        loss = vocab_parallel_cross_entropy(local, tgt.to(dev), grp, V, ls, fused=fused)
         fwd = _summary(mesh.ledger)
         mesh.ledger.reset()
-        loss.backward(grad_loss)
+        loss.backward(grad_loss.to(dev))
+        grad = local.grad.cpu()
         res[case] = dict(
-            loss=_err(loss, loss_ref), dlogits=_err(local.grad, lr.grad.chunk(T, -1)[r]),
-            pad_grad=local.grad[..., cols >= V].abs().max().item() if (cols >= V).any() else 0.0,
+            loss=_err(loss.cpu(), loss_ref), dlogits=_err(grad, lr.grad.chunk(T, -1)[r]),
+            pad_grad=grad[..., cols >= V].abs().max().item() if (cols >= V).any() else 0.0,
             logits_unchanged=bool(torch.equal(local.detach(), before)),
             loss_dtype=str(loss.dtype), loss_shape=tuple(loss.shape), grad_dtype=str(local.grad.dtype),
             fwd=fwd, bwd=_summary(mesh.ledger), tokens=S * B,

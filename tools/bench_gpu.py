@@ -10,12 +10,13 @@ Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a m
   medium  gpt2-medium  mbs 8 x 8 x 1024                     (65,536)
   1.3b    gpt3-1.3b    mbs 8 x 8 x 2048                     (131,072)
 Rows (bf16 unless named):
-  default           megatron_mini with its default config (kernels=auto)
+  default           megatron_mini with its default config (kernels=auto; compile unset: compiled on CUDA)
+  eager             kernels=auto, compile=false
   torch / triton    kernels=torch / kernels=triton
   layer_norm        kernels=layer_norm: the Triton LayerNorm and add+LayerNorm, torch's SDPA attention
   cross_entropy     kernels=cross_entropy: the Triton cross-entropy, torch's kernels otherwise
-  compile           kernels=auto, compile=true (torch.compile: at tp=1 the blocks as one graph)
   fp16              kernels=auto, precision fp16 (dynamic loss scaling from 2^16, so no step is skipped)
+  (every framework row but eager compiles as the default does: at tp=1 a chunk's blocks as one graph)
   baseline          tools/baseline_gpt2.py eager: torch.autocast(bf16) with fp32 weights, fused AdamW
   baseline-compile  the same with torch.compile (the reference of the ratios)
 
@@ -66,13 +67,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {"small": ("gpt2-small", 16, 8), "medium": ("gpt2-medium", 8, 8), "1.3b": ("gpt3-1.3b", 8, 8)}
 VOCAB = 8192
-ROWS = ["default", "torch", "triton", "layer_norm", "cross_entropy", "compile", "fp16", "baseline", "baseline-compile"]
-ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto), bf16",
+ROWS = ["default", "eager", "torch", "triton", "layer_norm", "cross_entropy", "fp16", "baseline", "baseline-compile"]
+ROW_TEXT = {"default": "megatron_mini, default config (kernels=auto, compiled on CUDA), bf16",
+            "eager": "megatron_mini, kernels=auto, compile=false, bf16",
             "torch": "megatron_mini, kernels=torch, bf16",
             "triton": "megatron_mini, kernels=triton, bf16",
             "layer_norm": "megatron_mini, kernels=layer_norm (Triton LayerNorm, torch attention), bf16",
             "cross_entropy": "megatron_mini, kernels=cross_entropy (Triton cross-entropy, torch otherwise), bf16",
-            "compile": "megatron_mini, kernels=auto, compile=true, bf16",
             "fp16": "megatron_mini, kernels=auto, fp16",
             "baseline": "plain GPT-2 (tools/baseline_gpt2.py), eager, bf16 autocast",
             "baseline-compile": "plain GPT-2 + torch.compile, bf16 autocast"}
@@ -98,14 +99,13 @@ def model_config(key: str, smoke: bool):
     return ModelConfig(**preset, vocab_size=VOCAB), mbs, m
 
 
-def framework_config(row: str, model, mbs: int, m: int, device: str):
+def framework_config(row: str, model, mbs: int, m: int, device: str, smoke: bool):
+    """The row's TrainConfig: the default's compile (unset) but in the eager row and a smoke run."""
     from megatron_mini.config import PrecisionConfig
     precision = dataclasses.replace(PrecisionConfig(), dtype="bf16")
-    over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device)
+    over = dict(mbs=mbs, gbs=mbs * m, kernels="auto", device=device, compile=False if row == "eager" or smoke else None)
     if row in ("torch", "triton", "layer_norm", "cross_entropy"):
         over["kernels"] = row
-    elif row == "compile":
-        over["compile"] = True
     elif row == "fp16":
         precision = dataclasses.replace(precision, dtype="fp16", initial_loss_scale=FP16_LOSS_SCALE)
     over["precision"] = precision
@@ -125,14 +125,17 @@ def triton_ops(cfg, device) -> list:
 
 
 def build(row: str, model, mbs: int, m: int, device, smoke: bool):
-    compiled = row in ("compile", "baseline-compile")
-    if compiled and smoke:
-        raise RowSkipped("smoke run: no torch.compile")
+    """(runner, whether it runs torch.compile)."""
     if row.startswith("baseline"):
+        compiled = row == "baseline-compile"
+        if compiled and smoke:
+            raise RowSkipped("smoke run: no torch.compile")
         tokens = SyntheticTokens(model.vocab_size, model.seq_len, 1)      # the framework's training tokens
-        return BaselineRunner(model, mbs, m, device, "bf16", compiled, tokens)
+        return BaselineRunner(model, mbs, m, device, "bf16", compiled, tokens), compiled
     from megatron_mini.mesh import ParallelMesh
-    return LibRunner(framework_config(row, model, mbs, m, device.type), ParallelMesh(1, 1, 1), device)
+    from megatron_mini.model import compiles
+    cfg = framework_config(row, model, mbs, m, device.type, smoke)
+    return LibRunner(cfg, ParallelMesh(1, 1, 1), device), compiles(cfg.compile, device)
 
 
 # ============================================================================ measuring
@@ -162,13 +165,13 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         rec["mem_at_start_gib"] = torch.cuda.memory_allocated(device) / 2 ** 30   # > 0: an earlier row leaked
-    compiled = "compile" in row
-    warmup = args.warmup + (args.compile_warmup_extra if compiled else 0)
     try:
         t0 = time.perf_counter()
-        runner = build(row, model, mbs, m, device, args.smoke)
+        runner, compiled = build(row, model, mbs, m, device, args.smoke)
         _sync(device)
         rec["build_s"] = time.perf_counter() - t0
+        rec["compiled"] = compiled
+        warmup = args.warmup + (args.compile_warmup_extra if compiled else 0)
         if isinstance(runner, LibRunner):
             rec["triton_ops"] = triton_ops(runner.cfg, device)
         t0 = time.perf_counter()
@@ -216,9 +219,9 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     model, mbs, m = model_config(key, args.smoke)
-    runner = build(row, model, mbs, m, device, args.smoke)
+    runner, compiled = build(row, model, mbs, m, device, args.smoke)
     try:
-        warmup = args.warmup + (args.compile_warmup_extra if "compile" in row else 0)
+        warmup = args.warmup + (args.compile_warmup_extra if compiled else 0)
         for _ in range(warmup):
             runner.step()
         _sync(device)

@@ -38,20 +38,23 @@ LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------------- launching
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU, 16-bit inputs. Each compiles
-# for sm_90 without spilling registers (tools/check_kernels.py; the dk/dv kernel holds two [BLOCK_N, d] fp32
-# accumulators, so at d = 128 only 32-row query blocks in 8 warps fit); speed: tools/sweep_attention.py.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU, 16-bit inputs: of the
+# configurations `tools/sweep_attention.py --quick` timed on an H100 (2026-11-24), the fastest that compiles
+# for sm_90 without spilling registers (tools/check_kernels.py). The sweep's fastest dk/dv (both head dims)
+# and d = 64 dq spill (8-424 B a thread): fwd+bwd with them 0.798 ms at (16, 12, 1024, 64), 1.635 at
+# (8, 16, 2048, 128), against 0.871 and 2.034 with the earlier table (fwd (128, 64, 4|8, 3), d = 128 dq 2 stages).
 GPU_CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
     "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)},
-    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
 }
-# with dropout (the Philox draws take registers too): configurations that compile without spills on sm_90
-# (tools/check_kernels.py), not yet timed (tools/sweep_attention.py --dropout on a GPU)
+# with dropout (the Philox draws take registers too): d = 64 as timed by the sweep with `--dropout 0.1` (the
+# fastest fwd and dq; its fastest dk/dv, (64, 64, 4, 3), spills), d = 128 untimed (the sweep ran out of time):
+# configurations that compile without spills on sm_90
 DROPOUT_CONFIGS = {
-    "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
+    "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)},
     "dkdv": {64: (32, 128, 8, 2), 128: (16, 64, 4, 1)},   # 128: (16, 128, 8, 1) spills 24 B on Triton 3.6
-    "dq": {64: (128, 32, 8, 3), 128: (128, 32, 8, 2)},
+    "dq": {64: (64, 32, 4, 3), 128: (128, 32, 8, 2)},
 }
 # fp32 inputs (tests, fp32 runs) take IEEE fp32 dots on the CUDA cores, with tiles of twice the bytes:
 # small blocks, so registers and shared memory fit (speed is not the point there); 32 x 32 spills at d = 128
