@@ -82,13 +82,18 @@ class Resume:
 
 def set_aside(resume: Resume) -> list:
     """Rename the checkpoints that failed verification to step_N.corrupt, and those of a history the run
-    branches away from to step_N.superseded, so that no later resume=auto or pruning counts them (call once
-    every rank has chosen what to resume from); nothing is deleted. Returns notes."""
+    branches away from to step_N.superseded (step_N.superseded-2, -3, ... when an earlier one has that name: a
+    second branch back past step N), so that no later resume=auto or pruning counts them (call once every rank
+    has chosen what to resume from); nothing is deleted. Returns notes."""
     notes = []
     for paths, suffix in ((resume.skipped, ".corrupt"), (resume.superseded, ".superseded")):
         for path in paths:
-            os.replace(path, path + suffix)
-            notes.append(f"moved {path} aside to {path}{suffix}")
+            aside, k = path + suffix, 1
+            while os.path.lexists(aside):
+                k += 1
+                aside = f"{path}{suffix}-{k}"
+            os.replace(path, aside)
+            notes.append(f"moved {path} aside to {aside}")
     return notes
 
 

@@ -47,25 +47,43 @@ def _has_api_key() -> bool:
         return False
 
 
-def run_id(run_dir: str, name: str, branch: bool = False) -> str:
-    """The wandb run id this run directory logs to under `name`: the same on every restart, so that a resumed run
-    continues its wandb run. A branch (resume=PATH to a checkpoint older than the run's newest, which it sets
-    aside) starts a new wandb run, `<first id>-b<k>`: wandb keeps the first value logged at a step, so the
-    branch's steps up to the old history's last would be dropped from the old run. The ids a branch made are
-    kept in {run_dir}/wandb_ids.json ({name: [first id, ...]}, the last one current)."""
-    digest = hashlib.sha1(f"{os.path.realpath(run_dir)}|{name}".encode()).hexdigest()[:10]
-    first = f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:40]}-{digest}"
-    path = os.path.join(run_dir, "wandb_ids.json")
+BRANCHES = "branches.json"
+
+
+def branches(run_dir: str) -> list:
+    """The steps from which the run directory's branches resumed, oldest first ({run_dir}/branches.json; a
+    branch is a resume=PATH to a checkpoint older than the run's newest, which it sets aside). A file that is
+    not such a list counts as none, with a warning."""
+    path = os.path.join(run_dir, BRANCHES)
     try:
         with open(path, encoding="utf-8") as f:
-            ids = json.load(f)
+            steps = json.load(f)
     except FileNotFoundError:
-        ids = {}
-    made = ids.get(name) or [first]
-    if branch:
-        ids[name] = made + [f"{first}-b{len(made)}"]
-        atomic_write(path, json.dumps(ids, indent=1))
-    return ids.get(name, made)[-1]
+        return []
+    except (OSError, ValueError) as e:
+        steps = e
+    if isinstance(steps, list) and all(type(s) is int for s in steps):
+        return steps
+    print(f"warning: {path} is not a list of steps ({steps!r:.80}); counting no branch before this one, so "
+          "wandb may log this run to an earlier branch's run", file=sys.stderr, flush=True)
+    return []
+
+
+def record_branch(run_dir: str, step: int) -> None:
+    """Add a branch from `step` to {run_dir}/branches.json (rank 0, before it sets the newer checkpoints aside:
+    a restart after a kill in between branches again, and a wandb run is never shared by two branches)."""
+    atomic_write(os.path.join(run_dir, BRANCHES), json.dumps(branches(run_dir) + [step]))
+
+
+def run_id(run_dir: str, name: str) -> str:
+    """The wandb run id this run directory logs to under `name`: the same on every restart, so that a resumed run
+    continues its wandb run; after k branches (branches.json) `<first id>-b<k>`, a new wandb run, since wandb
+    keeps the first value logged at a step: the branch's steps up to the old history's last would be dropped
+    from the old run. Whatever wandb's mode was when the branch was made."""
+    digest = hashlib.sha1(f"{os.path.realpath(run_dir)}|{name}".encode()).hexdigest()[:10]
+    first = f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:40]}-{digest}"
+    k = len(branches(run_dir))
+    return f"{first}-b{k}" if k else first
 
 
 def _plain(value):
@@ -104,8 +122,7 @@ def cut_metrics(run_dir: str, step: int) -> int:
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
 
-    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool, branch: bool = False):
-        """`branch`: the run resumed from a checkpoint older than its newest (a new wandb run; run_id)."""
+    def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
         self.mode = resolve_mode(wandb_cfg.mode)
         self.enabled = enabled
         self.run_dir = run_dir
@@ -124,7 +141,7 @@ class RunLogger:
 
             self._run = wandb.init(
                 project=wandb_cfg.project, group=wandb_cfg.group, name=name, config=config,
-                dir=run_dir, mode=self.mode, id=run_id(run_dir, name, branch), resume="allow",
+                dir=run_dir, mode=self.mode, id=run_id(run_dir, name), resume="allow",
             )
             self._wandb_path = os.path.abspath(self._run.settings.sync_dir)
         except Exception as e:  # wandb must never stop training

@@ -33,7 +33,7 @@ from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
-from .logger import RunLogger, Throughput, cut_metrics, format_duration, step_line
+from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import compiles, select_triton_ops
@@ -409,6 +409,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         _write_config(cfg)
     trainer = Trainer(cfg, mesh, run.datasets, run.device)
     if run.resume:                     # every rank has chosen (init_process_group waited for all of them)
+        if rank == 0 and run.resume.superseded:
+            record_branch(cfg.run_dir, run.resume.meta["step"])
         moved = checkpoint.set_aside(run.resume) if rank == 0 else []
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")
@@ -417,8 +419,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         cut = cut_metrics(cfg.run_dir, trainer.step) if rank == 0 else 0
         if cut:
             log.info(f"resume: moved {cut} lines of metrics.jsonl past step {trainer.step} to metrics.superseded.jsonl")
-    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0,
-                       branch=bool(run.resume and run.resume.superseded))
+    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg.compile, run.device) else ''}")

@@ -98,10 +98,31 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
     from compare_runs import iter_wandb_records, wandb_files
 
     from megatron_mini.logger import run_id
-    ids = json.loads((run / "wandb_ids.json").read_text())["run"]         # (wandb's name: the run directory's)
-    assert ids == [ids[0], ids[0] + "-b1"] and run_id(str(run), "run") == ids[1], ids
+    assert json.loads((run / "branches.json").read_text()) == [5]
+    assert run_id(str(run), "run").endswith("-b1")                       # (wandb's name: the run directory's)
     assert {r.run.run_id for f in wandb_files(str(run)) for r in iter_wandb_records(f)
-            if r.WhichOneof("record_type") == "run"} == {ids[1]}
+            if r.WhichOneof("record_type") == "run"} == {run_id(str(run), "run")}
+
+
+def test_a_second_branch_past_the_same_step_sets_its_newer_checkpoint_aside_too(uninterrupted, small_data, tmp_path):
+    """Two rollbacks to step 5, each past a step 10: the second step_000010 goes aside as
+    step_000010.superseded-2, beside the first branch's step_000010.superseded, and branches.json records both
+    (with wandb disabled: a later run with wandb on logs to <id>-b2)."""
+    import json
+    import shutil
+
+    from megatron_mini.logger import run_id
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted[0].run_dir, run)
+    ckpt = run / "checkpoints"
+    files = sorted(os.listdir(ckpt / "step_000010"))
+    for steps in (10, 6):
+        train_on_ranks(1, small_config(small_data, run, steps=steps, resume=str(ckpt / "step_000005")))
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000005", "step_000006", "step_000010.superseded",
+                                        "step_000010.superseded-2"]
+    assert sorted(os.listdir(ckpt / "step_000010.superseded")) == files
+    assert json.loads((ckpt / "step_000010.superseded-2" / "meta.json").read_text())["step"] == 10
+    assert json.loads((run / "branches.json").read_text()) == [5, 5] and run_id(str(run), "run").endswith("-b2")
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 8])

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megatron_mini.config import WandbConfig
-from megatron_mini.logger import RunLogger, resolve_mode, run_id
+from megatron_mini.logger import RunLogger, branches, record_branch, resolve_mode, run_id
 
 import compare_runs                                 # tools/ (pytest's pythonpath)
 
@@ -61,27 +61,38 @@ def test_offline_wandb_run_reads_back_exactly(tmp_path, wandb_env):
     assert (run.source, run.label, run.rows) == ("metrics.jsonl", "tiny-fp16", expected[:20] + again)
 
 
-def test_a_branch_logs_to_a_new_wandb_run_that_its_restarts_continue(tmp_path, wandb_env):
+def test_a_branch_logs_to_a_new_wandb_run_that_its_restarts_continue(tmp_path, wandb_env, capsys):
     """wandb keeps the first value logged at a step: a branch from step 20 of a run logged to step 25 goes to a
-    new wandb run (<first id>-b1), which the branch's restarts continue, and a second branch to -b2; the run
-    directory's ids are in wandb_ids.json, and compare_runs reads the branch's history from its wandb files."""
-    run_dir, cfg = str(tmp_path / "run"), WandbConfig(mode="offline", name="tiny")
+    new wandb run (<first id>-b1), which the branch's restarts continue, and a second branch to -b2; a branch
+    made while wandb was disabled counts too (-b3 after it). The branches are in branches.json, whatever the
+    wandb mode; compare_runs reads the branch's history from its wandb files. A branches.json that is not a
+    list of steps counts as none, with a warning."""
+    run_dir = str(tmp_path / "run")
 
-    def segment(steps, offset, branch=False):
-        logger = RunLogger(run_dir, cfg, {}, enabled=True, branch=branch)
+    def segment(steps, offset, branch_from=None, mode="offline"):
+        if branch_from is not None:
+            record_branch(run_dir, branch_from)       # (training: rank 0, before it sets checkpoints aside)
+        logger = RunLogger(run_dir, WandbConfig(mode=mode, name="tiny"), {}, enabled=True)
         rows = fake_training(logger, steps, offset)
         logger.finish()
         return logger.wandb_path, rows
     first_id = run_id(run_dir, "tiny")
-    paths, rows = zip(*(segment(*args) for args in ((range(1, 26), 0.0), (range(21, 28), 1.0, True),
-                                                      (range(28, 31), 1.0), (range(11, 13), 2.0, True))))
-    ids = [first_id + suffix for suffix in ("", "-b1", "-b1", "-b2")]
+    paths, rows = zip(*(segment(*args) for args in ((range(1, 26), 0.0), (range(21, 28), 1.0, 20),
+                                                      (range(28, 31), 1.0), (range(11, 13), 2.0, 10),
+                                                      (range(5, 8), 3.0, 4, "disabled"), (range(8, 9), 3.0))))
+    ids = [first_id + suffix for suffix in ("", "-b1", "-b1", "-b2", "-b3")]      # (the disabled segment: none)
     logged = [{r.run.run_id for f in compare_runs.wandb_files(path) for r in compare_runs.iter_wandb_records(f)
-               if r.WhichOneof("record_type") == "run"} for path in paths]
+               if r.WhichOneof("record_type") == "run"} for path in paths if path]
     assert logged == [{i} for i in ids], logged
-    assert json.load(open(os.path.join(run_dir, "wandb_ids.json"))) == {"tiny": [ids[0], ids[1], ids[3]]}
+    assert paths[4] is None and branches(run_dir) == [20, 10, 4] and run_id(run_dir, "other").endswith("-b3")
     files = [f for path in paths[:3] for f in compare_runs.wandb_files(path)]
     assert compare_runs.read_wandb_files(files) == ("tiny", rows[0][:20] + rows[1] + rows[2])
+    capsys.readouterr()
+    for damaged in ("[20, 10", '"20"', "[20, 1.5]"):
+        with open(os.path.join(run_dir, "branches.json"), "w") as f:
+            f.write(damaged)
+        assert branches(run_dir) == [] and run_id(run_dir, "tiny") == first_id
+        assert "branches.json is not a list of steps" in capsys.readouterr().err
 
 
 def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
