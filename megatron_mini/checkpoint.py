@@ -400,13 +400,14 @@ class Save:
 
     def _write(self) -> None:
         """The files, hashed as they are written (no collective: it may run in a thread); the host copies are
-        freed as each file is done."""
+        freed as each file is done (the rest when one fails)."""
         self.failure = _try(self._write_files)
         self.files = {}
 
     def _write_files(self) -> None:
-        for name, obj in self.files.items():
-            self.digests[name] = _save_file(obj, os.path.join(self.tmp, name))
+        while self.files:
+            name = next(iter(self.files))
+            self.digests[name] = _save_file(self.files.pop(name), os.path.join(self.tmp, name))
 
     @property
     def writing(self) -> bool:

@@ -3,7 +3,7 @@ this run holds, so that a run that departs from its plan shows it at once:
 
 - at start-up: weights, fp32 main grads and optimizer state (Optimizer.memory_bytes of every rank);
 - after the first step: the activations autograd saved at the step's peak (meter.SavedTensorMeter
-  around it; not with compile=true, whose graphs keep their own), and on a GPU the allocator's peak.
+  around it; not when the model is compiled, whose graphs keep their own), and on a GPU the allocator's peak.
 
 Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json."""
 from __future__ import annotations
@@ -62,7 +62,7 @@ class MemoryReport:
     @contextlib.contextmanager
     def first_step(self):
         """Around the first training step (a no-op around the others): the activations saved at its peak
-        (not with compile=true), planned | measured, and on a GPU the allocator's peak."""
+        (not when the model is compiled), planned | measured, and on a GPU the allocator's peak."""
         if not self.measuring:
             yield
             return
@@ -76,7 +76,7 @@ class MemoryReport:
         rows = self._gather([self.meter.peak if self.meter else -1, peak])
         lines = []
         for r, (saved, allocated) in enumerate(rows):
-            measured = "- (compile=true)"
+            measured = "- (compiled)"
             if saved >= 0:
                 self.ranks[r]["measured"]["activations"] = saved
                 measured = f"{saved / MiB:.2f}"

@@ -439,6 +439,10 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     try:
         stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
     except FloatingPointError as e:
+        # every rank raises it at the same step (the global loss; the fp16 scaler's state): the save still
+        # being written, of an earlier step, is published as a sync save would have been
+        if trainer.pending:
+            log.info(f"saved {trainer.finish_save()} (written while training)")
         logger.finish()
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
                   if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")

@@ -297,6 +297,35 @@ def test_async_saves_write_the_checkpoints_of_sync_saves_while_training(small_da
     assert runs["async"]["checkpoint"] == paths[1]
 
 
+def _diverging_with_slow_writes(cfg, delays, nan_step):
+    """_train_with_slow_writes, the global loss NaN at step `nan_step`: the RunError's message."""
+    import math
+
+    from megatron_mini import training
+    from megatron_mini.config import RunError
+    global_loss = training.Trainer._global_loss
+
+    def diverging(self, loss_sum, stop=False):
+        loss, stops, writers = global_loss(self, loss_sum, stop)
+        return (math.nan if self.step + 1 == nan_step else loss), stops, writers
+    training.Trainer._global_loss = diverging
+    with pytest.raises(RunError) as caught:
+        _train_with_slow_writes(cfg, delays)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_run_that_diverges_while_an_async_save_is_written_publishes_it(kind, small_data, tmp_path):
+    """The loss turns NaN at step 3 while rank 1 still writes step 2's files (0.4 s late each): the run stops on
+    every rank with step 2 published and named as the last good checkpoint, as with sync saves."""
+    cfg = small_config(small_data, tmp_path, steps=8, save_interval=2, gbs=8, zero=1, async_save=kind == "async")
+    messages = spawn(2, _diverging_with_slow_writes, cfg, (0.0, 0.4), 3, init_group=False)
+    step2 = str(tmp_path / "checkpoints" / "step_000002")
+    assert messages[0] == messages[1] and f"the last good checkpoint ({step2})" in messages[0], messages
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000002"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
 def _async_save_failing(cfg, path):
     """A background save in which rank 1 cannot write its files, then a step: the RunError of finishing it."""
     from harness import make_trainer
