@@ -170,7 +170,7 @@ class TrainConfig:
                                      # attention / cross_entropy: Triton for that op, torch for the others
     compile: Optional[bool] = None   # torch.compile: a chunk's blocks as one graph at tp=1 without full recompute
                                      # or dropout (ParallelContext.compile_chunks), else each block; unset
-                                     # (null): on CUDA, not on a CPU (model.compiles)
+                                     # (null): on CUDA where a chunk is one graph, else eager (model.compiles)
     # batch and schedule
     mbs: int = 4
     gbs: int = 32

@@ -32,7 +32,7 @@ class MemoryReport:
             self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type), self.mesh.dp)
         self.measuring = plan     # until the first step is measured
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
-            if plan and not compiles(trainer.cfg.compile, trainer.device) else None
+            if plan and not compiles(trainer.cfg, trainer.device) else None
         self.ranks = []           # per rank: {"rank", "measured": {...}, "planned": {...}}
 
     def _gather(self, values: list) -> list:

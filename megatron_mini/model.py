@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from .comm import Group, Ledger
-from .config import Kernels, ModelConfig, Recompute
+from .config import Kernels, ModelConfig, Recompute, TrainConfig
 from .hardware import gpu_key
 from .rng import RNGTracker
 from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear, VocabParallelEmbedding,
@@ -84,10 +84,20 @@ def sdpa(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def compiles(compile: bool | None, device) -> bool:
-    """compile as set; unset: on CUDA, where one H100 measured the compiled model faster at every size tried
-    (gpt2-small 1.07-1.13x eager, gpt2-medium 1.09x, gpt3-1.3b 1.02x: docs/benchmarks.md), not on a CPU."""
-    return torch.device(device).type == "cuda" if compile is None else compile
+def chunk_is_one_graph(tp: int, recompute: Recompute, dropout: float) -> bool:
+    """Whether torch.compile takes a chunk's run of blocks as one graph: nothing in it needs to stay eager
+    (no TP collective, no full recompute, no dropout, whose masks are keyed before each block: RNGTracker.seed).
+    Else each block is a graph of its own."""
+    return tp == 1 and recompute != Recompute.full and not dropout
+
+
+def compiles(cfg: TrainConfig, device) -> bool:
+    """cfg.compile as set; unset: on CUDA where a chunk is one graph, which one H100 measured faster than eager
+    at every size tried (gpt2-small 1.07-1.13x, gpt2-medium 1.09x, gpt3-1.3b 1.02x: docs/benchmarks.md), where a
+    graph per block was slower (gpt2-medium 468 against 387 ms); eager elsewhere, and on a CPU."""
+    if cfg.compile is not None:
+        return cfg.compile
+    return torch.device(device).type == "cuda" and chunk_is_one_graph(cfg.tp, cfg.recompute, cfg.model.dropout)
 
 
 @dataclass
@@ -108,11 +118,10 @@ class ParallelContext:
         return cls(Group("tp", [0], None, Ledger()), RNGTracker(seed, 0, torch.device(device)))
 
     def compile_chunks(self, dropout: float) -> bool:
-        """compile=true compiles a chunk's run of blocks as one graph where nothing in it needs to stay
-        eager (no TP collective, no full recompute, no dropout, whose masks are keyed before each block:
-        RNGTracker.seed): the per-call cost of a compiled region (guards, the autograd wrapper) is then paid
-        once per microbatch, not once per block. Else each block."""
-        return self.compile and self.tp_group.size == 1 and self.recompute != Recompute.full and not dropout
+        """Compiling, a chunk's run of blocks as one graph where it can be (chunk_is_one_graph): the per-call
+        cost of a compiled region (guards, the autograd wrapper) is then paid once per microbatch, not once
+        per block. Else each block."""
+        return self.compile and chunk_is_one_graph(self.tp_group.size, self.recompute, dropout)
 
     def dropout_stream(self, per_tp_rank: bool):
         """The RNG stream a dropout draws from: the TP-rank stream (RNGTracker.fork) when its tensor differs

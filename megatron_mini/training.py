@@ -422,7 +422,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
-             f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg.compile, run.device) else ''}")
+             f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
     note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
     if note:
         log.info(note)

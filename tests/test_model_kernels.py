@@ -47,11 +47,18 @@ def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
     assert auto(tp=2) == TritonOps(False, False, True)
 
 
-def test_compile_unset_means_on_cuda_only():
-    """compile=null (the default): compiled on CUDA, eager on a CPU; true and false as set, anywhere."""
-    assert TrainConfig().compile is None
-    assert [compiles(None, d) for d in ("cpu", "cuda", torch.device("cuda", 1))] == [False, True, True]
-    assert [compiles(c, d) for c in (True, False) for d in ("cpu", "cuda")] == [True, True, False, False]
+def test_compile_unset_means_on_cuda_where_a_chunk_is_one_graph():
+    """compile=null (the default): compiled on CUDA at tp=1 without full recompute or dropout (a chunk is one
+    graph, measured faster than eager), else eager, and eager on a CPU; true and false as set, anywhere."""
+    cfg = TrainConfig()
+    assert cfg.compile is None and (cfg.tp, cfg.model.dropout) == (1, 0.0)
+    assert [compiles(cfg, d) for d in ("cpu", "cuda", torch.device("cuda", 1))] == [False, True, True]
+    assert compiles(dataclasses.replace(cfg, recompute="selective"), "cuda")
+    for other in (dict(tp=2), dict(recompute="full"), dict(model=dataclasses.replace(cfg.model, dropout=0.1))):
+        assert not compiles(dataclasses.replace(cfg, **other), "cuda"), other
+        assert compiles(dataclasses.replace(cfg, compile=True, **other), "cpu")
+    assert [compiles(dataclasses.replace(cfg, compile=c), d) for c in (True, False) for d in ("cpu", "cuda")] == \
+        [True, True, False, False]
 
 
 def test_triton_kernels_train_like_torch(small_data, tmp_path):

@@ -135,7 +135,7 @@ def build(row: str, model, mbs: int, m: int, device, smoke: bool):
     from megatron_mini.mesh import ParallelMesh
     from megatron_mini.model import compiles
     cfg = framework_config(row, model, mbs, m, device.type, smoke)
-    return LibRunner(cfg, ParallelMesh(1, 1, 1), device), compiles(cfg.compile, device)
+    return LibRunner(cfg, ParallelMesh(1, 1, 1), device), compiles(cfg, device)
 
 
 # ============================================================================ measuring
