@@ -1,6 +1,7 @@
 """(Run as python docs/probes/eager_glue.py from the repository root; on a GPU for figures, on CPU as a smoke
-run at small sizes.) Not yet run on a GPU: written after the 2026-11-23 profile of the eager step, for the
-next GPU session. Two pieces of the eager step's glue, each way side by side (median of do_bench, ms):
+run at small sizes.) Written after the 2026-11-23 profile of the eager step; run on an H100 on 2026-11-24
+(docs/benchmarks.md, "Third GPU run"). Two pieces of the eager step's glue, each way side by side (median of
+do_bench, ms):
 
 1. bias gradients into the fp32 main grad, dy [T, N] bf16 -> main [N] fp32 (15.7 ms a gpt2-small step):
    "sum+add"  main += dy.sum(0, fp32)     (what tensor_parallel.linear does)
