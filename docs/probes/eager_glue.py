@@ -8,7 +8,7 @@ do_bench, ms):
    "gemv"     main += 1^T dy as one GEMM with an fp32 output (accumulate_matmul with a ones row)
 2. the attention core's fwd+bwd at gpt2-small's shape, [s, b, 3h] -> [s, b, h], with q, k, v taken from the
    qkv columns as model.Attention does ("split": the qkv gradient is one cat) or as it did before
-   ("unbind" of a [s, b, 3, heads, d] view: a stack and a copy), under each SDPA backend.
+   ("unbind" of a [s, b, 3, heads, d] view: a stack and a copy), under each SDPA backend and model.sdpa.
 """
 import statistics
 import time
@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megatron_mini.model import sdpa
 from megatron_mini.tensor_parallel import accumulate_matmul, gemm_into_fp32
 
 cuda = torch.cuda.is_available()
@@ -67,6 +68,7 @@ backends = {"default": None}
 if cuda:
     from torch.nn.attention import SDPBackend
     backends.update(cudnn=SDPBackend.CUDNN_ATTENTION, flash=SDPBackend.FLASH_ATTENTION)
+    backends["model.sdpa (cuDNN first)"] = "model"
 qkv = torch.randn(s, bsz, 3 * h, dtype=dtype, device=dev, requires_grad=True)
 grad = torch.randn(s, bsz, h, dtype=dtype, device=dev)
 print(f"\n2. attention core fwd+bwd, qkv [{s}, {bsz}, {3 * h}] (ms)\n| backend | unbind | split |\n|---|---|---|")
@@ -74,10 +76,10 @@ for name, backend in backends.items():
     row = []
     for way in (unbind, split):
         def step():
-            y = F.scaled_dot_product_attention(*way(qkv), is_causal=True)
+            y = (sdpa if backend == "model" else F.scaled_dot_product_attention)(*way(qkv), is_causal=True)
             y.permute(2, 0, 1, 3).reshape(s, bsz, h).backward(grad)
         try:
-            if backend is None:
+            if backend in (None, "model"):
                 row.append(f"{bench(step):.4f}")
             else:
                 from torch.nn.attention import sdpa_kernel
