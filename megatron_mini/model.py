@@ -73,7 +73,9 @@ def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device
 # torch chose by itself (0.717 for q, k, v unbound from a [s, b, 3, heads, d] view, the earlier layout).
 CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
-_SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters   # an older torch: torch's order
+# (an older torch without set_priority: torch's order; torch.compile traces the context and honours the order
+# from torch 2.9, pytorch#160684, in one graph: tests/test_model_kernels.py::test_the_cuda_sdpa_order_...)
+_SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def sdpa(q, k, v, **kwargs):

@@ -123,6 +123,23 @@ def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path)
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
 
 
+def test_the_cuda_sdpa_order_stays_in_the_graph():
+    """model.sdpa's context on CUDA, sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True), traced by dynamo without a
+    graph break and computing what F.scaled_dot_product_attention does (on CPU tensors: the context and its
+    tracing are the same; a break would split the compiled chunk into a graph per block)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def ordered(q, k, v):
+        with sdpa_kernel(model.CUDA_SDPA_ORDER, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+    q, k, v = torch.randn(3, 2, 4, 16, 8).unbind(0)
+    explained = torch._dynamo.explain(ordered)(q, k, v)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch.equal(torch.compile(ordered, backend="aot_eager")(q, k, v),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2)
+
+
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_a_chunk_traces_as_one_graph(recompute):
     """At tp=1 without dropout a chunk's blocks trace without a graph break (what compile_chunks relies on),
