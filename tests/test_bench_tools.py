@@ -166,10 +166,23 @@ def test_bench_gpu_frees_the_trainer():
                 sum(1 for o in objs if type(o) is torch.nn.Parameter))
 
     before = live()
-    args = argparse.Namespace(smoke=True, steps=1, warmup=0, compile_warmup_extra=0, peak_tflops=0.0)
+    args = argparse.Namespace(smoke=True, steps=1, warmup=0, compile_warmup_extra=0, peak_tflops=0.0,
+                              vocab=bench_gpu.VOCAB)
     rec = bench_gpu.measure_row("torch", "smoke", args, torch.device("cpu"), print)
     assert rec["status"] == "ok", rec.get("reason")
     assert live() == before
+
+
+def test_bench_gpu_vocab_sets_the_models_vocabulary():
+    """--vocab 50304 (GPT-2's padded vocabulary, where kernels=auto takes the Triton cross-entropy on an H100):
+    the preset's model with that vocabulary, for the framework and the baseline alike; a smoke run keeps its own."""
+    import bench_gpu
+    from megatron_mini.config import ModelConfig
+    model, mbs, m = bench_gpu.model_config("small", False, 50304)
+    assert (model.vocab_size, model.padded_vocab_size, model.num_layers, model.hidden_size, mbs, m) == \
+        (50304, 50304, 12, 768, 16, 8)
+    assert bench_gpu.model_config("small", False)[0] == ModelConfig(**{**vars(model), "vocab_size": 8192})
+    assert bench_gpu.model_config("small", True, 50304)[0].vocab_size == 256
 
 
 def test_baseline_options_keep_cpu_defaults():

@@ -5,7 +5,8 @@
     python tools/bench_gpu.py --models small --profile default     # top-25 CUDA kernels of one row
     python tools/bench_gpu.py --smoke                              # a tiny model, 2 steps per row
 
-Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a multiple of 128):
+Models (conf/model/*.yaml; vocabulary 8192, the project tokenizer's, already a multiple of 128; `--vocab 50304`
+GPT-2's padded one, where kernels=auto takes the Triton cross-entropy on an H100):
   small   gpt2-small   mbs 16 x 8 microbatches x seq 1024   (131,072 tokens per step)
   medium  gpt2-medium  mbs 8 x 8 x 1024                     (65,536)
   1.3b    gpt3-1.3b    mbs 8 x 8 x 2048                     (131,072)
@@ -86,8 +87,9 @@ class RowSkipped(Exception):
 
 
 # ============================================================================ models and configs
-def model_config(key: str, smoke: bool):
-    """(ModelConfig, mbs, microbatches) of a preset, read from conf/model/<name>.yaml."""
+def model_config(key: str, smoke: bool, vocab: int = VOCAB):
+    """(ModelConfig, mbs, microbatches) of a preset, read from conf/model/<name>.yaml, with `vocab` tokens (the
+    baseline takes the same count: pass a multiple of 128, or the framework alone pads it)."""
     from megatron_mini.config import ModelConfig
     if smoke:
         return ModelConfig(name="smoke", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=256), 2, 2
@@ -96,7 +98,7 @@ def model_config(key: str, smoke: bool):
     with open(os.path.join(REPO, "conf", "model", f"{name}.yaml")) as f:
         preset = yaml.safe_load(f)
     preset = {k: v for k, v in preset.items() if k != "vocab_size"}   # "${data.vocab_size}" in the preset
-    return ModelConfig(**preset, vocab_size=VOCAB), mbs, m
+    return ModelConfig(**preset, vocab_size=vocab), mbs, m
 
 
 def framework_config(row: str, model, mbs: int, m: int, device: str, smoke: bool):
@@ -156,7 +158,7 @@ def _free(device):
 def measure_row(row: str, key: str, args, device, log) -> dict:
     """Build, warm up and time one row; every failure ends up in the returned record."""
     import torch
-    model, mbs, m = model_config(key, args.smoke)
+    model, mbs, m = model_config(key, args.smoke, args.vocab)
     tokens = mbs * m * model.seq_len
     rec = {"model": key, "model_name": model.name, "vocab": model.vocab_size, "row": row, "config": ROW_TEXT[row],
            "dtype": row_dtype(row),
@@ -218,7 +220,7 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     """torch.profiler over a few steps of one row (after warmup): the top kernels by total time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    model, mbs, m = model_config(key, args.smoke)
+    model, mbs, m = model_config(key, args.smoke, args.vocab)
     runner, compiled = build(row, model, mbs, m, device, args.smoke)
     try:
         warmup = args.warmup + (args.compile_warmup_extra if compiled else 0)
@@ -421,6 +423,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="small,medium,1.3b", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per row (default 10; smoke 2)")
+    ap.add_argument("--vocab", type=at_least(128), default=VOCAB,
+                    help=f"the models' vocabulary (default {VOCAB}; 50304: GPT-2's, padded; not in a smoke run)")
     ap.add_argument("--warmup", type=at_least(0), default=None, help="warmup steps per row (default 3; smoke 1)")
     ap.add_argument("--compile-warmup-extra", type=at_least(0), default=2,
                     help="extra warmup steps of compiled rows (default 2)")
