@@ -80,8 +80,13 @@ _SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 def sdpa(q, k, v, **kwargs):
     """F.scaled_dot_product_attention, on CUDA with the backends in CUDA_SDPA_ORDER's order."""
-    if not (q.is_cuda and _SDPA_PRIORITY):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if q.is_cuda and _SDPA_PRIORITY:
+        return sdpa_in_order(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_in_order(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention with the backends tried in CUDA_SDPA_ORDER's order."""
     with sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 

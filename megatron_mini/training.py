@@ -307,8 +307,8 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
         due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
-        if trainer.pending and (due or not out["writing"]):     # (not writing: every rank's files are done)
-            log.info(f"saved {trainer.finish_save()} (written while training)")
+        if due or not out["writing"]:                  # (not writing: every rank's files are done)
+            _finish_pending(trainer, log)
         if due:
             background = cfg.async_save and step < cfg.steps and not out["stop"]
             path = trainer.save(cfg.run_dir, run.data, background)
@@ -319,6 +319,12 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
             return why
     return None
+
+
+def _finish_pending(trainer: Trainer, log: logging.Logger) -> None:
+    """Publish the async save being written, if any (every rank together: Trainer.finish_save)."""
+    if trainer.pending:
+        log.info(f"saved {trainer.finish_save()} (written while training)")
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
@@ -441,8 +447,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     except FloatingPointError as e:
         # every rank raises it at the same step (the global loss; the fp16 scaler's state): the save still
         # being written, of an earlier step, is published as a sync save would have been
-        if trainer.pending:
-            log.info(f"saved {trainer.finish_save()} (written while training)")
+        _finish_pending(trainer, log)
         logger.finish()
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
                   if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")

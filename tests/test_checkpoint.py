@@ -222,6 +222,13 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
         assert sum(n for _, n in ledger.values()) < cfg.model.num_params(), (rank, ledger)   # < 1/4 of fp32 weights
 
 
+def _raising(error):
+    """A stand-in for a function that raises `error` whatever it is given."""
+    def raise_(*_):
+        raise error
+    return raise_
+
+
 def _save_failing(cfg, path, where):
     """One step, then a save in which one rank fails in a way that is neither a full disk nor torch's: rank 1
     cannot copy its optimizer state to the host (MemoryError), or rank 0 cannot write meta.json (ValueError).
@@ -232,15 +239,10 @@ def _save_failing(cfg, path, where):
     from megatron_mini.config import RunError
     trainer = make_trainer(cfg)
     trainer.train_step()
-
-    def fail(error):
-        def raise_(*_):
-            raise error
-        return raise_
     if where == "writing" and trainer.mesh.rank == 1:
-        trainer.optimizer.saved_state = fail(MemoryError("cannot allocate 1.2 GiB"))
+        trainer.optimizer.saved_state = _raising(MemoryError("cannot allocate 1.2 GiB"))
     if where == "publishing" and trainer.mesh.rank == 0:
-        checkpoint.atomic_write = fail(ValueError("not JSON"))
+        checkpoint.atomic_write = _raising(ValueError("not JSON"))
     with pytest.raises(RunError) as caught:
         trainer.save(path, {})
     return str(caught.value)
@@ -335,9 +337,7 @@ def _async_save_failing(cfg, path):
     trainer = make_trainer(cfg)
     trainer.train_step()
     if trainer.mesh.rank == 1:
-        def full(*_):
-            raise OSError(28, "No space left on device")
-        checkpoint._save_file = full
+        checkpoint._save_file = _raising(OSError(28, "No space left on device"))
     trainer.save(path, {}, background=True)
     trainer.train_step()
     with pytest.raises(RunError) as caught:

@@ -124,15 +124,13 @@ def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path)
 
 
 def test_the_cuda_sdpa_order_stays_in_the_graph():
-    """model.sdpa's context on CUDA, sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True), traced by dynamo without a
-    graph break and computing what F.scaled_dot_product_attention does (on CPU tensors: the context and its
-    tracing are the same; a break would split the compiled chunk into a graph per block)."""
+    """model.sdpa's CUDA path, model.sdpa_in_order (sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True)), traced by
+    dynamo without a graph break and computing what F.scaled_dot_product_attention does (on CPU tensors: the
+    context and its tracing are the same; a break would split the compiled chunk into a graph per block)."""
     import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     def ordered(q, k, v):
-        with sdpa_kernel(model.CUDA_SDPA_ORDER, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+        return model.sdpa_in_order(q, k, v, is_causal=True) * 2
     q, k, v = torch.randn(3, 2, 4, 16, 8).unbind(0)
     explained = torch._dynamo.explain(ordered)(q, k, v)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

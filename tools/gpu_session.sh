@@ -111,7 +111,7 @@ compile)
   cp docs/benchmarks.md "$LOGS/"
   B="$PY tools/bench_gpu.py --doc $LOGS/benchmarks.md"
   # the limits sum to 530 s (pip, imports and tar fit in 600); seen 2026-11-24: glue 14 s, each compiled row
-  # 35 s (small), 58 s (medium), 69-100 s (1.3b) before its steps; 1.3b eager was measured then (1980.9 ms)
+  # 35 s (small), 58 s (medium), 69 s (1.3b) before its steps; 1.3b eager was measured then (1980.9 ms)
   step glue 40 $PY docs/probes/eager_glue.py
   step bench_small 150 $B --models small --rows default,eager,fp16,baseline-compile --steps 8 --out "$LOGS/small"
   step bench_medium 150 $B --models medium --rows default,eager,baseline-compile --steps 8 --out "$LOGS/medium"
