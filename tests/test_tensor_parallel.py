@@ -731,6 +731,34 @@ def test_accumulate_matmul_adds_the_product_into_fp32(device, dtype):
     assert ((out.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("way", ["this torch's", "one GEMM"])
+def test_bias_gradient_goes_into_the_fp32_main_grad(monkeypatch, way):
+    """main_grad_b += the sum of dy over tokens, as the fp64 sum of the 16-bit dy to fp32 rounding, whether
+    it is a reduction then an add (the CPU) or the GEMM 1^T dy into fp32 that CUDA takes where torch has
+    it ("one GEMM": that branch, its GEMM emulated in fp32 on the CPU), and the parameter is told once."""
+    from megatron_mini import tensor_parallel as tp_mod
+    gemms = []
+    if way == "one GEMM":
+        monkeypatch.setattr(tp_mod, "gemm_into_fp32", lambda device_type, dtype: "addmm")
+        monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "addmm",
+                            lambda out, a, b: gemms.append(out.add_(a.float() @ b.float()).shape))
+
+    class Bias:                      # what a GradBuffer gives a parameter
+        main_grad, ready = torch.randn(48, generator=torch.Generator().manual_seed(1)), 0
+
+        def main_grad_ready(self):
+            self.ready += 1
+
+    bias = Bias()
+    dy = torch.randn(300, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = bias.main_grad.double() + dy.double().sum(0)
+    tp_mod._bias_grad_into_main(bias, dy)
+    bound = 2.0 ** -20 * (dy.double().abs().sum(0) + expected.abs())
+    assert bias.main_grad.dtype == torch.float32 and bias.ready == 1
+    assert gemms == ([(1, 48)] if way == "one GEMM" else [])
+    assert ((bias.main_grad.double() - expected).abs() <= bound).all()
+
+
 def test_gemm_probe_skips_ways_that_fail_or_are_wrong(monkeypatch):
     """A way this torch refuses (TypeError, as addmm without out_dtype), that computes something else, or
     that overwrites the fp32 tensor instead of adding into it (gradient accumulation would keep only the

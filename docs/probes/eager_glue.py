@@ -4,8 +4,9 @@ run at small sizes.) Written after the 2026-11-23 profile of the eager step; run
 do_bench, ms):
 
 1. bias gradients into the fp32 main grad, dy [T, N] bf16 -> main [N] fp32 (15.7 ms a gpt2-small step):
-   "sum+add"  main += dy.sum(0, fp32)     (what tensor_parallel.linear does)
-   "gemv"     main += 1^T dy as one GEMM with an fp32 output (accumulate_matmul with a ones row)
+   "sum+add"  main += dy.sum(0, fp32)     (what tensor_parallel.linear did then; now where gemm_into_fp32 is not addmm)
+   "gemv"     main += 1^T dy as one GEMM with an fp32 output (accumulate_matmul with a ones row; now linear's way
+              where gemm_into_fp32 is addmm, as on the H100 it ran on)
 2. the attention core's fwd+bwd at gpt2-small's shape, [s, b, 3h] -> [s, b, h], with q, k, v taken from the
    qkv columns as model.Attention does ("split": the qkv gradient is one cat) or as it did before
    ("unbind" of a [s, b, 3, heads, d] view: a stack and a copy), under each SDPA backend and model.sdpa.
