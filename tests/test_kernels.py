@@ -301,3 +301,34 @@ def test_importing_kernels_package_does_not_import_triton():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import sys, megatron_mini.kernels; assert 'triton' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=repo, check=True)
+
+
+# ----------------------------------------------------------------------------------- under torch.compile
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_kernels_are_one_graph_under_compile(backend):
+    """The model's kernel entry points (add_layer_norm, layer_norm, flash_attention_qkv) as custom ops: a
+    function of all three compiles to one graph without a break (an opaque call each), and its outputs
+    and input gradients are eager's (the same kernels; inductor fuses the torch ops around them, which
+    round like eager's in fp32)."""
+    import torch._dynamo
+    from megatron_mini.kernels.attention import flash_attention_qkv
+
+    def f(x, r, w, b, w2, b2, qkv):
+        h, y = add_layer_norm(x, r, w, b)
+        z = layer_norm(y * 2 + h, w2, b2)
+        a = flash_attention_qkv(qkv * 1.5, 2, causal=True)
+        return (z * z).sum() + h.sum() + (a * torch.arange(a.shape[-1], device=a.device)).sum()
+
+    args = [_randn(24, 2, 40, seed=i).requires_grad_() for i in range(2)]
+    args += [_randn(40, seed=2 + i).requires_grad_() for i in range(4)]
+    args += [_randn(24, 2, 3 * 2 * 16, seed=6).requires_grad_()]
+    explained = torch._dynamo.explain(f)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    out, grads = [], []
+    for fn in (f, torch.compile(f, backend=backend, dynamic=False)):
+        out.append(fn(*args))
+        grads.append(torch.autograd.grad(out[-1], args))
+    torch.testing.assert_close(out[1], out[0])
+    for g_compiled, g_eager in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_compiled, g_eager)

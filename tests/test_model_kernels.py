@@ -109,16 +109,21 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
 
 
-def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path):
-    """compile=true with kernels=triton: the kernels are opaque calls in the compiled blocks (a graph break
-    each; dynamo died tracing into Triton's interpreter), and the run trains as the eager one does (on the
-    GPU when there is one: kernels=triton on a CPU needs the interpreter, which only the tests' CPU runs set)."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path, dropout):
+    """compile=true with kernels=triton: the LayerNorms and the attention are custom ops in the compiled chunk,
+    which stays one graph without a break (dynamo cannot trace the kernels under Triton's interpreter, and a
+    break per kernel would cut the chunk into pieces), or with dropout a graph per block, whose attention
+    draws its mask's seed in the graph where eager draws it; and the run trains as the eager one does, masks
+    included (on the GPU when there is one: kernels=triton on a CPU needs the interpreter, which only the
+    tests' CPU runs set)."""
     overrides = {"model.num_layers": 2, "steps": 2, "gbs": 2, "kernels": "triton", "device": "auto",
-                 "precision.tf32": False}
+                 "precision.tf32": False, "model.dropout": dropout}
     eager = train_on_ranks(1, small_config(small_data, tmp_path / "eager", compile=False, **overrides))
     cfg = small_config(small_data, tmp_path / "compiled", compile=True, **overrides)
     run, breaks, graphs = spawn(1, _train_counting_graphs, cfg, "aot_eager", init_group=False)[0]
-    assert breaks > 0
+    # the chunk's two blocks, or each block (the head, with the fused cross-entropy, is eager)
+    assert (breaks, graphs) == (0, 2 if dropout else 1)
     a, b = torch.tensor(eager["loss"]), torch.tensor(run["loss"])
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.tolist(), b.tolist())
 

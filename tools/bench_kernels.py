@@ -1,7 +1,7 @@
 """Kernel benchmarks (`make bench-kernels`): the Triton LayerNorm, fused residual-add + LayerNorm, flash
 attention and cross-entropy against every torch path, side by side in one run on one GPU.
 
-    python tools/bench_kernels.py [--doc] [--out DIR] [--no-compile] [--ops ln,addln,attn,ce]
+    python tools/bench_kernels.py [--doc] [--out DIR] [--no-compile] [--graph] [--ops ln,addln,attn,ce]
     python tools/bench_kernels.py --smoke          # CPU: tiny shapes through the Triton interpreter
 
 Rows (bf16 activations, bf16 weights):
@@ -46,6 +46,12 @@ Goals (issue 9, H100, fwd+bwd): attention >= 1.0x cuDNN SDPA at (16, 12, 1024, 6
 (8, 16, 2048, 128); LayerNorm >= 2x torch eager; add+LayerNorm >= 2.5x torch eager. The cross-entropy
 has no goal of its own: its rows decide kernels=auto's TRITON_WINS (issue 10's profile: 11.8 ms a
 gpt2-small step in the fp32 cast and softmax).
+
+`--graph` times each path's fwd+bwd a second way, the GPU's time alone: one CUDA graph runs it on each input
+set in turn, and the median of do_bench over the graph's replays is divided by the number of sets. Where the
+host takes longer to launch a path than the GPU to run it (the LayerNorms' Python wrappers on a slow host),
+do_bench measures the host; the graph figure measures the kernels. It is reported beside the issue's
+do_bench figure (a table and goal lines of its own), never instead of it.
 
 `--doc` replaces the section between `<!-- bench_kernels begin -->` and `<!-- bench_kernels end -->`
 of docs/benchmarks.md (appended when absent) with the tables, the goals and the device line.
@@ -231,6 +237,29 @@ def bench_path(fn, sets: list, timer: Timer) -> dict:
     return {"fwd_ms": f, "fwdbwd_ms": fb, "bwd_ms": fb - f, "first_call_s": first_s}
 
 
+def graph_ms(fn, sets: list, timer: Timer) -> float:
+    """fwd+bwd GPU time alone (`--graph`): one CUDA graph runs fn's fwd+bwd on each input set in turn, and
+    the median of do_bench over its replays is divided by the number of sets. The host's launch cost, which
+    do_bench's figure includes where it exceeds the GPU's work, is gone from it."""
+    import torch
+
+    def every_set():
+        return [torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"]) for s in sets]
+
+    side = torch.cuda.Stream()            # warm up on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        every_set()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = every_set()
+    try:
+        return timer.median_ms(graph.replay) / len(sets)
+    finally:
+        del outs, graph
+
+
 def max_rel_error(fn, ref, s: dict) -> float:
     """max |fn - ref| / max |ref| over outputs and input gradients; ref runs in fp32 (TF32 off) on the
     leaves upcast (other args, the cross-entropy's targets, as they are)."""
@@ -255,8 +284,22 @@ def max_rel_error(fn, ref, s: dict) -> float:
     return max(errs) if all(math.isfinite(e) for e in errs) else float("nan")   # a NaN must not hide
 
 
-def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print, on_row=None) -> list:
-    """The benchmark rows of `ops`; `on_row(results so far)` after each (a run cut short keeps its rows)."""
+def rank_against_torch(row: dict) -> None:
+    """row's fastest torch path (best_torch; best_torch_graph by CUDA-graph time) and each cell's ratio to it
+    (x_best_torch, x_best_torch_graph: the torch path's time / the cell's, above 1 = faster)."""
+    for key, best, ratio in (("fwdbwd_ms", "best_torch", "x_best_torch"),
+                             ("graph_ms", "best_torch_graph", "x_best_torch_graph")):
+        torch_ms = {c: row["cells"][c][key] for c in TORCH_PATHS if key in row["cells"].get(c, {})}
+        if torch_ms:
+            row[best] = min(torch_ms, key=torch_ms.get)
+            for cell in row["cells"].values():
+                if key in cell:
+                    cell[ratio] = torch_ms[row[best]] / cell[key]
+
+
+def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print, on_row=None, graph: bool = False) -> list:
+    """The benchmark rows of `ops`; `on_row(results so far)` after each (a run cut short keeps its rows);
+    `graph`: each path's fwd+bwd GPU time under a CUDA graph too (graph_ms; CUDA only)."""
     import torch
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -305,12 +348,15 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print, on_row=None
             row["cells"][col] = cell
             log(f"  {col}: fwd {cell['fwd_ms']:.4g} ms, bwd {cell['bwd_ms']:.4g} ms, fwd+bwd "
                 f"{cell['fwdbwd_ms']:.4g} ms, {fmt(cell['rate'])} {unit} (first call {cell['first_call_s']:.1f} s)")
-        torch_ms = {c: row["cells"][c]["fwdbwd_ms"] for c in TORCH_PATHS if "fwdbwd_ms" in row["cells"].get(c, {})}
-        if torch_ms:
-            row["best_torch"] = min(torch_ms, key=torch_ms.get)
-            for cell in row["cells"].values():
-                if "fwdbwd_ms" in cell:
-                    cell["x_best_torch"] = torch_ms[row["best_torch"]] / cell["fwdbwd_ms"]
+            if graph and gpu:
+                try:
+                    cell["graph_ms"] = graph_ms(fn, sets, timer)
+                    log(f"  {col}: fwd+bwd {cell['graph_ms']:.4g} ms of GPU time (CUDA graph)")
+                except Exception as err:  # noqa: BLE001 - a path that cannot be captured (a host sync, ...)
+                    torch.cuda.synchronize()
+                    cell["graph_reason"] = short_error(err)
+                    log(f"  {col}: no CUDA graph ({short_error(err)})")
+        rank_against_torch(row)
         ours = row["cells"]["ours (Triton)"]
         if "fwdbwd_ms" in ours:        # against the eager math in fp32
             plain = case.paths(compile_ok=False)
@@ -344,21 +390,23 @@ def goals(results: list, smoke: bool) -> list:
             ref, target = "torch eager", None
         else:
             ref, target = "torch eager", (2.0 if op == "ln" else 2.5)
-        name = f"{row['label']} {row['shape_text']} fwd+bwd vs {ref}"
         ours, other = row["cells"].get("ours (Triton)", {}), row["cells"].get(ref, {})
-        if "fwdbwd_ms" in ours and "fwdbwd_ms" in other:
-            ratio = other["fwdbwd_ms"] / ours["fwdbwd_ms"]
-            measured = f"{ratio:.2f}x ({ours['fwdbwd_ms']:.4g} ms vs {other['fwdbwd_ms']:.4g} ms)"
-        else:
-            ratio = None
-            missing = "ours" if "fwdbwd_ms" not in ours else ref
-            measured = f"- ({missing} did not run)"
-        if smoke or target is None:
-            verdict = "n/a (smoke run: not a GPU measurement)" if smoke else "n/a (no goal at this shape)"
-        else:
-            verdict = "not measured" if ratio is None else ("met" if ratio >= target else
-                                                           f"MISSED by {(1 - ratio / target) * 100:.0f}%")
-        out.append([name, measured, f">= {target}x" if target else "-", verdict])
+        for key, how in (("fwdbwd_ms", ""), ("graph_ms", " (GPU time alone, CUDA graph)")):
+            if key == "graph_ms" and key not in ours and key not in other:
+                continue                   # no --graph
+            name = f"{row['label']} {row['shape_text']} fwd+bwd vs {ref}{how}"
+            if key in ours and key in other:
+                ratio = other[key] / ours[key]
+                measured = f"{ratio:.2f}x ({ours[key]:.4g} ms vs {other[key]:.4g} ms)"
+            else:
+                ratio = None
+                measured = f"- ({'ours' if key not in ours else ref} did not run)"
+            if smoke or target is None:
+                verdict = "n/a (smoke run: not a GPU measurement)" if smoke else "n/a (no goal at this shape)"
+            else:
+                verdict = "not measured" if ratio is None else ("met" if ratio >= target else
+                                                               f"MISSED by {(1 - ratio / target) * 100:.0f}%")
+            out.append([name, measured, f">= {target}x" if target else "-", verdict])
     return out
 
 
@@ -366,6 +414,22 @@ def _cell_text(cell: dict, unit: str) -> str:
     if "fwdbwd_ms" not in cell:
         return "-"
     return f"{cell['fwdbwd_ms']:.4g} ms ({fmt(cell['rate'], '.0f' if cell['rate'] and cell['rate'] >= 10 else '.3g')})"
+
+
+def graph_table(results: list) -> str:
+    """`--graph`: fwd+bwd GPU time (CUDA graph) of every column, and ours against the fastest torch path."""
+    lines = []
+    for row in results:
+        cells = [row["cells"].get(k, {}) for k in COLUMNS]
+        if not any("graph_ms" in c or "graph_reason" in c for c in cells):
+            continue
+        ratio = cells[0].get("x_best_torch_graph")
+        lines.append([row["label"], row["shape_text"]] + [f"{c['graph_ms']:.4g} ms" if "graph_ms" in c else "-"
+                                                          for c in cells]
+                     + [row.get("best_torch_graph", "-"), "-" if ratio is None else f"{ratio:.2f}x"])
+    if not lines:
+        return ""
+    return markdown_table(["op", "shape"] + list(COLUMNS) + ["best torch", "ours x best torch"], lines)
 
 
 def _err_text(cell: dict) -> str:
@@ -394,9 +458,10 @@ def missing_notes(results: list) -> str:
     seen = {}
     for row in results:
         for col in COLUMNS:
-            reason = row["cells"].get(col, {}).get("reason")
-            if reason and reason != "n/a":
-                seen.setdefault((col, reason), []).append(f"{row['label']} {row['shape_text']}")
+            cell = row["cells"].get(col, {})
+            for what, reason in ((col, cell.get("reason")), (f"{col} under a CUDA graph", cell.get("graph_reason"))):
+                if reason and reason != "n/a":
+                    seen.setdefault((what, reason), []).append(f"{row['label']} {row['shape_text']}")
     if not seen:
         return "Every path ran at every shape."
     return "Paths that did not run ('-'):\n" + "\n".join(
@@ -435,8 +500,11 @@ def report(results: list, smoke: bool, device: str, command: str) -> str:
     if smoke:
         parts.append("- **smoke run** (tiny shapes; on a CPU the Triton interpreter and perf_counter): these "
                      "figures say nothing about speed.")
-    parts += ["", "fwd+bwd time (throughput) per path:", "", compact_table(results), "", missing_notes(results), "",
-              "Goals (issue 9):", "", markdown_table(["goal", "measured", "target", "result"], gl), "",
+    parts += ["", "fwd+bwd time (throughput) per path:", "", compact_table(results), "", missing_notes(results), ""]
+    if graph_table(results):
+        parts += ["fwd+bwd GPU time alone (`--graph`: one CUDA graph over the input sets, do_bench of its replays "
+                  "divided by their number; no host launch cost):", "", graph_table(results), ""]
+    parts += ["Goals (issue 9):", "", markdown_table(["goal", "measured", "target", "result"], gl), "",
               "Full table (fwd, bwd, fwd+bwd):", "", full_table(results)]
     return "\n".join(parts)
 
@@ -449,6 +517,8 @@ def main(argv=None) -> int:
                     "then through the Triton interpreter); exercises the script, claims no speed")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default: all)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--graph", action="store_true", help="also time each path's fwd+bwd under a CUDA graph: the "
+                    "GPU's time alone, without the host's launch cost (CUDA only)")
     ap.add_argument("--warmup", type=at_least(1), default=25, help="do_bench warmup, ms (default 25)")
     ap.add_argument("--rep", type=at_least(1), default=100, help="do_bench repetition time, ms (default 100)")
     add_output_args(ap, "bench_kernels")
@@ -486,8 +556,10 @@ def main(argv=None) -> int:
                    json.dumps({"device": device, "command": command, "smoke": smoke, "done": done, "results": results,
                                "goals": goals(results, smoke)}, indent=1, default=str))
 
+    if args.graph and not cuda:
+        print("--graph needs CUDA: no CUDA graph timings on this machine", flush=True)
     results = run(ops, smoke, timer, compile_ok=not smoke and not args.no_compile, log=log,
-                  on_row=(lambda rows: write_out(rows, False)) if args.out else None)
+                  on_row=(lambda rows: write_out(rows, False)) if args.out else None, graph=args.graph)
     text = report(results, smoke, device, command)
     log("done")
 
@@ -506,6 +578,8 @@ def main(argv=None) -> int:
     print()
     print(compact_table(results))
     print()
+    if graph_table(results):
+        print("GPU time alone (CUDA graph):\n" + graph_table(results) + "\n")
     print(missing_notes(results))
     print()
     print(markdown_table(["goal", "measured", "target", "result"], goals(results, smoke)))

@@ -8,9 +8,12 @@
 - `megatron_mini.kernels.cross_entropy`: row_stats, logits_grad (the cross-entropy over a vocabulary shard;
   tensor_parallel.vocab_parallel_cross_entropy(fused=True) wraps them for autograd and TP).
 
-Under torch.compile the entry points above are opaque calls (`torch.compiler.disable`, a graph break
-each): dynamo cannot trace the kernels under Triton's interpreter, and tracing their autotuning has not
-been tried on a GPU.
+Under torch.compile the model's entry points (layer_norm, add_layer_norm, flash_attention_qkv) call
+custom ops (torch.library.custom_op: opaque to dynamo and inductor, a call in the graph, not a break):
+dynamo cannot trace the kernels under Triton's interpreter, and tracing their autotuning has not been
+tried on a GPU. Eager calls take a plain autograd.Function, whose host cost is about half a custom op's.
+flash_attention (separate q, k, v: tests, benches) stays a graph break (`torch.compiler.disable`), and the
+cross-entropy's kernels run where the model keeps its fused cross-entropy: eager.
 
 Import the submodules directly; this package imports nothing (no triton) so that CPU-only code
 can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter:

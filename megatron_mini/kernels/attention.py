@@ -174,28 +174,85 @@ def _split_qkv(qkv: torch.Tensor, heads: int):
     return qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
 
 
+def _qkv_forward(qkv, seed, heads, scale, causal, dropout_p):
+    """(o [s, b, heads * d], lse [b * heads, s] fp32) of a contiguous qkv [s, b, 3 * heads * d]."""
+    q, k, v = _split_qkv(qkv, heads)
+    o = _new_bhsd(*q.shape[:3], q.shape[3], q)
+    lse = _forward(q, k, v, o, scale, causal, dropout_p, seed)
+    s, b = qkv.shape[:2]
+    return o.permute(2, 0, 1, 3).reshape(s, b, -1), lse          # a view: o is [s, b, heads, d] in memory
+
+
+def _qkv_backward(qkv, o, lse, do, seed, heads, scale, causal, dropout_p):
+    """dqkv [s, b, 3 * heads * d] from the forward's qkv, o, lse, seed and do [s, b, heads * d]."""
+    s, b = qkv.shape[:2]
+    dqkv = torch.empty_like(qkv)
+    (q, k, v), (dq, dk, dv) = _split_qkv(qkv, heads), _split_qkv(dqkv, heads)
+    o, do = (t.contiguous().view(s, b, heads, -1).permute(1, 2, 0, 3) for t in (o, do))
+    _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed)
+    return dqkv
+
+
 class _FlashAttentionQKV(torch.autograd.Function):
+    """The eager path of flash_attention_qkv (a Python autograd.Function costs about half the host time of a
+    custom op's dispatch, which only torch.compile needs)."""
+
     @staticmethod
     def forward(ctx, qkv, heads, scale, causal, dropout_p):
         qkv = qkv.contiguous()
-        q, k, v = _split_qkv(qkv, heads)
-        o = _new_bhsd(*q.shape[:3], q.shape[3], q)
         seed = _draw_seed(qkv.device, dropout_p)
-        lse = _forward(q, k, v, o, scale, causal, dropout_p, seed)
+        o, lse = _qkv_forward(qkv, seed, heads, scale, causal, dropout_p)
         ctx.save_for_backward(qkv, o, lse, seed)
-        ctx.heads, ctx.scale, ctx.causal, ctx.dropout_p = heads, scale, causal, dropout_p
-        s, b = qkv.shape[:2]
-        return o.permute(2, 0, 1, 3).reshape(s, b, -1)          # a view: o is [s, b, heads, d] in memory
+        ctx.args = heads, scale, causal, dropout_p
+        return o
 
     @staticmethod
     def backward(ctx, do):
         qkv, o, lse, seed = ctx.saved_tensors
-        s, b = qkv.shape[:2]
-        dqkv = torch.empty_like(qkv)
-        do = do.contiguous().view(s, b, ctx.heads, -1).permute(1, 2, 0, 3)
-        _backward(*_split_qkv(qkv, ctx.heads), o, lse, do, *_split_qkv(dqkv, ctx.heads),
-                  ctx.scale, ctx.causal, ctx.dropout_p, seed)
-        return dqkv, None, None, None, None
+        return (_qkv_backward(qkv, o, lse, do, seed, *ctx.args),) + (None,) * 4
+
+
+# ------------------------------------------------------------------- under torch.compile: custom ops
+# The same passes as opaque operators (as kernels/layernorm.py's): a call in dynamo's graph, not a break. The
+# dropout seed is drawn outside, in the graph (an input of the op: an op must not draw random numbers itself).
+@torch.library.custom_op("megatron_mini::flash_attention_qkv_fwd", mutates_args=())
+def _qkv_fwd_op(qkv: torch.Tensor, seed: torch.Tensor, heads: int, scale: float, causal: bool, dropout_p: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_device(qkv, _INTERPRET, __name__)
+    o, lse = _qkv_forward(qkv.contiguous(), seed, heads, scale, causal, dropout_p)   # (inductor may pick strides)
+    return o.contiguous(), lse
+
+
+@torch.library.custom_op("megatron_mini::flash_attention_qkv_bwd", mutates_args=())
+def _qkv_bwd_op(qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, seed: torch.Tensor,
+                heads: int, scale: float, causal: bool, dropout_p: float) -> torch.Tensor:
+    return _qkv_backward(qkv.contiguous(), o, lse, do, seed, heads, scale, causal, dropout_p)
+
+
+@_qkv_fwd_op.register_fake
+def _(qkv, seed, heads, scale, causal, dropout_p):
+    s, b, width = qkv.shape
+    return qkv.new_empty((s, b, width // 3)), qkv.new_empty((b * heads, s), dtype=torch.float32)
+
+
+@_qkv_bwd_op.register_fake
+def _(qkv, o, lse, do, seed, heads, scale, causal, dropout_p):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _qkv_setup(ctx, inputs, output):
+    qkv, seed, *args = inputs
+    ctx.save_for_backward(qkv, output[0], output[1], seed)
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = args
+
+
+def _qkv_op_grads(ctx, do, dlse):
+    qkv, o, lse, seed = ctx.saved_tensors
+    return (_qkv_bwd_op(qkv, o, lse, do, seed, *ctx.args),) + (None,) * 5
+
+
+_qkv_fwd_op.register_autograd(_qkv_op_grads, setup_context=_qkv_setup)
 
 
 @torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
@@ -209,7 +266,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _FlashAttention.apply(q, k, v, scale, bool(causal), float(dropout_p))
 
 
-@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def flash_attention_qkv(qkv: torch.Tensor, heads: int, causal: bool = True, softmax_scale: float | None = None,
                         dropout_p: float = 0.0) -> torch.Tensor:
     """Attention on a fused projection qkv [s, b, 3 * heads * d] (the last dim is [q | k | v], each
@@ -219,6 +275,9 @@ def flash_attention_qkv(qkv: torch.Tensor, heads: int, causal: bool = True, soft
     q, k, v = _split_qkv(qkv, heads)
     _check(q, k, v, dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if torch.compiler.is_compiling():
+        qkv = qkv.contiguous()
+        return _qkv_fwd_op(qkv, _draw_seed(qkv.device, dropout_p), heads, scale, bool(causal), float(dropout_p))[0]
     return _FlashAttentionQKV.apply(qkv, heads, scale, bool(causal), float(dropout_p))
 
 

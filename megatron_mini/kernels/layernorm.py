@@ -26,6 +26,7 @@ Division: Triton's fp32 `/` is approximate on GPUs (div.full.f32), so every per-
 divides with tl.math.div_rn (IEEE round to nearest, as the interpreter does; one per row).
 """
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -298,7 +299,7 @@ def _backward_programs(n_rows: int, chunks: int, sms: int) -> int:
 
 
 def _forward(x2, r2, weight, bias, eps):
-    """(h, y, mu, rstd) of [M, N] rows; h is x2 itself without a residual."""
+    """(h, y, stats) of [M, N] rows, stats [2, M] fp32 = (mu, rstd); h is x2 itself without a residual."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     h = x2 if r2 is None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
@@ -311,12 +312,14 @@ def _forward(x2, r2, weight, bias, eps):
     else:
         _launch(_fwd, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
                 n_rows=m, block_n=triton.next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
-    return h, y, mu, rstd
+    return h, y, stats
 
 
-def _backward(h2, dy, dh, weight, mu, rstd):
-    """(dx, [dw | db]) for rows h2 [M, N]: dx = dh + LN backward of dy in h2's dtype; dw, db in weight's."""
+def _backward(h2, dy, dh, weight, stats):
+    """(dx, [dw | db]) for rows h2 [M, N] with the forward's stats: dx = dh + LN backward of dy in h2's dtype;
+    dw, db in weight's."""
     m, n = h2.shape
+    mu, rstd = stats[0], stats[1]
     dy2 = as_rows(dy, n)
     dh2 = dy2 if dh is None else as_rows(dh, n)
     dx = torch.empty((m, n), dtype=h2.dtype, device=h2.device)
@@ -340,19 +343,37 @@ def _backward(h2, dy, dh, weight, mu, rstd):
     return dx, part.sum(0).to(weight.dtype)
 
 
+def _check(x, r, weight, bias):
+    n = x.shape[-1]
+    if r is not None and r.shape != x.shape:
+        raise ValueError(f"x and r must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    if weight.shape != (n,) or bias.shape != (n,):      # (the kernels read N contiguous values of each)
+        raise ValueError(f"weight and bias must be [{n}] for x [..., {n}], got {tuple(weight.shape)} and "
+                         f"{tuple(bias.shape)}")
+
+
+def _grads(backward, saved, bias_dtype, dh, dy):
+    """(dx, dw, db) through `backward` (_backward, or its op) from the saved (h rows, weight, stats) and the
+    gradients of h (dh; None without a residual or where h is unused) and y (dy; None where y is unused:
+    then dx = dh and the parameters get none)."""
+    if dy is None:
+        return dh, None, None
+    h, weight, stats = saved
+    dx, dwdb = backward(h, dy, dh, weight, stats)
+    n = h.shape[1]
+    return dx, dwdb[:n], dwdb[n:].to(bias_dtype)
+
+
 class _AddLayerNormFn(torch.autograd.Function):
-    """(h, y) = (x + r, LN(x + r)) when r is given, else y = LN(x)."""
+    """(h, y) = (x + r, LN(x + r)) when r is given, else y = LN(x): the eager path (a Python autograd.Function
+    costs about half the host time of a custom op's dispatch, which only torch.compile needs)."""
 
     @staticmethod
     def forward(ctx, x, r, weight, bias, eps):
         check_device(x, _INTERPRET, __name__)
-        n = x.shape[-1]
-        if weight.shape != (n,) or bias.shape != (n,):      # (the kernels read N contiguous values of each)
-            raise ValueError(f"weight and bias must be [{n}] for x [..., {n}], got {tuple(weight.shape)} and "
-                             f"{tuple(bias.shape)}")
-        weight, bias = weight.contiguous(), bias.contiguous()
-        h, y, mu, rstd = _forward(as_rows(x, n), None if r is None else as_rows(r, n), weight, bias, eps)
-        ctx.save_for_backward(h, weight, mu, rstd)
+        n, weight = x.shape[-1], weight.contiguous()
+        h, y, stats = _forward(as_rows(x, n), None if r is None else as_rows(r, n), weight, bias.contiguous(), eps)
+        ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)     # a None gradient (h or y unused) costs nothing
         ctx.has_residual, ctx.shape, ctx.bias_dtype = r is not None, x.shape, bias.dtype
         return (h.view(x.shape), y.view(x.shape)) if r is not None else y.view(x.shape)
@@ -360,31 +381,99 @@ class _AddLayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         dh, dy = grads if ctx.has_residual else (None, grads[0])
-        if dy is None:                       # only h was used: dx = dr = dh
-            return dh, dh, None, None, None
-        h, weight, mu, rstd = ctx.saved_tensors
-        dx, dwdb = _backward(h, dy, dh, weight, mu, rstd)
-        dx, n = dx.view(ctx.shape), h.shape[1]
-        return dx, (dx if ctx.has_residual else None), dwdb[:n], dwdb[n:].to(ctx.bias_dtype), None
+        dx, dw, db = _grads(_backward, ctx.saved_tensors, ctx.bias_dtype, dh, dy)
+        dx = None if dx is None else dx.view(ctx.shape)
+        return dx, (dx if ctx.has_residual else None), dw, db, None
 
 
-@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
+# ------------------------------------------------------------------- under torch.compile: custom ops
+# The same passes as opaque operators (torch.library.custom_op): dynamo puts a call in the graph instead of
+# breaking it (it cannot trace the kernels under the interpreter, nor their autotuner's timing), and inductor
+# runs it as an extern call. Rows in, rows out: the wrappers below reshape around them.
+@torch.library.custom_op("megatron_mini::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, stats) of rows x [M, N]: y [M, N], stats [2, M] fp32 = (mu, rstd)."""
+    check_device(x, _INTERPRET, __name__)
+    _, y, stats = _forward(as_rows(x, x.shape[1]), None, weight.contiguous(), bias.contiguous(), eps)
+    return y, stats          # (as_rows, contiguous: no copy unless inductor handed over other strides)
+
+
+@torch.library.custom_op("megatron_mini::add_layer_norm_fwd", mutates_args=())
+def _add_layer_norm_fwd(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, y, stats) of rows x, r [M, N]: h = x + r, y = LN(h) [M, N], stats [2, M] fp32."""
+    check_device(x, _INTERPRET, __name__)
+    n = x.shape[1]
+    return _forward(as_rows(x, n), as_rows(r, n), weight.contiguous(), bias.contiguous(), eps)
+
+
+@torch.library.custom_op("megatron_mini::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(h: torch.Tensor, dy: torch.Tensor, dh: Optional[torch.Tensor], weight: torch.Tensor,
+                    stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, N], [dw | db] [2N]) as _backward."""
+    return _backward(as_rows(h, h.shape[1]), dy, dh, weight.contiguous(), stats.contiguous())
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, x.shape[0]), dtype=torch.float32)
+
+
+@_add_layer_norm_fwd.register_fake
+def _(x, r, weight, bias, eps):
+    rows = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return rows, torch.empty_like(rows), x.new_empty((2, x.shape[0]), dtype=torch.float32)
+
+
+@_layer_norm_bwd.register_fake
+def _(h, dy, dh, weight, stats):
+    return torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty(2 * h.shape[1])
+
+
+def _setup(ctx, inputs, output):
+    """layer_norm_fwd(x, w, b, eps) -> (y, stats), add_layer_norm_fwd(x, r, w, b, eps) -> (h, y, stats)."""
+    ctx.has_residual = len(inputs) == 5
+    h = output[0] if ctx.has_residual else inputs[0]
+    ctx.save_for_backward(h, inputs[-3], output[-1])
+    ctx.mark_non_differentiable(output[-1])
+    ctx.set_materialize_grads(False)
+    ctx.bias_dtype = inputs[-2].dtype
+
+
+def _op_grads(ctx, *grads):
+    dh, dy = grads[:2] if ctx.has_residual else (None, grads[0])
+    dx, dw, db = _grads(_layer_norm_bwd, ctx.saved_tensors, ctx.bias_dtype, dh, dy)
+    return (dx, dx, dw, db, None) if ctx.has_residual else (dx, dw, db, None)
+
+
+_layer_norm_fwd.register_autograd(_op_grads, setup_context=_setup)
+_add_layer_norm_fwd.register_autograd(_op_grads, setup_context=_setup)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm of x [..., N] over its last dim with weight, bias [N]; returns x's dtype and shape."""
+    _check(x, None, weight, bias)
     if x.numel() == 0:                       # no rows: nothing to launch
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if torch.compiler.is_compiling():
+        y, _ = _layer_norm_fwd(as_rows(x, x.shape[-1]), weight.contiguous(), bias.contiguous(), float(eps))
+        return y.view(x.shape)
     return _AddLayerNormFn.apply(x, None, weight, bias, float(eps))
 
 
-@torch.compiler.disable          # an opaque call under torch.compile (kernels/__init__.py)
 def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = x + r in x's dtype (rounded once) and y = LN(h) over the last dim, for x, r [..., N]
     and weight, bias [N]. Backward: dx = dr = dh + LN's input gradient, in one kernel."""
-    if r.shape != x.shape:
-        raise ValueError(f"x and r must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    _check(x, r, weight, bias)
     if x.numel() == 0:
         return torch_add_layer_norm(x, r, weight, bias, eps)
+    if torch.compiler.is_compiling():
+        n = x.shape[-1]
+        h, y, _ = _add_layer_norm_fwd(as_rows(x, n), as_rows(r, n), weight.contiguous(), bias.contiguous(),
+                                      float(eps))
+        return h.view(x.shape), y.view(x.shape)
     return _AddLayerNormFn.apply(x, r, weight, bias, float(eps))
 
 
