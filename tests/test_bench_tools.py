@@ -114,9 +114,14 @@ def test_bench_gpu_smoke(tmp_path):
 
 def test_bench_gpu_profile_smoke():
     out = _run(["tools/bench_gpu.py", "--smoke", "--profile", "torch", "--profile-top", "5", "--profile-steps", "1"])
-    table = out[out.index("| name | calls |"):].strip().splitlines()
+    busy = float(out.split(" busy ")[1].split(" ms per step")[0])
+    table, kinds = out[out.index("| name | calls |"):].split("All ")
+    table = table.strip().splitlines()
     assert len(table) == 2 + 5
     assert all(_finite(float(line.split("|")[3])) for line in table[2:])
+    rows = [line.split("|") for line in kinds[kinds.index("| kind |"):].strip().splitlines()[2:]]
+    assert {r[1].strip() for r in rows} >= {"GEMM"}         # every op counted once, under one kind
+    assert sum(float(r[2]) for r in rows) == pytest.approx(busy, abs=0.01 * len(rows) + 0.05)
 
 
 def test_bench_gpu_auto_vs_torch_on_one_code_path_is_no_verdict():

@@ -216,6 +216,26 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
 
 
 # ============================================================================ profile
+# (kind, substrings of a lowercased CUDA kernel or CPU op name): the first kind that matches, else "other"
+KERNEL_KINDS = (
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("inductor's fused kernels", ("triton_",)),
+    ("LayerNorm (torch)", ("layer_norm", "layernorm", "gammabeta")),
+    ("this project's Triton kernels", ("_fwd", "_bwd", "_stats", "_grad")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("reductions", ("reduce", "aten::sum", "norm")),
+    ("copies", ("copy", "catarray", "aten::cat")),
+    ("elementwise", ("elementwise", "aten::add", "aten::mul")),
+    ("collectives", ("nccl", "gloo", "all_reduce", "allreduce")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
 def profile_row(row: str, key: str, args, device, log) -> str:
     """torch.profiler over a few steps of one row (after warmup): the top kernels by total time."""
     from torch.autograd import DeviceType
@@ -259,7 +279,14 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     head = (f"profile of {key} / {row} ({ROW_TEXT[row]}): {steps} steps after {warmup} warmup steps; "
             f"step {step_ms:.1f} ms (wall, profiler on); {what} busy {busy / steps:.1f} ms per step "
             f"({100 * busy / (wall * 1e3):.0f}% of the wall time); top {len(lines)} of {len(events)} by total time:")
-    return head + "\n\n" + markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
+    kinds = {}
+    for e in events:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + self_us(e) / 1e3
+    by_kind = [[k, f"{ms / steps:.2f}", f"{100 * ms / (wall * 1e3):.1f}"]
+               for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    return (head + "\n\n" + markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
+            + f"\n\nAll {len(events)} by kind (bench_gpu.KERNEL_KINDS):\n\n"
+            + markdown_table(["kind", "ms per step", "% of step"], by_kind))
 
 
 # ============================================================================ tables and goals
