@@ -115,8 +115,9 @@ def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path,
     which stays one graph without a break (dynamo cannot trace the kernels under Triton's interpreter, and a
     break per kernel would cut the chunk into pieces), or with dropout a graph per block, whose attention
     draws its mask's seed in the graph where eager draws it; and the run trains as the eager one does, masks
-    included (on the GPU when there is one: kernels=triton on a CPU needs the interpreter, which only the
-    tests' CPU runs set)."""
+    included (captured by aot_eager, which draws from torch's generator as eager does; inductor draws its own
+    numbers, the same in forward and backward but not eager's, as for torch's dropout). On the GPU when there
+    is one: kernels=triton on a CPU needs the interpreter, which only the tests' CPU runs set."""
     overrides = {"model.num_layers": 2, "steps": 2, "gbs": 2, "kernels": "triton", "device": "auto",
                  "precision.tf32": False, "model.dropout": dropout}
     eager = train_on_ranks(1, small_config(small_data, tmp_path / "eager", compile=False, **overrides))

@@ -731,32 +731,39 @@ def test_accumulate_matmul_adds_the_product_into_fp32(device, dtype):
     assert ((out.double() - expected).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("way", ["this torch's", "one GEMM"])
+@pytest.mark.parametrize("way", ["this torch's", "one GEMM"] + (["CUDA"] if torch.cuda.is_available() else []))
 def test_bias_gradient_goes_into_the_fp32_main_grad(monkeypatch, way):
     """main_grad_b += the sum of dy over tokens, as the fp64 sum of the 16-bit dy to fp32 rounding, whether
     it is a reduction then an add (the CPU) or the GEMM 1^T dy into fp32 that CUDA takes where torch has
-    it ("one GEMM": that branch, its GEMM emulated in fp32 on the CPU), and the parameter is told once."""
+    it ("one GEMM": that branch, its GEMM emulated in fp32 on the CPU; "CUDA": the real one, into the main
+    grad's view of a flat buffer at an odd offset, whose neighbours stay as they were), and the parameter
+    is told once."""
     from megatron_mini import tensor_parallel as tp_mod
-    gemms = []
+    device = "cuda" if way == "CUDA" else "cpu"
+    gemms, real = [], tp_mod.GEMM_INTO_FP32["addmm"]
     if way == "one GEMM":
         monkeypatch.setattr(tp_mod, "gemm_into_fp32", lambda device_type, dtype: "addmm")
-        monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "addmm",
-                            lambda out, a, b: gemms.append(out.add_(a.float() @ b.float()).shape))
+        real = lambda out, a, b: out.add_(a.float() @ b.float())    # noqa: E731
+    monkeypatch.setitem(tp_mod.GEMM_INTO_FP32, "addmm", lambda out, a, b: (gemms.append(out.shape), real(out, a, b)))
 
-    class Bias:                      # what a GradBuffer gives a parameter
-        main_grad, ready = torch.randn(48, generator=torch.Generator().manual_seed(1)), 0
+    class Bias:                      # what a GradBuffer gives a parameter: a view of the flat fp32 buffer
+        flat = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(device)
+        main_grad, ready = flat[3:51], 0
 
         def main_grad_ready(self):
             self.ready += 1
 
     bias = Bias()
-    dy = torch.randn(300, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    before = bias.flat.clone()
+    dy = torch.randn(300, 48, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
     expected = bias.main_grad.double() + dy.double().sum(0)
     tp_mod._bias_grad_into_main(bias, dy)
     bound = 2.0 ** -20 * (dy.double().abs().sum(0) + expected.abs())
     assert bias.main_grad.dtype == torch.float32 and bias.ready == 1
-    assert gemms == ([(1, 48)] if way == "one GEMM" else [])
     assert ((bias.main_grad.double() - expected).abs() <= bound).all()
+    assert torch.equal(bias.flat[:3], before[:3]) and torch.equal(bias.flat[51:], before[51:])
+    takes_gemm = way == "one GEMM" or tp_mod.gemm_into_fp32(device, torch.bfloat16) == "addmm"
+    assert gemms == ([(1, 48)] if takes_gemm else [])
 
 
 def test_gemm_probe_skips_ways_that_fail_or_are_wrong(monkeypatch):

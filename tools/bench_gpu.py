@@ -216,22 +216,28 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
 
 
 # ============================================================================ profile
-# (kind, substrings of a lowercased CUDA kernel or CPU op name): the first kind that matches, else "other"
+# this project's Triton kernels, by name (kernels/layernorm.py, attention_kernels.py, cross_entropy.py)
+OWN_KERNELS = frozenset({"_fwd", "_bwd", "_fwd_looped", "_bwd_row_sums", "_bwd_looped", "_bwd_delta", "_bwd_dkdv",
+                         "_bwd_dq", "_stats", "_grad"})
+# (kind, substrings of a lowercased CUDA kernel or CPU op name): the first kind that matches, else "other";
+# the order matters (NCCL's names hold "reduce", inductor's "attention", memory-efficient SDPA's "cutlass")
 KERNEL_KINDS = (
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("collectives", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+    ("GEMM", ("triton_tem",)),
     ("inductor's fused kernels", ("triton_",)),
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
     ("LayerNorm (torch)", ("layer_norm", "layernorm", "gammabeta")),
-    ("this project's Triton kernels", ("_fwd", "_bwd", "_stats", "_grad")),
     ("optimizer", ("adam", "multi_tensor")),
     ("reductions", ("reduce", "aten::sum", "norm")),
-    ("copies", ("copy", "catarray", "aten::cat")),
+    ("copies", ("copy", "memcpy", "catarray", "aten::cat")),
     ("elementwise", ("elementwise", "aten::add", "aten::mul")),
-    ("collectives", ("nccl", "gloo", "all_reduce", "allreduce")),
 )
 
 
 def kernel_kind(name: str) -> str:
+    if name in OWN_KERNELS:
+        return "this project's Triton kernels"
     low = name.lower()
     return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
 

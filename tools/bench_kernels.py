@@ -195,6 +195,7 @@ def _as_tuple(out):
 class Timer:
     def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int, cpu_reps: int):
         self.gpu, self.warmup_ms, self.rep_ms, self.cpu_reps = gpu, warmup_ms, rep_ms, cpu_reps
+        self.side_stream = None            # graph_ms's warm-up stream
 
     def median_ms(self, fn) -> float:
         if self.gpu:
@@ -246,7 +247,9 @@ def graph_ms(fn, sets: list, timer: Timer) -> float:
     def every_set():
         return [torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"]) for s in sets]
 
-    side = torch.cuda.Stream()            # warm up on a side stream, as torch.cuda.graph asks
+    if timer.side_stream is None:          # one for the run: a stream's cached blocks serve that stream only
+        timer.side_stream = torch.cuda.Stream()
+    side = timer.side_stream               # warm up on a side stream, as torch.cuda.graph asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         every_set()
@@ -353,6 +356,7 @@ def run(ops, smoke: bool, timer: Timer, compile_ok: bool, log=print, on_row=None
                     cell["graph_ms"] = graph_ms(fn, sets, timer)
                     log(f"  {col}: fwd+bwd {cell['graph_ms']:.4g} ms of GPU time (CUDA graph)")
                 except Exception as err:  # noqa: BLE001 - a path that cannot be captured (a host sync, ...)
+                    torch.cuda.set_stream(torch.cuda.default_stream())   # a failed capture leaves its stream set
                     torch.cuda.synchronize()
                     cell["graph_reason"] = short_error(err)
                     log(f"  {col}: no CUDA graph ({short_error(err)})")

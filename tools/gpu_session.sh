@@ -91,8 +91,9 @@ print('gemm_into_fp32 cuda bf16:', g('cuda', torch.bfloat16), '| fp16:', g('cuda
     --graph --rep 60 --out "$LOGS"
   step bench_vocab 190 $PY tools/bench_gpu.py --models small --vocab 50304 --rows default,torch,baseline-compile \
     --steps 8 --out "$LOGS/vocab"
-  step profile_default 80 $PY tools/bench_gpu.py --models small --profile default
-  step profile_baseline 80 $PY tools/bench_gpu.py --models small --profile baseline-compile
+  # (top 15: the summary prints a log's last 40 lines, the step time and both tables)
+  step profile_default 80 $PY tools/bench_gpu.py --models small --profile default --profile-top 15
+  step profile_baseline 80 $PY tools/bench_gpu.py --models small --profile baseline-compile --profile-top 15
   tails=""
   tables="bench_kernels.md vocab/bench_gpu.md profile_default.log profile_baseline.log"
   ;;
@@ -102,8 +103,8 @@ make)
   VENV=$($PY -c 'import sys; print(sys.prefix)')
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
-  # which tests the GPU makes slow (the limits sum to 575 s)
-  step make_test 465 make test VENV="$VENV" TEST_WORKERS=8 \
+  # which tests the GPU makes slow (the limits sum to 560 s: each step's kill margin, imports and tar fit in 600)
+  step make_test 450 make test VENV="$VENV" TEST_WORKERS=8 \
     ARGS="-vv --durations=40 --timeout 240 --timeout-method=thread"
   # wandb offline, as with no API key (seen: 77 s eager; it now compiles on CUDA: a graph each for the chunk and
   # the cross-entropy, in training and in evaluation)

@@ -53,7 +53,7 @@ rows = [
     ("_forward", lambda: L._forward(x2, None, w.detach(), b.detach(), 1e-5)),
     ("layer_norm no grad", lambda: L.layer_norm(x2, w.detach(), b.detach())),
     ("layer_norm with grad", lambda: L.layer_norm(x, w, b)),
-    ("_backward", lambda: L._backward(x2, dy, None, w.detach(), mu, rstd)),
+    ("_backward", lambda: L._backward(x2, dy, None, w.detach(), stats)),   # (mu, rstd then; stats since)
     ("layer_norm fwd+bwd", lambda: torch.autograd.grad(L.layer_norm(x, w, b), (x, w, b), dy)),
     ("F.layer_norm fwd+bwd", lambda: torch.autograd.grad(F.layer_norm(x, (N,), w, b), (x, w, b), dy)),
 ]
