@@ -254,7 +254,7 @@ def _bias_grad_into_main(bias, dy2) -> None:
     1^T dy into the main grad: on an H100 1.2-1.9x faster than a reduction then an add (docs/benchmarks.md,
     the eager glue probe); elsewhere the fp32 reduction and the add."""
     if dy2.dtype != torch.float32 and gemm_into_fp32(dy2.device.type, dy2.dtype) == "addmm":
-        GEMM_INTO_FP32["addmm"](bias.main_grad.view(1, -1), _ones_row(dy2.shape[0], dy2.dtype, dy2.device), dy2)
+        accumulate_matmul(bias.main_grad.view(1, -1), _ones_row(dy2.shape[0], dy2.dtype, dy2.device), dy2)
     else:
         bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
     bias.main_grad_ready()

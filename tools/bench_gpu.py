@@ -43,6 +43,7 @@ under the Triton interpreter).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -285,11 +286,11 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     head = (f"profile of {key} / {row} ({ROW_TEXT[row]}): {steps} steps after {warmup} warmup steps; "
             f"step {step_ms:.1f} ms (wall, profiler on); {what} busy {busy / steps:.1f} ms per step "
             f"({100 * busy / (wall * 1e3):.0f}% of the wall time); top {len(lines)} of {len(events)} by total time:")
-    kinds = {}
+    kinds = collections.Counter()
     for e in events:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + self_us(e) / 1e3
+        kinds[kernel_kind(e.key)] += self_us(e) / 1e3
     by_kind = [[k, f"{ms / steps:.2f}", f"{100 * ms / (wall * 1e3):.1f}"]
-               for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
+               for k, ms in kinds.most_common()]
     return (head + "\n\n" + markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
             + f"\n\nAll {len(events)} by kind (bench_gpu.KERNEL_KINDS):\n\n"
             + markdown_table(["kind", "ms per step", "% of step"], by_kind))

@@ -216,9 +216,14 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _fwd_bwd(fn, s: dict):
+    """fn's forward on input set s, then the gradients of its leaves for the set's fixed output gradients."""
+    import torch
+    return torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"])
+
+
 def bench_path(fn, sets: list, timer: Timer) -> dict:
     """fwd / fwd+bwd / bwd medians of fn over the rotating input sets."""
-    import torch
     cycle_f, cycle_b = itertools.cycle(sets), itertools.cycle(sets)
 
     def fwd():
@@ -226,8 +231,7 @@ def bench_path(fn, sets: list, timer: Timer) -> dict:
         return fn(*s["args"])
 
     def fwd_bwd():
-        s = next(cycle_b)
-        return torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"])
+        return _fwd_bwd(fn, next(cycle_b))
 
     t0 = time.perf_counter()
     fwd_bwd()                     # compiles (torch.compile, Triton JIT) and checks the path runs
@@ -245,7 +249,7 @@ def graph_ms(fn, sets: list, timer: Timer) -> float:
     import torch
 
     def every_set():
-        return [torch.autograd.grad(_as_tuple(fn(*s["args"])), s["leaves"], s["douts"]) for s in sets]
+        return [_fwd_bwd(fn, s) for s in sets]
 
     if timer.side_stream is None:          # one for the run: a stream's cached blocks serve that stream only
         timer.side_stream = torch.cuda.Stream()
@@ -505,9 +509,10 @@ def report(results: list, smoke: bool, device: str, command: str) -> str:
         parts.append("- **smoke run** (tiny shapes; on a CPU the Triton interpreter and perf_counter): these "
                      "figures say nothing about speed.")
     parts += ["", "fwd+bwd time (throughput) per path:", "", compact_table(results), "", missing_notes(results), ""]
-    if graph_table(results):
+    graphs = graph_table(results)
+    if graphs:
         parts += ["fwd+bwd GPU time alone (`--graph`: one CUDA graph over the input sets, do_bench of its replays "
-                  "divided by their number; no host launch cost):", "", graph_table(results), ""]
+                  "divided by their number; no host launch cost):", "", graphs, ""]
     parts += ["Goals (issue 9):", "", markdown_table(["goal", "measured", "target", "result"], gl), "",
               "Full table (fwd, bwd, fwd+bwd):", "", full_table(results)]
     return "\n".join(parts)
@@ -582,8 +587,9 @@ def main(argv=None) -> int:
     print()
     print(compact_table(results))
     print()
-    if graph_table(results):
-        print("GPU time alone (CUDA graph):\n" + graph_table(results) + "\n")
+    graphs = graph_table(results)
+    if graphs:
+        print("GPU time alone (CUDA graph):\n" + graphs + "\n")
     print(missing_notes(results))
     print()
     print(markdown_table(["goal", "measured", "target", "result"], goals(results, smoke)))

@@ -275,8 +275,7 @@ def flash_attention_qkv(qkv: torch.Tensor, heads: int, causal: bool = True, soft
     q, k, v = _split_qkv(qkv, heads)
     _check(q, k, v, dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if torch.compiler.is_compiling():
-        qkv = qkv.contiguous()
+    if torch.compiler.is_compiling():     # (the op makes qkv contiguous)
         return _qkv_fwd_op(qkv, _draw_seed(qkv.device, dropout_p), heads, scale, bool(causal), float(dropout_p))[0]
     return _FlashAttentionQKV.apply(qkv, heads, scale, bool(causal), float(dropout_p))
 

@@ -396,7 +396,7 @@ def _layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
     """(y, stats) of rows x [M, N]: y [M, N], stats [2, M] fp32 = (mu, rstd)."""
     check_device(x, _INTERPRET, __name__)
     _, y, stats = _forward(as_rows(x, x.shape[1]), None, weight.contiguous(), bias.contiguous(), eps)
-    return y, stats          # (as_rows, contiguous: no copy unless inductor handed over other strides)
+    return y, stats          # (as_rows, contiguous: no copy unless the caller or inductor gave other strides)
 
 
 @torch.library.custom_op("megatron_mini::add_layer_norm_fwd", mutates_args=())
@@ -457,7 +457,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if x.numel() == 0:                       # no rows: nothing to launch
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     if torch.compiler.is_compiling():
-        y, _ = _layer_norm_fwd(as_rows(x, x.shape[-1]), weight.contiguous(), bias.contiguous(), float(eps))
+        y, _ = _layer_norm_fwd(as_rows(x, x.shape[-1]), weight, bias, float(eps))
         return y.view(x.shape)
     return _AddLayerNormFn.apply(x, None, weight, bias, float(eps))
 
@@ -471,8 +471,7 @@ def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
         return torch_add_layer_norm(x, r, weight, bias, eps)
     if torch.compiler.is_compiling():
         n = x.shape[-1]
-        h, y, _ = _add_layer_norm_fwd(as_rows(x, n), as_rows(r, n), weight.contiguous(), bias.contiguous(),
-                                      float(eps))
+        h, y, _ = _add_layer_norm_fwd(as_rows(x, n), as_rows(r, n), weight, bias, float(eps))
         return h.view(x.shape), y.view(x.shape)
     return _AddLayerNormFn.apply(x, r, weight, bias, float(eps))
 
