@@ -119,6 +119,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
                                               lambda saved: saved.update({"head.ln_f.bias": []})))
     resume = [f"resume={ckpt}", "steps=5"]
     plain, no_interpreter = env(), env(interpreter=False)
+    interpreted = env(TRITON_INTERPRET=1)   # (a GPU machine's tests run without it; the runs here are device=cpu)
     cases = [
         ("appended-key", 1, ["+foo=1"], ["Unknown config key foo"]),
         ("appended-typo", 1, ["+optimizer.lrr=1e-3"],
@@ -144,7 +145,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("triton-on-cpu", 1, ["kernels=triton"], ["set TRITON_INTERPRET=1", "or use kernels=torch"], no_interpreter),
         ("attention-head-dim", 2, ["pp=2", "kernels=attention", "model.hidden_size=272", "model.num_heads=2"],
          ["kernels=attention: the Triton attention supports head dims up to 128, and hidden_size / num_heads = 136",
-          "use kernels=torch"]),
+          "use kernels=torch"], interpreted),
         ("unwritable-run-dir", 1, [f"run_dir={not_a_dir}/run"], [f"run_dir={not_a_dir}/run cannot be written"]),
         ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "
                                                      f"vocabulary of 512", "rebuild it with:"]),
