@@ -2,6 +2,7 @@
 reference path: on the GPU when there is one (fp32 with TF32 off, so both paths do IEEE fp32 math), else on
 CPU under the Triton interpreter."""
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -142,6 +143,57 @@ def test_the_cuda_sdpa_order_stays_in_the_graph():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     assert torch.equal(torch.compile(ordered, backend="aot_eager")(q, k, v),
                        F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_compiled_attention_core_runs_the_eager_sdpa_backend_in_bf16(device):
+    """Attention.core in bf16 (the training dtype; SDPA's fused backends take no fp32 there) under torch.compile:
+    the AOT graphs call the backend the eager call picks (on CUDA through model.sdpa's CUDA_SDPA_ORDER: cuDNN
+    first on an H100) and its backward, and the output and the qkv gradient are within bf16 rounding of an fp32
+    reference, as eager's are (on CUDA through inductor, which lays out the compiled SDPA's inputs and gradients
+    itself; on the CPU through aot_eager)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.nn.attention import SDPBackend
+    cfg = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, seq_len=128, vocab_size=128)
+    attn = model.Attention(cfg, model.ParallelContext.one_device(device), device).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(128, 3, 3 * 128, generator=g).to(device, torch.bfloat16)       # [s, b, 3 * heads * d]
+    dy = torch.randn(128, 3, 128, generator=g).to(device, torch.bfloat16)
+
+    def run(core, dtype=torch.bfloat16):
+        x = qkv.to(dtype).clone().requires_grad_()
+        y = core(x)
+        y.backward(dy.to(dtype))
+        return y.float(), x.grad.float()
+
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):
+        reference = run(model.Attention.core.__get__(attn.float()), torch.float32)
+    attn.to(torch.bfloat16)
+    q, k, v = (t.view(128, 3, 2, 64).permute(1, 2, 0, 3) for t in qkv.split(128, dim=-1))
+    choose = functools.partial(torch._fused_sdp_choice, q, k, v, is_causal=True)
+    if device == "cuda":
+        with torch.nn.attention.sdpa_kernel(model.CUDA_SDPA_ORDER, set_priority=True):
+            choice = choose()
+    else:
+        choice = choose()
+    kind = {b.value: name for b, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION,
+            "flash"), (SDPBackend.EFFICIENT_ATTENTION, "efficient"), (SDPBackend.MATH, "math"))}[int(choice)]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+    run(torch.compile(attn.core, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True))
+    forward, backward = graphs
+    if kind != "math":                                  # (the math backend is decomposed into matmuls)
+        assert any(f"_scaled_dot_product_{kind}" in op and "backward" not in op for op in forward), forward
+        assert any(f"_scaled_dot_product_{kind}" in op and "backward" in op for op in backward), backward
+    torch._dynamo.reset()
+    compiled = torch.compile(attn.core, backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True)
+    for got in (run(attn.core), run(compiled)):
+        for a, ref in zip(got, reference):
+            assert ((a - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
