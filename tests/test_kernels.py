@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_mini import kernels
 from megatron_mini.kernels import layernorm
 from megatron_mini.kernels.layernorm import add_layer_norm, layer_norm, torch_add_layer_norm
 
@@ -229,6 +230,7 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
     """The autotuner as on a GPU (all candidates, pruned to the row width, each run while being
     timed, fake timings that pick the last) gives correct results; layer_norm and add_layer_norm
     are tuned separately."""
+    monkeypatch.setattr(kernels, "_CHOSEN", {})                  # (what earlier tests' launches chose)
     for tuned in (layernorm._fwd, layernorm._bwd):
         times = iter(range(1000, 0, -1))
         monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
@@ -240,6 +242,26 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
     for tuned in (layernorm._fwd, layernorm._bwd):
         assert len(tuned.cache) == 2 and len(set(tuned.cache.values())) == 1
         assert tuned.best_config.kwargs["BLOCK_M"] * 1024 <= 8192
+
+
+def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
+    """kernels.launch_tuned: the first launch of a key (row width, residual or not, the tensors' dtypes) goes
+    through the autotuner; later ones launch its chosen config straight, with the same result."""
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    asked, launched = [], []
+    tuned = layernorm._fwd
+    run, fn_run = tuned.run, tuned.fn.run
+    monkeypatch.setattr(tuned, "run", lambda *a, **k: (asked.append(k["n_cols"] if "n_cols" in k else a[13]),
+                                                       run(*a, **k))[1])
+    monkeypatch.setattr(tuned.fn, "run", lambda *a, **k: (launched.append(k["num_warps"]), fn_run(*a, **k))[1])
+    w, b = _randn(300, seed=2), _randn(300, seed=3)
+    x = _randn(40, 300)
+    first, again = layer_norm(x, w, b), layer_norm(x, w, b)
+    assert torch.equal(first, again)
+    layer_norm(x.to(torch.bfloat16), w, b)
+    layer_norm(_randn(40, 200), w[:200], b[:200])
+    assert asked == [300, 300, 200] and len(launched) == 4
+    assert len(kernels._CHOSEN) == 3 and all(c is tuned.best_config for c in kernels._CHOSEN.values())
 
 
 @pytest.mark.parametrize("block_n", [2**k for k in range(15)])

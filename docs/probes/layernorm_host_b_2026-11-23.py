@@ -86,7 +86,7 @@ cfg = L._bwd.best_config
 print("bwd config", cfg)
 
 
-def plain_launch(tuned, grid, *args, n_rows, block_n, **meta):
+def plain_launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
     c = tuned.best_config
     tuned.fn[grid](*args, BLOCK_N=block_n, **meta, **c.all_kwargs())
 

@@ -47,6 +47,25 @@ def check_device(x, interpret: bool, module: str) -> None:
                            f"before importing {module}.")
 
 
+# what each autotuned kernel chose, by its autotune key (launch_tuned): the autotuner's own choice, remembered
+_CHOSEN: dict = {}
+
+
+def launch_tuned(tuned, grid, *args, key: tuple, **meta) -> None:
+    """tuned[grid](*args, **meta) for a triton.autotune'd kernel, launched the first time through the autotuner
+    (which times its configs for its key, or reads their timings from disk) and afterwards straight, as the
+    autotuner itself launches (tuned.fn with the chosen config's arguments), so Autotuner.run's host time
+    (about 30 us a launch on the H100's host: docs/benchmarks.md, first GPU run) is paid once per key. `key`:
+    the values of the kernel's autotune key arguments; the tensors' dtypes are added, as the autotuner does."""
+    chosen_key = (tuned, key, tuple(getattr(a, "dtype", None) for a in args))
+    config = _CHOSEN.get(chosen_key)
+    if config is None:
+        tuned[grid](*args, **meta)
+        _CHOSEN[chosen_key] = tuned.best_config
+    else:
+        tuned.fn[grid](*args, **meta, **config.all_kwargs())
+
+
 def as_rows(t, n_cols: int):
     """[..., N] -> a 2-D [rows, N] view with unit column stride (copies only if it must)."""
     t = t.reshape(-1, n_cols)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_device, interpreting
+from . import check_device, interpreting, launch_tuned
 
 _INTERPRET = interpreting()
 # (BLOCK_V, num_warps) candidates on a GPU (a row a program), pruned to 8..32 elements per thread of a chunk that is not
@@ -113,8 +113,8 @@ def row_stats(x: torch.Tensor, t: torch.Tensor, n_valid: int, smoothing: bool) -
     check_device(x, _INTERPRET, __name__)
     m, n = x.shape
     stats = torch.empty((4, m), dtype=torch.float32, device=x.device)
-    _stats[lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),)](x, t, stats, x.stride(0), m, n, n_valid,
-                                                            SMOOTHING=smoothing)
+    launch_tuned(_stats, lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),), x, t, stats, x.stride(0), m, n, n_valid,
+                 key=(n, smoothing), SMOOTHING=smoothing)
     return stats
 
 
@@ -126,6 +126,6 @@ def logits_grad(x: torch.Tensor, t: torch.Tensor, shift: torch.Tensor, g: torch.
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     a = float(label_smoothing)
-    _grad[lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),)](x, t, shift, g, dx, x.stride(0), dx.stride(0), m, n,
-                                                           n_valid, 1.0 - a, a / vocab_size, SMOOTHING=a > 0)
+    launch_tuned(_grad, lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),), x, t, shift, g, dx, x.stride(0), dx.stride(0),
+                 m, n, n_valid, 1.0 - a, a / vocab_size, key=(n, a > 0), SMOOTHING=a > 0)
     return dx

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import as_rows, check_device, interpreting
+from . import as_rows, check_device, interpreting, launch_tuned
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -275,14 +275,15 @@ def _bwd_looped(X, DY, DH, DX, W, Mu, Rstd, C1, C2, Part, stride_x, stride_dy, s
 
 
 # ----------------------------------------------------------------------------------- launching
-def _launch(tuned, grid, *args, n_rows, block_n, **meta):
-    """Launch an autotuned kernel on rows of block_n; under the interpreter (programs run one after
-    another, 10-40 ms each) the plain kernel, with BLOCK_M chosen for about 4 row tiles."""
+def _launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
+    """Launch an autotuned kernel on rows of n_cols (block_n: its power of 2), keyed as the autotuner keys it
+    (n_cols and the HAS_* flag); under the interpreter (programs run one after another, 10-40 ms each) the plain
+    kernel, with BLOCK_M chosen for about 4 row tiles."""
     if _INTERPRET:
         block_m = min(triton.next_power_of_2(triton.cdiv(n_rows, 4)), max(1, 2**14 // block_n))
         tuned.fn[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
     else:
-        tuned[grid](*args, BLOCK_N=block_n, **meta)
+        launch_tuned(tuned, grid, *args, key=(n_cols, *meta.values()), BLOCK_N=block_n, **meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,7 +312,7 @@ def _forward(x2, r2, weight, bias, eps):
         _fwd_looped[(m,)](*args, n, eps, HAS_RESIDUAL=r2 is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
     else:
         _launch(_fwd, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
-                n_rows=m, block_n=triton.next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
+                n_rows=m, n_cols=n, block_n=triton.next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
     return h, y, stats
 
 
@@ -339,7 +340,7 @@ def _backward(h2, dy, dh, weight, stats):
                                         BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
     else:
         _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
-                n_rows=m, block_n=triton.next_power_of_2(n), HAS_DRES=dh is not None)
+                n_rows=m, n_cols=n, block_n=triton.next_power_of_2(n), HAS_DRES=dh is not None)
     return dx, part.sum(0).to(weight.dtype)
 
 
