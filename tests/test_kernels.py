@@ -244,6 +244,15 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
         assert tuned.best_config.kwargs["BLOCK_M"] * 1024 <= 8192
 
 
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The wrappers' plain-Python cdiv and next_power_of_2 (triton's are constexpr functions, ~3 us a call on the
+    host) give what triton's give."""
+    import triton
+    for a in range(1, 5000):
+        assert kernels.next_power_of_2(a) == triton.next_power_of_2(a)
+        assert [kernels.cdiv(a, b) for b in (1, 3, 64, 8192)] == [triton.cdiv(a, b) for b in (1, 3, 64, 8192)]
+
+
 def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
     """kernels.launch_tuned: the first launch of a key (row width, residual or not, the tensors' dtypes) goes
     through the autotuner; later ones launch its chosen config straight, with the same result."""

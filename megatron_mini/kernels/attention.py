@@ -27,10 +27,9 @@ point `flash_attention_qkv` (qkv [s, b, 3 * heads * d] -> [s, b, heads * d]) the
 import math
 
 import torch
-import triton
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import MAX_DROPOUT_SEQ, MAX_HEAD_DIM, check_device, interpreting
+from . import MAX_DROPOUT_SEQ, MAX_HEAD_DIM, cdiv, check_device, interpreting, next_power_of_2
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -107,7 +106,7 @@ def _check(q, k, v, dropout_p):
 
 def _meta(q, causal, dropout_p):
     d = q.shape[-1]
-    return dict(CAUSAL=causal, DROPOUT=dropout_p > 0, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+    return dict(CAUSAL=causal, DROPOUT=dropout_p > 0, HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=_INTERPRET and q.dtype != torch.float32)
 
@@ -116,7 +115,7 @@ def _forward(q, k, v, o, scale, causal, dropout_p, seed):
     b, h, s, _ = q.shape
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     block_m, block_n, warps, stages = _config("fwd", q, dropout_p)
-    _fwd[(triton.cdiv(s, block_m), b * h)](
+    _fwd[(cdiv(s, block_m), b * h)](
         q, k, v, o, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         h, s, scale * LOG2E, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         **_meta(q, causal, dropout_p))
@@ -127,15 +126,15 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     b, h, s, d = q.shape
     meta = _meta(q, causal, dropout_p)
     delta = torch.empty_like(lse)
-    _bwd_delta[(triton.cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
+    _bwd_delta[(cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
                                             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
     block_m, block_n, warps, stages = _config("dkdv", q, dropout_p)
-    _bwd_dkdv[(triton.cdiv(s, block_n), b * h)](
+    _bwd_dkdv[(cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), h, s, scale * LOG2E, scale, dropout_p,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
     block_m, block_n, warps, stages = _config("dq", q, dropout_p)
-    _bwd_dq[(triton.cdiv(s, block_m), b * h)](
+    _bwd_dq[(cdiv(s, block_m), b * h)](
         q, k, v, do, dq, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dq), h, s, scale * LOG2E, scale, dropout_p,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
@@ -298,5 +297,5 @@ def torch_attention(q, k, v, causal: bool = True, softmax_scale: float | None = 
 def dropout_keep_mask(seed: torch.Tensor, b: int, heads: int, s: int, dropout_p: float) -> torch.Tensor:
     """The keep mask [b, heads, s, s] (bool) the kernels draw from `seed` (for tests)."""
     out = torch.empty((b * heads, s, s), dtype=torch.int8, device=seed.device)
-    _keep_mask[(triton.cdiv(s, 32), b * heads)](out, seed, s, dropout_p, BLOCK=32)
+    _keep_mask[(cdiv(s, 32), b * heads)](out, seed, s, dropout_p, BLOCK=32)
     return out.view(b, heads, s, s).bool()

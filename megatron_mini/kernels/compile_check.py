@@ -39,6 +39,7 @@ from . import attention as A
 from . import attention_kernels as AK
 from . import cross_entropy as CE
 from . import layernorm as LN
+from . import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
     for n in widths:
         for name in dtypes:
             x = _ptr(_DTYPES[name])
-            block_n = triton.next_power_of_2(n)
+            block_n = next_power_of_2(n)
             for res in (False, True):
                 case = f"N={n} {name}{' +res' if res else ''}"
                 fwd = (x, x, x, x, x, x, f32, f32, n, n, n, n)
@@ -144,13 +145,13 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
                 bwd = (x, x, x, x, x, f32, f32, f32, n, n, n, n)
                 if n > LN.MAX_FUSED_BWD_N:
                     loop = dict(BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)
-                    groups = LN._backward_programs(rows, triton.cdiv(n, LN.LOOP_BLOCK_N), sms)
+                    groups = LN._backward_programs(rows, cdiv(n, LN.LOOP_BLOCK_N), sms)
                     if not res:   # the row sums do not see the residual gradient
                         out.append(Launch("ln bwd sums", case, LN._bwd_row_sums,
                                           (x, x, x, f32, f32, f32, f32, n, n, n), loop))
                     out.append(Launch("ln bwd", case, LN._bwd_looped,
                                       (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n,
-                                       triton.cdiv(rows, groups)), dict(HAS_DRES=res, **loop)))
+                                       cdiv(rows, groups)), dict(HAS_DRES=res, **loop)))
                 else:
                     for c in _candidates(LN._bwd, block_n):
                         out.append(Launch("ln bwd", case, LN._bwd.fn, bwd + (rows, n),
@@ -192,7 +193,7 @@ def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
                                       (t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, h, s, *scales),
                                       cfg("dq")))
             out.append(Launch("attn delta", f"{b},{h},{s},{d} {name}", AK._bwd_delta, (t, t, f32, *o, *o, h, s),
-                              dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=64)))
+                              dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=64)))
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_device, interpreting, launch_tuned
+from . import cdiv, check_device, interpreting, launch_tuned, next_power_of_2
 
 _INTERPRET = interpreting()
 # (BLOCK_V, num_warps) candidates on a GPU (a row a program), pruned to 8..32 elements per thread of a chunk that is not
@@ -36,7 +36,7 @@ INTERPRET_CONFIGS = [triton.Config({"BLOCK_R": 64, "BLOCK_V": 128}, num_warps=4)
 def fitting_configs(configs, n_cols: int) -> list:
     """The configs whose chunk holds PER_THREAD elements per thread and is at most the row rounded up
     to a power of two (the narrowest candidate otherwise)."""
-    width = triton.next_power_of_2(n_cols)
+    width = next_power_of_2(n_cols)
     fit = [c for c in configs if c.kwargs["BLOCK_V"] <= max(width, 1024)
            and PER_THREAD[0] <= c.kwargs["BLOCK_V"] // (32 * c.num_warps) <= PER_THREAD[1]]
     return fit or [triton.Config({"BLOCK_R": 1, "BLOCK_V": 1024}, num_warps=4)]
@@ -113,7 +113,7 @@ def row_stats(x: torch.Tensor, t: torch.Tensor, n_valid: int, smoothing: bool) -
     check_device(x, _INTERPRET, __name__)
     m, n = x.shape
     stats = torch.empty((4, m), dtype=torch.float32, device=x.device)
-    launch_tuned(_stats, lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),), x, t, stats, x.stride(0), m, n, n_valid,
+    launch_tuned(_stats, lambda meta: (cdiv(m, meta["BLOCK_R"]),), x, t, stats, x.stride(0), m, n, n_valid,
                  key=(n, smoothing), SMOOTHING=smoothing)
     return stats
 
@@ -126,6 +126,6 @@ def logits_grad(x: torch.Tensor, t: torch.Tensor, shift: torch.Tensor, g: torch.
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     a = float(label_smoothing)
-    launch_tuned(_grad, lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),), x, t, shift, g, dx, x.stride(0), dx.stride(0),
+    launch_tuned(_grad, lambda meta: (cdiv(m, meta["BLOCK_R"]),), x, t, shift, g, dx, x.stride(0), dx.stride(0),
                  m, n, n_valid, 1.0 - a, a / vocab_size, key=(n, a > 0), SMOOTHING=a > 0)
     return dx

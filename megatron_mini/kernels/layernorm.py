@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import as_rows, check_device, interpreting, launch_tuned
+from . import as_rows, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -280,7 +280,7 @@ def _launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
     (n_cols and the HAS_* flag); under the interpreter (programs run one after another, 10-40 ms each) the plain
     kernel, with BLOCK_M chosen for about 4 row tiles."""
     if _INTERPRET:
-        block_m = min(triton.next_power_of_2(triton.cdiv(n_rows, 4)), max(1, 2**14 // block_n))
+        block_m = min(next_power_of_2(cdiv(n_rows, 4)), max(1, 2**14 // block_n))
         tuned.fn[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
     else:
         launch_tuned(tuned, grid, *args, key=(n_cols, *meta.values()), BLOCK_N=block_n, **meta)
@@ -295,8 +295,8 @@ def _backward_programs(n_rows: int, chunks: int, sms: int) -> int:
     """Backward row groups (each with `chunks` column chunks; 1 unless looped): BWD_PROGRAMS_PER_SM per
     SM in all, each over >= MIN_BWD_ROWS rows (fp32 partials: 8 bytes per column per program, next
     to 6 per column per row for 16-bit x, dy, dx)."""
-    fill = triton.cdiv(BWD_PROGRAMS_PER_SM * sms, chunks)
-    return max(1, min(fill, triton.cdiv(n_rows, MIN_BWD_ROWS)))
+    fill = cdiv(BWD_PROGRAMS_PER_SM * sms, chunks)
+    return max(1, min(fill, cdiv(n_rows, MIN_BWD_ROWS)))
 
 
 def _forward(x2, r2, weight, bias, eps):
@@ -311,8 +311,8 @@ def _forward(x2, r2, weight, bias, eps):
     if n > MAX_FUSED_N:
         _fwd_looped[(m,)](*args, n, eps, HAS_RESIDUAL=r2 is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
     else:
-        _launch(_fwd, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
-                n_rows=m, n_cols=n, block_n=triton.next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
+        _launch(_fwd, lambda meta: (cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
+                n_rows=m, n_cols=n, block_n=next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
     return h, y, stats
 
 
@@ -325,7 +325,7 @@ def _backward(h2, dy, dh, weight, stats):
     dh2 = dy2 if dh is None else as_rows(dh, n)
     dx = torch.empty((m, n), dtype=h2.dtype, device=h2.device)
     looped = n > MAX_FUSED_BWD_N
-    chunks = triton.cdiv(n, LOOP_BLOCK_N) if looped else 1
+    chunks = cdiv(n, LOOP_BLOCK_N) if looped else 1
     # under the interpreter programs run one after another (~1 ms each): a few, each over several tiles
     programs = min(3, m) if _INTERPRET else _backward_programs(m, chunks, _sm_count(h2.device))
     part = torch.empty((programs, 2 * n), dtype=torch.float32, device=h2.device)
@@ -336,11 +336,11 @@ def _backward(h2, dy, dh, weight, stats):
         _bwd_row_sums[(m,)](h2, dy2, weight, mu, rstd, c1, c2, strides[0], strides[1], n,
                             BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
         _bwd_looped[(programs, chunks)](h2, dy2, dh2, dx, weight, mu, rstd, c1, c2, part, *strides, m, n,
-                                        triton.cdiv(m, programs), HAS_DRES=dh is not None,
+                                        cdiv(m, programs), HAS_DRES=dh is not None,
                                         BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
     else:
         _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
-                n_rows=m, n_cols=n, block_n=triton.next_power_of_2(n), HAS_DRES=dh is not None)
+                n_rows=m, n_cols=n, block_n=next_power_of_2(n), HAS_DRES=dh is not None)
     return dx, part.sum(0).to(weight.dtype)
 
 
