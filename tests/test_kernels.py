@@ -230,7 +230,6 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
     """The autotuner as on a GPU (all candidates, pruned to the row width, each run while being
     timed, fake timings that pick the last) gives correct results; layer_norm and add_layer_norm
     are tuned separately."""
-    monkeypatch.setattr(kernels, "_CHOSEN", {})                  # (what earlier tests' launches chose)
     for tuned in (layernorm._fwd, layernorm._bwd):
         times = iter(range(1000, 0, -1))
         monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
@@ -255,22 +254,51 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
 
 def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
     """kernels.launch_tuned: the first launch of a key (row width, residual or not, the tensors' dtypes) goes
-    through the autotuner; later ones launch its chosen config straight, with the same result."""
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
-    asked, launched = [], []
+    through the autotuner (here all GPU candidates, fake timings that pick the last pruned); later ones launch
+    the config it chose for that key straight, with the same result."""
     tuned = layernorm._fwd
+    times = iter(range(10**6, 0, -1))
+    monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
+    monkeypatch.setattr(tuned, "cache", {})                     # (a new cache: launch_tuned forgets its choices)
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles: (fn(), [next(times)] * 3)[1])
+    asked, straight, inside = [], [], []
     run, fn_run = tuned.run, tuned.fn.run
-    monkeypatch.setattr(tuned, "run", lambda *a, **k: (asked.append(k["n_cols"] if "n_cols" in k else a[13]),
-                                                       run(*a, **k))[1])
-    monkeypatch.setattr(tuned.fn, "run", lambda *a, **k: (launched.append(k["num_warps"]), fn_run(*a, **k))[1])
+
+    def ask(*a, **k):
+        asked.append(a[13])                                     # n_cols
+        inside.append(1)
+        try:
+            return run(*a, **k)
+        finally:
+            inside.pop()
+
+    def launch(*a, **k):
+        if not inside:
+            straight.append((a[13], a[0].dtype, k["HAS_RESIDUAL"], k["BLOCK_M"], k["num_warps"]))
+        return fn_run(*a, **k)
+    monkeypatch.setattr(tuned, "run", ask)
+    monkeypatch.setattr(tuned.fn, "run", launch)
     w, b = _randn(300, seed=2), _randn(300, seed=3)
     x = _randn(40, 300)
     first, again = layer_norm(x, w, b), layer_norm(x, w, b)
     assert torch.equal(first, again)
     layer_norm(x.to(torch.bfloat16), w, b)
+    add_layer_norm(x, _randn(40, 300, seed=4), w, b)
     layer_norm(_randn(40, 200), w[:200], b[:200])
-    assert asked == [300, 300, 200] and len(launched) == 4
-    assert len(kernels._CHOSEN) == 3 and all(c is tuned.best_config for c in kernels._CHOSEN.values())
+    layer_norm(_randn(40, 200), w[:200], b[:200])
+    assert asked == [300, 300, 300, 200]
+    cache, chosen = kernels._CHOSEN[tuned]
+    assert cache is tuned.cache and len(chosen) == 4
+    for (key, dtypes), config in chosen.items():              # the autotuner's own key: values, then dtypes
+        assert tuned.cache[(*key, *(str(d) for d in dtypes if d is not None))] is config
+    picked = {(k[0], k[2], k[1]): c for k, c in tuned.cache.items()}    # (n_cols, x dtype, residual)
+    assert [s[:3] for s in straight] == [(300, torch.float32, False), (200, torch.float32, False)]
+    for n, dtype, residual, block_m, warps in straight:
+        config = picked[(n, str(dtype), residual)]
+        assert (block_m, warps) == (config.kwargs["BLOCK_M"], config.num_warps)
+        assert config is not layernorm.fitting_configs(layernorm.CONFIGS, kernels.next_power_of_2(n),
+                                                       *layernorm.FWD_BUDGET)[0]   # (a choice was made)
 
 
 @pytest.mark.parametrize("block_n", [2**k for k in range(15)])

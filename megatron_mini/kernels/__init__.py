@@ -54,11 +54,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of 2 >= n (n >= 1), on the host."""
-    return 1 << (n - 1).bit_length()
+    """The smallest power of 2 >= n (1 for n <= 1), on the host."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
-# what each autotuned kernel chose, by its autotune key (launch_tuned): the autotuner's own choice, remembered
+# autotuned kernel -> (its autotuner's cache, {key: the config it chose}) (launch_tuned): the choices are
+# forgotten with the cache they came from, when something gives the autotuner a new one (tests do)
 _CHOSEN: dict = {}
 
 
@@ -68,11 +69,15 @@ def launch_tuned(tuned, grid, *args, key: tuple, **meta) -> None:
     autotuner itself launches (tuned.fn with the chosen config's arguments), so Autotuner.run's host time
     (about 30 us a launch on the H100's host: docs/benchmarks.md, first GPU run) is paid once per key. `key`:
     the values of the kernel's autotune key arguments; the tensors' dtypes are added, as the autotuner does."""
-    chosen_key = (tuned, key, tuple(getattr(a, "dtype", None) for a in args))
-    config = _CHOSEN.get(chosen_key)
+    cache, chosen = _CHOSEN.get(tuned, (None, None))
+    if cache is not tuned.cache:
+        chosen = {}
+        _CHOSEN[tuned] = (tuned.cache, chosen)
+    key = (key, tuple(getattr(a, "dtype", None) for a in args))
+    config = chosen.get(key)
     if config is None:
         tuned[grid](*args, **meta)
-        _CHOSEN[chosen_key] = tuned.best_config
+        chosen[key] = tuned.best_config
     else:
         tuned.fn[grid](*args, **meta, **config.all_kwargs())
 
