@@ -127,7 +127,7 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     meta = _meta(q, causal, dropout_p)
     delta = torch.empty_like(lse)
     _bwd_delta[(cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
-                                            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
+                                     HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
     block_m, block_n, warps, stages = _config("dkdv", q, dropout_p)
     _bwd_dkdv[(cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
