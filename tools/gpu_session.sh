@@ -109,12 +109,10 @@ make)
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
   # which tests the GPU makes slow (the limits sum to 560 s: each step's kill margin, imports and tar fit in 600)
-  # --dist worksteal (pytest-xdist >= 3.2) over make test's loadfile: whole files per worker left the longest
-  # (test_reliability, ~200 s of one worker here; test_model_kernels, compiling on the GPU) as the tail
-  DIST=$($PY -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) \
-else 'loadfile')" 2>/dev/null || echo loadfile)
+  # (make test's own --dist loadfile: worksteal would spread a file's tests, and with them its module fixtures,
+  # the refusals fixture of ~46 train.py runs among them, over several workers, each building them again)
   step make_test 450 make test VENV="$VENV" TEST_WORKERS=8 \
-    ARGS="-vv --durations=40 --timeout 240 --timeout-method=thread --dist $DIST"
+    ARGS="-vv --durations=40 --timeout 240 --timeout-method=thread"
   # wandb offline, as with no API key (seen: 77 s eager; it now compiles on CUDA: a graph each for the chunk and
   # the cross-entropy, in training and in evaluation)
   step make_train 110 env -u WANDB_MODE make train VENV="$VENV"
