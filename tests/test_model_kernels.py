@@ -1,8 +1,8 @@
 """Which ops each `kernels` setting gives to Triton, and kernels=triton training the same model as the torch
 reference path: on the GPU when there is one (fp32 with TF32 off, so both paths do IEEE fp32 math), else on
 CPU under the Triton interpreter."""
+import contextlib
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -156,7 +156,7 @@ def test_the_compiled_attention_core_runs_the_eager_sdpa_backend_in_bf16(device)
     from torch._dynamo.backends.common import aot_autograd
     from torch.nn.attention import SDPBackend
     cfg = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, seq_len=128, vocab_size=128)
-    attn = model.Attention(cfg, model.ParallelContext.one_device(device), device).to(torch.bfloat16)
+    attn = model.Attention(cfg, model.ParallelContext.one_device(device), device)
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(128, 3, 3 * 128, generator=g).to(device, torch.bfloat16)       # [s, b, 3 * heads * d]
     dy = torch.randn(128, 3, 128, generator=g).to(device, torch.bfloat16)
@@ -168,15 +168,11 @@ def test_the_compiled_attention_core_runs_the_eager_sdpa_backend_in_bf16(device)
         return y.float(), x.grad.float()
 
     with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):
-        reference = run(model.Attention.core.__get__(attn.float()), torch.float32)
-    attn.to(torch.bfloat16)
+        reference = run(attn.core, torch.float32)                # (the core has no parameters)
     q, k, v = (t.view(128, 3, 2, 64).permute(1, 2, 0, 3) for t in qkv.split(128, dim=-1))
-    choose = functools.partial(torch._fused_sdp_choice, q, k, v, is_causal=True)
-    if device == "cuda":
-        with torch.nn.attention.sdpa_kernel(model.CUDA_SDPA_ORDER, set_priority=True):
-            choice = choose()
-    else:
-        choice = choose()
+    with (torch.nn.attention.sdpa_kernel(model.CUDA_SDPA_ORDER, set_priority=True) if device == "cuda"
+          else contextlib.nullcontext()):
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True)
     kind = {b.value: name for b, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION,
             "flash"), (SDPBackend.EFFICIENT_ATTENTION, "efficient"), (SDPBackend.MATH, "math"))}[int(choice)]
     graphs = []
