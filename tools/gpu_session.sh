@@ -21,10 +21,12 @@
 #   tools/gpu_session.sh wheels [SHARED_WHEELS]  # .gpu/wheels: hydra-core/omegaconf (default ../shared/wheels);
 #                                                # .gpu/wheelhouse: wandb, setuptools and sentencepiece >= 0.2.3
 #                                                # (that machine's 0.2.2 aborts a test) with everything they
-#                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12)
+#                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12);
+#                                                # .gpu/data: a copy of this machine's data/stdlib-v8192
 #
 # The stages need .gpu (ignored; carried with the call). `make` prepares its own data: the default corpus is
-# the running Python's standard library, so a machine with another Python trains on another corpus. Each
+# the running Python's standard library, so a machine with another Python trains on another corpus; so the
+# `make` stage also trains the default on .gpu/data, this machine's corpus, whose CPU losses are known. Each
 # call starts with empty logs; after every step they are packed into $OUT/session.tgz again, so a call cut
 # off by its limit still brings back the steps it finished. The last lines printed are a summary, and the
 # exit status is 1 when a step failed.
@@ -49,13 +51,16 @@ if [ "$STAGE" = wheels ]; then
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools 'sentencepiece>=0.2.3' || exit 1
-  du -sh .gpu/wheels .gpu/wheelhouse
+  # the default run's data as this machine built it (make data), for the make stage's same-data run
+  rm -rf .gpu/data && mkdir -p .gpu/data && cp -r data/stdlib-v8192 .gpu/data/ || exit 1
+  du -sh .gpu/wheels .gpu/wheelhouse .gpu/data
   exit 0
 fi
 # .gpu as `wheels` fills it (a copy older than the sentencepiece pin would fail `make venv` offline at once)
 ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl .gpu/wheelhouse/sentencepiece-0.2.[3-9]*.whl \
-  >/dev/null 2>&1 || { echo "error: .gpu lacks hydra-core, omegaconf or sentencepiece >= 0.2.3: run" \
-  "tools/gpu_session.sh wheels here (this machine reaches PyPI) and carry .gpu"; exit 2; }
+  .gpu/data/stdlib-v8192/tokens.bin >/dev/null 2>&1 || { echo "error: .gpu lacks hydra-core, omegaconf," \
+  "sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine reaches PyPI) and carry .gpu"
+  exit 2; }
 if [ "$STAGE" = make ]; then
   # pip finds on disk what it would take from PyPI; everything else it needs is installed there already
   export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.gpu/wheels $PWD/.gpu/wheelhouse"
@@ -108,15 +113,30 @@ make)
   VENV=$($PY -c 'import sys; print(sys.prefix)')
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
-  # which tests the GPU makes slow (the limits sum to 560 s: each step's kill margin, imports and tar fit in 600)
+  # which tests the GPU makes slow (the limits sum to 560 s, the venv and the tests sharing the first 450: each
+  # step's kill margin, imports and tar fit in 600)
   # (make test's own --dist loadfile: worksteal would spread a file's tests, and with them its module fixtures,
   # the refusals fixture of ~46 train.py runs among them, over several workers, each building them again)
-  step make_test 450 make test VENV="$VENV" TEST_WORKERS=8 \
+  step make_venv 120 make venv VENV="$VENV"
+  # beside the tests (no room after them): the default run on this machine's corpus (.gpu/data), which two CPU
+  # ranks train to known losses (docs/benchmarks.md), niced, its compile on 4 threads; the tests have 8 workers
+  # of the 16 cores and no time limits of their own but the per-test timeout
+  nice -n 10 env TORCHINDUCTOR_COMPILE_THREADS=4 timeout -k 10 380 "$VENV/bin/torchrun" --standalone \
+    --nproc_per_node=1 train.py data.dir=.gpu/data/stdlib-v8192 run_name=same-data-gpu resume=never \
+    wandb.mode=disabled >"$LOGS/same_data.log" 2>&1 &
+  SAME_DATA=$!
+  # the rest of 450 s since the start
+  step make_test $((450 - SECONDS)) make test VENV="$VENV" TEST_WORKERS=8 \
     ARGS="-vv --durations=40 --timeout 240 --timeout-method=thread"
   # wandb offline, as with no API key (seen: 77 s eager; it now compiles on CUDA: a graph each for the chunk and
   # the cross-entropy, in training and in evaluation)
   step make_train 110 env -u WANDB_MODE make train VENV="$VENV"
-  tails="make_test make_train"
+  wait $SAME_DATA
+  rc=$?
+  [ $rc = 0 ] || FAILED=1
+  { echo "same_data: rc=$rc (beside make_test)"; [ $rc = 0 ] || tail -5 "$LOGS/same_data.log"; } | tee -a "$LOGS/steps.txt"
+  pack
+  tails="make_test make_train same_data"
   tables=""
   ;;
 compile)
@@ -150,7 +170,7 @@ esac
 
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
-for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^done:' "$LOGS/$t.log" | cut -c1-200; done
+for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^done:|val loss' "$LOGS/$t.log" | cut -c1-200; done
 for t in $tables; do   # a table file from its head, a log (the sweep's table, the probe's) from its tail
   echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | case $t in *.log) tail -40 ;; *) head -60 ;; esac
 done
