@@ -1,0 +1,216 @@
+"""Failures mid-run, each made for real: a save that cannot be written, fp16 that cannot recover, SIGTERM (at a step's
+end and during one), a killed launcher, a stopped rank, a `kill -9` under `torchrun --max-restarts=1` and a kill
+during a save; the resumed runs must end with bitwise the weights of an uninterrupted one (the test model, fp32 on
+CPU ranks). Refusals and resumes that need no failure: tests/test_reliability.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from commandline import assert_one_error, env, finish, model_args, running, start, torchrun_argv, torchrun_train
+from harness import make_trainer, small_config
+from megatron_mini.checkpoint import load_model_tensors
+from ranks import spawn
+
+
+def test_a_failed_save_keeps_the_last_good_checkpoint(small_data, tmp_path, hooks):
+    """A checkpoint that cannot be written (files capped at 1 MB, as a full disk would refuse them) stops every
+    rank with one message naming the error and the last good checkpoint; nothing of the failed save remains."""
+    run_dir = tmp_path / "run"
+    assert torchrun_train(2, model_args(small_data, run_dir)).rc == 0          # step 2 saved
+    r = torchrun_train(2, [*model_args(small_data, run_dir), "steps=4"], env(hooks, HOOK_FSIZE_LIMIT=1 << 20))
+    assert_one_error(r, [f"Saving checkpoint {run_dir}/checkpoints/step_000004 failed on rank 0 while writing its "
+                         f"files", "File too large", "last good checkpoint (step_000002)"], "torchrun", code=1,
+                     quick=False)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000002"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def test_fp16_that_cannot_recover_stops(small_data, tmp_path):
+    args = [*model_args(small_data, tmp_path / "run"), "precision=fp16", "precision.initial_loss_scale=4",
+            "precision.max_skips_at_min_scale=3", "optimizer.lr=10000", "optimizer.warmup_steps=0",
+            "optimizer.min_lr=0", "steps=40"]
+    r = torchrun_train(1, args)
+    assert_one_error(r, ["Training stopped (fp16): 3 steps in a row overflowed at the minimum loss scale 1",
+                         "use precision=bf16"], "torchrun", code=1, quick=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _workers(proc) -> list:
+    """The pids of torchrun's worker processes (children of its agent)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def _wait_for(proc, path: Path, text: str = "", limit: float = 90) -> None:
+    """Until `path` shows `text`; a job that ends first fails the test with its output."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before {path} showed {text!r}: {finish(proc)}")
+        time.sleep(0.2)
+    pytest.fail(f"{path} did not show {text!r} within {limit} s")
+
+
+def _wait_stopped(pid: int, what: str, limit: float = 90) -> None:
+    """Until process `pid` is stopped (SIGSTOP: state T)."""
+    deadline = time.monotonic() + limit
+    while _state(pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(pid) == "T", f"{what} did not stop within {limit} s (state {_state(pid)})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T, Z, ...), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+RESUMABLE = ["save_interval=2", "keep_checkpoints=10", "eval_interval=0", "log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_data, tmp_path_factory):
+    """10 steps on 2 ranks, a checkpoint every 2: the weights every interrupted run must end with."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    r = torchrun_train(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"])
+    assert r.rc == 0, r
+    return run_dir / "checkpoints"
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_model_tensors(str(a)), load_model_tensors(str(b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted):
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
+    # rank 0 stops itself in the step-4 save (its 6th fsync), so the SIGTERM lands mid-run however late it is
+    # sent: every rank has cast step 4's stop vote, and step 5's is the first to count it
+    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6,
+                                             HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank0, "rank 0 (at its 6th fsync)")
+        os.kill(rank1, signal.SIGTERM)                        # as Slurm warns a job before it ends it
+        os.kill(rank0, signal.SIGCONT)
+        r = finish(proc)
+    assert r.rc == 0, r
+    assert "stopped by SIGTERM (to 1 of 2 ranks) after step" in r.out and "continue with resume=auto" in r.out, r
+    stopped = int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    assert stopped == 5 and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
+    again = torchrun_train(2, args)
+    assert again.rc == 0 and f"resumed from {run_dir}/checkpoints/step_{stopped:06d}" in again.out, again
+    _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def _signalled_during_a_step(cfg):
+    """Rank 1's SIGTERM flag goes up inside its second step's forward/backward (a step is long; a signal
+    lands in one): (step 1's stop count, step 2's) on this rank."""
+    import types
+    import torch.distributed as dist
+    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False)
+    first = trainer.train_step(flag)["stop"]
+    run = trainer.engine.train_step
+
+    def signalled(*args, **kwargs):
+        out = run(*args, **kwargs)
+        flag.requested = dist.get_rank() == 1
+        return out
+    trainer.engine.train_step = signalled
+    return first, trainer.train_step(flag)["stop"]
+
+
+def test_a_signal_during_a_step_stops_after_that_step(small_data, tmp_path):
+    """Every rank learns of a SIGTERM that arrived during a step at that step's end (not the next's: a
+    step of a large model can outlast a scheduler's grace period)."""
+    assert spawn(2, _signalled_during_a_step, small_config(small_data, tmp_path)) == [(0, 1), (0, 1)]
+
+
+def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
+    """kill -9 of torchrun: its workers get SIGTERM (parent-death signal), save and exit; no orphan trains on."""
+    run_dir = tmp_path / "run"
+    with running(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400"]), env()) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     2/")
+        workers = _workers(proc)
+        proc.kill()
+        proc.communicate()
+    deadline = time.monotonic() + 60
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(w) for w in workers)
+    # both get the signal at once, but a step's stop vote may count one of them before the other's arrives
+    assert re.search(r"stopped by SIGTERM \(to [12] of 2 ranks\)", (run_dir / "logs" / "rank0000.log").read_text())
+
+
+def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
+    """kill -STOP of one of 2 ranks: the other's collective fails after timeout_s with a message naming the rank,
+    the collective and its group; torchrun then ends the stopped rank (SIGTERM, then SIGKILL after its 30 s
+    grace, as a stopped process cannot act on SIGTERM). The job ends within timeout_s + 30 s + 10 s."""
+    timeout_s = 5
+    run_dir = tmp_path / "run"
+    with running(torchrun_argv(2, [*model_args(small_data, run_dir), *RESUMABLE, "steps=400",
+                                   f"timeout_s={timeout_s}"]), env()) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     2/")
+        os.kill(_workers(proc)[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        r = finish(proc)
+    assert time.monotonic() - stopped < timeout_s + 30 + 10, r
+    assert_one_error(r, ["rank 0: ", "group (ranks [0, 1]) failed"], "torchrun",
+                     code=1, quick=False)
+
+
+def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
+    """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
+    last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
+    raced: rank 0 stops itself (SIGSTOP) after its 10th fsync (the first file of the step-6 save; step 4 is
+    saved and named by `latest`), so the job cannot reach its end before the kill, however late the kill is."""
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
+    with running(torchrun_argv(2, args, "--max-restarts=1"),
+                 env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=10, HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+        _wait_for(proc, run_dir / "checkpoints" / "latest", "step_000004")
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank0, "rank 0 (at its 10th fsync)")
+        os.kill(rank1, signal.SIGKILL)
+        os.kill(rank0, signal.SIGCONT)
+        r = finish(proc)
+    assert r.rc == 0, r
+    assert f"resumed from {run_dir}/checkpoints/step_000004" in r.out, r
+    _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, tmp_path, hooks, uninterrupted):
+    """Rank 0, the writer, dies (SIGKILL) in the middle of the second save, after writing one file (its 6th
+    fsync: the run's config, the first save's 2 files, meta.json and `latest`, then the second save's
+    weights): the half-written step_000004.tmp is never taken; the restarted job resumes from step 2 and
+    ends as the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=6"]
+    r = finish(start(torchrun_argv(2, args, "--max-restarts=1"), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6)))
+    assert r.rc == 0, r
+    assert f"resumed from {run_dir}/checkpoints/step_000002" in r.out, r
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    _same_weights(run_dir / "checkpoints" / "step_000006", uninterrupted / "step_000006")
