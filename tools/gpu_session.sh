@@ -51,8 +51,13 @@ if [ "$STAGE" = wheels ]; then
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools 'sentencepiece>=0.2.3' || exit 1
-  # the default run's data as this machine built it (make data), for the make stage's same-data run
+  # the default run's data as this machine built it (make data), for the make stage's same-data run, and the
+  # metrics of the CPU run it is compared with, where this machine has it (make train ARGS="run_name=same-data-cpu
+  # resume=never wandb.mode=disabled")
   rm -rf .gpu/data && mkdir -p .gpu/data && cp -r data/stdlib-v8192 .gpu/data/ || exit 1
+  if [ -f runs/same-data-cpu/metrics.jsonl ]; then
+    mkdir -p .gpu/data/same-data-cpu && cp runs/same-data-cpu/metrics.jsonl .gpu/data/same-data-cpu/
+  else echo "note: no runs/same-data-cpu/metrics.jsonl here: the make stage will not compare the curves"; fi
   du -sh .gpu/wheels .gpu/wheelhouse .gpu/data
   exit 0
 fi
@@ -113,8 +118,8 @@ make)
   VENV=$($PY -c 'import sys; print(sys.prefix)')
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
-  # which tests the GPU makes slow (the limits sum to 560 s, the venv and the tests sharing the first 450: each
-  # step's kill margin, imports and tar fit in 600)
+  # which tests the GPU makes slow (the limits sum to 580 s, the venv and the tests sharing the first 450; the
+  # comparison of the curves takes seconds of its 20)
   # (make test's own --dist loadfile: worksteal would spread a file's tests, and with them its module fixtures,
   # the refusals fixture of ~46 train.py runs among them, over several workers, each building them again)
   step make_venv 120 make venv VENV="$VENV"
@@ -136,8 +141,11 @@ make)
   [ $rc = 0 ] || FAILED=1
   { echo "same_data: rc=$rc (beside make_test)"; [ $rc = 0 ] || tail -5 "$LOGS/same_data.log"; } | tee -a "$LOGS/steps.txt"
   pack
+  # the GPU's curve against the CPU's ("gap vs ref": the smoothed train loss minus the CPU's at the last step)
+  [ -f .gpu/data/same-data-cpu/metrics.jsonl ] && step same_data_compare 20 "$VENV/bin/python" tools/compare_runs.py \
+    .gpu/data/same-data-cpu runs/same-data-gpu --labels cpu,gpu -o "$LOGS/same_data.png"
   tails="make_test make_train same_data"
-  tables=""
+  tables="same_data_compare.log"
   ;;
 compile)
   cp docs/benchmarks.md "$LOGS/"
