@@ -46,6 +46,8 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 PY=python3
 
 if [ "$STAGE" = wheels ]; then
+  [ -f data/stdlib-v8192/tokens.bin ] || { echo "error: no data/stdlib-v8192 here: run make data first"; exit 1; }
+  rm -rf .gpu/wheels .gpu/wheelhouse      # (pip download keeps older versions beside newer ones)
   mkdir -p .gpu/wheels .gpu/wheelhouse
   cp "${2:-../shared/wheels}"/*.whl .gpu/wheels/ || exit 1
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
@@ -61,11 +63,12 @@ if [ "$STAGE" = wheels ]; then
   du -sh .gpu/wheels .gpu/wheelhouse .gpu/data
   exit 0
 fi
-# .gpu as `wheels` fills it (a copy older than the sentencepiece pin would fail `make venv` offline at once)
+# .gpu as `wheels` fills it (a copy older than the sentencepiece pin would fail `make venv` offline at once;
+# only the make stage reads .gpu/data)
 ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl .gpu/wheelhouse/sentencepiece-0.2.[3-9]*.whl \
-  .gpu/data/stdlib-v8192/tokens.bin >/dev/null 2>&1 || { echo "error: .gpu lacks hydra-core, omegaconf," \
-  "sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine reaches PyPI) and carry .gpu"
-  exit 2; }
+  $([ "$STAGE" = make ] && echo .gpu/data/stdlib-v8192/tokens.bin) >/dev/null 2>&1 || { echo "error: .gpu lacks" \
+  "hydra-core, omegaconf, sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine" \
+  "reaches PyPI) and carry .gpu"; exit 2; }
 if [ "$STAGE" = make ]; then
   # pip finds on disk what it would take from PyPI; everything else it needs is installed there already
   export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.gpu/wheels $PWD/.gpu/wheelhouse"
@@ -76,16 +79,21 @@ else
 fi
 
 FAILED=0
-pack() {   # the logs into $OUT/session.tgz, whole or not at all (a call killed mid-tar keeps the last one)
-  tar czf "$OUT/.session.tgz" -C "$LOGS" . && mv "$OUT/.session.tgz" "$OUT/session.tgz"
+pack() {   # the logs into $OUT/session.tgz, whole or not at all (a call killed mid-tar keeps the last one; tar's
+  tar czf "$OUT/.session.tgz" -C "$LOGS" .     # exit 1, a log that grew while it was read, still packs the rest)
+  [ $? -le 1 ] && mv "$OUT/.session.tgz" "$OUT/session.tgz"
+}
+until_() {  # until_ T MIN: the seconds left until T s after the start, at least MIN (timeout 0 would mean none)
+  local left=$(($1 - SECONDS))
+  echo $((left < $2 ? $2 : left))
 }
 step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status, pack
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
-  local rc=$?
-  [ $rc = 0 ] || FAILED=1
-  echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
+  STEP_RC=$?
+  [ $STEP_RC = 0 ] || FAILED=1
+  echo "$name: rc=$STEP_RC, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
   pack
 }
 
@@ -118,32 +126,41 @@ make)
   VENV=$($PY -c 'import sys; print(sys.prefix)')
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
-  # which tests the GPU makes slow (the limits sum to 580 s, the venv and the tests sharing the first 450; the
-  # comparison of the curves takes seconds of its 20)
+  # which tests the GPU makes slow (the venv and the tests share the first 450 s, make train has 110 and the
+  # comparison of the curves what is left of 585: seconds)
   # (make test's own --dist loadfile: worksteal would spread a file's tests, and with them its module fixtures,
   # the refusals fixture of ~46 train.py runs among them, over several workers, each building them again)
   step make_venv 120 make venv VENV="$VENV"
-  # beside the tests (no room after them): the default run on this machine's corpus (.gpu/data), which two CPU
-  # ranks train to known losses (docs/benchmarks.md), niced, its compile on 4 threads; the tests have 8 workers
-  # of the 16 cores and no time limits of their own but the per-test timeout
-  nice -n 10 env TORCHINDUCTOR_COMPILE_THREADS=4 timeout -k 10 380 "$VENV/bin/torchrun" --standalone \
-    --nproc_per_node=1 train.py data.dir=.gpu/data/stdlib-v8192 run_name=same-data-gpu resume=never \
-    wandb.mode=disabled >"$LOGS/same_data.log" 2>&1 &
-  SAME_DATA=$!
-  # the rest of 450 s since the start
-  step make_test $((450 - SECONDS)) make test VENV="$VENV" TEST_WORKERS=8 \
+  # beside the tests, over by 440 s since the start (there is no room after them; make train then has the GPU to
+  # itself): the default run on this machine's corpus (.gpu/data), which two CPU ranks train to known losses
+  # (docs/benchmarks.md), niced, its compile on 4 threads; the tests have 8 workers of the 16 cores
+  SAME_DATA=
+  if [ $STEP_RC = 0 ]; then       # (without the venv's hydra it could not start, and pip may still be writing it)
+    t0=$SECONDS
+    nice -n 10 env TORCHINDUCTOR_COMPILE_THREADS=4 timeout -k 5 "$(until_ 440 30)" "$VENV/bin/torchrun" --standalone \
+      --nproc_per_node=1 train.py data.dir=.gpu/data/stdlib-v8192 run_name=same-data-gpu resume=never \
+      wandb.mode=disabled >"$LOGS/same_data.log" 2>&1 &
+    SAME_DATA=$!
+  fi
+  step make_test "$(until_ 450 60)" make test VENV="$VENV" TEST_WORKERS=8 \
     ARGS="-vv --durations=40 --timeout 240 --timeout-method=thread"
+  if [ -n "$SAME_DATA" ]; then
+    wait $SAME_DATA
+    rc=$?
+    [ $rc = 0 ] || FAILED=1
+    { echo "same_data: rc=$rc, $((SECONDS - t0)) s (beside make_test)"
+      [ $rc = 0 ] || grep -E '^(error|stopped by|done):' "$LOGS/same_data.log" | tail -3; } | tee -a "$LOGS/steps.txt"
+    pack
+  else
+    echo "same_data: not run (make_venv failed)" | tee -a "$LOGS/steps.txt"; FAILED=1
+  fi
   # wandb offline, as with no API key (seen: 77 s eager; it now compiles on CUDA: a graph each for the chunk and
   # the cross-entropy, in training and in evaluation)
   step make_train 110 env -u WANDB_MODE make train VENV="$VENV"
-  wait $SAME_DATA
-  rc=$?
-  [ $rc = 0 ] || FAILED=1
-  { echo "same_data: rc=$rc (beside make_test)"; [ $rc = 0 ] || tail -5 "$LOGS/same_data.log"; } | tee -a "$LOGS/steps.txt"
-  pack
   # the GPU's curve against the CPU's ("gap vs ref": the smoothed train loss minus the CPU's at the last step)
-  [ -f .gpu/data/same-data-cpu/metrics.jsonl ] && step same_data_compare 20 "$VENV/bin/python" tools/compare_runs.py \
-    .gpu/data/same-data-cpu runs/same-data-gpu --labels cpu,gpu -o "$LOGS/same_data.png"
+  [ -f .gpu/data/same-data-cpu/metrics.jsonl ] && [ -f runs/same-data-gpu/metrics.jsonl ] && \
+    step same_data_compare "$(until_ 585 5)" "$VENV/bin/python" tools/compare_runs.py .gpu/data/same-data-cpu \
+    runs/same-data-gpu --labels cpu,gpu -o "$LOGS/same_data.png"
   tails="make_test make_train same_data"
   tables="same_data_compare.log"
   ;;
@@ -178,7 +195,10 @@ esac
 
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
-for t in $tails; do echo "---- $t"; grep -E '^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^done:|val loss' "$LOGS/$t.log" | cut -c1-200; done
+for t in $tails; do   # (the training runs' validation losses too)
+  echo "---- $t"; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^done:$([ $t = make_test ] || echo '|val loss')" \
+    "$LOGS/$t.log" | cut -c1-200
+done
 for t in $tables; do   # a table file from its head, a log (the sweep's table, the probe's) from its tail
   echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | case $t in *.log) tail -40 ;; *) head -60 ;; esac
 done
