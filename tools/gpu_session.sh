@@ -87,14 +87,17 @@ until_() {  # until_ T MIN: the seconds left until T s after the start, at least
   local left=$(($1 - SECONDS))
   echo $((left < $2 ? $2 : left))
 }
-step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note the exit status, pack
+note() {   # note NAME RC T0: a step's exit status (into FAILED) and seconds since T0 in steps.txt; pack
+  [ "$2" = 0 ] || FAILED=1
+  echo "$1: rc=$2, $((SECONDS - $3)) s" | tee -a "$LOGS/steps.txt"
+  pack
+}
+step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log, note it (STEP_RC: its status)
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   STEP_RC=$?
-  [ $STEP_RC = 0 ] || FAILED=1
-  echo "$name: rc=$STEP_RC, $((SECONDS - t0)) s" | tee -a "$LOGS/steps.txt"
-  pack
+  note "$name" $STEP_RC $t0
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -126,8 +129,8 @@ make)
   VENV=$($PY -c 'import sys; print(sys.prefix)')
   # -vv (with make test's -q, verbose): each test's result as it ends, so a call cut short still names its
   # failures (seen: cut at 420 s, 96%, with three workers lost to sentencepiece 0.2.2's abort); --durations:
-  # which tests the GPU makes slow (the venv and the tests share the first 450 s, make train has 110 and the
-  # comparison of the curves what is left of 585: seconds)
+  # which tests the GPU makes slow (limits: the venv and the tests share the first 450 s from the start, make
+  # train has 110, the comparison of the curves what is left until 585, a few seconds of it)
   # (make test's own --dist loadfile: worksteal would spread a file's tests, and with them its module fixtures,
   # the refusals fixture of ~46 train.py runs among them, over several workers, each building them again)
   step make_venv 120 make venv VENV="$VENV"
@@ -136,7 +139,7 @@ make)
   # (docs/benchmarks.md), niced, its compile on 4 threads; the tests have 8 workers of the 16 cores
   SAME_DATA=
   if [ $STEP_RC = 0 ]; then       # (without the venv's hydra it could not start, and pip may still be writing it)
-    t0=$SECONDS
+    same_t0=$SECONDS
     nice -n 10 env TORCHINDUCTOR_COMPILE_THREADS=4 timeout -k 5 "$(until_ 440 30)" "$VENV/bin/torchrun" --standalone \
       --nproc_per_node=1 train.py data.dir=.gpu/data/stdlib-v8192 run_name=same-data-gpu resume=never \
       wandb.mode=disabled >"$LOGS/same_data.log" 2>&1 &
@@ -147,10 +150,8 @@ make)
   if [ -n "$SAME_DATA" ]; then
     wait $SAME_DATA
     rc=$?
-    [ $rc = 0 ] || FAILED=1
-    { echo "same_data: rc=$rc, $((SECONDS - t0)) s (beside make_test)"
-      [ $rc = 0 ] || grep -E '^(error|stopped by|done):' "$LOGS/same_data.log" | tail -3; } | tee -a "$LOGS/steps.txt"
-    pack
+    note same_data $rc $same_t0
+    [ $rc = 0 ] || { grep -E '^(error|stopped by|done):' "$LOGS/same_data.log" | tail -3 | tee -a "$LOGS/steps.txt"; pack; }
   else
     echo "same_data: not run (make_venv failed)" | tee -a "$LOGS/steps.txt"; FAILED=1
   fi
