@@ -24,7 +24,7 @@
 #                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12);
 #                                                # .gpu/data: a copy of this machine's data/stdlib-v8192
 #                                                # and of its CPU run's metrics (a fresh checkout makes
-#                                                # both first: make data, then make train, ~10 minutes)
+#                                                # both first: make data, then make train, ~4 minutes)
 #
 # The stages need .gpu (ignored; carried with the call). `make` prepares its own data: the default corpus is
 # the running Python's standard library, so a machine with another Python trains on another corpus; so the
@@ -48,26 +48,25 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 PY=python3
 
 if [ "$STAGE" = wheels ]; then
-  # a fresh checkout has neither the data nor the CPU run the GPU's is compared with: both are made here first
-  # (make data: the venv and the corpus, a few minutes; the CPU run: about 4 minutes on 2 cores)
-  if [ ! -f data/stdlib-v8192/tokens.bin ]; then
-    echo "no data/stdlib-v8192 here: make data"; make data >/tmp/gpu_session_data.log 2>&1 || \
-      { tail -20 /tmp/gpu_session_data.log; echo "error: make data failed"; exit 1; }
-  fi
-  if [ ! -f runs/same-data-cpu/summary.json ]; then      # (written when a run ends, unlike its metrics)
-    echo "no runs/same-data-cpu here: the default run on this machine's CPU (about 4 minutes)"
-    make train ARGS="run_name=same-data-cpu resume=never wandb.mode=disabled" >/tmp/gpu_session_ref.log 2>&1 || \
-      { tail -20 /tmp/gpu_session_ref.log; rm -rf runs/same-data-cpu; echo "error: the CPU run failed"; exit 1; }
-    grep 'val loss' /tmp/gpu_session_ref.log
-  fi
   rm -rf .gpu/wheels .gpu/wheelhouse      # (pip download keeps older versions beside newer ones)
   mkdir -p .gpu/wheels .gpu/wheelhouse
   cp "${2:-../shared/wheels}"/*.whl .gpu/wheels/ || exit 1
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools 'sentencepiece>=0.2.3' || exit 1
-  # the default run's data as this machine built it, for the make stage's same-data run, and the metrics of the
-  # CPU run it is compared with
+  # the default run's data as this machine builds it, for the make stage's same-data run, and the metrics of the
+  # CPU run it is compared with; a fresh checkout has neither, and makes both here (make data: the venv and the
+  # corpus, a few minutes; the CPU run, about 3 minutes on 2 cores)
+  if [ ! -f data/stdlib-v8192/tokens.bin ]; then
+    echo "no data/stdlib-v8192 here: make data"; make data >/tmp/gpu_session_data.log 2>&1 || \
+      { tail -20 /tmp/gpu_session_data.log; echo "error: make data failed"; exit 1; }
+  fi
+  if [ ! -f runs/same-data-cpu/summary.json ]; then      # (written when a run ends, unlike its metrics)
+    echo "no runs/same-data-cpu here: the default run on this machine's CPU (about 3 minutes)"
+    make train ARGS="run_name=same-data-cpu resume=never wandb.mode=disabled" >/tmp/gpu_session_ref.log 2>&1 || \
+      { tail -20 /tmp/gpu_session_ref.log; rm -rf runs/same-data-cpu; echo "error: the CPU run failed"; exit 1; }
+    grep 'val loss' /tmp/gpu_session_ref.log
+  fi
   rm -rf .gpu/data && mkdir -p .gpu/data && cp -r data/stdlib-v8192 .gpu/data/ || exit 1
   mkdir -p .gpu/data/same-data-cpu && cp runs/same-data-cpu/metrics.jsonl .gpu/data/same-data-cpu/ || exit 1
   du -sh .gpu/wheels .gpu/wheelhouse .gpu/data
