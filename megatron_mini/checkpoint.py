@@ -206,6 +206,7 @@ def _meta_lacks(meta: dict) -> str | None:
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
+                     ("data (a mapping)", isinstance(meta.get("data", {}), dict)),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
                      ("optimizer.step_count", isinstance(meta.get("optimizer"), dict)
                       and "step_count" in meta["optimizer"])):
@@ -311,9 +312,10 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
         was = old["seed"] if key == "seed" else old["data"]["val_fraction"]
         if was != new:
             diffs.append(f"{key}: {was} -> {new} (it draws the train/validation split)")
-    for key, was in resume.meta.get("data", {}).items():
-        if data[key] != was:
-            diffs.append(f"data {key}: {str(was)[:16]} -> {str(data[key])[:16]}")
+    saved = resume.meta.get("data", {})
+    for key, new in data.items():          # (a key the checkpoint lacks, or this version does not know: not compared)
+        if key in saved and saved[key] != new:
+            diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")
     if diffs:
         raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
                           f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name.")

@@ -8,13 +8,21 @@ import os
 
 def atomic_write(path, data: bytes | str) -> None:
     """Write `data` to a temporary file beside `path` (named by this process: concurrent writers do not
-    collide), flush it to disk, then rename it over `path`."""
+    collide), flush it to disk, then rename it over `path`. A write that fails (a full disk) takes its
+    temporary file away again."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def existing_part(path) -> str:

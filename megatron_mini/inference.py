@@ -156,10 +156,12 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     clock = _Clock(device) if timing is not None else None
     for step in range(max_new_tokens):
         last = logits(model, feed, cache)[:, -1]                                   # [n, V]
-        if float(torch.tensor(temperature, dtype=last.dtype)) == 0:     # 0, or too small for the logits' dtype
+        # 0, or so small that 1 / temperature overflows the logits' dtype (CUDA divides by a number as the product
+        # with its reciprocal: the top logit became 0 * inf = NaN there): greedy, what sampling at it would pick
+        if temperature < 2 / torch.finfo(last.dtype).max:
             nxt = last.argmax(-1)
         else:
-            last = (last - last.max(-1, keepdim=True).values) / temperature   # <= 0: a tiny temperature is greedy
+            last = (last - last.max(-1, keepdim=True).values) / temperature
             if top_k:
                 kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
                 last = last.masked_fill(last < kth, float("-inf"))

@@ -31,6 +31,7 @@ from .files import atomic_write
 from .hardware import set_tf32
 from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
+from .data import DataError
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
@@ -422,9 +423,13 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             log.info(f"resume: {note}")
         trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
-        cut = cut_metrics(cfg.run_dir, trainer.step) if rank == 0 else 0
-        if cut:
-            log.info(f"resume: moved {cut} lines of metrics.jsonl past step {trainer.step} to metrics.superseded.jsonl")
+    # metrics.jsonl past this run's start is another attempt's: lines a crashed run logged after its checkpoint
+    # (or a branch's older future), and on a fresh start every line, of an attempt that died before its first
+    # checkpoint; moved aside, so that this run's lines are the file's, and a torn last line is not glued to its first
+    cut = cut_metrics(cfg.run_dir, trainer.step if run.resume else -1) if rank == 0 else 0
+    if cut:
+        past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
+        log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")
     logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
@@ -444,11 +449,14 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         _evaluate(trainer, history, logger, log, " (before training)")
     try:
         stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
-    except FloatingPointError as e:
-        # every rank raises it at the same step (the global loss; the fp16 scaler's state): the save still
-        # being written, of an earlier step, is published as a sync save would have been
+    except (FloatingPointError, DataError) as e:
+        # every rank raises these at the same step (the global loss; the fp16 scaler's state; the ids of the
+        # whole global batch, which every rank reads): the save still being written, of an earlier step, is
+        # published as a sync save would have been
         _finish_pending(trainer, log)
         logger.finish()
+        if isinstance(e, DataError):
+            raise
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
                   if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")
         raise RunError(f"Training stopped ({cfg.precision.dtype}): {e}. Nothing was saved over the last good "

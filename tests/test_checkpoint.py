@@ -104,6 +104,21 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
             if r.WhichOneof("record_type") == "run"} == {run_id(str(run), "run")}
 
 
+def test_a_fresh_start_moves_an_earlier_attempts_metrics_aside(small_data, tmp_path):
+    """A run directory whose first attempt died before its first checkpoint, its metrics.jsonl ending in a line a
+    kill cut short: the new run starts at step 0, metrics.jsonl holds its own lines alone (the torn one not glued
+    to its first), and the earlier attempt's are in metrics.superseded.jsonl."""
+    import json
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = json.dumps({"step": 1, "loss": 9.0}) + "\n" + '{"step": 2, "lo'
+    (run / "metrics.jsonl").write_text(earlier)
+    history = train_on_ranks(1, small_config(small_data, run, steps=3, log_interval=1, resume="auto"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == list(zip((1, 2, 3), history["loss"]))
+    assert (run / "metrics.superseded.jsonl").read_text() == earlier + "\n"
+
+
 def test_a_second_branch_past_the_same_step_sets_its_newer_checkpoint_aside_too(uninterrupted, small_data, tmp_path):
     """Two rollbacks to step 5, each past a step 10: the second step_000010 goes aside as
     step_000010.superseded-2, beside the first branch's step_000010.superseded, and branches.json records both
@@ -299,31 +314,48 @@ def test_async_saves_write_the_checkpoints_of_sync_saves_while_training(small_da
     assert runs["async"]["checkpoint"] == paths[1]
 
 
-def _diverging_with_slow_writes(cfg, delays, nan_step):
-    """_train_with_slow_writes, the global loss NaN at step `nan_step`: the RunError's message."""
-    import math
-
-    from megatron_mini import training
+def _stopped_with_slow_writes(cfg, delays, step, cause):
+    """_train_with_slow_writes, stopped on every rank at `step`: the global loss NaN there ("nan": a RunError), or
+    that step's global batch holding an id outside the vocabulary, as a damaged tokens.bin would ("damaged batch":
+    a DataError, which every rank raises, each reading the whole batch; eval_interval=0, so no validation sample
+    is read then). The error's message."""
+    from megatron_mini import dataset, training
     from megatron_mini.config import RunError
-    global_loss = training.Trainer._global_loss
+    from megatron_mini.data import DataError
+    if cause == "nan":
+        global_loss = training.Trainer._global_loss
 
-    def diverging(self, loss_sum, stop=False):
-        loss, stops, writers = global_loss(self, loss_sum, stop)
-        return (math.nan if self.step + 1 == nan_step else loss), stops, writers
-    training.Trainer._global_loss = diverging
-    with pytest.raises(RunError) as caught:
+        def diverging(self, loss_sum, stop=False):
+            loss, stops, writers = global_loss(self, loss_sum, stop)
+            return (math.nan if self.step + 1 == step else loss), stops, writers
+        training.Trainer._global_loss = diverging
+    else:
+        read, bad = dataset.GPTDataset.__getitem__, (step - 1) * cfg.gbs          # the step's first sample
+
+        def damaged(self, i):
+            row = read(self, i)
+            if i == bad:
+                row = row.copy()
+                row[5] = 10 ** 6
+            return row
+        dataset.GPTDataset.__getitem__ = damaged
+    with pytest.raises(RunError if cause == "nan" else DataError) as caught:
         _train_with_slow_writes(cfg, delays)
     return str(caught.value)
 
 
+@pytest.mark.parametrize("cause", ["nan", "damaged batch"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_a_run_that_diverges_while_an_async_save_is_written_publishes_it(kind, small_data, tmp_path):
-    """The loss turns NaN at step 3 while rank 1 still writes step 2's files (0.4 s late each): the run stops on
-    every rank with step 2 published and named as the last good checkpoint, as with sync saves."""
+def test_a_run_that_stops_while_an_async_save_is_written_publishes_it(kind, cause, small_data, tmp_path):
+    """The loss turns NaN at step 3, or step 3's batch holds an id outside the vocabulary, while rank 1 still writes
+    step 2's files (0.4 s late each): the run stops on every rank with one message and step 2 published, as with
+    sync saves (the NaN's message names it as the last good checkpoint)."""
     cfg = small_config(small_data, tmp_path, steps=8, save_interval=2, gbs=8, zero=1, async_save=kind == "async")
-    messages = spawn(2, _diverging_with_slow_writes, cfg, (0.0, 0.4), 3, init_group=False)
+    messages = spawn(2, _stopped_with_slow_writes, cfg, (0.0, 0.4), 3, cause, init_group=False)
     step2 = str(tmp_path / "checkpoints" / "step_000002")
-    assert messages[0] == messages[1] and f"the last good checkpoint ({step2})" in messages[0], messages
+    assert messages[0] == messages[1], messages
+    assert (f"the last good checkpoint ({step2})" if cause == "nan" else
+            "holds token id 1000000, outside the vocabulary of ") in messages[0], messages
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000002"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
@@ -454,3 +486,44 @@ def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(checkpoint.CheckpointError, match=r"meta.json: its index of the tensors is damaged \("):
         checkpoint.verify(str(ckpt))
+
+
+def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
+    """meta.json's "data" (what the train/validation split and the token ids depend on) must be a mapping where
+    present: else a CheckpointError at verify (one line; resume=auto skips it). A resume compares the keys this
+    version knows: one it does not (a newer version's) is no refusal, and a differing one is, by name."""
+    import json
+    import shutil
+
+    from megatron_mini import checkpoint
+    from megatron_mini.config import ConfigError
+    cfg, _ = uninterrupted
+    ckpt = tmp_path / "step_000005"
+    shutil.copytree(os.path.join(cfg.run_dir, "checkpoints", "step_000005"), ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    current = dict(meta["data"])
+    for damaged in (None, ["tokenizer_sha256"]):
+        (ckpt / "meta.json").write_text(json.dumps({**meta, "data": damaged}))
+        with pytest.raises(checkpoint.CheckpointError, match=r"meta.json has no data \(a mapping\)"):
+            checkpoint.verify(str(ckpt))
+    checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": {**current, "newer": 1}}, []), cfg,
+                                current)
+    with pytest.raises(ConfigError, match=r"with another model or data than this run asks for: data num_tokens: "
+                                          r"7 -> "):
+        checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": {**current, "num_tokens": 7}},
+                                                      []), cfg, current)
+
+
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """atomic_write on a full disk (fsync raising ENOSPC): the error is raised, the file keeps its old content,
+    and nothing else is left beside it."""
+    from megatron_mini import files
+    path = tmp_path / "latest"
+    files.atomic_write(path, "step_000002")
+
+    def full(_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        files.atomic_write(path, "step_000004")
+    assert os.listdir(tmp_path) == ["latest"] and path.read_text() == "step_000002"

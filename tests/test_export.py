@@ -257,9 +257,29 @@ def test_generate_refuses_bad_arguments():
         with pytest.raises(ValueError, match=message):
             inference.generate(model, **args)
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
-    # a positive temperature too small for the logits' range samples what greedy picks (it overflowed to NaN)
+
+
+def _divide_as_cuda(self, other):
+    """fp32 tensor / a Python number as CUDA computes it (ATen's BinaryDivTrueKernel.cu: the product with the
+    number's fp32 reciprocal); everything else as torch does."""
+    if isinstance(other, float) and self.dtype == torch.float32:
+        return self * (torch.tensor(1.0) / torch.tensor(other, dtype=torch.float32))
+    return _TRUE_DIVIDE(self, other)
+
+
+_TRUE_DIVIDE = torch.Tensor.__truediv__
+
+
+@pytest.mark.parametrize("division", ["cpu", "cuda"])
+def test_a_tiny_temperature_samples_what_greedy_picks(division, monkeypatch):
+    """A positive temperature too small for the logits' range samples what greedy picks: as the CPU divides (it
+    overflowed to NaN once) and as CUDA does, through the reciprocal, which overflows below ~2.9e-39 (the top
+    logit became 0 * inf = NaN); just above the cut (6e-39) it samples, and still picks greedy's tokens."""
+    model = _random_model()
     greedy = inference.generate(model, [1, 2], 6, temperature=0)
-    for tiny in (1e-45, 1e-50):                                     # (1e-50 is 0 in the logits' fp32)
+    if division == "cuda":
+        monkeypatch.setattr(torch.Tensor, "__truediv__", _divide_as_cuda)
+    for tiny in (1e-50, 1e-45, 1e-40, 3e-39, 6e-39):            # (1e-50 is 0 in the logits' fp32)
         assert inference.generate(model, [1, 2], 6, temperature=tiny, generator=torch.Generator().manual_seed(0)) \
             == greedy, tiny
 

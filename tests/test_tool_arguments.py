@@ -225,6 +225,22 @@ def test_benches_refuse_an_unwritable_output_before_running(tool, argv, work, tm
     assert f"{argv[-2]} {argv[-1]}: {tmp_path}/afile is not a directory" in err, err
 
 
+@pytest.mark.parametrize("argv, fact", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--temperature", "inf"], "--temperature must be finite"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--seed", str(2 ** 64)], "--seed must be in [0, 2**64)"),            # (torch.Generator's range)
+    (["--seed", "-1"], "--seed must be in [0, 2**64)"),
+])
+def test_generate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    assert _exit_code(generate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
+    err = _one_error_line(capsys)
+    assert "error: " in err and fact in err, err
+
+
 def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monkeypatch):
     """--max-new-tokens 0 prints the prompt and no timing line (it printed a prefill that never ran), and
     runs no warmup."""

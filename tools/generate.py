@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--temperature must be finite")
     if args.num_samples < 1:
         p.error("--num-samples must be >= 1")
+    if not 0 <= args.seed < 2 ** 64:
+        p.error("--seed must be in [0, 2**64)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
     return args
