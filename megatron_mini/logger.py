@@ -170,8 +170,7 @@ class RunLogger:
         if not self.enabled:
             return
         data = {key: _plain(value) for key, value in values.items()}
-        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+        atomic_write(os.path.join(self.run_dir, "summary.json"), json.dumps(data, indent=2))
         if self._run is not None:
             try:
                 self._run.summary.update(data)

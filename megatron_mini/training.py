@@ -465,7 +465,6 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                          stopped_by)
     history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
     if rank == 0:
-        with open(os.path.join(cfg.run_dir, "history.json"), "w") as f:
-            json.dump(history, f)
+        atomic_write(os.path.join(cfg.run_dir, "history.json"), json.dumps(history))
     dist.destroy_process_group()
     return history
