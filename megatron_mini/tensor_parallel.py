@@ -528,8 +528,11 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             m_all = m.clone()
             comm.all_reduce(m_all, tp_group, op=torch.distributed.ReduceOp.MAX)
             shift = m - m_all                               # this shard's max against the row's
-            in_shard = ((local_t >= 0) & (local_t < n_valid)).float()
-            parts = [s * shift.exp(), dt + shift * in_shard] + ([xs + n_valid * shift] if label_smoothing else [])
+            in_shard = (local_t >= 0) & (local_t < n_valid)
+            # (the target's shard alone shifts dt: selected, as a shard of -inf logits elsewhere has shift -inf,
+            # and -inf * 0 is NaN)
+            parts = [s * shift.exp(), dt + torch.where(in_shard, shift, 0.0)] + \
+                ([xs + n_valid * shift] if label_smoothing else [])
             sums = torch.stack(parts) if n_valid > 0 else torch.zeros(len(parts), m.numel(), device=m.device)
             comm.all_reduce(sums, tp_group)
             m, s, dt, xs = m_all, sums[0], sums[1], (sums[2] if label_smoothing else None)

@@ -70,7 +70,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
                               "or use kernels=torch.")
     m = cfg.model
     if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
-        why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout)
+        why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout, cfg.mbs * m.num_heads // cfg.tp)
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
                               f"kernels=layer_norm or cross_entropy for the other Triton kernels).")

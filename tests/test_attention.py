@@ -180,6 +180,13 @@ def test_bad_inputs_are_refused():
     wide = _randn(1, 1, 8, attention.MAX_HEAD_DIM + 8)
     with pytest.raises(ValueError, match="head dim"):
         flash_attention(wide, wide, wide)
+    many = _randn(1, 1, 8, 16).expand(attention.MAX_BATCH_HEADS + 1, 1, 8, 16)   # (CUDA's grid: not launched)
+    with pytest.raises(ValueError, match="b x heads = 65536 > 65535"):
+        flash_attention(many, many, many)
+    # what training refuses in one line before it builds a model (mbs x heads per TP rank)
+    from megatron_mini.kernels import attention_unsupported
+    assert attention_unsupported(64, 1024, 0.1, 4095 * 16) is None
+    assert "up to 65535 (CUDA's grid), and this run has 65536" in attention_unsupported(64, 1024, 0.0, 4096 * 16)
     with pytest.raises(ValueError, match="3 \\* heads"):
         flash_attention_qkv(_randn(8, 1, 40), heads=3)
 

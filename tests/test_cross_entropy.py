@@ -65,6 +65,17 @@ def test_fused_cross_entropy_large_offset_keeps_fp32_accuracy():
     _check(x, t, g, 300, 0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_cross_entropy_with_a_masked_vocabulary(dtype):
+    """Logits of -inf (a masked vocabulary) over a row's first 200 columns, more than a chunk (BLOCK_V: 128 under
+    the interpreter, 1024-8192 on a GPU), the targets past them: the loss and gradient of F.cross_entropy (the
+    running max was -inf through the first chunk, and its sum -inf - -inf = NaN)."""
+    x, _, g = _inputs(4, 384, 300, dtype)
+    x[::2, :, :200] = -math.inf
+    t = torch.randint(200, 300, (4, 2), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    _check(x, t, g, 300, 0.0)
+
+
 def test_row_stats_of_a_shard_with_targets_elsewhere_or_only_padding():
     """Per shard: a target column past the row (it lives in a later shard) counts 0, even where the last
     chunk reaches past the row; a shard of padding only gives m = -inf, s = 0 (weighed 0 when the

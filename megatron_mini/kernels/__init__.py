@@ -23,12 +23,17 @@ import os
 
 MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (256 overflows shared memory)
 MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
+MAX_BATCH_HEADS = 65535  # the attention's launches put b * heads on grid axis 1, which CUDA caps at 65535
 
 
-def attention_unsupported(head_dim: int, seq_len: int, dropout: float) -> str | None:
-    """Why the Triton attention cannot run a model of this shape (None: it can)."""
+def attention_unsupported(head_dim: int, seq_len: int, dropout: float, batch_heads: int = 1) -> str | None:
+    """Why the Triton attention cannot run a model of this shape, with `batch_heads` = mbs x heads per TP rank
+    (None: it can)."""
     if head_dim > MAX_HEAD_DIM:
         return f"supports head dims up to {MAX_HEAD_DIM}, and hidden_size / num_heads = {head_dim}"
+    if batch_heads > MAX_BATCH_HEADS:
+        return (f"supports mbs x heads per TP rank up to {MAX_BATCH_HEADS} (CUDA's grid), and this run has "
+                f"{batch_heads}")
     if dropout > 0 and seq_len > MAX_DROPOUT_SEQ:
         return f"supports dropout up to seq_len {MAX_DROPOUT_SEQ} (int32 RNG offsets), and seq_len = {seq_len}"
     return None

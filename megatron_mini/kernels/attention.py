@@ -16,7 +16,8 @@ backward and in a recomputation; the seed is drawn from torch's current generato
 so the RNG tracker's streams (and activation recompute, which replays them) choose the mask.
 Math in fp32 whatever the input dtype (fp16/bf16 operands of the matmuls, fp32 accumulation;
 fp32 inputs use IEEE fp32 matmuls, not TF32). Causal masking is top-left aligned (key j <= query i).
-Head dims up to MAX_HEAD_DIM (128).
+Head dims up to MAX_HEAD_DIM (128); b x heads up to MAX_BATCH_HEADS (65535, CUDA's limit on grid axis 1,
+which holds them).
 
 Blocks entirely below the diagonal and inside the sequence skip the mask arithmetic; only the
 diagonal blocks and a ragged last block pay for it. Outputs come back in the layout the model
@@ -29,7 +30,7 @@ import math
 import torch
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import MAX_DROPOUT_SEQ, MAX_HEAD_DIM, cdiv, check_device, interpreting, next_power_of_2
+from . import MAX_BATCH_HEADS, MAX_DROPOUT_SEQ, MAX_HEAD_DIM, cdiv, check_device, interpreting, next_power_of_2
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -98,6 +99,9 @@ def _check(q, k, v, dropout_p):
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    if q.shape[0] * q.shape[1] > MAX_BATCH_HEADS:
+        raise ValueError(f"b x heads = {q.shape[0] * q.shape[1]} > {MAX_BATCH_HEADS} (CUDA's grid axis 1) is not "
+                         f"supported")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
     if dropout_p > 0 and q.shape[2] > MAX_DROPOUT_SEQ:
