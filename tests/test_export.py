@@ -270,18 +270,20 @@ def _divide_as_cuda(self, other):
 _TRUE_DIVIDE = torch.Tensor.__truediv__
 
 
-@pytest.mark.parametrize("division", ["cpu", "cuda"])
+@pytest.mark.parametrize("division", ["cpu", "as-cuda"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_a_tiny_temperature_samples_what_greedy_picks(division, monkeypatch):
     """A positive temperature too small for the logits' range samples what greedy picks: as the CPU divides (it
     overflowed to NaN once) and as CUDA does, through the reciprocal, which overflows below ~2.9e-39 (the top
-    logit became 0 * inf = NaN); just above the cut (6e-39) it samples, and still picks greedy's tokens."""
-    model = _random_model()
+    logit became 0 * inf = NaN): emulated here, and on the GPU where there is one; just above the cut (6e-39)
+    it samples, and still picks greedy's tokens."""
+    model = _random_model().to("cuda" if division == "cuda" else "cpu")
+    device = next(model.parameters()).device
     greedy = inference.generate(model, [1, 2], 6, temperature=0)
-    if division == "cuda":
+    if division == "as-cuda":
         monkeypatch.setattr(torch.Tensor, "__truediv__", _divide_as_cuda)
     for tiny in (1e-50, 1e-45, 1e-40, 3e-39, 6e-39):            # (1e-50 is 0 in the logits' fp32)
-        assert inference.generate(model, [1, 2], 6, temperature=tiny, generator=torch.Generator().manual_seed(0)) \
-            == greedy, tiny
+        generator = torch.Generator(device).manual_seed(0)
+        assert inference.generate(model, [1, 2], 6, temperature=tiny, generator=generator) == greedy, tiny
 
 
 def test_kv_cache_refuses_a_sequence_parallel_model():
