@@ -94,9 +94,10 @@ def _plain(value):
 
 
 def cut_metrics(run_dir: str, step: int) -> int:
-    """A run resumed from `step`: metrics.jsonl keeps its lines up to that step (rewritten atomically); the
-    later ones, which the resumed run logs again (after a crash) or replaces (a branch from an older
-    checkpoint), and a line a kill cut short, are appended to metrics.superseded.jsonl. Returns their count."""
+    """A run starting from `step` (-1: a fresh start, which keeps none): metrics.jsonl keeps its lines up to that
+    step (rewritten atomically); the later ones, which the run logs again (after a crash) or replaces (a branch
+    from an older checkpoint, or a fresh start after an attempt that died before its first checkpoint), and a line
+    a kill cut short, are appended to metrics.superseded.jsonl. Returns their count."""
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
         with open(path, encoding="utf-8") as f:

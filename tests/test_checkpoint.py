@@ -520,10 +520,7 @@ def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     from megatron_mini import files
     path = tmp_path / "latest"
     files.atomic_write(path, "step_000002")
-
-    def full(_):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(files.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", _raising(OSError(28, "No space left on device")))
     with pytest.raises(OSError, match="No space left"):
         files.atomic_write(path, "step_000004")
     assert os.listdir(tmp_path) == ["latest"] and path.read_text() == "step_000002"

@@ -259,15 +259,15 @@ def test_generate_refuses_bad_arguments():
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
 
 
+_TRUE_DIVIDE = torch.Tensor.__truediv__
+
+
 def _divide_as_cuda(self, other):
     """fp32 tensor / a Python number as CUDA computes it (ATen's BinaryDivTrueKernel.cu: the product with the
     number's fp32 reciprocal); everything else as torch does."""
     if isinstance(other, float) and self.dtype == torch.float32:
         return self * (torch.tensor(1.0) / torch.tensor(other, dtype=torch.float32))
     return _TRUE_DIVIDE(self, other)
-
-
-_TRUE_DIVIDE = torch.Tensor.__truediv__
 
 
 @pytest.mark.parametrize("division", ["cpu", "as-cuda"] + (["cuda"] if torch.cuda.is_available() else []))
