@@ -68,9 +68,9 @@ def _stats(X, T, Stats, stride_x, n_rows, n_cols, n_valid, SMOOTHING: tl.constex
         ok = row_ok[:, None] & (cols < n_valid)
         x = tl.load(x_rows + cols, mask=ok, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 1))
-        # the shift of the sums: 0 where the max is still -inf (rows past the end; a row whose chunks so far are
-        # all -inf, a masked vocabulary's), so no -inf - -inf = NaN. exp is the GPU's approximate ex2 of
-        # x * log2(e) (~2 ulp): far below the loss's own rounding
+        m_new = tl.where(row_ok, m_new, 0.0)                     # rows past the end: no -inf - -inf
+        # exp is the GPU's approximate ex2 of x * log2(e) (~2 ulp): far below the loss's own rounding
+        # (a row whose chunks so far are all -inf, a masked vocabulary's: shifted by 0, no -inf - -inf = NaN)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref[:, None]), 1)
         x_t += tl.sum(tl.where(ok & (cols == t[:, None]), x, 0.0), 1)   # one term at most: exact
