@@ -344,7 +344,7 @@ def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
                 None)
 
 
-def _try(fn, *args) -> str | None:
+def failure_of(fn, *args) -> str | None:
     """None, or how `fn` failed: a full disk, a permission, torch's stream writer, or anything else one rank
     meets that the others, waiting in the next collective, must hear of."""
     try:
@@ -369,9 +369,9 @@ class Save:
                      "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
                      "config": config, "data": data, "optimizer": optimizer.counters()}
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
-        self._check(_try(self._make_dir) if mesh.rank == 0 else None,
+        self._check(failure_of(self._make_dir) if mesh.rank == 0 else None,
                     "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
-        self.failure = _try(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
+        self.failure = failure_of(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
         self.thread = None
         if background and self.failure is None:
             self.thread = threading.Thread(target=self._write, name=f"save {os.path.basename(path)}", daemon=True)
@@ -403,7 +403,7 @@ class Save:
     def _write(self) -> None:
         """The files, hashed as they are written (no collective: it may run in a thread); the host copies are
         freed as each file is done (the rest when one fails)."""
-        self.failure = _try(self._write_files)
+        self.failure = failure_of(self._write_files)
         self.files = {}
 
     def _write_files(self) -> None:
@@ -436,7 +436,7 @@ class Save:
         self._check(self.failure, "writing its files")
         gathered = gather_text(json.dumps({"files": self.digests, "shards": self.index, "tensors": self.tensors}),
                                self.mesh.world_group, self.device, to_first=True)    # (O(ranks) bytes, not ^2)
-        self._check(_try(self._publish, gathered) if self.mesh.rank == 0 else None, "publishing it")
+        self._check(failure_of(self._publish, gathered) if self.mesh.rank == 0 else None, "publishing it")
         return self.path
 
     def _publish(self, gathered: list) -> None:

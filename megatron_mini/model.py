@@ -253,19 +253,18 @@ class Embedding(Layer):
         self.dropout = Dropout(m.dropout, ctx)
 
     def forward(self, ids, cache: KVCache | None = None):
+        if cache is not None and self.sp:
+            raise ValueError("a KVCache needs the whole sequence on every rank: build the model with sp=False")
+        first = cache.length if cache is not None else 0     # inference: the positions after the cached ones
+        end = first + ids.shape[1]
+        if end > len(self.position_embeddings):   # on every rank, before word_embeddings' collective
+            raise ValueError(f"positions {first}..{end - 1} exceed the model's context of "
+                             f"{len(self.position_embeddings)}")
         x = self.word_embeddings(ids.t())
         s = x.shape[0]
-        if cache is not None:                      # inference: the positions after the cached ones
-            if self.sp:
-                raise ValueError("a KVCache needs the whole sequence on every rank: build the model with sp=False")
-            first = cache.length
-        else:
-            first = self.tp_group.rank * s if self.sp else 0
-        positions = self.position_embeddings[first:first + s]
-        if len(positions) < s:
-            raise ValueError(f"positions {first}..{first + s - 1} exceed the model's context of "
-                             f"{len(self.position_embeddings)}")
-        return self.dropout(x + positions.unsqueeze(1))
+        if self.sp:
+            first += self.tp_group.rank * s
+        return self.dropout(x + self.position_embeddings[first:first + s].unsqueeze(1))
 
 
 class Attention(nn.Module):

@@ -260,6 +260,30 @@ def _write_config(cfg: TrainConfig) -> None:
     atomic_write(os.path.join(cfg.run_dir, ".hydra", "config.yaml"), OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
+def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
+                  device: torch.device) -> tuple[list, int]:
+    """Rank 0's writes to the run directory before the first step, once every rank has chosen what to resume
+    from; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside) on rank 0, ([], 0) on the
+    others. In order: the config; a branch's record (before the checkpoints it branches away from are set
+    aside: a restart after a kill in between branches again); metrics.jsonl cut at the start, since the lines
+    past it are another attempt's (a crashed run's after its checkpoint, a branch's older future, or on a fresh
+    start every line, of an attempt that died before its first checkpoint), so that this run's lines are the
+    file's and a torn last line is not glued to its first. A failure (a full disk, a permission) stops every
+    rank with rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
+    step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
+
+    def tidy():
+        _write_config(cfg)
+        if resume and resume.superseded:
+            record_branch(cfg.run_dir, step)
+        done["moved"] = checkpoint.set_aside(resume) if resume else []
+        done["cut"] = cut_metrics(cfg.run_dir, step)
+    found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
+    if found:
+        raise RunError(f"rank 0 could not write to the run directory {cfg.run_dir}: {found[1]}")
+    return done["moved"], done["cut"]
+
+
 def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
     """A log line when one evaluation (eval_iters global batches of gbs samples) reads the validation set
     more than once: its loss then weighs the samples read twice double."""
@@ -412,21 +436,13 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     log = _setup_logging(cfg.run_dir, rank)
-    if rank == 0:
-        _write_config(cfg)
+    moved, cut = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     trainer = Trainer(cfg, mesh, run.datasets, run.device)
-    if run.resume:                     # every rank has chosen (init_process_group waited for all of them)
-        if rank == 0 and run.resume.superseded:
-            record_branch(cfg.run_dir, run.resume.meta["step"])
-        moved = checkpoint.set_aside(run.resume) if rank == 0 else []
+    if run.resume:
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")
         trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
-    # metrics.jsonl past this run's start is another attempt's: lines a crashed run logged after its checkpoint
-    # (or a branch's older future), and on a fresh start every line, of an attempt that died before its first
-    # checkpoint; moved aside, so that this run's lines are the file's, and a torn last line is not glued to its first
-    cut = cut_metrics(cfg.run_dir, trainer.step if run.resume else -1) if rank == 0 else 0
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")

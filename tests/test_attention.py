@@ -177,9 +177,10 @@ def test_bad_inputs_are_refused():
         flash_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(TypeError, match="fp16/bf16/fp32"):
         flash_attention(q.double(), q.double(), q.double())
-    wide = _randn(1, 1, 8, attention.MAX_HEAD_DIM + 8)
-    with pytest.raises(ValueError, match="head dim"):
-        flash_attention(wide, wide, wide)
+    for d in (attention.MAX_HEAD_DIM + 8, 0):
+        x = _randn(1, 1, 8, d)
+        with pytest.raises(ValueError, match=f"head dim {d} is not supported"):
+            flash_attention(x, x, x)
     many = _randn(1, 1, 8, 16).expand(attention.MAX_BATCH_HEADS + 1, 1, 8, 16)   # (CUDA's grid: not launched)
     with pytest.raises(ValueError, match="b x heads = 65536 > 65535"):
         flash_attention(many, many, many)

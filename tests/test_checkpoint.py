@@ -275,6 +275,28 @@ def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, 
     assert os.listdir(tmp_path / "checkpoints") == [], os.listdir(tmp_path / "checkpoints")
 
 
+def _train_with_a_full_disk_on_rank_0(cfg):
+    """train(cfg) on this rank, rank 0 failing to cut metrics.jsonl at the start (its disk is full); returns the
+    RunError's message."""
+    from megatron_mini import training
+    from megatron_mini.config import RunError
+    training.cut_metrics = _raising(OSError(28, "No space left on device"))      # only rank 0 calls it
+    with pytest.raises(RunError) as caught:
+        training.train(cfg)
+    return str(caught.value)
+
+
+def test_a_failure_of_rank_0s_run_directory_writes_stops_every_rank(small_data, tmp_path):
+    """Before the first step rank 0 alone writes to the run directory (the config, branches.json, the checkpoints
+    set aside, metrics.jsonl cut at the start): when that fails, every rank stops with rank 0's message, at once,
+    rather than rank 0 alone while the others wait for it in a collective until timeout_s."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, steps=2, timeout_s=30)
+    messages = spawn(2, _train_with_a_full_disk_on_rank_0, cfg, timeout=120)
+    assert messages[0] == messages[1], messages
+    assert (f"rank 0 could not write to the run directory {cfg.run_dir}: OSError: [Errno 28] No space left on "
+            f"device") in messages[0], messages
+
+
 def _train_with_slow_writes(cfg, delays):
     """train(cfg) on this rank, each checkpoint file written delays[rank] seconds late."""
     import time

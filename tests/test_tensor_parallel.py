@@ -201,6 +201,19 @@ def _layer_checks(mesh) -> dict:
             y=_err(y, seq(ye_ref) if sp else ye_ref),
             dw=_err(gather_full(emb.weight.grad, emb.weight.spec, grp), emb_ref.weight.grad),
         )
+    # the model's Embedding with sp, fed T tokens more than its context: this rank's outcome
+    from megatron_mini.config import ModelConfig
+    from megatron_mini.model import Embedding, ParallelContext
+    from megatron_mini.rng import RNGTracker
+    cpu = torch.device("cpu")
+    model = ModelConfig(name="t", num_layers=1, hidden_size=H, num_heads=1, seq_len=S, vocab_size=V,
+                        vocab_pad_multiple=V)
+    embedding = Embedding(model, ParallelContext(grp, RNGTracker(1, r, cpu), True, "none"), cpu)
+    try:
+        embedding(torch.zeros(B, S + T, dtype=torch.long))
+        res["too_long"] = "accepted"
+    except ValueError as e:
+        res["too_long"] = str(e)
     return res
 
 
@@ -519,6 +532,16 @@ def _check_layer(res, mesh, case):
 def test_layer_matches_full_weight_reference(res, mesh, case):
     """Output, input grad, gathered weight grad, bias grad (summed over TP for the sp row bias) vs torch."""
     _check_layer(res, mesh, case)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_sequence_longer_than_the_context_is_refused_on_every_rank(res, mesh):
+    """With sp each rank embeds s/tp positions: a sequence past the context must be refused by all of them,
+    before the embedding's reduce-scatter (rank 0's shard alone fitted, and it went on into the next
+    collective while the others had raised)."""
+    outcomes = [r["too_long"] for r in section(res, ("layers", mesh))]
+    seq_len = 8                                  # _layer_checks' S
+    assert all(f"exceed the model's context of {seq_len}" in o for o in outcomes), outcomes
 
 
 def test_layers_refuse_sizes_tp_does_not_divide():

@@ -97,8 +97,8 @@ def _check(q, k, v, dropout_p):
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[-1]} is not supported (1 to {MAX_HEAD_DIM})")
     if q.shape[0] * q.shape[1] > MAX_BATCH_HEADS:
         raise ValueError(f"b x heads = {q.shape[0] * q.shape[1]} > {MAX_BATCH_HEADS} (CUDA's grid axis 1) is not "
                          f"supported")
