@@ -14,8 +14,10 @@ import os
 import shutil
 import tempfile
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from .files import existing_part, remove_empty_dirs
 from .inference import Checkpoint, CheckpointError, find_tokenizer, read_checkpoint
 
 
@@ -127,15 +129,20 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Check
     """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint read
     (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over). The files
     are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
-    export that fails (a full disk) leaves the files already there as they were."""
+    export that fails (a full disk) leaves the files already there as they were, and no directory it created;
+    its failure to write is an OSError (safetensors' own error too)."""
     ckpt = read_checkpoint(checkpoint)
     tok = find_tokenizer(ckpt, tokenizer)
     tensors = hf_state_dict(ckpt)
     m = ckpt.cfg.model
+    existing = existing_part(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
     try:
-        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        try:
+            save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        except SafetensorError as e:     # (a full disk: "I/O error: No space left on device (os error 28)")
+            raise OSError(f"model.safetensors: {e}") from None
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(hf_config(ckpt, tok.eos_id), f, indent=2)
         shutil.copyfile(tok.path, os.path.join(staging, "tokenizer.model"))
@@ -149,4 +156,5 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Check
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)
     return ckpt

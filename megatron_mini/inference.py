@@ -70,7 +70,8 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     """The run's sentencepiece model: `path`, else `data.dir/tokenizer.model` of the training config
-    (absolute, or relative to the current directory or the repository root)."""
+    (absolute, or relative to the current directory or the repository root). It must be the file the checkpoint
+    was trained with (its sha256, recorded in meta.json's "data"): the same ids are other tokens in another one."""
     if path:
         candidates = [path]
     else:
@@ -87,6 +88,11 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     if tok.vocab_size != ckpt.cfg.model.vocab_size:
         raise CheckpointError(f"{found}: {tok.vocab_size} tokens, but the checkpoint's model.vocab_size is "
                               f"{ckpt.cfg.model.vocab_size}; pass the run's tokenizer with --tokenizer PATH")
+    trained = (ckpt.meta.get("data") or {}).get("tokenizer_sha256")   # (checkpoint.data_identity)
+    if trained and tok.sha256 != trained:
+        raise CheckpointError(f"{found} is not the tokenizer {ckpt.path} was trained with (sha256 {tok.sha256[:12]}, "
+                              f"the checkpoint's {trained[:12]}: data.dir was rebuilt since, or this is another "
+                              f"run's); pass the run's tokenizer with --tokenizer PATH")
     return tok
 
 

@@ -245,6 +245,27 @@ def test_baseline_options_keep_cpu_defaults():
         BaselineTrainer(cfg, 2, 2, dtype="fp16")
 
 
+TINY_BASELINE = ["--layers", "1", "--seq", "8", "--mbs", "1", "--accum", "1", "--vocab", "16", "--steps", "1",
+                 "--warmup", "0", "--threads", "1"]
+
+
+@pytest.mark.parametrize("argv, fact", [
+    (["--hidden", "32", "--heads", "3"], "--hidden 32 is not divisible by --heads 3"),   # (a view()'s RuntimeError)
+    (["--hidden", "32", "--heads", "4", "--device", "cuda:x"], "argument --device: invalid choice"),
+] + ([] if torch.cuda.is_available() else
+     [(["--hidden", "32", "--heads", "4", "--device", "cuda"], "--device cuda: this machine has no CUDA device")]))
+def test_baseline_bad_arguments_are_one_line(argv, fact):
+    """tools/baseline_gpt2.py: heads that do not divide the hidden size, or a device this machine cannot give,
+    were a traceback from inside the first step or from torch; now argparse's one line and exit 2, before any
+    model is built."""
+    proc = subprocess.run([sys.executable, "tools/baseline_gpt2.py", *TINY_BASELINE, *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("usage: ") and "error: " in lines[-1] and fact in lines[-1], lines
+    assert proc.stdout == "", proc.stdout                              # (no "device ..." line: nothing ran)
+
+
 def test_bench_train_help_still_works():
     assert "Training-throughput benchmarks" in _run(["tools/bench_train.py", "--help"])
 
@@ -271,3 +292,19 @@ def test_bench_train_doc_keeps_sections_not_rerun(tmp_path):
     assert goals.index("| 1 | G1-v2 |") < goals.index("| 3 | G3-v1 |") and "G1-v1" not in goals
     for s in range(1, 5):
         assert text.count(f"<!-- bench_train section {s} begin -->") == 1
+
+
+@pytest.mark.parametrize("argv, fact", [
+    (["--shapes", "16,12,1024"], "argument --shapes: wants B,HEADS,S,D"),          # (unpacking's ValueError)
+    (["--shapes", "16,12,1024,x"], "argument --shapes: wants B,HEADS,S,D"),        # (int()'s ValueError)
+    (["--dropout", "1.5"], "argument --dropout: must be in [0, 1)"),
+])
+def test_sweep_attention_bad_arguments_are_one_line(argv, fact):
+    """tools/sweep_attention.py checked its --shapes only when it reached them on the GPU (a traceback after the
+    SDPA timings) and never its --dropout; now argparse refuses them in one line, exit 2, on any machine, before
+    it asks for a GPU."""
+    proc = subprocess.run([sys.executable, "tools/sweep_attention.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("usage: ") and fact in lines[-1] and repr(argv[-1]) in lines[-1], lines

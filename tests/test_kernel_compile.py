@@ -87,3 +87,14 @@ def test_the_check_reports_spills_and_compile_errors(compiler):
     assert fitting["mma"] == "-"          # LayerNorm has no dot
     assert big["smem"] > 232448 and any("shared memory" in p for p in big["problems"])
     assert ragged["error"] and ragged["problems"][0].startswith("does not compile")
+
+
+@pytest.mark.parametrize("spec", ["fwd=a,b,c,d", "fwd=64,64,4", "bwd=64,64,4,3", "dq=0,64,4,3"])
+def test_check_kernels_refuses_a_bad_attention_spec_in_one_line(spec):
+    """--attention KIND=M,N,WARPS,STAGES: a value that is not a positive integer was int()'s ValueError traceback
+    (after the compiler check); now it is argparse's one line, exit 2, like a wrong KIND or count, on any machine."""
+    proc = _python(["tools/check_kernels.py", "--attention", spec], timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("usage: ") and "error: argument --attention: " in lines[-1], lines
+    assert repr(spec) in lines[-1] and proc.stdout == "", proc.stdout

@@ -234,3 +234,37 @@ def test_plot_tool(tmp_path, capsys):
     expected = [simulate("gpipe", 2, 1, 4).bubble, simulate("1f1b", 2, 1, 4).bubble, simulate("1f1b", 2, 2, 4).bubble]
     assert bubbles == pytest.approx(expected, abs=1e-6)
     assert expected == pytest.approx([1 / 4, 1 / 4, 1 / 8])
+
+
+@pytest.mark.parametrize("vpp", [2, 4, 6])
+def test_plot_tool_gives_each_chunk_its_own_grey(vpp, tmp_path, monkeypatch):
+    """The strip under a block says its model chunk: every chunk's strips one colour, no two chunks the same, and
+    the legend names every chunk (with vpp > 4 the four greys repeated: chunk 4 was drawn as chunk 0, and the
+    legend stopped at chunk 3)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+    import plot_schedule as tool
+
+    result = simulate("1f1b", 2, vpp, 2)
+    fig, ax = plt.subplots()
+    tool.draw(ax, result, "1f1b", 2, vpp, 2)
+    slots = [slot for timeline in result.timelines for slot in timeline]
+    strips = ax.patches[1::2]                                   # each slot draws its block, then its strip
+    assert len(ax.patches) == 2 * len(slots)
+    greys = {}
+    for slot, strip in zip(slots, strips):
+        assert strip.get_height() < 0.2 and strip.get_x() == slot.start
+        greys.setdefault(slot.chunk, set()).add(to_hex(strip.get_facecolor()))
+    plt.close(fig)
+    assert sorted(greys) == list(range(vpp)) and all(len(g) == 1 for g in greys.values()), greys
+    assert len({g for (g,) in greys.values()}) == vpp, greys
+    figures = []
+    monkeypatch.setattr(tool.plt, "close", figures.append)     # (keeps the figure plot() draws)
+    tool.plot([("1f1b", 2, vpp, 2)], str(tmp_path / "s.png"))
+    (legend,) = figures[0].legends
+    labels = {text.get_text(): to_hex(patch.get_facecolor()) for text, patch in zip(legend.get_texts(),
+                                                                                    legend.get_patches())}
+    assert {label: grey for label, grey in labels.items() if label.startswith("chunk ")} == {
+        f"chunk {c}": grey for c, (grey,) in greys.items()}

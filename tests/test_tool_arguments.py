@@ -70,6 +70,25 @@ def test_export_to_an_existing_file_is_one_line(tiny_checkpoint, tmp_path, capsy
     assert out.read_text() == "keep me"
 
 
+def test_export_that_runs_out_of_disk_is_one_line_and_leaves_nothing(tiny_checkpoint, tmp_path):
+    """The weights are the file a full disk stops: safetensors raises its own SafetensorError there, not an
+    OSError, so export_hf.py ended in a traceback (and left the directories it had created). Files capped with
+    RLIMIT_FSIZE, as a full disk refuses them: one line, exit 2, and no new directory."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+    out = tmp_path / "new" / "hf"
+    run = subprocess.run([sys.executable, export_hf.__file__, tiny_checkpoint, str(out)], capture_output=True,
+                         text=True, timeout=300, preexec_fn=cap)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.startswith(f"error: cannot write {out}: ") and run.stderr.count("\n") == 1, run.stderr
+    assert "model.safetensors" in run.stderr and "File too large" in run.stderr, run.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compare_runs_refuses_an_unwritable_suffix(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -206,6 +225,41 @@ def test_a_table_that_fails_to_write_is_one_line(tmp_path, monkeypatch, capsys):
     assert _one_error_line(capsys) == "error: cannot write p.csv: No space left on device"
 
 
+def _write_half_then_fail(*args, **kwargs):
+    """savefig / save_csv stand-in: half of a file written to the path it is given, then a full disk."""
+    path = next(a for a in args if isinstance(a, str))
+    with open(path, "wb") as f:
+        f.write(b"half a file")
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("tool", ["compare_runs -o", "plot_schedule -o"])
+def test_a_write_that_fails_leaves_the_earlier_output_whole(tool, tmp_path, monkeypatch, capsys):
+    """A figure or table whose write fails half-way (a full disk, RLIMIT_FSIZE) left the half file in place of
+    the earlier, whole one (savefig wrote straight into -o): now the earlier file stays as it was, and no
+    temporary file is left beside it."""
+    import matplotlib.figure
+
+    module, argv, _, _ = WRITERS[tool]
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert module.main(argv("out/x.png")) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert before["x.png"].startswith(b"\x89PNG")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", _write_half_then_fail)
+    assert _exit_code(module, argv("out/x.png")) == 2
+    assert _one_error_line(capsys) == "error: cannot write out/x.png: No space left on device"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    if module is compare_runs:
+        monkeypatch.undo()
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(compare_runs, "save_csv", lambda rows, path: _write_half_then_fail(path))
+        assert _exit_code(module, argv("out/x.png")) == 2
+        assert _one_error_line(capsys) == "error: cannot write out/x.csv: No space left on device"
+        assert (tmp_path / "out" / "x.csv").read_bytes() == before["x.csv"]
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["x.csv", "x.png"]
+
+
 @pytest.mark.parametrize("tool, argv, work", [
     ("bench_kernels", ["--out", "afile/out"], "run"),
     ("bench_kernels", ["--doc", "afile/b.md"], "run"),
@@ -306,3 +360,32 @@ def test_a_bench_write_that_fails_mid_run_is_one_line(tmp_path, capsys, monkeypa
     with pytest.raises(SystemExit):
         report.write_text(str(doc), "new\n")
     assert doc.read_text() == "old\n" and "No space left on device" in capsys.readouterr().err
+
+
+def test_tools_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(tiny_checkpoint, small_data, tmp_path, capsys):
+    """A tokenizer of the same size but another content (data.dir rebuilt in place after the corpus changed, or
+    another run's, passed with --tokenizer) maps the model's ids to other text: generate.py printed it and
+    export_hf.py shipped it as tokenizer.model. Both now refuse it in one line, by the sha256 the checkpoint
+    recorded."""
+    from megatron_mini.checkpoint import CheckpointError
+    from megatron_mini.data import Tokenizer, read_corpus, train_tokenizer
+    ckpt = inference.read_checkpoint(tiny_checkpoint)
+    own = inference.find_tokenizer(ckpt)
+    assert own.sha256 == ckpt.meta["data"]["tokenizer_sha256"]
+    docs, _ = read_corpus(small_data.source)
+    other = tmp_path / "rebuilt" / "tokenizer.model"
+    other.parent.mkdir()
+    train_tokenizer(docs[len(docs) // 2:], small_data.vocab_size, small_data.tokenizer_sample_chars,
+                    small_data.tokenizer_seed, other)
+    assert Tokenizer(other).vocab_size == own.vocab_size and Tokenizer(other).sha256 != own.sha256
+    assert generate.main([tiny_checkpoint, "--tokenizer", str(other), "--device", "cpu", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "not the tokenizer" in err, err
+    assert export_hf.main([tiny_checkpoint, str(tmp_path / "hf"), "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "not the tokenizer" in err, err
+    assert not (tmp_path / "hf").exists()
+    ckpt.cfg.data.dir = str(other.parent)                      # the run's data.dir, rebuilt in place
+    with pytest.raises(CheckpointError, match="not the tokenizer"):
+        inference.find_tokenizer(ckpt)
+    assert inference.find_tokenizer(ckpt, str(own.path)).sha256 == own.sha256     # the run's own, named: taken

@@ -175,7 +175,7 @@ class BaselineTrainer:
         return sum(loss.item() for loss in losses)   # read after the step is queued: one wait on a GPU
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=at_least(1), default=4)
     ap.add_argument("--heads", type=at_least(1), default=8)
@@ -187,11 +187,16 @@ def main() -> None:
     ap.add_argument("--steps", type=at_least(1), default=10)
     ap.add_argument("--warmup", type=at_least(0), default=2)
     ap.add_argument("--threads", type=at_least(1), default=2)
-    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: torch.autocast(bfloat16) with fp32 weights (nanoGPT's mixed precision)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(args.layers, args.heads, args.hidden, args.seq, args.vocab)
     trainer = BaselineTrainer(cfg, args.mbs, args.accum, device=args.device, dtype=args.dtype, compile=args.compile)

@@ -17,18 +17,18 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be built for a GPU, not the interpreter
 
-from bench.report import text_table  # noqa: E402
+from bench.report import positive_ints, text_table  # noqa: E402
 from megatron_mini.kernels import compile_check as C  # noqa: E402
 
 
-def _attention_configs(specs):
-    out = {}
-    for spec in specs:
-        kind, _, values = spec.partition("=")
-        if kind not in ("fwd", "dkdv", "dq") or len(values.split(",")) != 4:
-            sys.exit(f"error: --attention wants KIND=M,N,WARPS,STAGES with KIND fwd|dkdv|dq, got {spec!r}")
-        out[kind] = tuple(int(v) for v in values.split(","))
-    return out
+def _attention_spec(spec: str) -> tuple:
+    """An argparse type: KIND=M,N,WARPS,STAGES -> (KIND, (M, N, WARPS, STAGES)), else argparse's one-line error."""
+    kind, _, values = spec.partition("=")
+    numbers = positive_ints(values, 4)
+    if kind not in ("fwd", "dkdv", "dq") or numbers is None:
+        raise argparse.ArgumentTypeError(f"wants KIND=M,N,WARPS,STAGES with KIND fwd|dkdv|dq and four positive "
+                                         f"integers, got {spec!r}")
+    return kind, numbers
 
 
 def main():
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90")
     ap.add_argument("--quick", action="store_true", help="bf16 at the benchmark shapes only")
     ap.add_argument("--all", action="store_true", help="one row per launch")
-    ap.add_argument("--attention", nargs="*", default=[], metavar="KIND=M,N,WARPS,STAGES")
+    ap.add_argument("--attention", nargs="*", default=[], type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args()
     why = C.available()
@@ -45,7 +45,7 @@ def main():
     arch = C.ARCHS[args.arch]
     if args.attention:
         items = C.attention_launches(shapes=C.BENCH_SHAPES, dtypes=("bf16",), causal=(True,),
-                                     configs=_attention_configs(args.attention))
+                                     configs=dict(args.attention))
     else:
         items = C.launches(quick=args.quick)
     print(f"compiling {len(items)} launches for {arch.name} ...", flush=True)

@@ -28,6 +28,14 @@ from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
 
 
+def chunk_grey(chunk: int, vpp: int):
+    """The strip colour of model chunk `chunk` of `vpp`: CHUNK_GREYS up to 4 chunks, else vpp evenly spaced greys
+    (a grey per chunk: CHUNK_GREYS repeated drew chunk 4 as chunk 0)."""
+    if vpp <= len(CHUNK_GREYS):
+        return CHUNK_GREYS[chunk]
+    return str(round(0.125 + 0.75 * chunk / (vpp - 1), 4))         # (matplotlib's grey level)
+
+
 def schedule_name(kind: str, vpp: int) -> str:
     if kind == "1f1b":
         return "interleaved 1F1B" if vpp > 1 else "1F1B"
@@ -57,7 +65,7 @@ def draw(ax, result: SimResult, kind: str, pp: int, vpp: int, m: int) -> None:
                                    hatch=None if forward else "///", edgecolor="white", linewidth=0.8))
             if strip:
                 ax.add_patch(Rectangle((slot.start, rank - 0.4), width, strip,
-                                       facecolor=CHUNK_GREYS[slot.chunk % len(CHUNK_GREYS)],
+                                       facecolor=chunk_grey(slot.chunk, vpp),
                                        edgecolor="white", linewidth=0.8))
             ax.text(slot.start + width / 2, rank + strip / 2, str(slot.microbatch), ha="center",
                     va="center", fontsize=7, color="white" if forward else "black")
@@ -84,7 +92,7 @@ def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult
     legend = [Patch(facecolor="#4a78b5", label="forward (colour = microbatch)"),
               Patch(facecolor=_lighter("#4a78b5"), hatch="///", edgecolor="white", label="backward")]
     max_vpp = max(panel[2] for panel in panels)
-    legend += [Patch(facecolor=CHUNK_GREYS[c], label=f"chunk {c}") for c in range(min(max_vpp, 4)) if max_vpp > 1]
+    legend += [Patch(facecolor=chunk_grey(c, max_vpp), label=f"chunk {c}") for c in range(max_vpp) if max_vpp > 1]
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))
     write_output(output, lambda path: fig.savefig(path, dpi=130))

@@ -48,12 +48,21 @@ def refuse_unwritable(parser, option: str, path: str | None, image: bool = False
 
 
 def write_output(path: str, write) -> None:
-    """Create `path`'s missing directories and call write(path). An OSError there, which the check before the
+    """Create `path`'s missing directories and call write(tmp) on a temporary file beside `path` (named by this
+    process, with path's suffix, which says matplotlib's format), then rename it over `path`: a write that fails
+    leaves the file that was there whole (files.atomic_write's rule). An OSError there, which the check before the
     work could not foresee (a full disk, a directory removed or made read-only since), ends the tool with one
     line, `error: cannot write PATH: reason`, and exit status 2."""
+    stem, suffix = os.path.splitext(path)
+    tmp = f"{stem}.tmp{os.getpid()}{suffix}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write(path)
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
     except OSError as e:       # (a file where a directory should be: say so, not makedirs' "File exists")
         why = unwritable_dir(os.path.dirname(os.path.abspath(path))) or e.strerror or e
         print(f"error: cannot write {path}: {why}", file=sys.stderr)

@@ -19,13 +19,35 @@ import sys
 
 import torch
 
+from bench.report import positive_ints
 
-def main():
+
+def _shape(text: str) -> str:
+    """An argparse type: B,HEADS,S,D, four positive integers (kept as the text, which the tables print)."""
+    if positive_ints(text, 4) is None:
+        raise argparse.ArgumentTypeError(f"wants B,HEADS,S,D (four positive integers), got {text!r}")
+    return text
+
+
+def _probability(text: str) -> float:
+    """An argparse type: a dropout probability in [0, 1)."""
+    try:
+        p = float(text)
+    except ValueError:
+        p = float("nan")
+    if not 0 <= p < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return p
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", default=["16,12,1024,64", "8,16,2048,128"])
+    ap.add_argument("--shapes", nargs="*", type=_shape, default=["16,12,1024,64", "8,16,2048,128"],
+                    metavar="B,HEADS,S,D")
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
-    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout of the sweep (tunes DROPOUT_CONFIGS)")
-    args = ap.parse_args()
+    ap.add_argument("--dropout", type=_probability, default=0.0,
+                    help="attention dropout of the sweep (tunes DROPOUT_CONFIGS)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("sweep_attention.py needs a CUDA GPU")
     import triton.testing

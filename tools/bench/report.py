@@ -54,6 +54,15 @@ def at_least(low: int):
     return parse
 
 
+def positive_ints(text: str, count: int) -> tuple | None:
+    """`text` as `count` comma-separated positive integers, or None when it is not that (for argparse types)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        return None
+    return values if len(values) == count and min(values) >= 1 else None
+
+
 def write_doc_section(path: str, tag: str, body: str) -> None:
     """Replace the text between `<!-- {tag} begin -->` and `<!-- {tag} end -->` in `path` with `body`
     (the markers are appended at the end of the file when absent)."""
