@@ -279,6 +279,28 @@ def test_benches_refuse_an_unwritable_output_before_running(tool, argv, work, tm
     assert f"{argv[-2]} {argv[-1]}: {tmp_path}/afile is not a directory" in err, err
 
 
+@pytest.mark.parametrize("tool, argv, fact, work", [
+    ("bench_kernels", ["--ops", ","], "--ops names none of", "run"),       # (ran nothing, then "every path ran")
+    ("bench_gpu", ["--rows", ","], "at least one of each", "_init_one_rank_group"),
+    ("bench_gpu", ["--models", " "], "at least one of each", "_init_one_rank_group"),
+    ("bench_gpu", ["--trace", "t.json"], "name the row to profile", "_init_one_rank_group"),   # (was ignored)
+    ("bench_gpu", ["--peak-tflops", "-1"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
+    ("bench_gpu", ["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
+])
+def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work, tmp_path, monkeypatch, capsys):
+    """An option the bench would have ignored, or a list that names nothing, is one line and exit 2 before any
+    work (an empty --ops printed a table of nothing; a negative or NaN peak fell back to the table silently)."""
+    import importlib
+
+    module = importlib.import_module(tool)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module, work, lambda *a, **k: pytest.fail(f"{tool} ran before refusing {argv}"))
+    assert _exit_code(module, argv) == 2
+    err = _one_error_line(capsys)
+    assert fact in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, fact", [
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--temperature", "nan"], "--temperature must be >= 0"),

@@ -477,10 +477,14 @@ def main(argv=None) -> int:
     refuse_unwritable(ap, "--trace", args.trace)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
-    if [r for r in rows if r not in ROWS] or [k for k in keys if k not in MODELS]:
-        ap.error(f"--rows from {ROWS}; --models from {list(MODELS)}")
+    if not rows or not keys or [r for r in rows if r not in ROWS] or [k for k in keys if k not in MODELS]:
+        ap.error(f"--rows from {ROWS}; --models from {list(MODELS)} (at least one of each)")
     if args.profile and args.profile not in ROWS:
         ap.error(f"--profile ROW: one of {ROWS}")
+    if args.trace and not args.profile:
+        ap.error("--trace is the trace of --profile ROW's steps: name the row to profile")
+    if not 0 <= args.peak_tflops < math.inf:
+        ap.error(f"--peak-tflops must be a finite number > 0 (or 0: the hardware table), got {args.peak_tflops}")
 
     import torch
     cuda = torch.cuda.is_available()

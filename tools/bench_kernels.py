@@ -535,8 +535,8 @@ def main(argv=None) -> int:
     check_output_args(ap, args)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
-    if bad:
-        ap.error(f"unknown --ops {bad}; choose from {list(OPS)}")
+    if bad or not ops:
+        ap.error(f"unknown --ops {bad}; choose from {list(OPS)}" if bad else f"--ops names none of {list(OPS)}")
 
     import torch
     cuda = torch.cuda.is_available()
