@@ -411,3 +411,23 @@ def test_tools_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(tiny_check
     with pytest.raises(CheckpointError, match="not the tokenizer"):
         inference.find_tokenizer(ckpt)
     assert inference.find_tokenizer(ckpt, str(own.path)).sha256 == own.sha256     # the run's own, named: taken
+
+
+@pytest.mark.parametrize("doc", ["intro\n<!-- t begin -->\nold\n\nnotes by hand\n",
+                                 "intro\nold\n<!-- t end -->\nnotes by hand\n",
+                                 "intro\n<!-- t end -->\nold\n<!-- t begin -->\nnotes by hand\n"],
+                         ids=["begin-only", "end-only", "reversed"])
+def test_a_doc_section_whose_markers_are_not_a_pair_is_refused(doc, tmp_path, capsys):
+    """A bench's section of a markdown file with one marker lost (a hand edit): its bounds are unknown, so the file
+    is left as it is, with one line (a begin marker alone took everything after it as the section and replaced
+    it, the notes by hand too)."""
+    from bench import report
+    path = tmp_path / "doc.md"
+    path.write_text(doc)
+    with pytest.raises(SystemExit) as stop:
+        report.write_doc_section(str(path), "t", "new")
+    assert stop.value.code == 2 and path.read_text() == doc
+    assert "are not a pair in this order" in _one_error_line(capsys)
+    report.write_doc_section(str(tmp_path / "fresh.md"), "t", "new")        # no markers: appended
+    report.write_doc_section(str(tmp_path / "fresh.md"), "t", "newer")
+    assert (tmp_path / "fresh.md").read_text() == "<!-- t begin -->\nnewer\n<!-- t end -->\n"

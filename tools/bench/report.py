@@ -71,8 +71,14 @@ def write_doc_section(path: str, tag: str, body: str) -> None:
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-    if begin not in text or end not in text:
+    if begin not in text and end not in text:
         text = text.rstrip("\n") + ("\n\n" if text else "") + f"{begin}\n{end}\n"
+    elif begin not in text or end not in text or text.index(end) < text.index(begin):
+        # (a marker lost in a hand edit: the section's bounds are unknown, and a guess would overwrite the text
+        # between the orphan and the end of the file)
+        print(f"error: {path}: the markers {begin} ... {end} are not a pair in this order; mend them by hand",
+              file=sys.stderr)
+        sys.exit(2)
     i, j = text.index(begin) + len(begin), text.index(end)
     text = text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
     write_text(path, text)
