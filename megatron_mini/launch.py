@@ -8,10 +8,13 @@
   reporter=None prints at once on this rank, for failures that are not shared (a collective that
   timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE), so the
   "Root Cause" section of torchrun's report names it instead of `error_file: <N/A>`.
-* `follow_parent()`: a worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
+* `follow_parent()`: a torchrun worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
   stops (after saving, see `StopRequest`) instead of training on as an orphan.
-* `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away) sets a flag that the
-  training loop shares with every rank at the end of a step; then all of them save and exit.
+* `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away), SIGINT (Ctrl-C), SIGHUP (the
+  terminal or ssh session gone), which torchrun forwards to its workers as it gets them, or SIGUSR1 (Slurm's
+  `--signal=USR1@SECONDS` warning) sets a flag that the
+  training loop shares with every rank at the end of a step; then all of them save and exit. A second SIGINT
+  interrupts at once.
 * `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
@@ -51,12 +54,17 @@ def _int_env(name: str, default: int) -> int:
 def launch_env() -> tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size) from torchrun's variables, else SLURM's,
     else a single process. A variable that is no integer, or a rank outside [0, world size), is a
-    ConfigError (a stale RANK in the shell waited for ranks that never came)."""
+    ConfigError (a stale RANK in the shell waited for ranks that never came); so is LOCAL_RANK without
+    LOCAL_WORLD_SIZE (each rank of a node would count LOCAL_RANK + 1 ranks there, and choose its device and
+    backend from another count than its neighbours)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        local_rank = _int_env("LOCAL_RANK", 0)
-        found = (_int_env("RANK", 0), _int_env("WORLD_SIZE", 1), local_rank,
-                 _int_env("LOCAL_WORLD_SIZE", local_rank + 1))
+        if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" not in env:
+            raise ConfigError("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not: the device choice needs "
+                              "the number of processes on this node, the same on each of them (torchrun sets "
+                              "both); set LOCAL_WORLD_SIZE, or launch with torchrun.")
+        found = (_int_env("RANK", 0), _int_env("WORLD_SIZE", 1), _int_env("LOCAL_RANK", 0),
+                 _int_env("LOCAL_WORLD_SIZE", 1))
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         found = (_int_env("SLURM_PROCID", 0), _int_env("SLURM_NTASKS", 1), _int_env("SLURM_LOCALID", 0),
@@ -70,6 +78,13 @@ def launch_env() -> tuple[int, int, int, int]:
             raise ConfigError(f"{names[i]}={rank} with {names[i + 1]}={size}: a launcher (torchrun, srun) sets these "
                               f"to this process's place in the job, a rank in [0, size); unset them to run one "
                               f"process.")
+    port, address = env.get("MASTER_PORT"), env.get("MASTER_ADDR")
+    if found[1] > 1 and port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"MASTER_PORT={port!r} is not a TCP port (1 to 65535): the ranks meet rank 0 at "
+                          f"MASTER_ADDR:MASTER_PORT; set it to a free port (or unset it: 29500).")
+    if found[1] > 1 and address is not None and not address.strip():
+        raise ConfigError("MASTER_ADDR is empty: the ranks meet rank 0 at MASTER_ADDR:MASTER_PORT; set it to rank 0's "
+                          "host (or unset it: 127.0.0.1, one node).")
     return found
 
 
@@ -120,7 +135,9 @@ def write_error_file(message: str) -> None:
 
 def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
     """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # torchrun stopping the job now ends this rank at once
+    for signum in StopRequest.SIGNALS:      # torchrun stopping the job now ends this rank at once
+        if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
     try:
         rank = launch_env()[0]
     except ConfigError:                                 # (the launcher's variables are what failed)
@@ -134,7 +151,11 @@ def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
 
 
 def follow_parent() -> None:
-    """Ask Linux for SIGTERM when the parent (torchrun's agent) dies; exit now if it already has."""
+    """Ask Linux for SIGTERM when the parent (torchrun's agent) dies; exit now if it already has. Only in a
+    torchrun worker: the parent of `python train.py` is a shell, which a run started with nohup (or &, disown)
+    must outlive."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG = 1
@@ -150,14 +171,24 @@ class Terminated(Exception):
 
 
 class StopRequest:
-    """SIGTERM sets `requested`; the training loop decides, with every rank, to save and stop."""
+    """SIGTERM, SIGINT, SIGHUP or SIGUSR1 (Slurm's `--signal=USR1@SECONDS` warning, sent to every task) sets
+    `requested` (and `name`, the first signal's); the training loop decides, with every rank, to save and stop.
+    After a SIGINT, the next one raises KeyboardInterrupt (Ctrl-C twice: stop now). A signal this process was
+    started ignoring (nohup's SIGHUP, a script's background job's SIGINT) stays ignored."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
     def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.requested, self.name = False, None
+        for signum in self.SIGNALS:
+            if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.name = self.name or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class RunLock:

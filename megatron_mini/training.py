@@ -340,7 +340,8 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             log.info(f"saving {path} while training" if background else f"saved {path}")
         interval_start += time.time() - paused    # a step line's rate is the training steps' own
         if out["stop"]:
-            why = f"SIGTERM (to {out['stop']} of {trainer.mesh.world_size} ranks)"
+            signame = stop.name if stop and stop.name else "SIGTERM"      # (this rank's; another rank's is not shared)
+            why = f"{signame} (to {out['stop']} of {trainer.mesh.world_size} ranks)"
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
             return why
     return None

@@ -270,3 +270,20 @@ def test_ranks_per_gpu(device, local_world, gpus, share):
     """The share that the MFU multiplies a rank's TFLOP/s by: ranks over the GPUs they take round-robin
     (choose_device with device=cuda), fewer ranks than GPUs one each, none on a CPU (even with GPUs present)."""
     assert ranks_per_gpu(torch.device(device), local_world, gpus) == share
+
+
+def test_local_rank_without_local_world_size_is_refused_on_every_rank(monkeypatch):
+    """A launcher that sets RANK, WORLD_SIZE and LOCAL_RANK but not LOCAL_WORLD_SIZE (DeepSpeed's sets LOCAL_SIZE,
+    torch.distributed.launch before torchrun none): each rank counted LOCAL_RANK + 1 ranks on its node, so with 2
+    ranks on one GPU rank 0 took cuda:0 on NCCL while rank 1 refused (device=auto) or took it on gloo (device=cuda),
+    and rank 0 waited for it until timeout_s. Every rank now stops with the same message, naming the variable."""
+    outcomes = []
+    for device in ("auto", "cuda"):
+        for local_rank in range(2):
+            _set_launcher_env(monkeypatch, {"RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank)})
+            try:
+                outcomes.append(str(choose_device(device, "auto", *gpu_slot(), 1)))
+            except ConfigError as e:
+                outcomes.append(f"refused: {e}")
+    assert len(set(outcomes)) == 1, outcomes
+    assert outcomes[0].startswith("refused: ") and "LOCAL_WORLD_SIZE" in outcomes[0], outcomes

@@ -1,7 +1,8 @@
 """Failures mid-run, each made for real: a save that cannot be written, fp16 that cannot recover, SIGTERM (at a step's
-end and during one), a killed launcher, a stopped rank, a `kill -9` under `torchrun --max-restarts=1` and a kill
-during a save; the resumed runs must end with bitwise the weights of an uninterrupted one (the test model, fp32 on
-CPU ranks). Refusals and resumes that need no failure: tests/test_reliability.py.
+end and during one; SIGINT, SIGHUP and SIGUSR1 ask the same), a killed launcher, a stopped rank, a `kill -9` under
+`torchrun --max-restarts=1` and a kill during a save; the resumed runs must end with bitwise the weights of an
+uninterrupted one (the test model, fp32 on CPU ranks). Refusals and resumes that need no failure:
+tests/test_reliability.py.
 """
 from __future__ import annotations
 
@@ -149,6 +150,46 @@ def test_a_signal_during_a_step_stops_after_that_step(small_data, tmp_path):
     assert spawn(2, _signalled_during_a_step, small_config(small_data, tmp_path)) == [(0, 1), (0, 1)]
 
 
+def _until(condition, seconds: float = 5.0) -> bool:
+    """Wait for `condition` (a signal sent to this process runs its Python handler at the main thread's next check)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
+def test_each_stopping_signal_is_a_request_and_a_second_ctrl_c_interrupts():
+    """StopRequest turns each signal that ends a job (SIGTERM, Ctrl-C, a hangup, Slurm's --signal=USR1 warning) into
+    a request to save and stop, named after the first that came; a second Ctrl-C interrupts at once, and a signal
+    the process was started ignoring (nohup's SIGHUP) stays ignored."""
+    from megatron_mini.launch import StopRequest
+    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"]
+    saved = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}
+    try:
+        for name in names:
+            for s in StopRequest.SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
+            stop = StopRequest()
+            handled = [n for n in names if signal.getsignal(getattr(signal, n)) == stop._handle]
+            assert handled == names, handled              # (before sending: an unhandled one would end the test)
+            os.kill(os.getpid(), getattr(signal, name))
+            assert _until(lambda: stop.requested)
+            os.kill(os.getpid(), signal.SIGTERM)          # a later one: the first names the request
+            assert _until(lambda: stop.name == name and signal.getsignal(signal.SIGTERM) == stop._handle)
+        os.kill(os.getpid(), signal.SIGINT)               # the last request's first Ctrl-C: asked again
+        assert _until(lambda: signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt):            # the second: now
+            os.kill(os.getpid(), signal.SIGINT)
+            _until(lambda: False)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        stop = StopRequest()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert not _until(lambda: stop.requested, 0.2) and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
     """kill -9 of torchrun: its workers get SIGTERM (parent-death signal), save and exit; no orphan trains on."""
     run_dir = tmp_path / "run"
@@ -214,3 +255,60 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, t
     assert f"resumed from {run_dir}/checkpoints/step_000002" in r.out, r
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     _same_weights(run_dir / "checkpoints" / "step_000006", uninterrupted / "step_000006")
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
+def test_ctrl_c_or_hangup_to_torchrun_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted,
+                                                                         signame):
+    """Ctrl-C (SIGINT) or a hangup (SIGHUP: the terminal or ssh session gone) to torchrun, which forwards it to its
+    workers: every rank saves at the end of the step and exits 0 with no traceback of ours (SIGINT was a
+    KeyboardInterrupt on every rank, from inside a collective; SIGHUP killed them; the steps since the last
+    checkpoint were lost either way); the resumed run ends as the uninterrupted one. As in the SIGTERM test, rank 0
+    stops itself in the step-4 save, so the signal lands mid-run."""
+    run_dir = tmp_path / "run"
+    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
+    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6,
+                                             HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank0, "rank 0 (at its 6th fsync)")
+        os.kill(proc.pid, getattr(signal, signame))           # to the launcher
+        deadline = time.monotonic() + 30                      # torchrun forwards it: pending on the stopped rank 0
+        while "SigPnd:\t0000000000000000" in Path(f"/proc/{rank0}/status").read_text() \
+                and "ShdPnd:\t0000000000000000" in Path(f"/proc/{rank0}/status").read_text() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(rank0, signal.SIGCONT)
+        r = finish(proc)
+    assert "KeyboardInterrupt" not in r.all and not re.search(r'File "[^"]*(megatron_mini|train\.py)"', r.all), r
+    stopped = re.search(rf"stopped by {signame} \(to [12] of 2 ranks\) after step (\d+)", r.out)
+    assert stopped and int(stopped[1]) < 10, r
+    assert (run_dir / "checkpoints" / f"step_{int(stopped[1]):06d}").is_dir()
+    again = torchrun_train(2, args)
+    assert again.rc == 0 and f"resumed from {run_dir}/checkpoints/step_{int(stopped[1]):06d}" in again.out, again
+    _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
+
+
+def test_a_run_without_a_launcher_outlives_the_shell_that_started_it(small_data, tmp_path):
+    """`nohup python train.py ... &`, then the shell exits (a logout): the run trains on to its last step. The
+    parent-death signal is for torchrun's workers; given to a run without a launcher, it stopped the run (after a
+    save, "stopped by SIGTERM") as soon as its shell was gone."""
+    from commandline import PYTHON
+    run_dir = tmp_path / "run"
+    argv = [PYTHON, "train.py", *model_args(small_data, run_dir), "steps=30", "log_interval=1"]
+    log = run_dir / "logs" / "rank0000.log"
+    shell = (f"import pathlib, subprocess, sys, time\n"          # starts the run, waits until it trains, exits
+             f"run = subprocess.Popen({argv!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+             f"print(run.pid, flush=True)\n"
+             f"log = pathlib.Path({str(log)!r})\n"
+             f"while not (log.exists() and 'step     2/' in log.read_text()) and run.poll() is None:\n"
+             f"    time.sleep(0.05)\n")
+    r = finish(start([PYTHON, "-c", shell], env()))
+    assert r.rc == 0, r
+    run = int(r.out.split()[0])
+    deadline = time.monotonic() + 120
+    while _alive(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(run), "the run did not end within 120 s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30 and "stopped_by" not in summary, (summary, log.read_text())

@@ -318,3 +318,16 @@ def test_a_finished_run_says_so_and_leaves_its_summary(trained, small_data, tmp_
     assert r.rc == 0, r
     assert f"{run_dir}/checkpoints/step_000003 is at step 3, and steps=3: nothing to train" in r.out, r
     assert (run_dir / "summary.json").read_bytes() == summary
+
+
+@pytest.mark.parametrize("variables, fact", [
+    (dict(MASTER_PORT="abc"), "MASTER_PORT='abc' is not a TCP port (1 to 65535)"),
+    (dict(MASTER_PORT="99999"), "MASTER_PORT='99999' is not a TCP port (1 to 65535)"),
+    (dict(MASTER_PORT=""), "MASTER_PORT='' is not a TCP port (1 to 65535)"),
+    (dict(MASTER_ADDR=""), "MASTER_ADDR is empty"),
+], ids=["port-not-a-number", "port-out-of-range", "port-empty", "address-empty"])
+def test_a_rendezvous_address_that_is_none_is_one_line(small_data, tmp_path, variables, fact):
+    """MASTER_PORT / MASTER_ADDR that torch's env:// rendezvous cannot use: one line naming the variable, as for
+    RANK and WORLD_SIZE (it was torch's ValueError, with a traceback through train.py and megatron_mini)."""
+    r = python_train(model_args(small_data, tmp_path / "run"), env(RANK=0, WORLD_SIZE=2, **variables))
+    assert_one_error(r, [fact], "python")
