@@ -85,6 +85,11 @@ def launch_env() -> tuple[int, int, int, int]:
     if found[1] > 1 and address is not None and not address.strip():
         raise ConfigError("MASTER_ADDR is empty: the ranks meet rank 0 at MASTER_ADDR:MASTER_PORT; set it to rank 0's "
                           "host (or unset it: 127.0.0.1, one node).")
+    # every node holding fewer ranks than the job, all of them see it (when the launcher says how many a node holds)
+    if found[1] > found[3] and address is None and (names[0] == "SLURM_PROCID" or "LOCAL_WORLD_SIZE" in env):
+        raise ConfigError(f"this job spans several nodes ({found[1]} ranks, {found[3]} on this one) but MASTER_ADDR "
+                          f"is not set, so each node would meet at its own 127.0.0.1: set it to rank 0's host (under "
+                          f"SLURM: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)).")
     return found
 
 

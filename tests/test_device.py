@@ -58,13 +58,14 @@ def test_impossible_device_choices_are_refused(device, backend, local_world, gpu
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-                 "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS_PER_TASK")
+                 "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS_PER_TASK", "MASTER_ADDR", "MASTER_PORT")
 SRUN_5_OF_8 = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-               "SLURM_TASKS_PER_NODE": "4(x2)"}   # srun -n 8 on 2 nodes, without --ntasks-per-node
+               "SLURM_TASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "node0"}   # srun -n 8 on 2 nodes, no --ntasks-per-node
 
 
 @pytest.mark.parametrize("env, slot, device", [
-    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (1, 4), "cuda:1"),
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node0"}, (1, 4),
+     "cuda:1"),
     (SRUN_5_OF_8, (1, 4), "cuda:1"),
     # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
     ({**SRUN_5_OF_8, "SLURM_GPUS_PER_TASK": "1"}, (0, 1), "cuda:0"),
@@ -95,7 +96,7 @@ def test_slurm_tasks_of_a_node_are_the_same_for_all_of_them(monkeypatch, per_nod
     so on a node with fewer GPUs than tasks some ranks took a GPU and the others stopped)."""
     for local in range(tasks):
         env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "10", "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
-               "SLURM_TASKS_PER_NODE": per_node}
+               "SLURM_TASKS_PER_NODE": per_node, "MASTER_ADDR": "node0"}
         if step_per_node:
             env["SLURM_STEP_TASKS_PER_NODE"] = step_per_node
         _set_launcher_env(monkeypatch, env)
@@ -287,3 +288,20 @@ def test_local_rank_without_local_world_size_is_refused_on_every_rank(monkeypatc
                 outcomes.append(f"refused: {e}")
     assert len(set(outcomes)) == 1, outcomes
     assert outcomes[0].startswith("refused: ") and "LOCAL_WORLD_SIZE" in outcomes[0], outcomes
+
+
+def test_a_job_on_several_nodes_without_master_addr_is_refused_on_every_rank(monkeypatch):
+    """srun on 2 nodes without MASTER_ADDR: each node's ranks fell back to 127.0.0.1 and the job met nowhere until
+    timeout_s. Every rank of every node now refuses at once, naming the variable; on one node it stays optional."""
+    from megatron_mini.launch import launch_env
+    no_address = {k: v for k, v in SRUN_5_OF_8.items() if k != "MASTER_ADDR"}
+    refusals = set()
+    for rank in range(8):
+        _set_launcher_env(monkeypatch, {**no_address, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 4),
+                                        "SLURM_NODEID": str(rank // 4)})
+        with pytest.raises(ConfigError) as refused:
+            launch_env()
+        refusals.add(str(refused.value))
+    assert len(refusals) == 1 and "spans several nodes (8 ranks, 4 on this one) but MASTER_ADDR" in refusals.pop()
+    _set_launcher_env(monkeypatch, {**no_address, "SLURM_TASKS_PER_NODE": "8", "SLURM_NODEID": "0"})
+    assert launch_env() == (5, 8, 1, 8)
