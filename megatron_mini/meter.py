@@ -13,9 +13,11 @@ not fit anywhere, and the training benchmarks a real step, with the same meter.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -61,3 +63,36 @@ class SavedTensorMeter:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Bytes of the storages that ops allocate while it is on (an op's results that alias no input: not views,
+    not in-place), alive at once: `live` now, `peak` at most so far; a storage counts until it is freed (a weakref
+    on it; meta storages too). Around a layer's forward and backward its peak is what autograd saves plus the
+    backward's temporaries (the gradients it computes and frees, the recomputed forward of a checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._refs = 0, 0, {}       # id -> weakref (a set would compare storages)
+
+    def _freed(self, nbytes: int, ref) -> None:
+        self.live -= nbytes
+        self._refs.pop(id(ref), None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if not returns:
+            return out
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        aliases = [r.alias_info for r in returns] if len(returns) == len(results) else \
+            [returns[0].alias_info] * len(results)               # one list result (split, unbind, ...)
+        for t, alias in zip(results, aliases):
+            if isinstance(t, torch.Tensor) and alias is None:
+                storage = t.untyped_storage()
+                nbytes = storage.nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                ref = weakref.ref(storage, functools.partial(self._freed, nbytes))
+                self._refs[id(ref)] = ref
+        return out

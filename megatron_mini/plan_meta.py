@@ -5,6 +5,9 @@
   Optimizer.memory_bytes() gives the weights, fp32 main grads and optimizer state the run reports;
 - activations: the bytes autograd saves (meter.SavedTensorMeter) over one forward of each layer kind,
   summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
+- backward: what one layer's forward and backward allocate on top of what it saves (meter.AllocationMeter: the
+  gradients of the logits and of the word embedding, a checkpoint's recomputed forward), the largest of the
+  rank's layer kinds, allocated while the others' saved tensors are held;
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 from collections import Counter
 from dataclasses import dataclass, field
 from unittest import mock
@@ -26,10 +30,12 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from . import tensor_parallel
 from .comm import Ledger
 from .config import TrainConfig
+from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
-from .meter import SavedTensorMeter
+from .meter import AllocationMeter, SavedTensorMeter
 from .model import ParallelContext, build_chunks, select_triton_ops
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
@@ -57,16 +63,19 @@ class Facts:
     flops: float = 0.0                # forward + backward (+ recomputation)
     ledger: dict = field(default_factory=dict)     # {(group, op): (calls, bytes)}
     overlaps: dict = field(default_factory=dict)   # {(group, op, bytes, FLOPs of the GEMM beside it): calls}
+    backward_bytes: int = 0           # allocated on top of the saved tensors in one layer's forward + backward
+                                      # (layers run one at a time: the largest, not a sum)
 
     def __add__(self, other: "Facts") -> "Facts":
         overlaps = Counter(self.overlaps) + Counter(other.overlaps)            # (drops zero counts)
         return Facts(self.activation_bytes + other.activation_bytes, self.flops + other.flops,
-                     _merged(self.ledger, other.ledger), dict(sorted(overlaps.items())))
+                     _merged(self.ledger, other.ledger), dict(sorted(overlaps.items())),
+                     max(self.backward_bytes, other.backward_bytes))
 
     def __mul__(self, n: int) -> "Facts":
         return Facts(n * self.activation_bytes, n * self.flops,
                      {k: (n * c, n * b) for k, (c, b) in self.ledger.items()},
-                     {k: n * c for k, c in self.overlaps.items() if n})
+                     {k: n * c for k, c in self.overlaps.items() if n}, self.backward_bytes if n else 0)
 
 
 def _merged(a: dict, b: dict) -> dict:
@@ -83,7 +92,7 @@ def _merged(a: dict, b: dict) -> dict:
 class RankFacts:
     """What one pipeline rank holds and moves in one training step."""
     pp_rank: int
-    memory: dict                      # weights, grads, optimizer (bytes); activations (at the peak)
+    memory: dict                      # weights, grads, optimizer (bytes); activations (at the peak); backward
     in_flight: int                    # (chunk, microbatch) pairs alive at the activation peak
     flops: float                      # per step
     ledger: dict                      # per step {(group, op): (calls, bytes)}
@@ -117,16 +126,22 @@ def math_attention(cfg: TrainConfig) -> bool:
 
 
 def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
-    """Facts (bytes saved for backward, ledger, overlaps; no FLOPs) of one microbatch forward + backward of
-    the layer `layers[0]`, on meta; a block gets a pending residual r when `residual` (as every block but a
-    chunk's first). The CPU stream is restored after (recomputation sets it; the GPUs' are not touched)."""
+    """Facts (bytes saved for backward, bytes allocated on top of them, ledger, overlaps; no FLOPs) of one
+    microbatch forward + backward of the layer `layers[0]`, on meta, its gradients going into fp32 main grads as
+    in training (a GPU's GEMM adds the weights' into them); a block gets a pending residual r when `residual`
+    (as every block but a chunk's first). The CPU stream is restored after (recomputation sets it; the GPUs'
+    are not touched)."""
     sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
-    with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
+    with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", sdpa), \
+            mock.patch.object(tensor_parallel, "gemm_into_fp32", lambda device, dtype: "addmm"), \
+            mock.patch.object(tensor_parallel, "_ones_row", tensor_parallel._ones_row.__wrapped__):   # (uncached:
+        # what a process measured before does not change what it measures)
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
         dtype = DTYPES[cfg.precision.dtype]
         ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, META), cfg.sp, cfg.recompute)
         (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
         (layer,) = chunk.to(dtype).train().layers
+        buffer = GradBuffer(list(chunk.named_global_parameters()), mesh, dtype, zero=False)   # noqa: F841 (hooks)
         tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
 
         def activation():
@@ -134,13 +149,15 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
             return torch.empty(s, cfg.mbs, cfg.model.hidden_size, dtype=dtype, device=META, requires_grad=True)
         args = (tokens,) if chunk.has_embedding else (activation(), tokens) if chunk.has_head else \
             (activation(), activation() if residual else None)
-        meter = SavedTensorMeter(exclude=chunk.parameters())
-        with meter.hooks():
+        meter, allocated = SavedTensorMeter(exclude=chunk.parameters()), AllocationMeter()
+        with meter.hooks(), allocated:
             out = layer(*args)
         saved = meter.live
         outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
-        torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])     # (recompute calls sdpa again)
-    return Facts(saved, 0.0, mesh.ledger.summary(), mesh.ledger.overlaps())
+        gc.collect()              # (what the forward left in reference cycles: counted alike with the collector off)
+        with allocated:
+            torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])     # (recompute calls sdpa again)
+    return Facts(saved, 0.0, mesh.ledger.summary(), mesh.ledger.overlaps(), max(allocated.peak - saved, 0))
 
 
 def _blocks(cfg: TrainConfig, a: int, b: int) -> int:
@@ -252,7 +269,8 @@ class Planner:
         ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
         ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
         flops = sum(c.flops for c in chunks)
-        return RankFacts(pp_rank, {**memory, "activations": peak}, peak_pairs, m * flops, ledger, flops, step.overlaps)
+        return RankFacts(pp_rank, {**memory, "activations": peak, "backward": max(c.backward_bytes for c in chunks)},
+                         peak_pairs, m * flops, ledger, flops, step.overlaps)
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
         """The simulator's idle / busy time of cfg's schedule for m microbatches: every schedule reaches the
@@ -267,7 +285,7 @@ class Planner:
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:
-    """[{weights, grads, optimizer, activations} bytes] of every pipeline rank of cfg's layout, by pp rank
+    """[{weights, grads, optimizer, activations, backward} bytes] of every pipeline rank of cfg's layout, by pp rank
     (the first TP and DP rank of a stage speaks for it): what tools/plan.py predicts for the layout."""
     planner = Planner()
     return [planner.measure_rank(cfg, dp, r).memory for r in range(cfg.pp)]

@@ -62,8 +62,7 @@ class ClusterConfig:
     efficiency: float = 0.5
     memory_gib: float = 0.0          # 0: the GPU's
     reserve_gib: float = 3.0         # what a layout may not use: the driver's share (an "80 GB" A100 offers
-                                     # 79.3 GiB), the CUDA context, NCCL's buffers, the allocator's slack,
-                                     # one layer's backward temporaries (the plan counts saved tensors)
+                                     # 79.3 GiB), the CUDA context, NCCL's buffers, the allocator's slack
 
     @property
     def capacity_gib(self) -> float:
@@ -130,6 +129,9 @@ class Estimate:
         args += [f"zero={c.zero}"] if c.zero else []
         args += [f"recompute={c.recompute}"] if c.recompute != "none" else []
         args += [f"embedding_stage={c.embedding_stage}"] if c.embedding_stage != "none" else []
+        args += [f"schedule={c.schedule}"] if c.schedule != "1f1b" else []
+        args += [f"pipeline_first_blocks={c.pipeline_first_blocks}"] if c.pipeline_first_blocks else []
+        args += [f"pipeline_last_blocks={c.pipeline_last_blocks}"] if c.pipeline_last_blocks else []
         return " ".join(args)
 
 

@@ -39,6 +39,7 @@ from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 TERMS = ("compute", "tp", "pp", "bubble", "dp", "emb")
+MEMORY = ("weights", "grads", "optimizer", "activations", "backward")      # RankFacts.memory
 LAYOUT_KEYS = ("tp", "pp", "vpp", "sp", "zero", "recompute", "embedding_stage", "schedule", "pipeline_first_blocks",
                "pipeline_last_blocks")
 
@@ -106,10 +107,10 @@ def explain(e: Estimate, rank: int | None) -> str:
     """One layout: memory of its measured ranks, traffic per step and group, the time terms."""
     lines = [f"{e.layout_args()}  (dp={e.dp}, {e.cfg.num_microbatches(e.dp)} microbatches of {e.cfg.mbs})"
              + (f": rank {rank} of the layouts that fit" if rank else ": does not fit" if not e.fits else "")]
-    rows = [[f"pp rank {r.pp_rank}", *(gib(r.memory[k]) for k in ("weights", "grads", "optimizer", "activations")),
-             r.in_flight, gib(sum(r.memory.values()))] for r in e.ranks]
+    rows = [[f"pp rank {r.pp_rank}", *(gib(r.memory[k]) for k in MEMORY[:4]), r.in_flight, gib(r.memory["backward"]),
+             gib(sum(r.memory.values()))] for r in e.ranks]
     lines += ["", text_table(["rank", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
-                              "in flight", "total GiB"], rows)]
+                              "in flight", "backward GiB", "total GiB"], rows)]
     worst = e.worst
     traffic = {}
     for (group, op), (calls, nbytes) in sorted(worst.ledger.items()):
@@ -141,7 +142,8 @@ def why_none_fits(p: Plan) -> str | None:
     """Why no layout can be launched (None when one can): none is valid, or the smallest fits no GPU."""
     c = p.base.cluster
     if not p.estimates:
-        return (f"no layout of {p.base.model.name} on {c.gpus} GPUs ({c.gpus_per_node} per node) is valid; refused: "
+        return (f"no layout of {p.base.model.name} on {c.gpus} GPUs ({c.gpus_per_node} per node) that the planner "
+                f"enumerates (the blocks spread evenly) is valid; refused: "
                 + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
     if not p.fitting:
         small = min(p.estimates, key=lambda e: e.memory_gib)
@@ -167,12 +169,12 @@ def write_csv(path: str, p: Plan) -> None:
         w = csv.writer(f)
         w.writerow(["layout", "dp", "fits", "memory_gib", "step_s", "tokens_per_s", "bubble_fraction",
                     *(f"{t}_s" for t in TERMS),
-                    *(f"{k}_gib" for k in ("weights", "grads", "optimizer", "activations"))])
+                    *(f"{k}_gib" for k in MEMORY)])
         for e in p.estimates:
             worst = e.worst
             w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.3f}", f"{e.step_s:.4f}",
                         f"{e.tokens_per_s:.1f}", f"{e.bubble:.5f}", *(f"{e.times[t]:.4f}" for t in TERMS),
-                        *(f"{worst.memory[k] / GiB:.3f}" for k in ("weights", "grads", "optimizer", "activations"))])
+                        *(f"{worst.memory[k] / GiB:.3f}" for k in MEMORY)])
 
 
 def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
@@ -235,14 +237,14 @@ def main(argv=None) -> int:
         print("\nwhy the others lost (against the best):\n" + why_others_lost(p))
         print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
     problem = why_none_fits(p)
-    if not p.estimates:                                   # nothing to explain, write or draw
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     found = None
-    if chosen:
+    if chosen:            # (valid, but maybe not enumerated: blocks placed unevenly, a schedule, ZeRO at dp=1)
         found = next((e for e in p.estimates if e.cfg == chosen), None) or estimate(p.planner, chosen, c)
         rank = 1 + sum(e.step_s < found.step_s for e in p.fitting) if found.fits else None
         print("\n--layout " + args.layout + ":\n" + explain(found, rank))
+    if not p.estimates:                                   # nothing to write or draw
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.csv:
         write_output(args.csv, lambda path: write_csv(path, p))
         print(f"\nwrote {args.csv}")
