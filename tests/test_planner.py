@@ -484,7 +484,8 @@ def test_a_valid_layout_is_explained_when_the_plan_enumerates_none(capsys):
 
 
 @pytest.mark.parametrize("layout", ["pp=2,schedule=gpipe", "pp=2,pipeline_first_blocks=3",
-                                    "pp=4,embedding_stage=own,pipeline_last_blocks=2", "tp=2,pp=2,vpp=2,sp=true,zero=1"])
+                                    "pp=4,embedding_stage=own,pipeline_last_blocks=2",
+                                    "tp=2,pp=2,vpp=2,sp=true,zero=1"])
 def test_a_layouts_label_is_the_layout(layout):
     """The label a layout gets in the table, the CSV, the plot and --layout's explanation names every layout key
     it sets: read back as a --layout, it is the same layout (a GPipe layout was labelled as the 1F1B one, whose
