@@ -12,9 +12,8 @@
   stops (after saving, see `StopRequest`) instead of training on as an orphan.
 * `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away), SIGINT (Ctrl-C), SIGHUP (the
   terminal or ssh session gone), which torchrun forwards to its workers as it gets them, or SIGUSR1 (Slurm's
-  `--signal=USR1@SECONDS` warning) sets a flag that the
-  training loop shares with every rank at the end of a step; then all of them save and exit. A second SIGINT
-  interrupts at once.
+  `--signal=USR1@SECONDS` warning) sets a flag that the training loop shares with every rank at the end of a
+  step; then all of them save and exit. A second SIGINT interrupts at once.
 * `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
@@ -56,7 +55,8 @@ def launch_env() -> tuple[int, int, int, int]:
     else a single process. A variable that is no integer, or a rank outside [0, world size), is a
     ConfigError (a stale RANK in the shell waited for ranks that never came); so is LOCAL_RANK without
     LOCAL_WORLD_SIZE (each rank of a node would count LOCAL_RANK + 1 ranks there, and choose its device and
-    backend from another count than its neighbours)."""
+    backend from another count than its neighbours), a MASTER_PORT or MASTER_ADDR the rendezvous cannot use,
+    and no MASTER_ADDR for a job on several nodes: refused on every rank before any of them waits."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" not in env:
@@ -140,9 +140,8 @@ def write_error_file(message: str) -> None:
 
 def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
     """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`."""
-    for signum in StopRequest.SIGNALS:      # torchrun stopping the job now ends this rank at once
-        if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
+    for signum in StopRequest.taken():      # torchrun stopping the job now ends this rank at once
+        signal.signal(signum, signal.SIG_DFL)
     try:
         rank = launch_env()[0]
     except ConfigError:                                 # (the launcher's variables are what failed)
@@ -185,9 +184,13 @@ class StopRequest:
 
     def __init__(self):
         self.requested, self.name = False, None
-        for signum in self.SIGNALS:
-            if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
-                signal.signal(signum, self._handle)
+        for signum in self.taken():
+            signal.signal(signum, self._handle)
+
+    @classmethod
+    def taken(cls) -> list:
+        """The signals this process handles: SIGNALS, less those it was started ignoring (SIGTERM always)."""
+        return [s for s in cls.SIGNALS if s == signal.SIGTERM or signal.getsignal(s) is not signal.SIG_IGN]
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
