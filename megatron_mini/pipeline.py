@@ -82,13 +82,16 @@ class PipelineEngine:
             chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
             if a.op == "forward":
                 tokens = batch[a.microbatch]
-                x = tokens[:, :-1] if chunk.has_embedding else inputs[key]
+                if chunk.has_embedding:
+                    x = tokens[:, :-1]
+                else:       # training keeps the input until its backward reads .grad; evaluation is done with it
+                    x = inputs[key] if grad_scale is not None else inputs.pop(key)
                 sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
                 out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
                 if chunk.has_head:
                     loss_sum += out.detach()
                     out = out * grad_scale if grad_scale is not None else out
-                if grad_scale is not None or not chunk.has_head:
+                if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
                     outputs[key] = out
                 if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
                     inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)

@@ -74,3 +74,33 @@ def test_a_failed_send_names_its_actions(small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, pp=2, gbs=4, timeout_s=5)
     message = spawn(2, _step_without_a_peer, cfg)[0]
     assert message.startswith("rank 0: send_act(c0, mb0)->1 over the pp group (ranks [0, 1]) failed"), message
+
+
+def _activations_held(cfg) -> tuple:
+    """The most received (or, at pp=1, handed-over) activations alive at once when a chunk's forward starts,
+    in a training step and in an evaluation."""
+    import weakref
+    trainer = make_trainer(cfg)
+    seen, peak = [], [0]
+
+    def count(module, args):
+        if args[0].is_floating_point():             # (a first stage's input is token ids)
+            peak[0] = max(peak[0], sum(1 for r in seen if r() is not None))
+            seen.append(weakref.ref(args[0]))
+    for chunk in trainer.chunks:
+        chunk.register_forward_pre_hook(count)
+    trainer.train_step()
+    training, peak[0] = peak[0], 0
+    seen.clear()
+    trainer.evaluate()
+    return training, peak[0]
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (1, 2)])
+def test_evaluation_frees_each_input_after_its_forward(pp, vpp, small_data, tmp_path):
+    """An evaluation (forward only) holds no more activations at once than a 1F1B training step of the same
+    layout: each received (pp > 1) or handed-over (pp = 1, vpp > 1) input is dropped after its forward, not
+    kept until the step ends (all m microbatches' [s, b, h] inputs on every stage but the first)."""
+    cfg = small_config(small_data, tmp_path, pp=pp, vpp=vpp, gbs=16, mbs=1, eval_iters=1)
+    for training, evaluation in spawn(pp, _activations_held, cfg):
+        assert evaluation <= training, (training, evaluation)
