@@ -105,19 +105,25 @@ def _same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted):
+def _stopped_mid_run(small_data, tmp_path, hooks, send):
+    """A 10-step torchrun run of 2 ranks, `send(launcher, rank0, rank1)` signalling it once rank 0 has stopped
+    itself in the step-4 save (its 6th fsync), so the signal lands mid-run however late it is sent: every rank
+    has cast step 4's stop vote, and step 5's is the first to count it. Returns (its Result, run_dir, args)."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
-    # rank 0 stops itself in the step-4 save (its 6th fsync), so the SIGTERM lands mid-run however late it is
-    # sent: every rank has cast step 4's stop vote, and step 5's is the first to count it
     with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6,
                                              HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
         _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
         rank0, rank1 = _workers(proc)
         _wait_stopped(rank0, "rank 0 (at its 6th fsync)")
-        os.kill(rank1, signal.SIGTERM)                        # as Slurm warns a job before it ends it
+        send(proc.pid, rank0, rank1)
         os.kill(rank0, signal.SIGCONT)
-        r = finish(proc)
+        return finish(proc), run_dir, args
+
+
+def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted):
+    r, run_dir, args = _stopped_mid_run(small_data, tmp_path, hooks,     # to rank 1, as Slurm warns a job
+                                        lambda launcher, rank0, rank1: os.kill(rank1, signal.SIGTERM))
     assert r.rc == 0, r
     assert "stopped by SIGTERM (to 1 of 2 ranks) after step" in r.out and "continue with resume=auto" in r.out, r
     stopped = int(json.loads((run_dir / "summary.json").read_text())["steps"])
@@ -265,21 +271,14 @@ def test_ctrl_c_or_hangup_to_torchrun_saves_and_resume_continues_exactly(small_d
     KeyboardInterrupt on every rank, from inside a collective; SIGHUP killed them; the steps since the last
     checkpoint were lost either way); the resumed run ends as the uninterrupted one. As in the SIGTERM test, rank 0
     stops itself in the step-4 save, so the signal lands mid-run."""
-    run_dir = tmp_path / "run"
-    args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
-    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=6,
-                                             HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
-        _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
-        rank0, rank1 = _workers(proc)
-        _wait_stopped(rank0, "rank 0 (at its 6th fsync)")
-        os.kill(proc.pid, getattr(signal, signame))           # to the launcher
+    def to_the_launcher(launcher, rank0, rank1):
+        os.kill(launcher, getattr(signal, signame))
         deadline = time.monotonic() + 30                      # torchrun forwards it: pending on the stopped rank 0
         while "SigPnd:\t0000000000000000" in Path(f"/proc/{rank0}/status").read_text() \
                 and "ShdPnd:\t0000000000000000" in Path(f"/proc/{rank0}/status").read_text() \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(rank0, signal.SIGCONT)
-        r = finish(proc)
+    r, run_dir, args = _stopped_mid_run(small_data, tmp_path, hooks, to_the_launcher)
     assert "KeyboardInterrupt" not in r.all and not re.search(r'File "[^"]*(megatron_mini|train\.py)"', r.all), r
     stopped = re.search(rf"stopped by {signame} \(to [12] of 2 ranks\) after step (\d+)", r.out)
     assert stopped and int(stopped[1]) < 10, r
