@@ -50,7 +50,7 @@ check-kernels: venv
 	$(PYTHON) tools/check_kernels.py $(ARGS)
 
 # fp32 vs fp16 vs bf16 on the tiny model: same seed, same data, one wandb group; then the overlay.
-# CPUs have no fast fp16 matmul (20-40x slower than fp32), so the CPU default is short; on a GPU
+# CPUs have no fast fp16 matmul (about 10x slower than fp32 on the 2-core build VM), so the CPU default is short; on a GPU
 # use e.g. PRECISION_ARGS="steps=2000 gbs=64".
 PRECISION_ARGS ?= steps=100 gbs=8 eval_interval=25
 compare-precision: data

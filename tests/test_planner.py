@@ -519,8 +519,8 @@ def test_the_readme_bloom_figures_are_the_planners(bloom):
     said = re.search(r"makes the last stage ([\d.]+)% heavier than the rest, where pp=6's 12 per stage dilute it to "
                      r"([\d.]+)%", text)
     pp6 = parse_layout("tp=8,pp=6,sp=true,zero=1,embedding_stage=layer", base)
-    assert float(said.group(1)) == pytest.approx(heavier(chosen), abs=0.5)
-    assert float(said.group(2)) == pytest.approx(heavier(pp6), abs=0.5)
+    assert float(said.group(1)) == pytest.approx(heavier(chosen), abs=0.1)
+    assert float(said.group(2)) == pytest.approx(heavier(pp6), abs=0.1)
 
 
 def _step_allocations(cfg):
