@@ -226,7 +226,7 @@ class Planner:
             optimizer.reduce_norm_stats(torch.zeros(2, device=META))
             for buf in buffers:
                 buf.start_param_gather()
-            reduce_loss(mesh, torch.zeros((), device=META), False, META)
+            reduce_loss(mesh, torch.zeros((), device=META), None, META)
             with_sp = mesh.ledger.summary()
             without_sp = {k: v for k, v in with_sp.items() if k != ("tp", "all_reduce")}   # the SP-parameter sum
             self._ranks[key] = optimizer.memory_bytes(), with_sp, without_sp

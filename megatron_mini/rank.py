@@ -8,6 +8,7 @@ import torch
 from . import comm
 from .config import TrainConfig
 from .data_parallel import GradBuffer
+from .launch import StopRequest
 from .mesh import ParallelMesh
 from .model import ParallelContext, build_chunks, compiles, select_triton_ops
 from .optimizer import Optimizer
@@ -40,13 +41,17 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
 
 
-def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: bool, device: torch.device,
+def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: str | None, device: torch.device,
                 writing: bool = False) -> torch.Tensor:
-    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of
-    ranks asked to stop, the number still writing a checkpoint]: one world all-reduce."""
-    t = torch.zeros(3, device=device)
+    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of ranks
+    still writing a checkpoint, then per signal of StopRequest.SIGNALS the number of ranks it asked to stop
+    (`stop`: this rank's first, by name, or None)]: one world all-reduce."""
+    names = [s.name for s in StopRequest.SIGNALS]
+    t = torch.zeros(2 + len(names), device=device)
     if mesh.is_last_stage and mesh.tp_rank == 0:
         t[0] = loss_sum.float()
-    t[1], t[2] = float(stop), float(writing)
+    t[1] = float(writing)
+    if stop is not None:
+        t[2 + names.index(stop)] = 1.0
     comm.all_reduce(t, mesh.world_group)
     return t

@@ -152,17 +152,19 @@ class Trainer:
         self.pending = None                # a checkpoint.Save whose files are being written (async_save)
         self.gc_frozen = False
 
-    def _global_loss(self, loss_sum: torch.Tensor, stop: bool = False) -> tuple[float, int, int]:
-        """(mean loss per token, ranks asked to stop, ranks still writing a checkpoint) of this step
-        (reduce_loss)."""
+    def _global_loss(self, loss_sum: torch.Tensor, stop: str | None = None) -> tuple[float, dict, int]:
+        """(mean loss per token, {signal: ranks it asked to stop} (`stop`: this rank's signal), ranks still
+        writing a checkpoint) of this step (reduce_loss)."""
         writing = self.pending is not None and self.pending.writing
-        loss, stops, writers = reduce_loss(self.mesh, loss_sum, stop, self.device, writing).tolist()
-        return loss / self.tokens_per_step, int(stops), int(writers)
+        loss, writers, *counts = reduce_loss(self.mesh, loss_sum, stop, self.device, writing).tolist()
+        stops = {s.name: int(n) for s, n in zip(StopRequest.SIGNALS, counts) if n}
+        return loss / self.tokens_per_step, stops, int(writers)
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
-        """One optimizer step. `stop`: this rank's SIGTERM flag, read after the forward and backward (a step is
-        long: a signal during it stops the run after it, not after the next); out["stop"]: how many ranks had one;
-        out["writing"]: how many ranks were still writing the pending checkpoint (async_save)."""
+        """One optimizer step. `stop`: this rank's StopRequest, read after the forward and backward (a step is
+        long: a signal during it stops the run after it, not after the next); out["stop"]: {signal: how many
+        ranks it asked to stop}, empty when none; out["writing"]: how many ranks were still writing the pending
+        checkpoint (async_save)."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -173,7 +175,7 @@ class Trainer:
         scale = scaler.scale if scaler else None
         first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
         loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step, first)
-        loss, stop, writing = self._global_loss(loss_sum, bool(stop and stop.requested))
+        loss, stop, writing = self._global_loss(loss_sum, stop.name if stop and stop.requested else None)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -340,8 +342,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             log.info(f"saving {path} while training" if background else f"saved {path}")
         interval_start += time.time() - paused    # a step line's rate is the training steps' own
         if out["stop"]:
-            signame = stop.name if stop and stop.name else "SIGTERM"      # (this rank's; another rank's is not shared)
-            why = f"{signame} (to {out['stop']} of {trainer.mesh.world_size} ranks)"
+            why = ", ".join(f"{name} (to {n} of {trainer.mesh.world_size} ranks)" for name, n in out["stop"].items())
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
             return why
     return None

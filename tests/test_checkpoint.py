@@ -347,7 +347,7 @@ def _stopped_with_slow_writes(cfg, delays, step, cause):
     if cause == "nan":
         global_loss = training.Trainer._global_loss
 
-        def diverging(self, loss_sum, stop=False):
+        def diverging(self, loss_sum, stop=None):
             loss, stops, writers = global_loss(self, loss_sum, stop)
             return (math.nan if self.step + 1 == step else loss), stops, writers
         training.Trainer._global_loss = diverging

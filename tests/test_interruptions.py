@@ -133,27 +133,31 @@ def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks,
     _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
 
 
-def _signalled_during_a_step(cfg):
-    """Rank 1's SIGTERM flag goes up inside its second step's forward/backward (a step is long; a signal
-    lands in one): (step 1's stop count, step 2's) on this rank."""
+def _signalled_during_a_step(cfg, signame):
+    """Rank 1's StopRequest goes up inside its second step's forward/backward (a step is long; a signal lands in
+    one), by `signame`: (step 1's stop counts, step 2's) on this rank."""
     import types
     import torch.distributed as dist
-    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False)
+    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False, name=None)
     first = trainer.train_step(flag)["stop"]
     run = trainer.engine.train_step
 
     def signalled(*args, **kwargs):
         out = run(*args, **kwargs)
-        flag.requested = dist.get_rank() == 1
+        if dist.get_rank() == 1:
+            flag.requested, flag.name = True, signame
         return out
     trainer.engine.train_step = signalled
     return first, trainer.train_step(flag)["stop"]
 
 
-def test_a_signal_during_a_step_stops_after_that_step(small_data, tmp_path):
-    """Every rank learns of a SIGTERM that arrived during a step at that step's end (not the next's: a
-    step of a large model can outlast a scheduler's grace period)."""
-    assert spawn(2, _signalled_during_a_step, small_config(small_data, tmp_path)) == [(0, 1), (0, 1)]
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_during_a_step_stops_after_that_step(signame, small_data, tmp_path):
+    """Every rank learns of a signal that arrived during a step at that step's end (not the next's: a step of a
+    large model can outlast a scheduler's grace period), and which signal it was: rank 0 names it in the stop
+    line though it came to rank 1 alone."""
+    assert spawn(2, _signalled_during_a_step, small_config(small_data, tmp_path), signame) == \
+        [({}, {signame: 1}), ({}, {signame: 1})]
 
 
 def _until(condition, seconds: float = 5.0) -> bool:
