@@ -79,7 +79,7 @@ def launch_env() -> tuple[int, int, int, int]:
                               f"to this process's place in the job, a rank in [0, size); unset them to run one "
                               f"process.")
     port, address = env.get("MASTER_PORT"), env.get("MASTER_ADDR")
-    if found[1] > 1 and port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+    if found[1] > 1 and port is not None and not (re.fullmatch(r"\s*[0-9]+\s*", port) and 1 <= int(port) <= 65535):
         raise ConfigError(f"MASTER_PORT={port!r} is not a TCP port (1 to 65535): the ranks meet rank 0 at "
                           f"MASTER_ADDR:MASTER_PORT; set it to a free port (or unset it: 29500).")
     if found[1] > 1 and address is not None and not address.strip():
@@ -89,7 +89,8 @@ def launch_env() -> tuple[int, int, int, int]:
     if found[1] > found[3] and address is None and (names[0] == "SLURM_PROCID" or "LOCAL_WORLD_SIZE" in env):
         raise ConfigError(f"this job spans several nodes ({found[1]} ranks, {found[3]} on this one) but MASTER_ADDR "
                           f"is not set, so each node would meet at its own 127.0.0.1: set it to rank 0's host (under "
-                          f"SLURM: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)).")
+                          f"SLURM: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)), "
+                          f"and start every rank with srun or torchrun, not python in the batch script.")
     return found
 
 
@@ -178,14 +179,23 @@ class StopRequest:
     """SIGTERM, SIGINT, SIGHUP or SIGUSR1 (Slurm's `--signal=USR1@SECONDS` warning, sent to every task) sets
     `requested` (and `name`, the first signal's); the training loop decides, with every rank, to save and stop.
     After a SIGINT, the next one raises KeyboardInterrupt (Ctrl-C twice: stop now). A signal this process was
-    started ignoring (nohup's SIGHUP, a script's background job's SIGINT) stays ignored."""
+    started ignoring (nohup's SIGHUP, a script's background job's SIGINT) stays ignored. `close()` gives every
+    signal back the handler it had before (train() does, as it returns: Ctrl-C after it is a KeyboardInterrupt
+    again)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
     def __init__(self):
         self.requested, self.name = False, None
-        for signum in self.taken():
+        self.previous = {signum: signal.getsignal(signum) for signum in self.taken()}
+        for signum in self.previous:
             signal.signal(signum, self._handle)
+
+    def close(self) -> None:
+        """Give each signal taken back the handler it had before."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self.previous = {}
 
     @classmethod
     def taken(cls) -> list:

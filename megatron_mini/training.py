@@ -396,6 +396,8 @@ def train(cfg: TrainConfig) -> dict:
             raise Terminated() from None
         raise
     finally:
+        if stop:
+            stop.close()
         if run.lock:
             run.lock.release()
 

@@ -305,3 +305,13 @@ def test_a_job_on_several_nodes_without_master_addr_is_refused_on_every_rank(mon
     assert len(refusals) == 1 and "spans several nodes (8 ranks, 4 on this one) but MASTER_ADDR" in refusals.pop()
     _set_launcher_env(monkeypatch, {**no_address, "SLURM_TASKS_PER_NODE": "8", "SLURM_NODEID": "0"})
     assert launch_env() == (5, 8, 1, 8)
+
+
+@pytest.mark.parametrize("port", ["²", "29²"])
+def test_a_master_port_of_superscript_digits_is_refused_in_one_line(monkeypatch, port):
+    """str.isdigit() holds for superscript digits, which int() refuses: int()'s ValueError traceback, not the
+    one-line ConfigError MASTER_PORT=abc gets."""
+    from megatron_mini.launch import launch_env
+    _set_launcher_env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port})
+    with pytest.raises(ConfigError, match="is not a TCP port"):
+        launch_env()

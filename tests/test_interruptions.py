@@ -200,6 +200,24 @@ def test_each_stopping_signal_is_a_request_and_a_second_ctrl_c_interrupts():
             signal.signal(s, handler)
 
 
+def _handlers_around_train(cfg):
+    """The handlers of StopRequest's signals before train(cfg) on this rank (its main thread), and after."""
+    from megatron_mini.launch import StopRequest
+    from megatron_mini.training import train
+    before = [repr(signal.getsignal(s)) for s in StopRequest.SIGNALS]
+    train(cfg)
+    return before, [repr(signal.getsignal(s)) for s in StopRequest.SIGNALS]
+
+
+def test_train_gives_the_signals_back_when_it_returns(small_data, tmp_path):
+    """train(cfg) takes SIGTERM, SIGINT, SIGHUP and SIGUSR1 as stop requests only while it runs: a program that
+    calls it (a notebook, a script that trains then generates) gets Ctrl-C as KeyboardInterrupt again after it
+    returns, not a request nobody reads."""
+    before, after = spawn(1, _handlers_around_train, small_config(small_data, tmp_path, gbs=4, steps=2),
+                          init_group=False)[0]
+    assert after == before, (before, after)
+
+
 def test_workers_stop_when_their_launcher_dies(small_data, tmp_path):
     """kill -9 of torchrun: its workers get SIGTERM (parent-death signal), save and exit; no orphan trains on."""
     run_dir = tmp_path / "run"
@@ -271,7 +289,7 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, t
 def test_ctrl_c_or_hangup_to_torchrun_saves_and_resume_continues_exactly(small_data, tmp_path, hooks, uninterrupted,
                                                                          signame):
     """Ctrl-C (SIGINT) or a hangup (SIGHUP: the terminal or ssh session gone) to torchrun, which forwards it to its
-    workers: every rank saves at the end of the step and exits 0 with no traceback of ours (SIGINT was a
+    workers: every rank saves at the end of the step and stops, with no traceback of ours (SIGINT was a
     KeyboardInterrupt on every rank, from inside a collective; SIGHUP killed them; the steps since the last
     checkpoint were lost either way); the resumed run ends as the uninterrupted one. As in the SIGTERM test, rank 0
     stops itself in the step-4 save, so the signal lands mid-run."""

@@ -260,6 +260,23 @@ def test_a_write_that_fails_leaves_the_earlier_output_whole(tool, tmp_path, monk
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["x.csv", "x.png"]
 
 
+def test_a_written_file_is_as_if_written_in_place(tmp_path, monkeypatch):
+    """The temporary file a tool writes before the rename has the output's own name, so a writer that records it
+    (an EPS figure's %%Title) records the output's, and a text goes through one temporary file and one rename (a
+    .tmp inside a .tmp renamed twice, when bench.report.write_text handed write_output files.atomic_write)."""
+    import os
+    from bench import report
+    monkeypatch.chdir(tmp_path)
+    assert plot_schedule.main(["--pp", "2", "-m", "4", "-o", "out/s.eps"]) == 0
+    assert b"%%Title: s.eps" in (tmp_path / "out" / "s.eps").read_bytes()
+    assert os.listdir(tmp_path / "out") == ["s.eps"]
+    renames, replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((os.path.basename(a), b)), replace(a, b))[1])
+    report.write_text("out/doc.md", "text\n")
+    assert renames == [("doc.md", "out/doc.md")] and (tmp_path / "out" / "doc.md").read_text() == "text\n"
+    assert sorted(os.listdir(tmp_path / "out")) == ["doc.md", "s.eps"]
+
+
 @pytest.mark.parametrize("tool, argv, work", [
     ("bench_kernels", ["--out", "afile/out"], "run"),
     ("bench_kernels", ["--doc", "afile/b.md"], "run"),

@@ -6,7 +6,9 @@ meanwhile) ends the tool with one line."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 from megatron_mini.files import unwritable_dir
 
@@ -48,21 +50,24 @@ def refuse_unwritable(parser, option: str, path: str | None, image: bool = False
 
 
 def write_output(path: str, write) -> None:
-    """Create `path`'s missing directories and call write(tmp) on a temporary file beside `path` (named by this
-    process, with path's suffix, which says matplotlib's format), then rename it over `path`: a write that fails
-    leaves the file that was there whole (files.atomic_write's rule). An OSError there, which the check before the
-    work could not foresee (a full disk, a directory removed or made read-only since), ends the tool with one
-    line, `error: cannot write PATH: reason`, and exit status 2."""
-    stem, suffix = os.path.splitext(path)
-    tmp = f"{stem}.tmp{os.getpid()}{suffix}"
+    """Create `path`'s missing directories and call write(tmp), tmp a file of path's own name in a staging
+    directory of this process beside `path` (matplotlib reads the format from the suffix, and an EPS or PS figure
+    records the file's name as its title), flushed to disk and renamed over `path`: a write that fails leaves the
+    file that was there whole (files.atomic_write's rule), and no temporary file. An OSError there, which the check
+    before the work could not foresee (a full disk, a directory removed or made read-only since), ends the tool
+    with one line, `error: cannot write PATH: reason`, and exit status 2."""
+    directory = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".write-", dir=directory)
         try:
+            tmp = os.path.join(staging, os.path.basename(path))
             write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:       # (a file where a directory should be: say so, not makedirs' "File exists")
         why = unwritable_dir(os.path.dirname(os.path.abspath(path))) or e.strerror or e
         print(f"error: cannot write {path}: {why}", file=sys.stderr)

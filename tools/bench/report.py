@@ -13,7 +13,6 @@ import statistics
 import sys
 import time
 
-from megatron_mini.files import atomic_write
 from plotting import CREATED, refuse_unwritable, write_output
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -85,9 +84,12 @@ def write_doc_section(path: str, tag: str, body: str) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """`text` into `path` whole (files.atomic_write), its missing directories created; a write that fails (a full
-    disk mid-run) is one line and exit 2 (plotting.write_output), not a traceback after the rows were measured."""
-    write_output(path, lambda p: atomic_write(p, text))
+    """`text` into `path` whole, its missing directories created; a write that fails (a full disk mid-run) is one
+    line and exit 2, not a traceback after the rows were measured (both plotting.write_output's)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_output(path, write)
 
 
 def read_doc_section(path: str, tag: str) -> str | None:
