@@ -33,6 +33,7 @@ import sys
 import time
 
 from .errors import ConfigError
+from .files import atomic_write
 
 # how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
 # first and torchrun stops them; they print only if rank 0 is slower or stuck)
@@ -127,14 +128,15 @@ def gpu_slot() -> tuple[int, int]:
 
 
 def write_error_file(message: str) -> None:
-    """Hand `message` to torchrun (its per-rank error file), which shows it as the root cause."""
+    """Hand `message` to torchrun (its per-rank error file), which shows it as the root cause. Whole or not at all
+    (files.atomic_write): torchrun's agent reads it as JSON, and one cut short (this rank killed while it wrote,
+    as torchrun stops the others when one fails) made the agent itself fail, so --max-restarts never restarted."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     try:        # torchrun's format (errors.ErrorHandler); its report shows "py_callstack": our one line
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+        atomic_write(path, json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": message, "timestamp": str(int(time.time()))}}}))
     except OSError:
         pass
 

@@ -11,6 +11,7 @@ from ranks import spawn
 from harness import make_trainer, small_config
 
 F32 = 4
+STEP_END = (2 + 4) * F32    # the step-end all-reduce: the logged loss, the ranks writing, a stop count per signal
 
 
 def _one_step_ledger(cfg):
@@ -41,7 +42,7 @@ def test_dp2_step(small_data, tmp_path):
     ledger = _ledgers(2, cfg)[0]
     padded = cfg.model.num_params() + cfg.model.num_params() % 2   # one bucket, padded to a multiple of dp
     assert ledger == {("dp", "all_reduce"): (1, padded * F32),      # gradients, once per step
-                      ("world", "all_reduce"): (1, 3 * F32)}   # the logged loss, SIGTERM count, ranks writing
+                      ("world", "all_reduce"): (1, STEP_END)}
 
 
 def _tp_activation_bytes(cfg):
@@ -63,7 +64,7 @@ def test_tp2_step(small_data, tmp_path):
     for ledger, overlaps in spawn(2, _one_step_ledger, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
                           ("mp", "all_reduce"): (1, 2 * F32),           # grad norm and inf/nan check
-                          ("world", "all_reduce"): (1, 3 * F32)}
+                          ("world", "all_reduce"): (1, STEP_END)}
         assert overlaps == beside
 
 
@@ -87,7 +88,7 @@ def test_tp2_sp_step(small_data, tmp_path):
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
                           ("tp", "all_reduce"): (2 * m + 1, 3 * m * tokens + sp_numel * F32),
                           ("mp", "all_reduce"): (1, 2 * F32),
-                          ("world", "all_reduce"): (1, 3 * F32)}
+                          ("world", "all_reduce"): (1, STEP_END)}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -100,7 +101,7 @@ def test_pp2_step(schedule, small_data, tmp_path):
                           ("pp", "recv"): (m, m * act),
                           ("emb", "all_reduce"): (1, embedding),     # tied word-embedding gradient
                           ("mp", "all_reduce"): (1, 2 * F32),
-                          ("world", "all_reduce"): (1, 3 * F32)}
+                          ("world", "all_reduce"): (1, STEP_END)}
 
 
 def _ledger_sizes(cfg):

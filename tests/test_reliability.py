@@ -331,3 +331,22 @@ def test_a_rendezvous_address_that_is_none_is_one_line(small_data, tmp_path, var
     RANK and WORLD_SIZE (it was torch's ValueError, with a traceback through train.py and megatron_mini)."""
     r = python_train(model_args(small_data, tmp_path / "run"), env(RANK=0, WORLD_SIZE=2, **variables))
     assert_one_error(r, [fact], "python")
+
+
+def test_the_error_file_for_torchrun_is_whole_or_absent(tmp_path):
+    """torchrun's agent reads a failed rank's error file as JSON: one cut short (the rank killed while it wrote it,
+    as torchrun stops the other ranks when one fails; here a file size limit of 64 bytes) made the agent itself
+    fail with a JSONDecodeError, so --max-restarts did not restart the job. Now whole or absent."""
+    import subprocess
+    import sys
+    path = tmp_path / "error.json"
+    for limit, message in ((64, "x" * 1000), (1 << 20, "a whole one")):
+        code = ("import resource; from megatron_mini.launch import write_error_file; "
+                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); write_error_file({message!r})")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                       env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(path)})
+        files = list(tmp_path.iterdir())
+        if limit == 64:
+            assert files == [], files                    # (no half file, no temporary left)
+        else:
+            assert files == [path] and json.loads(path.read_text())["message"]["message"] == message
