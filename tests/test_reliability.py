@@ -138,7 +138,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          ["8 blocks must divide over 3 virtual stages", "pipeline_first_blocks=2 gives 2+3+3"]),
         ("triton-on-cpu", 1, ["kernels=triton"], ["set TRITON_INTERPRET=1", "or use kernels=torch"], no_interpreter),
         ("attention-head-dim", 2, ["pp=2", "kernels=attention", "model.hidden_size=272", "model.num_heads=2"],
-         ["kernels=attention: the Triton attention supports head dims up to 128, and hidden_size / num_heads = 136",
+         ["kernels=attention: the Triton attention supports head dims 1 to 128 (a model's hidden_size / num_heads), "
+          "and this one is 136",
           "use kernels=torch"], interpreted),
         ("unwritable-run-dir", 1, [f"run_dir={not_a_dir}/run"], [f"run_dir={not_a_dir}/run cannot be written"]),
         ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "

@@ -27,13 +27,13 @@ MAX_BATCH_HEADS = 65535  # the attention's launches put b * heads on grid axis 1
 
 
 def attention_unsupported(head_dim: int, seq_len: int, dropout: float, batch_heads: int = 1) -> str | None:
-    """Why the Triton attention cannot run a model of this shape, with `batch_heads` = mbs x heads per TP rank
-    (None: it can)."""
-    if head_dim > MAX_HEAD_DIM:
-        return f"supports head dims up to {MAX_HEAD_DIM}, and hidden_size / num_heads = {head_dim}"
+    """Why the Triton attention cannot run this shape (None: it can): `batch_heads` is b x heads of its inputs, a
+    model's mbs x heads per TP rank. flash_attention refuses what it names, and training before it starts."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"supports head dims 1 to {MAX_HEAD_DIM} (a model's hidden_size / num_heads), and this one is {head_dim}"
     if batch_heads > MAX_BATCH_HEADS:
-        return (f"supports mbs x heads per TP rank up to {MAX_BATCH_HEADS} (CUDA's grid), and this run has "
-                f"{batch_heads}")
+        return (f"supports b x heads (a model's mbs x heads per TP rank) up to {MAX_BATCH_HEADS} (CUDA's grid), "
+                f"and this one is {batch_heads}")
     if dropout > 0 and seq_len > MAX_DROPOUT_SEQ:
         return f"supports dropout up to seq_len {MAX_DROPOUT_SEQ} (int32 RNG offsets), and seq_len = {seq_len}"
     return None

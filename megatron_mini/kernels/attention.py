@@ -30,7 +30,7 @@ import math
 import torch
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import MAX_BATCH_HEADS, MAX_DROPOUT_SEQ, MAX_HEAD_DIM, cdiv, check_device, interpreting, next_power_of_2
+from . import attention_unsupported, cdiv, check_device, interpreting, next_power_of_2
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -97,15 +97,12 @@ def _check(q, k, v, dropout_p):
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[-1]} is not supported (1 to {MAX_HEAD_DIM})")
-    if q.shape[0] * q.shape[1] > MAX_BATCH_HEADS:
-        raise ValueError(f"b x heads = {q.shape[0] * q.shape[1]} > {MAX_BATCH_HEADS} (CUDA's grid axis 1) is not "
-                         f"supported")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
-    if dropout_p > 0 and q.shape[2] > MAX_DROPOUT_SEQ:
-        raise ValueError(f"dropout needs s <= {MAX_DROPOUT_SEQ} (int32 RNG offsets), got {q.shape[2]}")
+    b, heads, s, d = q.shape
+    why = attention_unsupported(d, s, dropout_p, b * heads)
+    if why:
+        raise ValueError(f"flash_attention {why}")
 
 
 def _meta(q, causal, dropout_p):
