@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet). A session
-# has 30 minutes of device time, the machine's start included, and 10 minutes a call: three stages at most.
-# In the order the next session runs them (docs/benchmarks.md, "What the next GPU run should do"):
+# has 15 minutes of device time, the machine's start (one to two minutes) included, and 10 minutes a call: one
+# full stage (the first of those below not yet run, ~600 s), then, on the still-warm machine, `quick` (~150 s).
+# In the order successive GPU sessions run them (docs/benchmarks.md, "What the next GPU run should do"):
 #
 #   tools/gpu_session.sh make     # the README's two commands as written, `make test` (the whole suite with
 #                                 # CUDA visible) then `make train` on 1 GPU, with the machine's python3 as
@@ -12,6 +13,8 @@
 #                                 # at vocabulary 50304, profiles of the compiled default and baseline
 #   tools/gpu_session.sh sweep    # the flash attention's launch configurations (tools/sweep_attention.py, with
 #                                 # and without dropout) and the cross-entropy kernel against torch
+#   tools/gpu_session.sh quick    # the second call of every session: gpt2-small, the default (compiled) against
+#                                 # the compiled baseline, issue 10's headline ratio (limit 140 s)
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
 #                                         # a call has 10 minutes), their tables written into a copy of
 #                                         # docs/benchmarks.md in session.tgz
@@ -33,10 +36,10 @@
 # off by its limit still brings back the steps it finished. The last lines printed are a summary, and the
 # exit status is 1 when a step failed.
 set -u
-STAGES="wheels (here), compile, make, sweep, bench or check"
+STAGES="wheels (here), make, compile, check, sweep, bench or quick"
 STAGE=${1:-}
 case $STAGE in
-  wheels|compile|make|sweep|bench|check) ;;
+  wheels|compile|make|sweep|bench|check|quick) ;;
   *) echo "usage: tools/gpu_session.sh STAGE [MODELS]; STAGE: $STAGES (got '$STAGE')"; exit 2 ;;
 esac
 MODELS=${2:-small}
@@ -193,6 +196,13 @@ sweep)
   step bench_ce 100 $PY tools/bench_kernels.py --ops ce --out "$LOGS"
   tails=""
   tables="sweep.log sweep_dropout.log bench_kernels.md"
+  ;;
+quick)
+  # compiled rows: ~35 s of compile each before their steps (2026-11-24), 2 + 2 warmup steps and 6 timed
+  step bench_small 140 $PY tools/bench_gpu.py --models small --rows default,baseline-compile --warmup 2 --steps 6 \
+    --out "$LOGS/small"
+  tails=""
+  tables="small/bench_gpu.md"
   ;;
 bench)
   cp docs/benchmarks.md "$LOGS/"
