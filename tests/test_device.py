@@ -149,7 +149,8 @@ def test_gpu_names_pick_their_own_entry():
     name it contains (an H200 NVL's dense bf16 peak is 835.5, not 989.4)."""
     names = {"NVIDIA H100 80GB HBM3": "h100-80gb", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
              "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100-80gb",
-             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA GH200 480GB": "gh200",
+             "NVIDIA A100-PCIE-40GB": "a100-40gb", "NVIDIA A100 80GB PCIe": "a100-80gb",
+             "NVIDIA A100-SXM-80GB": "a100-80gb", "NVIDIA PG509-210": "a100-80gb", "NVIDIA GH200 480GB": "gh200",
              "NVIDIA GH200 144G HBM3e": "gh200-144g",
              "NVIDIA GeForce RTX 4090": None}
     assert {name: gpu_key_of_name(name) for name in names} == names
