@@ -1,7 +1,7 @@
 """What a run reports: a crash-safe `metrics.jsonl` in the run directory, mirrored to wandb (rank 0's
 RunLogger), and the throughput figures of the console line (Throughput, step_line).
 
-Every `log()` appends one JSON line (flushed at once) and, when wandb is on, calls `wandb.log`.
+Every `log()` appends one JSON line (written at once, unbuffered) and, when wandb is on, calls `wandb.log`.
 wandb is imported only when it is used, and any wandb failure prints one warning and leaves
 `metrics.jsonl` as the record of the run.
 """
@@ -121,19 +121,23 @@ def cut_metrics(run_dir: str, step: int) -> int:
 
 
 class RunLogger:
-    """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled."""
+    """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled. The lines
+    go straight to the file (an O_APPEND descriptor, no buffer): a line that fails to be written (a full disk)
+    raises in `log` and is not left behind for `finish` to try again."""
 
     def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
         self.mode = resolve_mode(wandb_cfg.mode)
         self.enabled = enabled
         self.run_dir = run_dir
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.summary_path = os.path.join(run_dir, "summary.json")
         self._run = None
-        self._file = None
+        self._fd = None
         self._wandb_path = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         if self.mode == "disabled":
             return
         name = wandb_cfg.name or os.path.basename(os.path.normpath(run_dir))
@@ -158,8 +162,9 @@ class RunLogger:
         if not self.enabled:
             return
         data = {key: _plain(value) for key, value in metrics.items()}
-        self._file.write(json.dumps({"step": int(step), **data}) + "\n")
-        self._file.flush()
+        line = (json.dumps({"step": int(step), **data}) + "\n").encode()
+        while line:                                  # (a write may take part of it)
+            line = line[os.write(self._fd, line):]
         if self._run is not None:
             try:
                 self._run.log(data, step=int(step))
@@ -171,7 +176,7 @@ class RunLogger:
         if not self.enabled:
             return
         data = {key: _plain(value) for key, value in values.items()}
-        atomic_write(os.path.join(self.run_dir, "summary.json"), json.dumps(data, indent=2))
+        atomic_write(self.summary_path, json.dumps(data, indent=2))
         if self._run is not None:
             try:
                 self._run.summary.update(data)
@@ -180,9 +185,9 @@ class RunLogger:
 
     def finish(self) -> None:
         """Close metrics.jsonl, finish the wandb run and wait until its files are on disk (safe to call twice)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         if self._run is not None:
             try:
                 import wandb

@@ -5,7 +5,9 @@ this run holds, so that a run that departs from its plan shows it at once:
 - after the first step: the activations autograd saved at the step's peak (meter.SavedTensorMeter
   around it; not when the model is compiled, whose graphs keep their own), and on a GPU the allocator's peak.
 
-Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json."""
+Every rank measures; rank 0, which alone runs the planner, prints. The figures go into history.json. The report
+never stops training: a planner that fails (rank 0's alone, while the others wait for it in the report's first
+collective) leaves a warning and a report without the plan."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +17,7 @@ import logging
 import torch
 
 from . import comm
+from .errors import first_line
 from .meter import SavedTensorMeter
 from .model import compiles
 
@@ -27,9 +30,14 @@ class MemoryReport:
         self.trainer, self.log, self.mesh = trainer, log, trainer.mesh
         self.planned = None
         if plan and self.mesh.rank == 0:
-            from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
-            # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention)
-            self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type), self.mesh.dp)
+            try:
+                from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
+                # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention)
+                self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type),
+                                              self.mesh.dp)
+            except Exception as e:      # noqa: BLE001 - a report's failure, told in the log, must not stop training
+                log.info(f"warning: no memory plan, the planner failed ({first_line(e)}); "
+                         f"memory_plan=false leaves it out")
         self.measuring = plan     # until the first step is measured
         self.meter = SavedTensorMeter(exclude=[p for c in trainer.chunks for p in c.parameters()]) \
             if plan and not compiles(trainer.cfg, trainer.device) else None

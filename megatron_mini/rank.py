@@ -42,16 +42,18 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
 
 
 def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: str | None, device: torch.device,
-                writing: bool = False) -> torch.Tensor:
+                writing: bool = False, failed: bool = False) -> torch.Tensor:
     """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of ranks
-    still writing a checkpoint, then per signal of StopRequest.SIGNALS the number of ranks it asked to stop
-    (`stop`: this rank's first, by name, or None)]: one world all-reduce."""
+    still writing a checkpoint, the number of ranks whose write of their own failed (rank 0's metrics.jsonl:
+    Trainer.write_alone), then per signal of StopRequest.SIGNALS the number of ranks it asked to stop (`stop`:
+    this rank's first, by name, or None)]: one world all-reduce."""
     names = [s.name for s in StopRequest.SIGNALS]
-    t = torch.zeros(2 + len(names), device=device)
+    t = torch.zeros(3 + len(names), device=device)
     if mesh.is_last_stage and mesh.tp_rank == 0:
         t[0] = loss_sum.float()
     t[1] = float(writing)
+    t[2] = float(failed)
     if stop is not None:
-        t[2 + names.index(stop)] = 1.0
+        t[3 + names.index(stop)] = 1.0
     comm.all_reduce(t, mesh.world_group)
     return t

@@ -4,7 +4,8 @@ Order matters: the config, the pipeline split, the schedule, the device, the run
 data files and the checkpoint to resume from are checked identically on every rank *before* any
 process group exists (`prepare_run`), so a bad run ends everywhere with one message instead of
 hanging in a collective. Rank 0 holds the run directory's lock for the whole run. A SIGTERM is
-shared with every rank at the end of a step (in the loss all-reduce); then all save and stop.
+shared with every rank at the end of a step (in the loss all-reduce); then all save and stop. What rank 0 writes
+alone (metrics.jsonl, summary.json, history.json) and fails to write stops every rank too (Trainer.write_alone).
 """
 from __future__ import annotations
 
@@ -150,15 +151,42 @@ class Trainer:
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
         self.pending = None                # a checkpoint.Save whose files are being written (async_save)
+        self.failure = None                # how this rank's write_alone failed (the first), until every rank stops
         self.gc_frozen = False
 
     def _global_loss(self, loss_sum: torch.Tensor, stop: str | None = None) -> tuple[float, dict, int]:
         """(mean loss per token, {signal: ranks it asked to stop} (`stop`: this rank's signal), ranks still
-        writing a checkpoint) of this step (reduce_loss)."""
+        writing a checkpoint) of this step (reduce_loss); RunError on every rank when a rank's write_alone
+        failed."""
         writing = self.pending is not None and self.pending.writing
-        loss, writers, *counts = reduce_loss(self.mesh, loss_sum, stop, self.device, writing).tolist()
+        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, stop, self.device, writing,
+                                                     self.failure is not None).tolist()
+        if failed:
+            self.stop_on_failure()
         stops = {s.name: int(n) for s, n in zip(StopRequest.SIGNALS, counts) if n}
         return loss / self.tokens_per_step, stops, int(writers)
+
+    def write_alone(self, path: str, fn, *args) -> None:
+        """fn(*args): a write of `path` that this rank does alone (rank 0's metrics.jsonl, summary.json,
+        history.json). Its failure (a full disk, a file size limit, a permission) must not end this rank alone
+        while the others wait for it in their next collective (until timeout_s): it is kept, later writes are
+        skipped, and every rank stops on it together (stop_on_failure) at the end of the next step or
+        evaluation batch (a count in their loss all-reduce: a step communicates nothing more), before the next
+        save (no checkpoint is newer than a line rank 0 could not write: resume=auto logs it again) or at the
+        end of the run."""
+        if self.failure is None:
+            why = checkpoint.failure_of(fn, *args)
+            self.failure = f"could not write {path}: {why}" if why else None
+
+    def stop_on_failure(self) -> None:
+        """Every rank (a collective) raises the same RunError when any rank's write_alone failed, once the save
+        still being written (of an earlier step) is published."""
+        found = checkpoint.first_failure(self.failure, self.mesh, self.device)
+        if found:
+            rank, why = found
+            self.finish_save()
+            raise RunError(f"rank {rank} {why} (stopped after step {self.step}; the last checkpoint: "
+                           f"{self.last_checkpoint or 'none'})", reporter=rank)
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step. `stop`: this rank's StopRequest, read after the forward and backward (a step is
@@ -216,7 +244,8 @@ class Trainer:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
         data's identity (checkpoint.data_identity), checked when the run resumes. `background`: return once
         the state is copied to the host; the files are written while training goes on, and finish_save
-        publishes them (a pending save is finished first)."""
+        publishes them (a pending save is finished first). A failed write_alone stops every rank first."""
+        self.stop_on_failure()
         self.finish_save()
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
         self.pending = checkpoint.Save(path, self.step, self.consumed_samples, self.buffers, self.optimizer,
@@ -270,8 +299,7 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
     aside: a restart after a kill in between branches again); metrics.jsonl cut at the start, since the lines
     past it are another attempt's (a crashed run's after its checkpoint, a branch's older future, or on a fresh
     start every line, of an attempt that died before its first checkpoint), so that this run's lines are the
-    file's and a torn last line is not glued to its first. A failure (a full disk, a permission) stops every
-    rank with rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
+    file's and a torn last line is not glued to its first (_on_rank_0)."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
 
     def tidy():
@@ -280,10 +308,25 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
             record_branch(cfg.run_dir, step)
         done["moved"] = checkpoint.set_aside(resume) if resume else []
         done["cut"] = cut_metrics(cfg.run_dir, step)
-    found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
+    _on_rank_0(tidy, cfg, mesh, device)
+    return done["moved"], done["cut"]
+
+
+def _on_rank_0(fn, cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    """fn() on rank 0 alone, its writes to the run directory before the first step: a failure (a full disk, a
+    permission) stops every rank with rank 0's message, rather than rank 0 alone while the others wait in the
+    next collective."""
+    found = checkpoint.first_failure(checkpoint.failure_of(fn) if mesh.rank == 0 else None, mesh, device)
     if found:
         raise RunError(f"rank 0 could not write to the run directory {cfg.run_dir}: {found[1]}")
-    return done["moved"], done["cut"]
+
+
+def _open_logger(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> RunLogger:
+    """Rank 0's RunLogger (metrics.jsonl opened, wandb started), a no-op one on the other ranks (_on_rank_0)."""
+    opened = []
+    _on_rank_0(lambda: opened.append(RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)),
+               cfg, mesh, device)
+    return opened[0] if opened else RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=False)
 
 
 def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
@@ -301,7 +344,7 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
     val = trainer.evaluate()
     history["val_loss"].append((trainer.step, val))
-    logger.log(trainer.step, {"val_loss": val})
+    trainer.write_alone(logger.metrics_path, logger.log, trainer.step, {"val_loss": val})
     log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{note}")
 
 
@@ -326,7 +369,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
             record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
             if out["loss_scale"] is not None:
                 record.update(loss_scale=out["loss_scale"], skipped_steps=trainer.skipped_steps)
-            logger.log(step, record)
+            trainer.write_alone(logger.metrics_path, logger.log, step, record)
             eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
@@ -355,8 +398,12 @@ def _finish_pending(trainer: Trainer, log: logging.Logger) -> None:
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
-               steps_run: int, elapsed: float, stopped_by: str | None) -> dict:
-    """The run's final figures: into summary.json / wandb, and the closing lines of the console."""
+               steps_run: int, elapsed: float, stopped_by: str | None, memory: MemoryReport) -> None:
+    """The run's final figures, into `history` with its checkpoint and memory report; rank 0's last writes
+    (summary.json and wandb's summary, metrics.jsonl closed, history.json), then the run's last collective: a
+    failure of any stops every rank with rank 0's message and exit 1 (the run's record is incomplete, though
+    its last checkpoint is whole), rather than rank 0 alone while the others exit 0; then the closing lines
+    of the console."""
     cfg = trainer.cfg
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
@@ -364,8 +411,13 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
-    logger.summary(summary)
-    logger.finish()                      # wandb's own closing lines come before our summary
+    history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
+    trainer.write_alone(logger.summary_path, logger.summary, summary)
+    trainer.write_alone(logger.metrics_path, logger.finish)     # wandb's own closing lines come before our summary
+    if trainer.mesh.rank == 0:
+        path = os.path.join(cfg.run_dir, "history.json")
+        trainer.write_alone(path, lambda: atomic_write(path, json.dumps(history)))
+    trainer.stop_on_failure()
     log.info("-" * 72)
     evals = history["val_loss"]
     val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
@@ -380,7 +432,6 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
              + (f"  (upload with: wandb sync {logger.wandb_path})"
                 if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
-    return summary
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -450,7 +501,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")
-    logger = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=rank == 0)
+    logger = _open_logger(cfg, mesh, run.device)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
@@ -469,22 +520,19 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         _evaluate(trainer, history, logger, log, " (before training)")
     try:
         stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
-    except (FloatingPointError, DataError) as e:
+        _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
+                   stopped_by, memory)
+    except (FloatingPointError, DataError, RunError) as e:
         # every rank raises these at the same step (the global loss; the fp16 scaler's state; the ids of the
-        # whole global batch, which every rank reads): the save still being written, of an earlier step, is
-        # published as a sync save would have been
+        # whole global batch, which every rank reads; a failed save, or write_alone): the save still being
+        # written, of an earlier step, is published as a sync save would have been
         _finish_pending(trainer, log)
         logger.finish()
-        if isinstance(e, DataError):
+        if not isinstance(e, FloatingPointError):
             raise
         advice = ("use precision=bf16 (fp32's exponent range, no loss scale) or lower optimizer.lr"
                   if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")
         raise RunError(f"Training stopped ({cfg.precision.dtype}): {e}. Nothing was saved over the last good "
                        f"checkpoint ({trainer.last_checkpoint or 'none'}); {advice}.") from None
-    summary = _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
-                         stopped_by)
-    history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
-    if rank == 0:
-        atomic_write(os.path.join(cfg.run_dir, "history.json"), json.dumps(history))
     dist.destroy_process_group()
     return history

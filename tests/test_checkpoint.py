@@ -232,7 +232,8 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
                                    for r in range(tp if tp_dim is not None else 1))
     for rank, ledger in results:
         assert set(ledger) == {("world", op) for op in ("all_reduce", "all_gather", "gather")}, (rank, ledger)
-        assert ledger[("world", "all_gather")][1] <= 3 * 4, (rank, ledger)     # three failure checks, all empty
+        # four failure checks, all empty: of the run's own writes (Trainer.save), then the save's three
+        assert ledger[("world", "all_gather")] == (4, 4 * 4), (rank, ledger)
         assert ledger[("world", "gather")][0] == 1, (rank, ledger)             # the index, once, onto rank 0
         assert sum(n for _, n in ledger.values()) < cfg.model.num_params(), (rank, ledger)   # < 1/4 of fp32 weights
 
@@ -295,6 +296,124 @@ def test_a_failure_of_rank_0s_run_directory_writes_stops_every_rank(small_data, 
     assert messages[0] == messages[1], messages
     assert (f"rank 0 could not write to the run directory {cfg.run_dir}: OSError: [Errno 28] No space left on "
             f"device") in messages[0], messages
+
+
+def _train_failing(cfg, name, fails):
+    """train(cfg) on this rank, the callable `name` ("module:attribute", the attribute's name dotted) replaced on
+    rank 0 alone by fails(real, *args); the RunError's message."""
+    import functools
+    import importlib
+
+    from megatron_mini import training
+    from megatron_mini.config import RunError
+    module, path = name.split(":")
+    *parents, attr = path.split(".")
+    owner = functools.reduce(getattr, parents, importlib.import_module(module))
+    real = getattr(owner, attr)
+    if os.environ["RANK"] == "0":
+        setattr(owner, attr, lambda *args, **kwargs: fails(real, *args, **kwargs))
+    with pytest.raises(RunError) as caught:
+        training.train(cfg)
+    return str(caught.value)
+
+
+def _full_disk_from(key, step, real, logger, at, metrics):
+    """RunLogger.log on a disk that fills up at the line of `step` holding `key` (and stays full)."""
+    if logger.enabled and (at, "val_loss" in metrics) >= (step, key == "val_loss"):
+        raise OSError(28, "No space left on device")
+    real(logger, at, metrics)
+
+
+def _full_disk_for(name, real, path, data):
+    """atomic_write failing for the files called `name` (a full disk)."""
+    if os.path.basename(path) == name:
+        raise OSError(28, "No space left on device")
+    real(path, data)
+
+
+def _unopenable(real, run_dir, *args, enabled):
+    """RunLogger, whose metrics.jsonl rank 0 may not open (a file of another user's)."""
+    if enabled:
+        raise PermissionError(13, "Permission denied", os.path.join(run_dir, "metrics.jsonl"))
+    return real(run_dir, *args, enabled=enabled)
+
+
+def _logged(run_dir):
+    """metrics.jsonl's lines, less the timing figures (which differ between any two runs)."""
+    import json
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "lr", "grad_norm", "val_loss")}
+                for line in f]
+
+
+METRICS_RUN = dict(gbs=4, steps=6, save_interval=2, log_interval=1, eval_interval=3, eval_iters=1, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def logged_run(small_data, tmp_path_factory):
+    """METRICS_RUN on 2 ranks, uninterrupted: (its history, its metrics.jsonl's lines)."""
+    cfg = small_config(small_data, tmp_path_factory.mktemp("logged"), **METRICS_RUN)
+    return train_on_ranks(2, cfg), _logged(cfg.run_dir)
+
+
+@pytest.mark.parametrize("key,step,stopped,last", [
+    ("loss", 5, 5, 4),         # found in the next step's loss all-reduce
+    ("loss", 3, 3, 2),         # in the evaluation after it
+    ("loss", 4, 4, 2),         # before the save after it: no checkpoint past a line rank 0 could not write
+    ("val_loss", 6, 6, 4),     # the last evaluation's line, before the last save
+], ids=["step", "then-evaluation", "then-save", "last-evaluation"])
+def test_a_failure_of_rank_0s_metrics_writes_stops_every_rank_and_loses_nothing(key, step, stopped, last,
+                                                                                 logged_run, small_data, tmp_path):
+    """Rank 0 alone writes metrics.jsonl: when a line cannot be written (a full disk), every rank stops with rank
+    0's message within a step, rather than rank 0 alone while the others wait for it in a collective until
+    timeout_s; no checkpoint is saved past the line, so resume=auto continues exactly and metrics.jsonl ends
+    as the uninterrupted run's."""
+    import functools
+    history, lines = logged_run
+    cfg = small_config(small_data, tmp_path / "run", **METRICS_RUN)
+    messages = spawn(2, _train_failing, cfg, "megatron_mini.logger:RunLogger.log",
+                     functools.partial(_full_disk_from, key, step), init_group=False, timeout=120)
+    newest = os.path.join(cfg.run_dir, "checkpoints", f"step_{last:06d}")
+    assert messages[0] == messages[1], messages
+    assert messages[0] == (f"rank 0 could not write {cfg.run_dir}/metrics.jsonl: OSError: [Errno 28] No space left "
+                           f"on device (stopped after step {stopped}; the last checkpoint: {newest})"), messages
+    assert sorted(os.listdir(os.path.join(cfg.run_dir, "checkpoints"))) == \
+        ["latest"] + [f"step_{s:06d}" for s in (2, 4) if s <= last]
+    with open(os.path.join(cfg.run_dir, "checkpoints", "latest")) as f:
+        assert f.read().strip() == os.path.basename(newest)
+    resumed = train_on_ranks(2, small_config(small_data, cfg.run_dir, resume="auto", **METRICS_RUN))
+    assert resumed["loss"] == history["loss"][last:]
+    assert _logged(cfg.run_dir) == lines
+
+
+@pytest.mark.parametrize("name,module", [("summary.json", "logger"), ("history.json", "training")])
+def test_a_failure_of_rank_0s_writes_at_the_end_stops_every_rank(name, module, small_data, tmp_path):
+    """After the last collective of the run rank 0 alone writes summary.json and history.json: when it cannot,
+    every rank ends with rank 0's message (exit 1 everywhere: the run's record is incomplete), not rank 0 alone
+    while the others report success; the last checkpoint, saved before, is whole."""
+    import functools
+
+    from megatron_mini.checkpoint import verify
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, steps=2, timeout_s=20)
+    messages = spawn(2, _train_failing, cfg, f"megatron_mini.{module}:atomic_write",
+                     functools.partial(_full_disk_for, name), init_group=False, timeout=120)
+    last = os.path.join(cfg.run_dir, "checkpoints", "step_000002")
+    assert messages[0] == messages[1], messages
+    assert messages[0] == (f"rank 0 could not write {cfg.run_dir}/{name}: OSError: [Errno 28] No space left on "
+                           f"device (stopped after step 2; the last checkpoint: {last})"), messages
+    verify(last)
+
+
+def test_rank_0_failing_to_open_metrics_jsonl_stops_every_rank(small_data, tmp_path):
+    """Rank 0 alone opens metrics.jsonl (RunLogger), after the run directory is tidied: when it cannot (a file
+    of another user's), every rank stops with its message before the first step."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, steps=2, timeout_s=20)
+    messages = spawn(2, _train_failing, cfg, "megatron_mini.training:RunLogger", _unopenable, init_group=False,
+                     timeout=120)
+    assert messages[0] == messages[1], messages
+    assert messages[0] == (f"rank 0 could not write to the run directory {cfg.run_dir}: PermissionError: [Errno 13] "
+                           f"Permission denied: '{cfg.run_dir}/metrics.jsonl'"), messages
+    assert not os.path.exists(os.path.join(cfg.run_dir, "checkpoints"))
 
 
 def _train_with_slow_writes(cfg, delays):

@@ -11,7 +11,9 @@ from ranks import spawn
 from harness import make_trainer, small_config
 
 F32 = 4
-STEP_END = (2 + 4) * F32    # the step-end all-reduce: the logged loss, the ranks writing, a stop count per signal
+# the step-end all-reduce: the logged loss, the ranks writing a checkpoint, the ranks whose own write failed,
+# a stop count per signal
+STEP_END = (3 + 4) * F32
 
 
 def _one_step_ledger(cfg):

@@ -170,6 +170,36 @@ def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, cap
     assert compare_runs.read_run(str(tmp_path / "run")).rows == expected
 
 
+def _log_past_a_file_size_limit(run_dir, limit):
+    """In this process, files capped at `limit` bytes (RLIMIT_FSIZE, as a full disk refuses a write): a line that
+    fits, then one that does not; (the errno log raised, metrics.jsonl's text). finish() raises nothing."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    logger = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
+    logger.log(1, {"loss": 1.0})
+    with pytest.raises(OSError) as caught:
+        logger.log(2, {"loss": 2.0, "note": "x" * limit})
+    logger.finish()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return caught.value.errno, f.read()
+
+
+def test_a_line_that_cannot_be_written_raises_in_log_and_not_again_in_finish(tmp_path):
+    """A line that cannot be written (a full disk, a file size limit) raises in log(), which the training loop
+    turns into every rank's stop (Trainer.write_alone); finish() then closes the file without writing it again
+    (a buffered file tried the line again at close, and raised there, in the middle of stopping). The file
+    holds what the disk took: the lines before, then the part of the line that fitted (a torn last line, which
+    the next start moves to metrics.superseded.jsonl)."""
+    import errno
+
+    from ranks import spawn
+    errno_, text = spawn(1, _log_past_a_file_size_limit, str(tmp_path / "run"), 100, init_group=False)[0]
+    lines = [json.dumps({"step": 1, "loss": 1.0}) + "\n", json.dumps({"step": 2, "loss": 2.0, "note": "x" * 100})]
+    assert (errno_, text) == (errno.EFBIG, "".join(lines)[:100])
+
+
 def test_compare_runs_prefers_metrics_jsonl_when_wandb_has_part_of_the_run(tmp_path, wandb_env):
     run_dir = str(tmp_path / "run")
     first = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)

@@ -232,6 +232,33 @@ def test_training_prints_the_plan_next_to_the_run(small_data, tmp_path):
     assert "planned" not in plain["memory"][0] and "activations" not in plain["memory"][0]["measured"]
 
 
+def _train_unplanned(cfg):
+    """train(cfg) on this rank, rank 0's planner failing (a model it cannot lay out on the meta device)."""
+    import os
+
+    from megatron_mini import plan_meta, training
+
+    def fails(*args):
+        raise NotImplementedError("no meta kernel for aten::made_up")
+    if os.environ["RANK"] == "0":
+        plan_meta.planned_memory = fails
+    return training.train(cfg)
+
+
+def test_a_planner_that_fails_leaves_a_warning_and_training_goes_on(small_data, tmp_path):
+    """Rank 0 alone plans, between collectives: a planner that fails must not end rank 0 alone while the others
+    wait for it in the report's gather (until timeout_s). The report is not worth a run: training goes on, the
+    same as without a plan, with one warning saying why there is none."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, steps=2, memory_plan=True, timeout_s=20)
+    histories = spawn(2, _train_unplanned, cfg, init_group=False, timeout=120)
+    plain = train_on_ranks(2, small_config(small_data, tmp_path / "plain", gbs=4, steps=2))
+    assert histories[0]["loss"] == histories[1]["loss"] == plain["loss"]
+    assert "planned" not in histories[0]["memory"][0]
+    log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    assert log.count("warning: no memory plan, the planner failed (NotImplementedError: no meta kernel for "
+                     "aten::made_up); memory_plan=false leaves it out") == 1, log
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dp_reduction_inside_a_node_waits_for_the_tp_traffic_of_its_window(small_data, tmp_path, planner, tp):
     """The DP reduction hides behind the last microbatch's backward; inside a node that backward's link also
