@@ -7,7 +7,9 @@
   summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
 - backward: what one layer's forward and backward allocate on top of what it saves (meter.AllocationMeter: the
   gradients of the logits and of the word embedding, a checkpoint's recomputed forward), the largest of the
-  rank's layer kinds, allocated while the others' saved tensors are held;
+  rank's layer kinds, allocated while the others' saved tensors are held; in a chunk that holds both the embedding
+  and the head (pp = vpp = 1), also the backward of its blocks and embedding while the head's gradient of the tied
+  word embedding waits for the embedding's, measured on that chunk with up to two blocks;
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
@@ -129,8 +131,9 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     """Facts (bytes saved for backward, bytes allocated on top of them, ledger, overlaps; no FLOPs) of one
     microbatch forward + backward of the layer `layers[0]`, on meta, its gradients going into fp32 main grads as
     in training (a GPU's GEMM adds the weights' into them); a block gets a pending residual r when `residual`
-    (as every block but a chunk's first). The CPU stream is restored after (recomputation sets it; the GPUs'
-    are not touched)."""
+    (as every block but a chunk's first); with layers = (0, L + 2), of the whole chunk [embedding, L blocks, head]
+    (Planner.layer_jobs' "tied"). The CPU stream is restored after (recomputation sets it; the GPUs' are not
+    touched)."""
     sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
     with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(tensor_parallel, "gemm_into_fp32", lambda device, dtype: "addmm"), \
@@ -140,15 +143,16 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
         dtype = DTYPES[cfg.precision.dtype]
         ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, META), cfg.sp, cfg.recompute)
         (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
-        (layer,) = chunk.to(dtype).train().layers
+        whole = chunk.has_embedding and chunk.has_head
+        layer = chunk.to(dtype).train() if whole else chunk.layers[0]
         buffer = GradBuffer(list(chunk.named_global_parameters()), mesh, dtype, zero=False)   # noqa: F841 (hooks)
         tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
 
         def activation():
             s = cfg.model.seq_len // (cfg.tp if cfg.sp else 1)
             return torch.empty(s, cfg.mbs, cfg.model.hidden_size, dtype=dtype, device=META, requires_grad=True)
-        args = (tokens,) if chunk.has_embedding else (activation(), tokens) if chunk.has_head else \
-            (activation(), activation() if residual else None)
+        args = (tokens, tokens) if whole else (tokens,) if chunk.has_embedding else \
+            (activation(), tokens) if chunk.has_head else (activation(), activation() if residual else None)
         meter, allocated = SavedTensorMeter(exclude=chunk.parameters()), AllocationMeter()
         with meter.hooks(), allocated:
             out = layer(*args)
@@ -167,9 +171,11 @@ def _blocks(cfg: TrainConfig, a: int, b: int) -> int:
 
 def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
     """Facts of one microbatch through each chunk [a, b) of `stages`, from Planner.layer_facts: embedding,
-    blocks (the first, the rest), head."""
+    blocks (the first, the rest), head, and the backward of a chunk that holds them all ("tied")."""
+    end = cfg.model.num_layers + 2
     return [layers["embedding"] * (a == 0) + layers["first"] * (n > 0) + layers["block"] * max(n - 1, 0)
-            + layers["head"] * (b == cfg.model.num_layers + 2) for a, b in stages for n in [_blocks(cfg, a, b)]]
+            + layers["head"] * (b == end) + layers.get("tied", Facts()) * ((a, b) == (0, end))
+            for a, b in stages for n in [_blocks(cfg, a, b)]]
 
 
 class Planner:
@@ -184,15 +190,22 @@ class Planner:
     def layer_jobs(self, cfg: TrainConfig) -> list:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
         block that starts a chunk: no pending residual) and "block" (one after another block, which hands it
-        the residual it has not added yet); each measured once per key (model, tp, sp, recompute of the
-        blocks, dtype, mbs)."""
-        jobs = []
-        for name, first, residual in (("embedding", 0, False), ("first", 1, False), ("block", 1, True),
-                                      ("head", cfg.model.num_layers + 1, False)):
-            key = (name, cfg.tp, cfg.sp, cfg.recompute if first == 1 else "none", cfg.precision.dtype, cfg.mbs,
-                   dataclasses.astuple(cfg.model), math_attention(cfg))
-            jobs.append((name, key, (cfg, (first, first + 1), residual)))
-        return jobs
+        the residual it has not added yet); where one chunk holds the whole model (pp = vpp = 1), "tied": that
+        chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for its backward: autograd
+        holds the head's gradient of the tied word embedding [V/tp, h] through the blocks' backward until the
+        embedding's is added to it (into a third such tensor). (Its peak less what it saves takes only two blocks'
+        saved tensors as released before the embedding's backward: there the plan is over by L - 2 blocks'.)
+        Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs)."""
+        L = cfg.model.num_layers
+        kinds = [("embedding", cfg, 0, 1, False), ("first", cfg, 1, 2, False), ("block", cfg, 1, 2, True),
+                 ("head", cfg, L + 1, L + 2, False)]
+        if cfg.pp * cfg.vpp == 1:
+            n = min(L, 2)
+            kinds.append(("tied", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)),
+                          0, n + 2, False))
+        return [(name, (name, cfg.tp, cfg.sp, "none" if name in ("embedding", "head") else cfg.recompute,
+                        cfg.precision.dtype, cfg.mbs, dataclasses.astuple(cfg.model), math_attention(cfg)),
+                 (job, (first, end), residual)) for name, job, first, end, residual in kinds]
 
     def layer_facts(self, cfg: TrainConfig) -> dict:
         """{kind: Facts of one microbatch through it} (layer_jobs) on TP rank 0 of cfg's layout.
@@ -203,8 +216,11 @@ class Planner:
         for name, key, job in self.layer_jobs(cfg):
             if key not in self.layers:
                 self.layers[key] = measure_layer(*job)
-            kind = "block" if name == "first" else name
-            out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
+            if name == "tied":              # its backward alone: the rest is its layers'
+                out[name] = Facts(backward_bytes=self.layers[key].backward_bytes)
+            else:
+                kind = "block" if name == "first" else name
+                out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
         return out
 
     def rank_state(self, cfg: TrainConfig, dp: int, pp_rank: int) -> tuple:
