@@ -293,13 +293,13 @@ def _write_config(cfg: TrainConfig) -> None:
 
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
                   device: torch.device) -> tuple[list, int]:
-    """Rank 0's writes to the run directory before the first step, once every rank has chosen what to resume
-    from; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside) on rank 0, ([], 0) on the
-    others. In order: the config; a branch's record (before the checkpoints it branches away from are set
-    aside: a restart after a kill in between branches again); metrics.jsonl cut at the start, since the lines
+    """Rank 0's writes to the run directory before the first step, once every rank has chosen what to resume from
+    and built its model; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside) on rank 0,
+    ([], 0) on the others. In order: the config; a branch's record (before the checkpoints it branches away from are
+    set aside: a restart after a kill in between branches again); metrics.jsonl cut at the start, since the lines
     past it are another attempt's (a crashed run's after its checkpoint, a branch's older future, or on a fresh
-    start every line, of an attempt that died before its first checkpoint), so that this run's lines are the
-    file's and a torn last line is not glued to its first (_on_rank_0)."""
+    start every line, of an attempt that died before its first checkpoint), so that this run's lines are the file's
+    and a torn last line is not glued to its first (_on_rank_0)."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
 
     def tidy():
@@ -491,8 +491,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     log = _setup_logging(cfg.run_dir, rank)
-    moved, cut = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     trainer = Trainer(cfg, mesh, run.datasets, run.device)
+    moved, cut = _tidy_run_dir(cfg, run.resume, mesh, run.device)    # (a model that does not fit changes nothing)
     if run.resume:
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")

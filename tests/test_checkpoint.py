@@ -104,6 +104,31 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
             if r.WhichOneof("record_type") == "run"} == {run_id(str(run), "run")}
 
 
+def _train_without_memory(cfg):
+    """train(cfg) on this rank, its model failing to build (the GPU's memory is full); the error's message."""
+    from megatron_mini import training
+    training.Trainer.__init__ = _raising(MemoryError("out of memory building the model"))
+    with pytest.raises(MemoryError) as caught:
+        training.train(cfg)
+    return str(caught.value)
+
+
+def test_a_branch_that_fails_to_build_its_model_leaves_the_run_as_it_was(uninterrupted, small_data, tmp_path):
+    """resume=PATH to step 5 of a run that reached step 10, whose model does not fit: the run directory is
+    untouched (step 10 not set aside, no branch recorded, metrics.jsonl whole), so resume=auto still continues
+    from step 10: the branch's writes wait until the Trainer is built."""
+    import shutil
+    cfg, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run)
+    metrics = (run / "metrics.jsonl").read_text()
+    before = sorted(os.listdir(run / "checkpoints"))
+    branch = small_config(small_data, run, steps=7, resume=str(run / "checkpoints" / "step_000005"))
+    assert spawn(1, _train_without_memory, branch, timeout=120) == ["out of memory building the model"]
+    assert sorted(os.listdir(run / "checkpoints")) == before and "step_000010" in before
+    assert not (run / "branches.json").exists() and (run / "metrics.jsonl").read_text() == metrics
+
+
 def test_a_fresh_start_moves_an_earlier_attempts_metrics_aside(small_data, tmp_path):
     """A run directory whose first attempt died before its first checkpoint, its metrics.jsonl ending in a line a
     kill cut short: the new run starts at step 0, metrics.jsonl holds its own lines alone (the torn one not glued
