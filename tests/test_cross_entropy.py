@@ -65,15 +65,24 @@ def test_fused_cross_entropy_large_offset_keeps_fp32_accuracy():
     _check(x, t, g, 300, 0.1)
 
 
+@pytest.mark.parametrize("chunk", ["own", "gpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_cross_entropy_with_a_masked_vocabulary(dtype):
-    """Logits of -inf (a masked vocabulary) over a row's first 200 columns, more than a chunk (BLOCK_V: 128 under
-    the interpreter, 1024-8192 on a GPU), the targets past them: the loss and gradient of F.cross_entropy (the
-    running max was -inf through the first chunk, and its sum -inf - -inf = NaN)."""
-    x, _, g = _inputs(4, 384, 300, dtype)
-    x[::2, :, :200] = -math.inf
-    t = torch.randint(200, 300, (4, 2), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    _check(x, t, g, 300, 0.0)
+def test_fused_cross_entropy_with_a_masked_vocabulary(dtype, chunk, monkeypatch):
+    """Logits of -inf (a masked vocabulary) over a row's first columns, more than a chunk, the targets past them:
+    the loss and gradient of F.cross_entropy (the running max was -inf through the first chunk, and its sum
+    -inf - -inf = NaN). "own": 200 of 300 columns in the kernel's own chunks (BLOCK_V 128 under the interpreter;
+    on a GPU the autotuner's, 1024 or wider: one chunk, so the case is not met there); "gpu": 1100 of 1400
+    columns in the narrowest GPU chunk, BLOCK_V 1024, pinned (on a GPU, and through the interpreter on a CPU)."""
+    padded, vocab, masked = (384, 300, 200) if chunk == "own" else (1536, 1400, 1100)
+    if chunk == "gpu":
+        config = next(c for c in ce.CONFIGS if c.kwargs["BLOCK_V"] == 1024 and c.num_warps == 4)
+        for tuned in (ce._stats, ce._grad):
+            monkeypatch.setattr(tuned, "configs", [config])
+            monkeypatch.setattr(tuned, "cache", {})
+    x, _, g = _inputs(4, padded, vocab, dtype)
+    x[::2, :, :masked] = -math.inf
+    t = torch.randint(masked, vocab, (4, 2), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    _check(x, t, g, vocab, 0.0)
 
 
 def test_row_stats_of_a_shard_with_targets_elsewhere_or_only_padding():
