@@ -90,6 +90,7 @@ class Run:
     data: dict                      # the data's identity, recorded in checkpoints
     resume: checkpoint.Resume | None
     lock: RunLock | None            # rank 0's lock on the run directory
+    refused: str | None = None      # rank 0: why it could not take the lock (another run holds it), told to all
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -107,11 +108,21 @@ def check_run_dir(run_dir: str) -> None:
 
 def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     """Everything that can be wrong before the first collective, the same on every rank; rank 0 also
-    takes the run directory's lock (before anything reads the run's checkpoints)."""
+    takes the run directory's lock (before anything reads the run's checkpoints). A lock another run holds
+    is rank 0's alone to find: kept in Run.refused, it stops every rank together once they have met
+    (_train), not rank 0 alone while the others wait for it in the rendezvous (srun without
+    --kill-on-bad-exit stops nobody) until timeout_s."""
     dp = validate(cfg, world_size)
     device, backend = setup_device(cfg)
     check_run_dir(cfg.run_dir)
-    lock = RunLock(cfg.run_dir) if rank == 0 else None
+    lock, refused = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(cfg.run_dir)
+        except ConfigError as e:
+            if world_size == 1:
+                raise
+            refused = str(e)
     try:
         datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
         data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
@@ -121,7 +132,7 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
         if lock:
             lock.release()
         raise
-    return Run(dp, device, backend, datasets, data, resume, lock)
+    return Run(dp, device, backend, datasets, data, resume, lock, refused)
 
 
 def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict):
@@ -479,6 +490,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     init_process_group(run.device, run.backend, cfg.timeout_s)
     agree_on_config(cfg, run.device)
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
+    refused = checkpoint.first_failure(run.refused, mesh, run.device)      # before anything touches the run dir
+    if refused:
+        raise ConfigError(refused[1])
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
         if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too

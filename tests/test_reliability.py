@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from commandline import assert_one_error, env, model_args, python_train, torchrun_train
+from commandline import PYTHON, assert_one_error, env, finish, model_args, python_train, start, torchrun_train
 from harness import small_config, train_on_ranks
 from megatron_mini.launch import RunLock
 from ranks import free_port
@@ -286,6 +286,28 @@ def test_a_locked_run_dir_is_refused(small_data, tmp_path):
     finally:
         lock.release()
     assert_one_error(r, [f"{run_dir} is in use by another run", f"pid {os.getpid()}", "run_name=NAME"], "torchrun")
+
+
+def test_a_locked_run_dir_is_refused_on_every_rank_without_torchrun(small_data, tmp_path):
+    """Two ranks started as srun starts them (no agent to stop the others when rank 0 exits): rank 0 alone finds
+    the run directory held; every rank stops with its message, where rank 1 waited for rank 0 in the
+    rendezvous until timeout_s and then failed with a CommError."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    port = free_port()
+    lock = RunLock(str(run_dir))
+    try:
+        procs = [start([PYTHON, "train.py", *model_args(small_data, run_dir), "timeout_s=60"],
+                       env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port)) for r in range(2)]
+        results = [finish(p) for p in procs]
+    finally:
+        lock.release()
+    for r in results:
+        assert r.rc == 2 and "Traceback" not in r.all, r
+        lines = [ln for ln in r.err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and f"{run_dir} is in use by another run (host" in lines[0], r
+    assert results[1].elapsed < 40, results[1]       # (rank 1 waits OTHER_RANKS_WAIT_S, 15 s, before it prints)
 
 
 # ------------------------------------------------------------------------------------------- resuming
