@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs, one stage per call (the machine starts bare and has no internet). A session
 # has 15 minutes of device time, the machine's start (one to two minutes) included, and 10 minutes a call: one
-# full stage (the first of those below not yet run, ~600 s), then, on the still-warm machine, `quick` (~150 s).
+# full stage (the first of those below not yet run, ~600 s), then, on the still-warm machine, `quick` (~90 s).
 # In the order successive GPU sessions run them (docs/benchmarks.md, "What the next GPU run should do"):
 #
 #   tools/gpu_session.sh make     # the README's two commands as written, `make test` (the whole suite with
@@ -14,7 +14,7 @@
 #   tools/gpu_session.sh sweep    # the flash attention's launch configurations (tools/sweep_attention.py, with
 #                                 # and without dropout) and the cross-entropy kernel against torch
 #   tools/gpu_session.sh quick    # the second call of every session: gpt2-small, the default (compiled) against
-#                                 # the compiled baseline, issue 10's headline ratio (limit 140 s)
+#                                 # the compiled baseline, issue 10's headline ratio (limit 120 s)
 #   tools/gpu_session.sh bench [MODELS]   # make bench-kernels, and make bench-gpu for MODELS (default small:
 #                                         # a call has 10 minutes), their tables written into a copy of
 #                                         # docs/benchmarks.md in session.tgz
@@ -198,8 +198,8 @@ sweep)
   tables="sweep.log sweep_dropout.log bench_kernels.md"
   ;;
 quick)
-  # compiled rows: ~35 s of compile each before their steps (2026-11-24), 2 + 2 warmup steps and 6 timed
-  step bench_small 140 $PY tools/bench_gpu.py --models small --rows default,baseline-compile --warmup 2 --steps 6 \
+  # compiled rows: ~35 s of compile each before their steps (2026-11-24), 2 + 2 warmup steps and 6 timed: ~90 s in all
+  step bench_small 120 $PY tools/bench_gpu.py --models small --rows default,baseline-compile --warmup 2 --steps 6 \
     --out "$LOGS/small"
   tails=""
   tables="small/bench_gpu.md"
