@@ -351,7 +351,12 @@ def failure_of(fn, *args) -> str | None:
         fn(*args)
         return None
     except Exception as e:      # noqa: BLE001 - reported to every rank (save's check), not swallowed
-        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return describe(e)
+
+
+def describe(e: Exception) -> str:
+    """`Type: message` of an exception, on one line, at most 300 characters of the message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 class Save:

@@ -122,8 +122,8 @@ def cut_metrics(run_dir: str, step: int) -> int:
 
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled. The lines
-    go straight to the file (an O_APPEND descriptor, no buffer): a line that fails to be written (a full disk)
-    raises in `log` and is not left behind for `finish` to try again."""
+    go straight to the file (opened to append, unbuffered): a line that fails to be written (a full disk)
+    raises in `log` and is not left behind for `close` to try again."""
 
     def __init__(self, run_dir: str, wandb_cfg: WandbConfig, config: dict, enabled: bool):
         self.mode = resolve_mode(wandb_cfg.mode)
@@ -132,12 +132,12 @@ class RunLogger:
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.summary_path = os.path.join(run_dir, "summary.json")
         self._run = None
-        self._fd = None
+        self._file = None
         self._wandb_path = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        self._file = open(self.metrics_path, "ab", buffering=0)
         if self.mode == "disabled":
             return
         name = wandb_cfg.name or os.path.basename(os.path.normpath(run_dir))
@@ -164,7 +164,7 @@ class RunLogger:
         data = {key: _plain(value) for key, value in metrics.items()}
         line = (json.dumps({"step": int(step), **data}) + "\n").encode()
         while line:                                  # (a write may take part of it)
-            line = line[os.write(self._fd, line):]
+            line = line[self._file.write(line):]
         if self._run is not None:
             try:
                 self._run.log(data, step=int(step))
@@ -183,11 +183,15 @@ class RunLogger:
             except Exception as e:
                 self._wandb_failed("summary", e)
 
+    def close(self) -> None:
+        """Close metrics.jsonl (safe to call twice)."""
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.close()
+
     def finish(self) -> None:
         """Close metrics.jsonl, finish the wandb run and wait until its files are on disk (safe to call twice)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+        self.close()
         if self._run is not None:
             try:
                 import wandb

@@ -302,6 +302,23 @@ def _write_config(cfg: TrainConfig) -> None:
     atomic_write(os.path.join(cfg.run_dir, ".hydra", "config.yaml"), OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
+def _build_trainer(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device) -> Trainer:
+    """This rank's Trainer, once every rank has built its own (the build communicates nothing): a rank whose build
+    fails (its device's memory is full) raises its error, and every other rank a RunError naming it, rather than
+    going on to change the run directory (_tidy_run_dir) and waiting for it in a collective until timeout_s."""
+    trainer, error = None, None
+    try:
+        trainer = Trainer(cfg, mesh, datasets, device)
+    except Exception as e:      # noqa: BLE001 - told to every rank, then raised here as it was
+        error = e
+    found = checkpoint.first_failure(error and checkpoint.describe(error), mesh, device)
+    if error:
+        raise error
+    if found:
+        raise RunError(f"rank {found[0]} could not build its model: {found[1]}", reporter=found[0])
+    return trainer
+
+
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
                   device: torch.device) -> tuple[list, int]:
     """Rank 0's writes to the run directory before the first step, once every rank has chosen what to resume from
@@ -413,8 +430,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     """The run's final figures, into `history` with its checkpoint and memory report; rank 0's last writes
     (summary.json and wandb's summary, metrics.jsonl closed, history.json), then the run's last collective: a
     failure of any stops every rank with rank 0's message and exit 1 (the run's record is incomplete, though
-    its last checkpoint is whole), rather than rank 0 alone while the others exit 0; then the closing lines
-    of the console."""
+    its last checkpoint is whole), rather than rank 0 alone while the others exit 0; then wandb's finish (an
+    upload may take longer than a collective's timeout_s) and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
     summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
@@ -424,11 +441,12 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
         summary["stopped_by"] = stopped_by
     history.update(summary=summary, checkpoint=trainer.last_checkpoint, memory=memory.history())
     trainer.write_alone(logger.summary_path, logger.summary, summary)
-    trainer.write_alone(logger.metrics_path, logger.finish)     # wandb's own closing lines come before our summary
+    trainer.write_alone(logger.metrics_path, logger.close)
     if trainer.mesh.rank == 0:
         path = os.path.join(cfg.run_dir, "history.json")
         trainer.write_alone(path, lambda: atomic_write(path, json.dumps(history)))
     trainer.stop_on_failure()
+    logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
     evals = history["val_loss"]
     val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
@@ -505,7 +523,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     log = _setup_logging(cfg.run_dir, rank)
-    trainer = Trainer(cfg, mesh, run.datasets, run.device)
+    trainer = _build_trainer(cfg, mesh, run.datasets, run.device)
     moved, cut = _tidy_run_dir(cfg, run.resume, mesh, run.device)    # (a model that does not fit changes nothing)
     if run.resume:
         for note in run.resume.notes + moved:

@@ -104,27 +104,35 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
             if r.WhichOneof("record_type") == "run"} == {run_id(str(run), "run")}
 
 
-def _train_without_memory(cfg):
-    """train(cfg) on this rank, its model failing to build (the GPU's memory is full); the error's message."""
+def _train_without_memory(cfg, failing):
+    """train(cfg) on this rank, rank `failing`'s model failing to build (its GPU's memory is full); the error's
+    type and message."""
     from megatron_mini import training
-    training.Trainer.__init__ = _raising(MemoryError("out of memory building the model"))
-    with pytest.raises(MemoryError) as caught:
+    if os.environ["RANK"] == str(failing):
+        training.Trainer.__init__ = _raising(MemoryError("out of memory building the model"))
+    with pytest.raises((MemoryError, training.RunError)) as caught:
         training.train(cfg)
-    return str(caught.value)
+    return type(caught.value).__name__, str(caught.value)
 
 
-def test_a_branch_that_fails_to_build_its_model_leaves_the_run_as_it_was(uninterrupted, small_data, tmp_path):
-    """resume=PATH to step 5 of a run that reached step 10, whose model does not fit: the run directory is
-    untouched (step 10 not set aside, no branch recorded, metrics.jsonl whole), so resume=auto still continues
-    from step 10: the branch's writes wait until the Trainer is built."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_branch_that_fails_to_build_its_model_leaves_the_run_as_it_was(world, uninterrupted, small_data,
+                                                                         tmp_path):
+    """resume=PATH to step 5 of a run that reached step 10, whose model does not fit on the last rank: the run
+    directory is untouched (step 10 not set aside, no branch recorded, metrics.jsonl whole), so resume=auto still
+    continues from step 10: rank 0's writes wait until every rank has built its model. The failing rank raises
+    its own error, the others name it."""
     import shutil
     cfg, _ = uninterrupted
     run = tmp_path / "run"
     shutil.copytree(cfg.run_dir, run)
     metrics = (run / "metrics.jsonl").read_text()
     before = sorted(os.listdir(run / "checkpoints"))
-    branch = small_config(small_data, run, steps=7, resume=str(run / "checkpoints" / "step_000005"))
-    assert spawn(1, _train_without_memory, branch, timeout=120) == ["out of memory building the model"]
+    branch = small_config(small_data, run, steps=7, timeout_s=20, resume=str(run / "checkpoints" / "step_000005"))
+    errors = spawn(world, _train_without_memory, branch, world - 1, init_group=False, timeout=120)
+    assert errors[-1] == ("MemoryError", "out of memory building the model"), errors
+    assert errors[:-1] == [("RunError", f"rank {world - 1} could not build its model: MemoryError: out of memory "
+                                        "building the model")] * (world - 1), errors
     assert sorted(os.listdir(run / "checkpoints")) == before and "step_000010" in before
     assert not (run / "branches.json").exists() and (run / "metrics.jsonl").read_text() == metrics
 
@@ -439,6 +447,29 @@ def test_rank_0_failing_to_open_metrics_jsonl_stops_every_rank(small_data, tmp_p
     assert messages[0] == (f"rank 0 could not write to the run directory {cfg.run_dir}: PermissionError: [Errno 13] "
                            f"Permission denied: '{cfg.run_dir}/metrics.jsonl'"), messages
     assert not os.path.exists(os.path.join(cfg.run_dir, "checkpoints"))
+
+
+def _train_with_a_slow_wandb_finish(cfg, seconds):
+    """train(cfg) on this rank, rank 0's RunLogger.finish (wandb's finish: an upload) taking `seconds`; its
+    summary."""
+    import time
+
+    from megatron_mini import training
+    real = training.RunLogger.finish
+
+    def slow(logger):
+        if logger.enabled:
+            time.sleep(seconds)
+        real(logger)
+    training.RunLogger.finish = slow
+    return training.train(cfg)["summary"]["steps"]
+
+
+def test_a_wandb_finish_slower_than_the_collective_timeout_ends_the_run_well(small_data, tmp_path):
+    """wandb's finish (an upload, when online) runs on rank 0 alone after the run's last collective: slower than
+    timeout_s, it is not a failure of the run (every rank's last agreement came first)."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, steps=2, timeout_s=10)
+    assert spawn(2, _train_with_a_slow_wandb_finish, cfg, 12, init_group=False, timeout=120) == [2, 2]
 
 
 def _train_with_slow_writes(cfg, delays):

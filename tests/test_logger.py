@@ -200,6 +200,24 @@ def test_a_line_that_cannot_be_written_raises_in_log_and_not_again_in_finish(tmp
     assert (errno_, text) == (errno.EFBIG, "".join(lines)[:100])
 
 
+def test_a_logger_dropped_without_finish_closes_its_file(tmp_path):
+    """A run that ends by an exception training does not catch (a CommError, a DataError before the first step)
+    never calls finish: its RunLogger, once dropped, leaves no descriptor of metrics.jsonl open (a process that
+    trains again, a notebook, would pile them up)."""
+    import gc
+
+    def open_on_metrics():
+        fds = [os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd")]
+        return sum(os.path.realpath(fd) == str(tmp_path / "metrics.jsonl") for fd in fds if os.path.exists(fd))
+    logger = RunLogger(str(tmp_path), WandbConfig(mode="disabled"), {}, enabled=True)
+    logger.log(1, {"loss": 2.0})
+    assert open_on_metrics() == 1
+    del logger
+    gc.collect()
+    assert open_on_metrics() == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == json.dumps({"step": 1, "loss": 2.0}) + "\n"
+
+
 def test_compare_runs_prefers_metrics_jsonl_when_wandb_has_part_of_the_run(tmp_path, wandb_env):
     run_dir = str(tmp_path / "run")
     first = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
