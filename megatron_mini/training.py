@@ -320,14 +320,16 @@ def _build_trainer(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch
 
 
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
-                  device: torch.device) -> tuple[list, int]:
-    """Rank 0's writes to the run directory before the first step, once every rank has chosen what to resume from
-    and built its model; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside) on rank 0,
-    ([], 0) on the others. In order: the config; a branch's record (before the checkpoints it branches away from are
-    set aside: a restart after a kill in between branches again); metrics.jsonl cut at the start, since the lines
-    past it are another attempt's (a crashed run's after its checkpoint, a branch's older future, or on a fresh
-    start every line, of an attempt that died before its first checkpoint), so that this run's lines are the file's
-    and a torn last line is not glued to its first (_on_rank_0)."""
+                  device: torch.device) -> tuple[list, int, RunLogger]:
+    """Rank 0's writes to the run directory before the first step, once every rank has built its model and loaded
+    what it resumes from; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside, the run's
+    RunLogger) on rank 0, ([], 0, a no-op RunLogger) on the others. In order: the config; a branch's record (before
+    the checkpoints it branches away from are set aside: a restart after a kill in between branches again);
+    metrics.jsonl cut at the start, since the lines past it are another attempt's (a crashed run's after its
+    checkpoint, a branch's older future, or on a fresh start every line, of an attempt that died before its first
+    checkpoint), so that this run's lines are the file's and a torn last line is not glued to its first; then
+    metrics.jsonl opened (RunLogger; wandb started). A failure (a full disk, a permission) stops every rank with
+    rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
 
     def tidy():
@@ -336,25 +338,12 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
             record_branch(cfg.run_dir, step)
         done["moved"] = checkpoint.set_aside(resume) if resume else []
         done["cut"] = cut_metrics(cfg.run_dir, step)
-    _on_rank_0(tidy, cfg, mesh, device)
-    return done["moved"], done["cut"]
-
-
-def _on_rank_0(fn, cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
-    """fn() on rank 0 alone, its writes to the run directory before the first step: a failure (a full disk, a
-    permission) stops every rank with rank 0's message, rather than rank 0 alone while the others wait in the
-    next collective."""
-    found = checkpoint.first_failure(checkpoint.failure_of(fn) if mesh.rank == 0 else None, mesh, device)
+        done["logger"] = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)
+    found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
     if found:
         raise RunError(f"rank 0 could not write to the run directory {cfg.run_dir}: {found[1]}")
-
-
-def _open_logger(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> RunLogger:
-    """Rank 0's RunLogger (metrics.jsonl opened, wandb started), a no-op one on the other ranks (_on_rank_0)."""
-    opened = []
-    _on_rank_0(lambda: opened.append(RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)),
-               cfg, mesh, device)
-    return opened[0] if opened else RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=False)
+    logger = done.get("logger") or RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=False)
+    return done["moved"], done["cut"], logger
 
 
 def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
@@ -524,16 +513,16 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             return {**history, "checkpoint": run.resume.path}
     log = _setup_logging(cfg.run_dir, rank)
     trainer = _build_trainer(cfg, mesh, run.datasets, run.device)
-    moved, cut = _tidy_run_dir(cfg, run.resume, mesh, run.device)    # (a model that does not fit changes nothing)
+    if run.resume:
+        trainer.load(run.resume.path)
+    moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     if run.resume:
         for note in run.resume.notes + moved:
             log.info(f"resume: {note}")
-        trainer.load(run.resume.path)
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")
-    logger = _open_logger(cfg, mesh, run.device)
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
