@@ -95,29 +95,53 @@ def _plain(value):
 
 def cut_metrics(run_dir: str, step: int) -> int:
     """A run starting from `step` (-1: a fresh start, which keeps none): metrics.jsonl keeps its lines up to that
-    step (rewritten atomically); the later ones, which the run logs again (after a crash) or replaces (a branch
-    from an older checkpoint, or a fresh start after an attempt that died before its first checkpoint), and a line
-    a kill cut short, are appended to metrics.superseded.jsonl. Returns their count."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines(keepends=True)
-    except FileNotFoundError:
+    step; the later ones, which the run logs again (after a crash) or replaces (a branch from an older
+    checkpoint, or a fresh start after an attempt that died before its first checkpoint), and a line a kill cut
+    short, are appended to metrics.superseded.jsonl. Returns their count.
+
+    A kill anywhere in between moves every line exactly once: a journal, metrics.cut.json (metrics.jsonl's
+    sha256 and metrics.superseded.jsonl's size before the cut), is written first, then each file is
+    rewritten atomically, and the journal removed. The next start finishes or undoes what the journal names:
+    where metrics.jsonl is still the one it names, the cut may have reached metrics.superseded.jsonl (cut
+    back to its size; the cut then runs again), else the cut is whole."""
+    path, superseded = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "metrics.superseded.jsonl")
+    journal = os.path.join(run_dir, "metrics.cut.json")
+    text, before = _read_bytes(path), _read_bytes(superseded)
+    if os.path.exists(journal):
+        with open(journal, encoding="utf-8") as f:
+            left = json.load(f)
+        if text is not None and hashlib.sha256(text).hexdigest() == left["metrics_sha256"]:
+            before = (before or b"")[:left["superseded_size"]]
+            atomic_write(superseded, before)
+        os.unlink(journal)
+    if text is None:
         return 0
 
-    def kept(line: str) -> bool:
+    def kept(line: bytes) -> bool:
         try:
-            return line.endswith("\n") and json.loads(line)["step"] <= step
+            return line.endswith(b"\n") and json.loads(line)["step"] <= step
         except (ValueError, KeyError, TypeError):
             return False
     keep, cut = [], []
-    for line in lines:
+    for line in text.splitlines(keepends=True):
         (keep if kept(line) else cut).append(line)
     if cut:
-        with open(os.path.join(run_dir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in cut)
-        atomic_write(path, "".join(keep))
+        before = before or b""
+        atomic_write(journal, json.dumps({"metrics_sha256": hashlib.sha256(text).hexdigest(),
+                                          "superseded_size": len(before)}))
+        atomic_write(superseded, before + b"".join(line if line.endswith(b"\n") else line + b"\n" for line in cut))
+        atomic_write(path, b"".join(keep))
+        os.unlink(journal)
     return len(cut)
+
+
+def _read_bytes(path) -> bytes | None:
+    """The file's bytes, None where there is no such file."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 class RunLogger:

@@ -281,3 +281,49 @@ def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
     assert "died: no gap" not in out
     csv_rows = (tmp_path / "compare.csv").read_text().splitlines()
     assert csv_rows[2] == "short,metrics.jsonl,8.0,8.0,,,,,"
+
+
+def _metrics_lines(*steps) -> str:
+    return "".join(json.dumps({"step": s, "val_loss": 2.5}) + "\n" for s in steps)
+
+
+@pytest.mark.parametrize("killed_at", range(4))
+def test_a_start_killed_while_it_cuts_metrics_moves_each_line_once(tmp_path, monkeypatch, killed_at):
+    """cut_metrics' four writes (its journal, metrics.superseded.jsonl, metrics.jsonl, the journal removed): a
+    kill before any of them, then the next start (from the same checkpoint), leaves each cut line in
+    metrics.superseded.jsonl once and the kept ones in metrics.jsonl, as a start that was not killed does.
+    Before the journal, a kill between the append and the rewrite appended the same lines again."""
+    from megatron_mini import logger
+
+    class Killed(BaseException):
+        pass
+    calls = []
+
+    def once(real):
+        def op(*args):
+            calls.append(args[0])
+            if len(calls) == killed_at + 1:
+                raise Killed
+            return real(*args)
+        return op
+    (tmp_path / "metrics.superseded.jsonl").write_text(_metrics_lines(9))     # an earlier branch's
+    (tmp_path / "metrics.jsonl").write_text(_metrics_lines(5, 10, 15) + '{"step": 15, "lo')
+    with monkeypatch.context() as m:
+        m.setattr(logger, "atomic_write", once(logger.atomic_write))
+        m.setattr(logger.os, "unlink", once(os.unlink))
+        with pytest.raises(Killed):
+            logger.cut_metrics(str(tmp_path), 5)
+    assert logger.cut_metrics(str(tmp_path), 5) == (3 if killed_at < 3 else 0)
+    assert (tmp_path / "metrics.jsonl").read_text() == _metrics_lines(5)
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == (_metrics_lines(9, 10, 15) + '{"step": 15, "lo\n')
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "metrics.superseded.jsonl"]
+
+
+def test_the_same_lines_superseded_twice_are_kept_twice(tmp_path):
+    """Two attempts that logged the same lines past the checkpoint (evaluations are deterministic) and were
+    both cut: metrics.superseded.jsonl holds them twice, once for each attempt."""
+    from megatron_mini.logger import cut_metrics
+    for _ in range(2):
+        (tmp_path / "metrics.jsonl").write_text(_metrics_lines(5, 10))
+        assert cut_metrics(str(tmp_path), 5) == 1
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == _metrics_lines(10, 10)
