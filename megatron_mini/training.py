@@ -302,21 +302,25 @@ def _write_config(cfg: TrainConfig) -> None:
     atomic_write(os.path.join(cfg.run_dir, ".hydra", "config.yaml"), OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
-def _build_trainer(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device) -> Trainer:
-    """This rank's Trainer, once every rank has built its own (the build communicates nothing): a rank whose build
-    fails (its device's memory is full) raises its error, and every other rank a RunError naming it, rather than
-    going on to change the run directory (_tidy_run_dir) and waiting for it in a collective until timeout_s."""
-    trainer, error = None, None
+def _start_rank(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device) -> tuple[logging.Logger, Trainer]:
+    """This rank's log (logs/rankNNNN.log) and Trainer, once every rank has its own (neither communicates): a rank
+    that fails to open its log (a file system's error) or to build its model (its device's memory is full) raises
+    its error, and every other rank a RunError naming it, rather than going on to change the run directory
+    (_tidy_run_dir) and waiting for it in a collective until timeout_s."""
+    log = trainer = error = None
+    doing = f"open its log {os.path.join(cfg.run_dir, 'logs', f'rank{mesh.rank:04d}.log')}"
     try:
+        log = _setup_logging(cfg.run_dir, mesh.rank)
+        doing = "build its model"
         trainer = Trainer(cfg, mesh, datasets, device)
     except Exception as e:      # noqa: BLE001 - told to every rank, then raised here as it was
         error = e
-    found = checkpoint.first_failure(error and checkpoint.describe(error), mesh, device)
+    found = checkpoint.first_failure(error and f"could not {doing}: {checkpoint.describe(error)}", mesh, device)
     if error:
         raise error
     if found:
-        raise RunError(f"rank {found[0]} could not build its model: {found[1]}", reporter=found[0])
-    return trainer
+        raise RunError(f"rank {found[0]} {found[1]}", reporter=found[0])
+    return log, trainer
 
 
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
@@ -511,8 +515,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                       f"train (raise steps to train further).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
-    log = _setup_logging(cfg.run_dir, rank)
-    trainer = _build_trainer(cfg, mesh, run.datasets, run.device)
+    log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)
     moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)

@@ -104,35 +104,42 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
             if r.WhichOneof("record_type") == "run"} == {run_id(str(run), "run")}
 
 
-def _train_without_memory(cfg, failing):
-    """train(cfg) on this rank, rank `failing`'s model failing to build (its GPU's memory is full); the error's
-    type and message."""
+def _train_failing_to_start(cfg, failing, what):
+    """train(cfg) on this rank, rank `failing`'s start failing: its model does not fit (its GPU's memory is full),
+    or its log file cannot be opened (a directory stands at its path); the error's type and message."""
     from megatron_mini import training
-    if os.environ["RANK"] == str(failing):
+    if os.environ["RANK"] == str(failing) and what == "model":
         training.Trainer.__init__ = _raising(MemoryError("out of memory building the model"))
-    with pytest.raises((MemoryError, training.RunError)) as caught:
+    with pytest.raises(Exception) as caught:
         training.train(cfg)
     return type(caught.value).__name__, str(caught.value)
 
 
+@pytest.mark.parametrize("what", ["model", "log"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_branch_that_fails_to_build_its_model_leaves_the_run_as_it_was(world, uninterrupted, small_data,
-                                                                         tmp_path):
-    """resume=PATH to step 5 of a run that reached step 10, whose model does not fit on the last rank: the run
-    directory is untouched (step 10 not set aside, no branch recorded, metrics.jsonl whole), so resume=auto still
-    continues from step 10: rank 0's writes wait until every rank has built its model. The failing rank raises
-    its own error, the others name it."""
+def test_a_branch_that_fails_to_start_a_rank_leaves_the_run_as_it_was(world, what, uninterrupted, small_data,
+                                                                       tmp_path):
+    """resume=PATH to step 5 of a run that reached step 10, whose model does not fit on the last rank, or whose
+    last rank cannot open its log: the run directory is untouched (step 10 not set aside, no branch recorded,
+    metrics.jsonl whole), so resume=auto still continues from step 10: rank 0's writes wait until every rank has
+    opened its log and built its model. The failing rank raises its own error, the others name it (before, a
+    rank that could not open its log ended alone, and the others waited in the next collective)."""
     import shutil
     cfg, _ = uninterrupted
     run = tmp_path / "run"
     shutil.copytree(cfg.run_dir, run)
+    log = run / "logs" / f"rank{world - 1:04d}.log"
+    if what == "log":
+        log.unlink(missing_ok=True)
+        log.mkdir(parents=True)
     metrics = (run / "metrics.jsonl").read_text()
     before = sorted(os.listdir(run / "checkpoints"))
     branch = small_config(small_data, run, steps=7, timeout_s=20, resume=str(run / "checkpoints" / "step_000005"))
-    errors = spawn(world, _train_without_memory, branch, world - 1, init_group=False, timeout=120)
-    assert errors[-1] == ("MemoryError", "out of memory building the model"), errors
-    assert errors[:-1] == [("RunError", f"rank {world - 1} could not build its model: MemoryError: out of memory "
-                                        "building the model")] * (world - 1), errors
+    errors = spawn(world, _train_failing_to_start, branch, world - 1, what, init_group=False, timeout=120)
+    own, told = (("MemoryError", "out of memory building the model"), "build its model") if what == "model" else (
+        ("IsADirectoryError", f"[Errno 21] Is a directory: '{log}'"), f"open its log {log}")
+    assert errors[-1] == own, errors
+    assert errors[:-1] == [("RunError", f"rank {world - 1} could not {told}: {own[0]}: {own[1]}")] * (world - 1), errors
     assert sorted(os.listdir(run / "checkpoints")) == before and "step_000010" in before
     assert not (run / "branches.json").exists() and (run / "metrics.jsonl").read_text() == metrics
 
