@@ -124,6 +124,30 @@ def test_bench_gpu_profile_smoke():
     assert sum(float(r[2]) for r in rows) == pytest.approx(busy, abs=0.01 * len(rows) + 0.05)
 
 
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+     "__5x_cublas", "GEMM"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", "GEMM"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, float, 128, 16, 4, 4, false, false>",
+     "GEMM"),
+    ("void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>", "GEMM"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0",
+     "attention (SDPA)"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, false>",
+     "LayerNorm (torch)"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>",
+     "reductions"),
+    ("triton_poi_fused_add_mul_0", "inductor's fused kernels"),
+])
+def test_bench_gpu_profile_files_gpu_kernels_under_their_kind(name, kind):
+    """The profile's table by kind (bench_gpu.KERNEL_KINDS) files the kernels of an H100 step where they belong:
+    cuBLAS's GEMV (a one-row bias-gradient product) and split-K sum are GEMM work, not "other" or
+    "reductions"."""
+    import bench_gpu
+    assert bench_gpu.kernel_kind(name) == kind
+
+
 def test_bench_gpu_auto_vs_torch_on_one_code_path_is_no_verdict():
     """When kernels=auto selects no Triton kernel, its row and kernels=torch's run the same code: their
     ratio (0.992 in the second H100 run) is noise, not a goal met or missed."""

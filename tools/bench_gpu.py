@@ -227,7 +227,8 @@ KERNEL_KINDS = (
     ("GEMM", ("triton_tem",)),
     ("inductor's fused kernels", ("triton_",)),
     ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("GEMM", ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
+              "aten::bmm")),                       # (cuBLAS's one-row products, and its split-K GEMMs' sums)
     ("LayerNorm (torch)", ("layer_norm", "layernorm", "gammabeta")),
     ("optimizer", ("adam", "multi_tensor")),
     ("reductions", ("reduce", "aten::sum", "norm")),
