@@ -14,7 +14,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import List, Optional
 
 from .errors import ConfigError, RunError  # noqa: F401  (re-exported: the errors of a config and a run)
 from .partition import partition
@@ -149,12 +149,22 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over chosen steps (megatron_mini.profiling.StepProfiler): each chosen rank writes a Chrome
+    trace and its top kernels to run_dir/profile/step_<first>-<last>/."""
+    start: int = 0                        # the first step traced (0: none); the step before it warms up
+    steps: int = 2                        # how many steps from start
+    ranks: Optional[List[int]] = None     # the global ranks that trace (null: every rank)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # layout (dp is derived from the world size)
     tp: int = 1
     pp: int = 1
@@ -220,6 +230,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
     "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
     "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"),
+    "profile.start": (_GE0[0], ">= 0 (0: no profile)"), "profile.steps": _GE1,
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
 }
 
@@ -325,6 +336,12 @@ def check_layout_free(cfg: TrainConfig) -> None:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="
                           f"{p.initial_loss_scale:g}: the loss scale only falls from its initial value to the "
                           f"minimum; set precision.min_loss_scale <= {p.initial_loss_scale:g}.")
+    if cfg.profile.start > cfg.steps:
+        raise ConfigError(f"profile.start={cfg.profile.start} is past steps={cfg.steps}: no step would be traced; "
+                          f"choose a step from 1 to {cfg.steps} (0: no profile).")
+    if cfg.profile.ranks is not None and not cfg.profile.ranks:
+        raise ConfigError("profile.ranks=[] names no rank: name the ranks that trace (null: every rank; "
+                          "profile.start=0: no profile).")
     m = cfg.model
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
@@ -348,6 +365,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
             f"use a multiple of {model_parallel} processes (dp = world_size / (tp x pp))."
         )
     dp = world_size // model_parallel
+    outside = [r for r in cfg.profile.ranks or () if not 0 <= r < world_size]
+    if outside:
+        raise ConfigError(f"profile.ranks names rank{'s' if len(outside) > 1 else ''} "
+                          f"{', '.join(map(str, outside[:8]))}, but this run's ranks are 0 to {world_size - 1}.")
     if cfg.gbs % (cfg.mbs * dp):
         raise ConfigError(
             f"gbs={cfg.gbs} is not divisible by mbs x dp = {cfg.mbs} x {dp} = {cfg.mbs * dp}; "

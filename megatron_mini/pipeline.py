@@ -14,6 +14,7 @@ import time
 
 import torch
 from torch.autograd import Variable
+from torch.profiler import record_function
 
 from . import comm
 from .config import TrainConfig
@@ -78,37 +79,38 @@ class PipelineEngine:
             if isinstance(a, tuple):
                 self._exchange(a, inputs, outputs, out_grads, in_grads)
                 continue
-            start = time.perf_counter()
-            chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
-            if a.op == "forward":
-                tokens = batch[a.microbatch]
-                if chunk.has_embedding:
-                    x = tokens[:, :-1]
-                else:       # training keeps the input until its backward reads .grad; evaluation is done with it
-                    x = inputs[key] if grad_scale is not None else inputs.pop(key)
-                sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
-                out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
-                if chunk.has_head:
-                    loss_sum += out.detach()
-                    out = out * grad_scale if grad_scale is not None else out
-                if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
-                    outputs[key] = out
-                if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
-                    inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
-            else:
-                if key in self.last_backward:
-                    self.buffers[a.chunk].start_last_microbatch()
-                out = outputs.pop(key)
-                if chunk.has_head:
-                    out.backward()
+            with record_function(str(a)):      # (a range of its own in a profile.* trace: profiling.py)
+                start = time.perf_counter()
+                chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
+                if a.op == "forward":
+                    tokens = batch[a.microbatch]
+                    if chunk.has_embedding:
+                        x = tokens[:, :-1]
+                    else:       # training keeps the input until its backward reads .grad; evaluation is done with it
+                        x = inputs[key] if grad_scale is not None else inputs.pop(key)
+                    sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
+                    out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
+                    if chunk.has_head:
+                        loss_sum += out.detach()
+                        out = out * grad_scale if grad_scale is not None else out
+                    if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
+                        outputs[key] = out
+                    if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
+                        inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
                 else:
-                    _run_backward(out, out_grads.pop(key))
-                if not chunk.has_embedding:
-                    grad = inputs.pop(key).grad
-                    if pp == 1:
-                        out_grads[(a.chunk - 1, a.microbatch)] = grad
+                    if key in self.last_backward:
+                        self.buffers[a.chunk].start_last_microbatch()
+                    out = outputs.pop(key)
+                    if chunk.has_head:
+                        out.backward()
                     else:
-                        in_grads[key] = grad
+                        _run_backward(out, out_grads.pop(key))
+                    if not chunk.has_embedding:
+                        grad = inputs.pop(key).grad
+                        if pp == 1:
+                            out_grads[(a.chunk - 1, a.microbatch)] = grad
+                        else:
+                            in_grads[key] = grad
             self.trace.append((a, start, time.perf_counter()))
         if grad_scale is not None:
             for buf in self.buffers:
@@ -130,7 +132,9 @@ class PipelineEngine:
                 buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
                 (inputs if a.op == "recv_act" else out_grads)[key] = buf
                 ops.append(("recv", buf, a.peer))
-        comm.batch_p2p(ops, self.mesh.pp_group, ", ".join(map(str, actions)))   # (a hang's message names them)
+        names = ", ".join(map(str, actions))
+        with record_function(names):
+            comm.batch_p2p(ops, self.mesh.pp_group, names)         # (a hang's message names them)
         for a in actions:
             if a.op == "recv_act":
                 inputs[(a.chunk, a.microbatch)].requires_grad_(torch.is_grad_enabled())

@@ -36,6 +36,7 @@ from .data import DataError
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
+from .profiling import StepProfiler
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import compiles, select_triton_ops
@@ -371,14 +372,26 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
                 rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> str | None:
-    """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals;
-    when any rank got SIGTERM, every rank saves after the step and the loop ends. Returns the signal
-    that stopped the run, or None."""
+    """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals, tracing
+    the steps profile.* names; when any rank got SIGTERM, every rank saves after the step and the loop ends.
+    Returns the signal that stopped the run, or None."""
+    profiler = StepProfiler(trainer.cfg.profile, trainer.cfg.run_dir, trainer.mesh.rank, trainer.device,
+                            trainer.step, log)
+    if profiler.note:
+        log.info(profiler.note)
+    try:
+        return _steps(trainer, run, logger, log, history, rate, stop, memory, profiler)
+    finally:
+        profiler.close()               # (a run that ends inside the window writes what was traced)
+
+
+def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
+           stop: StopRequest | None, memory: MemoryReport, profiler: StepProfiler) -> str | None:
     cfg = trainer.cfg
     interval_steps, first_step = 0, trainer.step
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
-        with memory.first_step():                 # (measures the first step only)
+        with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
         interval_steps += 1
         history["loss"].append(out["loss"])

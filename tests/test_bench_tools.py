@@ -140,12 +140,12 @@ def test_bench_gpu_profile_smoke():
      "reductions"),
     ("triton_poi_fused_add_mul_0", "inductor's fused kernels"),
 ])
-def test_bench_gpu_profile_files_gpu_kernels_under_their_kind(name, kind):
-    """The profile's table by kind (bench_gpu.KERNEL_KINDS) files the kernels of an H100 step where they belong:
-    cuBLAS's GEMV (a one-row bias-gradient product) and split-K sum are GEMM work, not "other" or
-    "reductions"."""
-    import bench_gpu
-    assert bench_gpu.kernel_kind(name) == kind
+def test_a_profile_files_gpu_kernels_under_their_kind(name, kind):
+    """A profile's table by kind (profiling.KERNEL_KINDS: bench_gpu --profile, profile.*) files the kernels of an
+    H100 step where they belong: cuBLAS's GEMV (a one-row bias-gradient product) and split-K sum are GEMM work,
+    not "other" or "reductions"."""
+    from megatron_mini.profiling import kernel_kind
+    assert kernel_kind(name) == kind
 
 
 def test_bench_gpu_auto_vs_torch_on_one_code_path_is_no_verdict():

@@ -171,6 +171,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("interpolation", 1, ["seed=${oc.env:MEGATRON_MINI_NO_SUCH_VARIABLE}"],
          ["Environment variable 'MEGATRON_MINI_NO_SUCH_VARIABLE' not found"]),
         ("multirun", 1, ["-m", "steps=1,2"], ["multirun (-m) is not supported"]),
+        ("profile-past-steps", 1, ["steps=5", "profile.start=6"],
+         ["profile.start=6 is past steps=5: no step would be traced"]),
+        ("profile-rank-outside", 2, ["profile.start=1", "profile.ranks=[0,2]"],
+         ["profile.ranks names rank 2, but this run's ranks are 0 to 1."]),
         ("rank-not-an-integer", 1, [], ["RANK='abc' is not an integer"], env(RANK="abc", WORLD_SIZE=2)),
         ("rank-outside-the-world", 1, [], ["RANK=5 with WORLD_SIZE=2", "a rank in [0, size)"],
          env(RANK=5, WORLD_SIZE=2)),
@@ -208,7 +212,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "nega
                "seed-huge",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge",
-               "interpolation", "multirun",
+               "interpolation", "multirun", "profile-past-steps", "profile-rank-outside",
                "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "cuda-without-gpu"]
 
 

@@ -43,7 +43,6 @@ under the Triton interpreter).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import json
@@ -57,6 +56,7 @@ import traceback
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megatron_mini.hardware import peak_tflops  # noqa: E402
+from megatron_mini.profiling import busy, tables  # noqa: E402
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line,  # noqa: E402
                           device_line, fmt, markdown_table, ratio, read_doc_section, short_error, write_doc_section,
@@ -217,36 +217,9 @@ def measure_row(row: str, key: str, args, device, log) -> dict:
 
 
 # ============================================================================ profile
-# this project's Triton kernels, by name (kernels/layernorm.py, attention_kernels.py, cross_entropy.py)
-OWN_KERNELS = frozenset({"_fwd", "_bwd", "_fwd_looped", "_bwd_row_sums", "_bwd_looped", "_bwd_delta", "_bwd_dkdv",
-                         "_bwd_dq", "_stats", "_grad"})
-# (kind, substrings of a lowercased CUDA kernel or CPU op name): the first kind that matches, else "other";
-# the order matters (NCCL's names hold "reduce", inductor's "attention", memory-efficient SDPA's "cutlass")
-KERNEL_KINDS = (
-    ("collectives", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
-    ("GEMM", ("triton_tem",)),
-    ("inductor's fused kernels", ("triton_",)),
-    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
-    ("GEMM", ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
-              "aten::bmm")),                       # (cuBLAS's one-row products, and its split-K GEMMs' sums)
-    ("LayerNorm (torch)", ("layer_norm", "layernorm", "gammabeta")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("reductions", ("reduce", "aten::sum", "norm")),
-    ("copies", ("copy", "memcpy", "catarray", "aten::cat")),
-    ("elementwise", ("elementwise", "aten::add", "aten::mul")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    if name in OWN_KERNELS:
-        return "this project's Triton kernels"
-    low = name.lower()
-    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
-
-
 def profile_row(row: str, key: str, args, device, log) -> str:
-    """torch.profiler over a few steps of one row (after warmup): the top kernels by total time."""
-    from torch.autograd import DeviceType
+    """torch.profiler over a few steps of one row (after warmup): the top kernels by total time, and all of
+    them by kind (megatron_mini.profiling.tables, as a training run's profile.* writes them)."""
     from torch.profiler import ProfilerActivity, profile
     model, mbs, m = model_config(key, args.smoke, args.vocab)
     runner, compiled = build(row, model, mbs, m, device, args.smoke)
@@ -269,32 +242,15 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     finally:
         runner = None
         _free(device)
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-
-    def self_us(e):
-        if cuda:
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        return e.self_cpu_time_total
-
-    events = [e for e in prof.key_averages() if e.device_type == kind and self_us(e) > 0]
-    events.sort(key=self_us, reverse=True)
-    busy = sum(self_us(e) for e in events) / 1e3
-    steps, step_ms = args.profile_steps, wall * 1e3 / args.profile_steps
-    lines = [[(e.key[:100] + "...") if len(e.key) > 100 else e.key, e.count, f"{self_us(e) / 1e3:.2f}",
-              f"{self_us(e) / 1e3 / steps:.2f}", f"{100 * self_us(e) / 1e3 / (wall * 1e3):.1f}"]
-             for e in events[:args.profile_top]]
+    events = busy(prof, cuda)
+    steps, wall_ms = args.profile_steps, wall * 1e3
+    total = sum(ms for _, _, ms in events)
     what = "CUDA kernels" if cuda else "CPU ops (no CUDA: smoke run)"
     head = (f"profile of {key} / {row} ({ROW_TEXT[row]}): {steps} steps after {warmup} warmup steps; "
-            f"step {step_ms:.1f} ms (wall, profiler on); {what} busy {busy / steps:.1f} ms per step "
-            f"({100 * busy / (wall * 1e3):.0f}% of the wall time); top {len(lines)} of {len(events)} by total time:")
-    kinds = collections.Counter()
-    for e in events:
-        kinds[kernel_kind(e.key)] += self_us(e) / 1e3
-    by_kind = [[k, f"{ms / steps:.2f}", f"{100 * ms / (wall * 1e3):.1f}"]
-               for k, ms in kinds.most_common()]
-    return (head + "\n\n" + markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
-            + f"\n\nAll {len(events)} by kind (bench_gpu.KERNEL_KINDS):\n\n"
-            + markdown_table(["kind", "ms per step", "% of step"], by_kind))
+            f"step {wall_ms / steps:.1f} ms (wall, profiler on); {what} busy {total / steps:.1f} ms per step "
+            f"({100 * total / wall_ms:.0f}% of the wall time); top {min(len(events), args.profile_top)} of "
+            f"{len(events)} by total time:")
+    return head + "\n\n" + tables(events, steps, wall_ms, args.profile_top)
 
 
 # ============================================================================ tables and goals

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 
+from megatron_mini.profiling import markdown_table  # noqa: F401  (the benches' Markdown tables)
 from plotting import CREATED, refuse_unwritable, write_output
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -144,11 +145,6 @@ def command_line(script: str, python: str = "python") -> str:
     """How this run was started: `python tools/<script>` and its arguments."""
     args = command_arguments()
     return f"{python} tools/{script}" + (f" {args}" if args else "")
-
-
-def markdown_table(headers, rows) -> str:
-    return "\n".join(["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def text_table(headers, rows, indent: str = "") -> str:

@@ -1,0 +1,168 @@
+"""torch.profiler over chosen steps of a run (`profile.*`: StepProfiler), and the tables a profile is read by
+(`tables`: the top kernels, and every kernel summed by kind), which tools/bench_gpu.py --profile prints too.
+
+    profile.start=10 profile.steps=2 profile.ranks=[0,8]
+
+Ranks 0 and 8 trace steps 10 and 11 (step 9 runs with the profiler warming up, unrecorded) and write
+`run_dir/profile/step_000010-000011/rank0000.json.gz` (a Chrome trace: https://ui.perfetto.dev or
+chrome://tracing), and `rank0000.txt`, its tables. In the trace each step is a range `step N` and each action
+of the pipeline schedule one of its own (`forward(c0, mb3)`, `send_act(c0, mb3)->1`): where a rank waits.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from .config import ProfileConfig
+
+# this project's Triton kernels, by name (kernels/layernorm.py, attention_kernels.py, cross_entropy.py)
+OWN_KERNELS = frozenset({"_fwd", "_bwd", "_fwd_looped", "_bwd_row_sums", "_bwd_looped", "_bwd_delta", "_bwd_dkdv",
+                         "_bwd_dq", "_stats", "_grad"})
+# (kind, substrings of a lowercased CUDA kernel or CPU op name): the first kind that matches, else "other";
+# the order matters (NCCL's names hold "reduce", inductor's "attention", memory-efficient SDPA's "cutlass")
+KERNEL_KINDS = (
+    ("collectives", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+    ("GEMM", ("triton_tem",)),
+    ("inductor's fused kernels", ("triton_",)),
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("GEMM", ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
+              "aten::bmm")),                       # (cuBLAS's one-row products, and its split-K GEMMs' sums)
+    ("LayerNorm (torch)", ("layer_norm", "layernorm", "gammabeta")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("reductions", ("reduce", "aten::sum", "norm")),
+    ("copies", ("copy", "memcpy", "catarray", "aten::cat")),
+    ("elementwise", ("elementwise", "aten::add", "aten::mul")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    if name in OWN_KERNELS:
+        return "this project's Triton kernels"
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
+def busy(prof, cuda: bool) -> list:
+    """[(name, calls, self ms)] of the profile's CUDA kernels (`cuda`) or CPU ops, the longest first (on a CPU
+    the ranges of record_function count the host's time between their ops)."""
+    from torch.autograd import DeviceType
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+
+    def self_us(e):
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        return e.self_cpu_time_total
+    events = [(e.key, e.count, self_us(e) / 1e3) for e in prof.key_averages() if e.device_type == kind
+              and self_us(e) > 0]
+    return sorted(events, key=lambda e: e[2], reverse=True)
+
+
+def markdown_table(headers: list, rows: list) -> str:
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def tables(events: list, steps: int, wall_ms: float, top: int) -> str:
+    """Markdown: the `top` events of `busy` by total time (each per step and as a share of the wall time of
+    `steps` steps), then all of them summed by kind (KERNEL_KINDS)."""
+    lines = [[(name[:100] + "...") if len(name) > 100 else name, calls, f"{ms:.2f}", f"{ms / steps:.2f}",
+              f"{100 * ms / wall_ms:.1f}"] for name, calls, ms in events[:top]]
+    kinds = collections.Counter()
+    for name, _, ms in events:
+        kinds[kernel_kind(name)] += ms
+    by_kind = [[k, f"{ms / steps:.2f}", f"{100 * ms / wall_ms:.1f}"] for k, ms in kinds.most_common()]
+    return (markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
+            + f"\n\nAll {len(events)} by kind (profiling.KERNEL_KINDS):\n\n"
+            + markdown_table(["kind", "ms per step", "% of step"], by_kind))
+
+
+class StepProfiler:
+    """torch.profiler over steps [cfg.start, cfg.start + cfg.steps) of a run (those it runs: a run that ends
+    or stops earlier writes what it recorded), on the ranks cfg.ranks names (None: every rank); the step
+    before start, where the run has it, warms the profiler up unrecorded. `first_step`: the step the run
+    starts from (it runs first_step + 1 on). Each rank writes its own files (no collective); a failed write is
+    a warning in its log, and training goes on."""
+
+    def __init__(self, cfg: ProfileConfig, run_dir: str, rank: int, device: torch.device, first_step: int,
+                 log: logging.Logger):
+        self.start, self.end = cfg.start, cfg.start + cfg.steps - 1
+        self.run_dir, self.rank, self.device, self.log = run_dir, rank, device, log
+        chosen = cfg.start > 0 and (cfg.ranks is None or rank in cfg.ranks)
+        self.on = chosen and cfg.start > first_step
+        where = os.path.join(run_dir, "profile")
+        self.note = (None if cfg.start == 0 else
+                     f"profile: this rank traces steps {self.start}-{self.end} into {where}/" if self.on else
+                     f"profile: this run starts after step {first_step}, past profile.start={cfg.start}: nothing "
+                     f"is profiled" if chosen else
+                     f"profile: rank{'s' if len(cfg.ranks) > 1 else ''} {', '.join(map(str, cfg.ranks[:8]))} "
+                     f"{'trace' if len(cfg.ranks) > 1 else 'traces'} steps {self.start}-{self.end} into {where}/ "
+                     f"(not this one)")
+        self.prof, self.recorded, self.wall = None, [], 0.0
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Around the run's step `step` (1-based): the profiler starts before the window (or at its first step),
+        records the window's steps, each a range "step N", and writes its files after the last."""
+        if not self.on or not self.start - 1 <= step <= self.end:
+            yield
+            return
+        if self.prof is None:
+            cuda = self.device.type == "cuda"
+            warmup = int(step < self.start)
+            with warnings.catch_warnings():     # (warmup=0, where no step comes before the window: said above)
+                warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+                self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                                    schedule=schedule(wait=0, warmup=warmup, active=self.end - step + 1 - warmup,
+                                                      repeat=1), on_trace_ready=self._write)
+            self.prof.start()
+        t0 = time.perf_counter()
+        with record_function(f"step {step}"):
+            yield
+        if step >= self.start:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)      # (the step's last kernels: AdamW's)
+            self.wall += time.perf_counter() - t0
+            self.recorded.append(step)
+        self.prof.step()
+        if step == self.end:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the profiler (at the window's end, or where the run ends inside it: what it recorded is written)."""
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            prof.stop()
+
+    def _write(self, prof) -> None:
+        if not self.recorded:
+            return
+        first, last, steps = self.recorded[0], self.recorded[-1], len(self.recorded)
+        self.recorded = []                       # (written once)
+        where = os.path.join(self.run_dir, "profile", f"step_{first:06d}-{last:06d}")
+        name = f"rank{self.rank:04d}"
+        try:
+            os.makedirs(where, exist_ok=True)
+            tmp = os.path.join(where, f".{name}.tmp{os.getpid()}.json.gz")     # (export writes gzip by the suffix)
+            prof.export_chrome_trace(tmp)
+            os.replace(tmp, os.path.join(where, f"{name}.json.gz"))
+            cuda = self.device.type == "cuda"
+            wall_ms = 1e3 * self.wall
+            events = busy(prof, cuda)
+            head = (f"profile of steps {first}-{last} on rank {self.rank}: {wall_ms / steps:.1f} ms a step (wall, "
+                    f"profiler on); {'CUDA kernels' if cuda else 'CPU ops'} busy "
+                    f"{sum(ms for _, _, ms in events) / steps:.1f} ms a step\n\n")
+            with open(os.path.join(where, f"{name}.txt"), "w", encoding="utf-8") as f:
+                f.write(head + tables(events, steps, wall_ms, 30) + "\n")
+        except Exception as e:       # noqa: BLE001 - a profile is a diagnosis: training goes on without it
+            self.log.info(f"warning: rank {self.rank} could not write its profile to {where} "
+                          f"({type(e).__name__}: {e}); training goes on")
+            return
+        self.log.info(f"profile: steps {first}-{last} of rank {self.rank} in {where}/{name}.json.gz (a Chrome "
+                      f"trace: https://ui.perfetto.dev), its tables in {name}.txt")

@@ -1,0 +1,86 @@
+"""profile.*: torch.profiler over chosen steps of a run (megatron_mini.profiling.StepProfiler)."""
+import gzip
+import json
+import logging
+import os
+import re
+
+import pytest
+import torch
+
+from harness import small_config, train_on_ranks
+from megatron_mini.config import ConfigError, ProfileConfig, TrainConfig, validate
+from megatron_mini.profiling import StepProfiler
+
+
+def _ranges(path) -> list:
+    """The names of the trace's record_function ranges ("user_annotation" events), in order of time."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("cat") == "user_annotation"]
+
+
+def _loop(profiler: StepProfiler, first: int, last: int) -> None:
+    """Steps first..last of a stand-in run: one matmul each."""
+    x = torch.ones(64, 64)
+    try:
+        for step in range(first, last + 1):
+            with profiler.step(step):
+                x = (x @ x).clamp(max=1.0)
+    finally:
+        profiler.close()
+
+
+@pytest.mark.parametrize("start, steps, first, last, traced", [
+    (3, 2, 0, 8, [3, 4]),           # step 2 warms the profiler up, unrecorded
+    (1, 2, 0, 8, [1, 2]),           # no step before the first to warm up with
+    (4, 3, 0, 5, [4, 5]),           # the run ends inside the window: what was traced is written
+    (4, 2, 3, 8, [4, 5]),           # a resumed run whose first step is the window's
+])
+def test_the_profiler_traces_the_steps_it_is_given(tmp_path, start, steps, first, last, traced):
+    """The trace holds a range "step N" for each step of the window the run reaches, and no other; its
+    tables name the steps."""
+    profiler = StepProfiler(ProfileConfig(start=start, steps=steps), str(tmp_path), 3, torch.device("cpu"), first,
+                            logging.getLogger("test"))
+    _loop(profiler, first + 1, last)
+    where = tmp_path / "profile" / f"step_{traced[0]:06d}-{traced[-1]:06d}"
+    assert sorted(os.listdir(where)) == ["rank0003.json.gz", "rank0003.txt"]
+    assert [r for r in _ranges(where / "rank0003.json.gz") if r.startswith("step ")] == [f"step {s}" for s in traced]
+    assert profiler.note == f"profile: this rank traces steps {start}-{start + steps - 1} into {tmp_path}/profile/"
+    text = (where / "rank0003.txt").read_text()
+    assert text.startswith(f"profile of steps {traced[0]}-{traced[-1]} on rank 3:") and "aten::mm" in text
+
+
+def test_a_run_resumed_past_the_window_traces_nothing(tmp_path):
+    profiler = StepProfiler(ProfileConfig(start=3), str(tmp_path), 0, torch.device("cpu"), 5,
+                            logging.getLogger("test"))
+    _loop(profiler, 6, 8)
+    assert profiler.note == "profile: this run starts after step 5, past profile.start=3: nothing is profiled"
+    assert not (tmp_path / "profile").exists()
+
+
+def test_profile_ranks_must_name_ranks_of_the_run():
+    for ranks, fact in (([], "profile.ranks=[] names no rank"), ([0, 4, 9], "names ranks 4, 9, but this run's ranks "
+                                                                           "are 0 to 3")):
+        with pytest.raises(ConfigError, match=re.escape(fact)):
+            validate(TrainConfig(profile=ProfileConfig(start=1, ranks=ranks)), 4)
+
+
+def test_a_profiled_run_traces_its_ranks_steps_and_schedule_and_trains_the_same(small_data, tmp_path):
+    """pp=2 on two ranks, profile.start=3 steps=2 on rank 1 only: rank 1 writes the trace of steps 3 and 4, whose
+    ranges are the steps and, within them, the actions of its pipeline schedule (its receives from stage 0
+    among them); rank 0 writes none; the losses are those of the same run unprofiled, to the bit."""
+    plain = train_on_ranks(2, small_config(small_data, tmp_path / "plain", pp=2, steps=6))
+    traced = train_on_ranks(2, small_config(small_data, tmp_path / "run", pp=2, steps=6, **{
+        "profile.start": 3, "profile.steps": 2, "profile.ranks": [1]}))
+    assert traced["loss"] == plain["loss"]
+    where = tmp_path / "run" / "profile" / "step_000003-000004"
+    assert sorted(os.listdir(where)) == ["rank0001.json.gz", "rank0001.txt"]
+    ranges = _ranges(where / "rank0001.json.gz")
+    assert [r for r in ranges if r.startswith("step ")] == ["step 3", "step 4"]
+    assert ranges.count("forward(c0, mb0)") == ranges.count("backward(c0, mb7)") == 2      # (8 microbatches)
+    assert any(r.startswith("recv_act(c0, mb0)<-0") for r in ranges), ranges
+    log = (tmp_path / "run" / "logs" / "rank0001.log").read_text()
+    assert f"profile: steps 3-4 of rank 1 in {where}/rank0001.json.gz" in log
+    log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    assert f"profile: rank 1 traces steps 3-4 into {tmp_path / 'run' / 'profile'}/ (not this one)" in log
