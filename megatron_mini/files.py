@@ -6,10 +6,17 @@ from __future__ import annotations
 import os
 
 
+def write_target(path) -> str:
+    """The file a write of `path` replaces: where `path` is a symbolic link, the file it leads to, so that a
+    write by rename keeps the link (as open() writes through it) rather than putting a file in its place."""
+    return os.path.realpath(path) if os.path.islink(path) else os.fspath(path)
+
+
 def atomic_write(path, data: bytes | str) -> None:
     """Write `data` to a temporary file beside `path` (named by this process: concurrent writers do not
-    collide), flush it to disk, then rename it over `path`. A write that fails (a full disk) takes its
-    temporary file away again."""
+    collide), flush it to disk, then rename it over `path` (over the file a symbolic link leads to:
+    write_target). A write that fails (a full disk) takes its temporary file away again."""
+    path = write_target(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

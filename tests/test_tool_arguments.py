@@ -277,6 +277,27 @@ def test_a_written_file_is_as_if_written_in_place(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "out")) == ["doc.md", "s.eps"]
 
 
+@pytest.mark.parametrize("writer", ["write_output", "atomic_write"])
+def test_an_output_that_is_a_symbolic_link_stays_one(writer, tmp_path, monkeypatch):
+    """A tool's output (bench.report.write_text: plotting.write_output) or a run's file (files.atomic_write) that
+    is a symbolic link: the file it leads to gets the new text and the link stays a link, as a plain open() writes
+    through it (the rename put a file in the link's place); no temporary file is left in either directory."""
+    import os
+    from bench import report
+
+    from megatron_mini import files
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("real")
+    os.makedirs("out")
+    with open("real/doc.md", "w") as f:
+        f.write("old\n")
+    os.symlink("../real/doc.md", "out/doc.md")
+    (report.write_text if writer == "write_output" else files.atomic_write)("out/doc.md", "new\n")
+    assert os.path.islink("out/doc.md") and os.readlink("out/doc.md") == "../real/doc.md"
+    assert (tmp_path / "real" / "doc.md").read_text() == "new\n"
+    assert os.listdir("out") == ["doc.md"] and os.listdir("real") == ["doc.md"]
+
+
 @pytest.mark.parametrize("tool, argv, work", [
     ("bench_kernels", ["--out", "afile/out"], "run"),
     ("bench_kernels", ["--doc", "afile/b.md"], "run"),

@@ -10,7 +10,7 @@ import shutil
 import sys
 import tempfile
 
-from megatron_mini.files import unwritable_dir
+from megatron_mini.files import unwritable_dir, write_target
 
 CREATED = "missing directories are created"       # the rule, as the tools' --help says it
 
@@ -55,17 +55,19 @@ def write_output(path: str, write) -> None:
     records the file's name as its title), flushed to disk and renamed over `path`: a write that fails leaves the
     file that was there whole (files.atomic_write's rule), and no temporary file. An OSError there, which the check
     before the work could not foresee (a full disk, a directory removed or made read-only since), ends the tool
-    with one line, `error: cannot write PATH: reason`, and exit status 2."""
-    directory = os.path.dirname(os.path.abspath(path))
+    with one line, `error: cannot write PATH: reason`, and exit status 2. Where `path` is a symbolic link, the file
+    it leads to is replaced, and the link kept (files.write_target)."""
+    target = write_target(path)
+    directory = os.path.dirname(os.path.abspath(target))
     try:
         os.makedirs(directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".write-", dir=directory)
         try:
-            tmp = os.path.join(staging, os.path.basename(path))
+            tmp = os.path.join(staging, os.path.basename(target))
             write(tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:       # (a file where a directory should be: say so, not makedirs' "File exists")
