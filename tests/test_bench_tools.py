@@ -275,9 +275,13 @@ TINY_BASELINE = ["--layers", "1", "--seq", "8", "--mbs", "1", "--accum", "1", "-
 
 @pytest.mark.parametrize("argv, fact", [
     (["--hidden", "32", "--heads", "3"], "--hidden 32 is not divisible by --heads 3"),   # (a view()'s RuntimeError)
-    (["--hidden", "32", "--heads", "4", "--device", "cuda:x"], "argument --device: invalid choice"),
-] + ([] if torch.cuda.is_available() else
-     [(["--hidden", "32", "--heads", "4", "--device", "cuda"], "--device cuda: this machine has no CUDA device")]))
+    (["--hidden", "32", "--heads", "4", "--device", "cuda:x"], "wants auto, cpu, cuda or cuda:N (N the index of "
+                                                               "a GPU), got 'cuda:x'"),
+    (["--hidden", "32", "--heads", "4", "--device", "tpu"], "wants auto, cpu, cuda or cuda:N"),
+] + ([(["--hidden", "32", "--heads", "4", "--device", f"cuda:{torch.cuda.device_count()}"],
+       f"this machine has {torch.cuda.device_count()} CUDA device")] if torch.cuda.is_available() else
+     [(["--hidden", "32", "--heads", "4", "--device", "cuda"], "--device cuda: this machine has no CUDA device"),
+      (["--hidden", "32", "--heads", "4", "--device", "cuda:1"], "--device cuda:1: this machine has no CUDA device")]))
 def test_baseline_bad_arguments_are_one_line(argv, fact):
     """tools/baseline_gpt2.py: heads that do not divide the hidden size, or a device this machine cannot give,
     were a traceback from inside the first step or from torch; now argparse's one line and exit 2, before any

@@ -175,6 +175,14 @@ class BaselineTrainer:
         return sum(loss.item() for loss in losses)   # read after the step is queued: one wait on a GPU
 
 
+def _device(text: str) -> str:
+    """An argparse type: auto, cpu, cuda or cuda:N (N a GPU's index)."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"wants auto, cpu, cuda or cuda:N (N the index of a GPU), got {text!r}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=at_least(1), default=4)
@@ -187,20 +195,26 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=at_least(1), default=10)
     ap.add_argument("--warmup", type=at_least(0), default=2)
     ap.add_argument("--threads", type=at_least(1), default=2)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--device", default="auto", type=_device, metavar="{auto,cpu,cuda,cuda:N}",
+                    help="auto (cuda when available), cpu, cuda or cuda:N (the Nth visible GPU)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: torch.autocast(bfloat16) with fp32 weights (nanoGPT's mixed precision)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = ap.parse_args(argv)
     if args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
+    gpus = torch.cuda.device_count()
+    if args.device.startswith("cuda") and not gpus:
+        ap.error(f"--device {args.device}: this machine has no CUDA device (use --device cpu or auto)")
+    if args.device.startswith("cuda:") and int(args.device[5:]) >= gpus:
+        ap.error(f"--device {args.device}: this machine has {gpus} CUDA device{'s' if gpus > 1 else ''} "
+                 f"(cuda:0 to cuda:{gpus - 1})")
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda:"):
+        torch.cuda.set_device(int(args.device[5:]))      # (what torch puts on "cuda", compile's kernels included)
     cfg = GPTConfig(args.layers, args.heads, args.hidden, args.seq, args.vocab)
     trainer = BaselineTrainer(cfg, args.mbs, args.accum, device=args.device, dtype=args.dtype, compile=args.compile)
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(trainer.device)) if trainer.device.type == "cuda" else (lambda: None)
     print(f"device {trainer.device}, {args.dtype}{', compiled' if args.compile else ''}")
     times = []
     for step in range(args.warmup + args.steps):
