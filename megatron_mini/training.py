@@ -304,24 +304,31 @@ def _write_config(cfg: TrainConfig) -> None:
 
 
 def _start_rank(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device) -> tuple[logging.Logger, Trainer]:
-    """This rank's log (logs/rankNNNN.log) and Trainer, once every rank has its own (neither communicates): a rank
-    that fails to open its log (a file system's error) or to build its model (its device's memory is full) raises
-    its error, and every other rank a RunError naming it, rather than going on to change the run directory
-    (_tidy_run_dir) and waiting for it in a collective until timeout_s."""
+    """This rank's log (logs/rankNNNN.log) and Trainer, once every rank has its own (neither communicates): where a
+    rank fails to open its log (a file system's error) or to build its model (its device's memory is full), every
+    rank raises the same RunError naming it, which that rank reports (one line), rather than going on to change
+    the run directory (_tidy_run_dir) and waiting for it in a collective until timeout_s. Another exception (a
+    bug) is raised as it is on its rank, with its traceback, and the others' RunError names it."""
     log = trainer = error = None
     doing = f"open its log {os.path.join(cfg.run_dir, 'logs', f'rank{mesh.rank:04d}.log')}"
     try:
         log = _setup_logging(cfg.run_dir, mesh.rank)
         doing = "build its model"
         trainer = Trainer(cfg, mesh, datasets, device)
-    except Exception as e:      # noqa: BLE001 - told to every rank, then raised here as it was
+    except Exception as e:      # noqa: BLE001 - told to every rank, then raised below
         error = e
     found = checkpoint.first_failure(error and f"could not {doing}: {checkpoint.describe(error)}", mesh, device)
-    if error:
+    if error and not _environmental(error):
         raise error
     if found:
-        raise RunError(f"rank {found[0]} {found[1]}", reporter=found[0])
+        raise RunError(f"rank {found[0]} {found[1]}", reporter=found[0]) from error
     return log, trainer
+
+
+def _environmental(e: Exception) -> bool:
+    """A failure of the machine rather than of the code: a file system's error, memory that ran out (on a GPU
+    torch's OutOfMemoryError, on a CPU its allocator's RuntimeError)."""
+    return isinstance(e, (OSError, MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,

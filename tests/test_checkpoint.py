@@ -106,24 +106,27 @@ def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupt
 
 def _train_failing_to_start(cfg, failing, what):
     """train(cfg) on this rank, rank `failing`'s start failing: its model does not fit (its GPU's memory is full),
-    or its log file cannot be opened (a directory stands at its path); the error's type and message."""
+    or its log file cannot be opened (a directory stands at its path), or a bug; the error's type, message and
+    reporter (the rank that prints a RunError's message)."""
     from megatron_mini import training
-    if os.environ["RANK"] == str(failing) and what == "model":
-        training.Trainer.__init__ = _raising(MemoryError("out of memory building the model"))
+    if os.environ["RANK"] == str(failing) and what in ("model", "bug"):
+        training.Trainer.__init__ = _raising(MemoryError("out of memory building the model") if what == "model" else
+                                             TypeError("a bug"))
     with pytest.raises(Exception) as caught:
         training.train(cfg)
-    return type(caught.value).__name__, str(caught.value)
+    return type(caught.value).__name__, str(caught.value), getattr(caught.value, "reporter", None)
 
 
-@pytest.mark.parametrize("what", ["model", "log"])
+@pytest.mark.parametrize("what", ["model", "log", "bug"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_branch_that_fails_to_start_a_rank_leaves_the_run_as_it_was(world, what, uninterrupted, small_data,
                                                                        tmp_path):
     """resume=PATH to step 5 of a run that reached step 10, whose model does not fit on the last rank, or whose
     last rank cannot open its log: the run directory is untouched (step 10 not set aside, no branch recorded,
     metrics.jsonl whole), so resume=auto still continues from step 10: rank 0's writes wait until every rank has
-    opened its log and built its model. The failing rank raises its own error, the others name it (before, a
-    rank that could not open its log ended alone, and the others waited in the next collective)."""
+    opened its log and built its model. Every rank raises the same RunError, which the failing rank reports
+    (before, a rank that could not open its log ended alone, and the others waited in the next collective; then
+    it raised its own error, a traceback). A bug is raised as it is on its rank, and the others name it."""
     import shutil
     cfg, _ = uninterrupted
     run = tmp_path / "run"
@@ -136,10 +139,11 @@ def test_a_branch_that_fails_to_start_a_rank_leaves_the_run_as_it_was(world, wha
     before = sorted(os.listdir(run / "checkpoints"))
     branch = small_config(small_data, run, steps=7, timeout_s=20, resume=str(run / "checkpoints" / "step_000005"))
     errors = spawn(world, _train_failing_to_start, branch, world - 1, what, init_group=False, timeout=120)
-    own, told = (("MemoryError", "out of memory building the model"), "build its model") if what == "model" else (
-        ("IsADirectoryError", f"[Errno 21] Is a directory: '{log}'"), f"open its log {log}")
-    assert errors[-1] == own, errors
-    assert errors[:-1] == [("RunError", f"rank {world - 1} could not {told}: {own[0]}: {own[1]}")] * (world - 1), errors
+    own, told = {"model": (("MemoryError", "out of memory building the model"), "build its model"),
+                 "bug": (("TypeError", "a bug"), "build its model"),
+                 "log": (("IsADirectoryError", f"[Errno 21] Is a directory: '{log}'"), f"open its log {log}")}[what]
+    shared = ("RunError", f"rank {world - 1} could not {told}: {own[0]}: {own[1]}", world - 1)
+    assert errors == [shared] * (world - 1) + [(*own, None) if what == "bug" else shared], errors
     assert sorted(os.listdir(run / "checkpoints")) == before and "step_000010" in before
     assert not (run / "branches.json").exists() and (run / "metrics.jsonl").read_text() == metrics
 

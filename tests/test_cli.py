@@ -219,6 +219,16 @@ def test_two_rank_run_succeeds(small_data, tmp_path):
     assert f"checkpoint: {run_dir / 'checkpoints' / latest}" in r.out, r
 
 
+def test_a_rank_that_cannot_open_its_log_is_one_line(small_data, tmp_path):
+    """Rank 1 cannot open logs/rank0001.log (a directory stands there): one line, printed by that rank, names it,
+    and the job exits 1 (before, rank 1 printed a traceback, rank 0 waited for rank 1's message, and none came)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs" / "rank0001.log").mkdir(parents=True)
+    r = torchrun_train(2, model_args(small_data, run_dir))
+    assert_one_error(r, [f"rank 1 could not open its log {run_dir}/logs/rank0001.log: IsADirectoryError: "
+                         "[Errno 21] Is a directory"], "torchrun", code=1, quick=False)
+
+
 def test_ranks_that_resolve_the_config_differently_stop(small_data, tmp_path):
     """Hydra resolves the command line on each rank: a run_dir through ${oc.env:RANK} is runs/r0 on rank 0 and
     runs/r1 on rank 1. Every rank stops at the job's first collective with one line naming both (they trained
