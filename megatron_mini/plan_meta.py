@@ -8,8 +8,9 @@
 - backward: what one layer's forward and backward allocate on top of what it saves (meter.AllocationMeter: the
   gradients of the logits and of the word embedding, a checkpoint's recomputed forward), the largest of the
   rank's layer kinds, allocated while the others' saved tensors are held; in a chunk that holds both the embedding
-  and the head (pp = vpp = 1), also the backward of its blocks and embedding while the head's gradient of the tied
-  word embedding waits for the embedding's, measured on that chunk with up to two blocks;
+  and the head (pp = vpp = 1), where the head's gradient of the tied word embedding waits for the embedding's, also
+  a block's backward with that gradient held, and the peak of the embedding's backward, where the two are summed
+  (the chunk's absolute peak, measured on that chunk with up to two blocks, whose saved tensors are freed by then);
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
@@ -171,11 +172,22 @@ def _blocks(cfg: TrainConfig, a: int, b: int) -> int:
 
 def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
     """Facts of one microbatch through each chunk [a, b) of `stages`, from Planner.layer_facts: embedding,
-    blocks (the first, the rest), head, and the backward of a chunk that holds them all ("tied")."""
+    blocks (the first, the rest), head; a chunk that holds them all has a backward of its own (_tied_backward)."""
     end = cfg.model.num_layers + 2
     return [layers["embedding"] * (a == 0) + layers["first"] * (n > 0) + layers["block"] * max(n - 1, 0)
-            + layers["head"] * (b == end) + layers.get("tied", Facts()) * ((a, b) == (0, end))
-            for a, b in stages for n in [_blocks(cfg, a, b)]]
+            + layers["head"] * (b == end) for a, b in stages for n in [_blocks(cfg, a, b)]]
+
+
+def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
+    """What the backward of a chunk holding the whole model (pp = vpp = 1; `chunk`: its Facts) allocates on top of
+    the saved tensors: autograd holds the head's gradient of the tied word embedding, [V/tp, h] in the weights'
+    dtype, through every block's backward (on top of that block's own), then sums it with the embedding's into a
+    third such tensor once the blocks' saved tensors are freed: the "tied" chunk's absolute peak, less this
+    microbatch's saved tensors (other microbatches' in flight, under GPipe, count among the activations)."""
+    m = cfg.model
+    held = m.padded_vocab_size // cfg.tp * m.hidden_size * DTYPES[cfg.precision.dtype].itemsize
+    return max(held + max(layers["first"].backward_bytes, layers["block"].backward_bytes),
+               layers["tied"].backward_bytes - chunk.activation_bytes)
 
 
 class Planner:
@@ -191,10 +203,9 @@ class Planner:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
         block that starts a chunk: no pending residual) and "block" (one after another block, which hands it
         the residual it has not added yet); where one chunk holds the whole model (pp = vpp = 1), "tied": that
-        chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for its backward: autograd
-        holds the head's gradient of the tied word embedding [V/tp, h] through the blocks' backward until the
-        embedding's is added to it (into a third such tensor). (Its peak less what it saves takes only two blocks'
-        saved tensors as released before the embedding's backward: there the plan is over by L - 2 blocks'.)
+        chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for the absolute peak of
+        its backward, where the head's and the embedding's gradients of the tied word embedding [V/tp, h] are summed
+        into a third such tensor, after the blocks' saved tensors are freed (_tied_backward).
         Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs)."""
         L = cfg.model.num_layers
         kinds = [("embedding", cfg, 0, 1, False), ("first", cfg, 1, 2, False), ("block", cfg, 1, 2, True),
@@ -216,8 +227,8 @@ class Planner:
         for name, key, job in self.layer_jobs(cfg):
             if key not in self.layers:
                 self.layers[key] = measure_layer(*job)
-            if name == "tied":              # its backward alone: the rest is its layers'
-                out[name] = Facts(backward_bytes=self.layers[key].backward_bytes)
+            if name == "tied":              # its absolute peak (saved + what the backward allocates on top)
+                out[name] = Facts(backward_bytes=self.layers[key].activation_bytes + self.layers[key].backward_bytes)
             else:
                 kind = "block" if name == "first" else name
                 out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
@@ -275,7 +286,11 @@ class Planner:
     def measure_rank(self, cfg: TrainConfig, dp: int, pp_rank: int) -> RankFacts:
         """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
         memory, with_sp, without_sp = self.rank_state(cfg, dp, pp_rank)
-        chunks = _chunk_facts(cfg, self.layer_facts(cfg), local_stage_layers(cfg, pp_rank))
+        layers = self.layer_facts(cfg)
+        chunks = _chunk_facts(cfg, layers, local_stage_layers(cfg, pp_rank))
+        backward = max(c.backward_bytes for c in chunks)
+        if "tied" in layers:                                        # one chunk holds the whole model
+            backward = max(backward, _tied_backward(cfg, layers, chunks[0]))
         act_bytes = (cfg.model.seq_len // (cfg.tp if cfg.sp else 1)) * cfg.mbs * cfg.model.hidden_size \
             * DTYPES[cfg.precision.dtype].itemsize               # the engine's p2p message (its act_shape)
         _, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
@@ -285,7 +300,7 @@ class Planner:
         ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
         ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
         flops = sum(c.flops for c in chunks)
-        return RankFacts(pp_rank, {**memory, "activations": peak, "backward": max(c.backward_bytes for c in chunks)},
+        return RankFacts(pp_rank, {**memory, "activations": peak, "backward": backward},
                          peak_pairs, m * flops, ledger, flops, step.overlaps)
 
     def bubble(self, cfg: TrainConfig, m: int) -> float:
