@@ -298,6 +298,17 @@ def test_an_output_that_is_a_symbolic_link_stays_one(writer, tmp_path, monkeypat
     assert os.listdir("out") == ["doc.md"] and os.listdir("real") == ["doc.md"]
 
 
+def test_a_figure_written_through_a_link_takes_the_format_of_the_name_asked_for(tmp_path, monkeypatch):
+    """-o sched.pdf, a link to a file whose name has no suffix (or another): the figure is a PDF, written to the
+    link's target (matplotlib reads the format from the name it is given: the target's name gave it none)."""
+    import os
+    monkeypatch.chdir(tmp_path)
+    os.symlink("store_v1", "sched.pdf")
+    assert plot_schedule.main(["--pp", "2", "-m", "4", "-o", "sched.pdf"]) == 0
+    assert os.path.islink("sched.pdf") and (tmp_path / "store_v1").read_bytes().startswith(b"%PDF")
+    assert sorted(os.listdir(tmp_path)) == ["sched.pdf", "store_v1"]
+
+
 @pytest.mark.parametrize("tool, argv, work", [
     ("bench_kernels", ["--out", "afile/out"], "run"),
     ("bench_kernels", ["--doc", "afile/b.md"], "run"),

@@ -63,7 +63,7 @@ def write_output(path: str, write) -> None:
         os.makedirs(directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".write-", dir=directory)
         try:
-            tmp = os.path.join(staging, os.path.basename(target))
+            tmp = os.path.join(staging, os.path.basename(path))     # (the name asked for: its suffix is the format)
             write(tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
