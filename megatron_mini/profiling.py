@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gzip
 import logging
 import os
+import shutil
 import time
 import warnings
 
@@ -60,7 +62,7 @@ def busy(prof, cuda: bool) -> list:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         return e.self_cpu_time_total
     events = [(e.key, e.count, self_us(e) / 1e3) for e in prof.key_averages() if e.device_type == kind
-              and self_us(e) > 0]
+              and self_us(e) > 0 and not e.key.startswith("ProfilerStep#")]     # (the schedule's own ranges)
     return sorted(events, key=lambda e: e[2], reverse=True)
 
 
@@ -70,17 +72,33 @@ def markdown_table(headers: list, rows: list) -> str:
 
 
 def tables(events: list, steps: int, wall_ms: float, top: int) -> str:
-    """Markdown: the `top` events of `busy` by total time (each per step and as a share of the wall time of
-    `steps` steps), then all of them summed by kind (KERNEL_KINDS)."""
+    """Markdown: the `top` events of `busy` by total time (each per step and as a share of the wall time
+    `wall_ms` over which `steps` steps were profiled), then all of them summed by kind (KERNEL_KINDS)."""
     lines = [[(name[:100] + "...") if len(name) > 100 else name, calls, f"{ms:.2f}", f"{ms / steps:.2f}",
               f"{100 * ms / wall_ms:.1f}"] for name, calls, ms in events[:top]]
     kinds = collections.Counter()
     for name, _, ms in events:
         kinds[kernel_kind(name)] += ms
     by_kind = [[k, f"{ms / steps:.2f}", f"{100 * ms / wall_ms:.1f}"] for k, ms in kinds.most_common()]
-    return (markdown_table(["name", "calls", "total ms", "ms per step", "% of step"], lines)
+    return (markdown_table(["name", "calls", "total ms", "ms per step", "% of wall"], lines)
             + f"\n\nAll {len(events)} by kind (profiling.KERNEL_KINDS):\n\n"
-            + markdown_table(["kind", "ms per step", "% of step"], by_kind))
+            + markdown_table(["kind", "ms per step", "% of wall"], by_kind))
+
+
+def _export(prof, tmp: str, path: str) -> None:
+    """The Chrome trace of `prof` at `path`, gzipped, whole or not at all: written to tmp.json beside it (torch's
+    own .gz export writes the JSON to the system's temporary directory first, and a write that fails there leaves
+    a truncated trace and raises nothing), checked to end as a JSON object does, gzipped to tmp.json.gz, renamed."""
+    prof.export_chrome_trace(tmp + ".json")
+    with open(tmp + ".json", "rb") as f:
+        f.seek(max(os.fstat(f.fileno()).st_size - 64, 0))
+        if not f.read().rstrip().endswith(b"}"):
+            raise OSError(f"the trace torch wrote ({tmp}.json) is cut short: is its disk full?")
+        f.seek(0)
+        with gzip.open(tmp + ".json.gz", "wb") as out:
+            shutil.copyfileobj(f, out)
+    os.unlink(tmp + ".json")
+    os.replace(tmp + ".json.gz", path)
 
 
 class StepProfiler:
@@ -95,40 +113,45 @@ class StepProfiler:
         self.start, self.end = cfg.start, cfg.start + cfg.steps - 1
         self.run_dir, self.rank, self.device, self.log = run_dir, rank, device, log
         chosen = cfg.start > 0 and (cfg.ranks is None or rank in cfg.ranks)
-        self.on = chosen and cfg.start > first_step
+        ahead = cfg.start > first_step
+        self.on = chosen and ahead
         where = os.path.join(run_dir, "profile")
         self.note = (None if cfg.start == 0 else
-                     f"profile: this rank traces steps {self.start}-{self.end} into {where}/" if self.on else
                      f"profile: this run starts after step {first_step}, past profile.start={cfg.start}: nothing "
-                     f"is profiled" if chosen else
+                     f"is profiled" if not ahead else
+                     f"profile: this rank traces steps {self.start}-{self.end} into {where}/" if chosen else
                      f"profile: rank{'s' if len(cfg.ranks) > 1 else ''} {', '.join(map(str, cfg.ranks[:8]))} "
                      f"{'trace' if len(cfg.ranks) > 1 else 'traces'} steps {self.start}-{self.end} into {where}/ "
                      f"(not this one)")
-        self.prof, self.recorded, self.wall = None, [], 0.0
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof, self.recorded, self.wall, self.window, self.window_wall = None, [], 0.0, 0.0, 0.0
 
     @contextlib.contextmanager
     def step(self, step: int):
         """Around the run's step `step` (1-based): the profiler starts before the window (or at its first step),
-        records the window's steps, each a range "step N", and writes its files after the last."""
+        records the window's steps, each a range "step N", and what runs between them (an evaluation, a save), and
+        writes its files after the last."""
         if not self.on or not self.start - 1 <= step <= self.end:
             yield
             return
         if self.prof is None:
-            cuda = self.device.type == "cuda"
             warmup = int(step < self.start)
             with warnings.catch_warnings():     # (warmup=0, where no step comes before the window: said above)
                 warnings.filterwarnings("ignore", "Profiler won't be using warmup")
-                self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                self.prof = profile(activities=self.activities, on_trace_ready=self._write,
                                     schedule=schedule(wait=0, warmup=warmup, active=self.end - step + 1 - warmup,
-                                                      repeat=1), on_trace_ready=self._write)
+                                                      repeat=1))
             self.prof.start()
         t0 = time.perf_counter()
+        if step == self.start:
+            self.window = t0
         with record_function(f"step {step}"):
             yield
         if step >= self.start:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)      # (the step's last kernels: AdamW's)
             self.wall += time.perf_counter() - t0
+            self.window_wall = time.perf_counter() - self.window
             self.recorded.append(step)
         self.prof.step()
         if step == self.end:
@@ -147,20 +170,24 @@ class StepProfiler:
         self.recorded = []                       # (written once)
         where = os.path.join(self.run_dir, "profile", f"step_{first:06d}-{last:06d}")
         name = f"rank{self.rank:04d}"
+        tmp = os.path.join(where, f".{name}.tmp{os.getpid()}")
         try:
             os.makedirs(where, exist_ok=True)
-            tmp = os.path.join(where, f".{name}.tmp{os.getpid()}.json.gz")     # (export writes gzip by the suffix)
-            prof.export_chrome_trace(tmp)
-            os.replace(tmp, os.path.join(where, f"{name}.json.gz"))
+            _export(prof, tmp, os.path.join(where, f"{name}.json.gz"))
             cuda = self.device.type == "cuda"
-            wall_ms = 1e3 * self.wall
+            wall_ms, between_ms = 1e3 * self.window_wall, 1e3 * (self.window_wall - self.wall)
             events = busy(prof, cuda)
-            head = (f"profile of steps {first}-{last} on rank {self.rank}: {wall_ms / steps:.1f} ms a step (wall, "
-                    f"profiler on); {'CUDA kernels' if cuda else 'CPU ops'} busy "
+            between = (f"; {between_ms:.1f} ms between them (an evaluation, a save: their ops are in the trace and "
+                       f"the tables too)" if between_ms > 0.02 * wall_ms else "")
+            head = (f"profile of steps {first}-{last} on rank {self.rank}: {1e3 * self.wall / steps:.1f} ms a step "
+                    f"(wall, profiler on){between}; {'CUDA kernels' if cuda else 'CPU ops'} busy "
                     f"{sum(ms for _, _, ms in events) / steps:.1f} ms a step\n\n")
             with open(os.path.join(where, f"{name}.txt"), "w", encoding="utf-8") as f:
                 f.write(head + tables(events, steps, wall_ms, 30) + "\n")
         except Exception as e:       # noqa: BLE001 - a profile is a diagnosis: training goes on without it
+            for left in (tmp + ".json", tmp + ".json.gz"):
+                with contextlib.suppress(OSError):
+                    os.unlink(left)
             self.log.info(f"warning: rank {self.rank} could not write its profile to {where} "
                           f"({type(e).__name__}: {e}); training goes on")
             return

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -20,13 +21,21 @@ def _ranges(path) -> list:
     return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("cat") == "user_annotation"]
 
 
+def _ops(path) -> set:
+    """The names of the trace's CPU ops."""
+    with gzip.open(path, "rt") as f:
+        return {e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"}
+
+
 def _loop(profiler: StepProfiler, first: int, last: int) -> None:
-    """Steps first..last of a stand-in run: one matmul each."""
+    """Steps first..last of a stand-in run: one matmul each, and after each an "evaluation" (a cumsum, 30 ms)."""
     x = torch.ones(64, 64)
     try:
         for step in range(first, last + 1):
             with profiler.step(step):
                 x = (x @ x).clamp(max=1.0)
+            torch.cumsum(x, 0)
+            time.sleep(0.03)
     finally:
         profiler.close()
 
@@ -49,14 +58,37 @@ def test_the_profiler_traces_the_steps_it_is_given(tmp_path, start, steps, first
     assert profiler.note == f"profile: this rank traces steps {start}-{start + steps - 1} into {tmp_path}/profile/"
     text = (where / "rank0003.txt").read_text()
     assert text.startswith(f"profile of steps {traced[0]}-{traced[-1]} on rank 3:") and "aten::mm" in text
+    ops = _ops(where / "rank0003.json.gz")           # what runs between the steps (an evaluation, a save) too,
+    assert "aten::mm" in ops and "aten::cumsum" in ops and "aten::cumsum" in text    # and the header says so
+    between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
+    assert (between is not None) == (len(traced) > 1) and (not between or float(between.group(1)) >= 30), text
 
 
-def test_a_run_resumed_past_the_window_traces_nothing(tmp_path):
-    profiler = StepProfiler(ProfileConfig(start=3), str(tmp_path), 0, torch.device("cpu"), 5,
+@pytest.mark.parametrize("ranks", [None, [1]])
+def test_a_run_resumed_past_the_window_traces_nothing(tmp_path, ranks):
+    """Every rank says so, those not chosen too (rank 0's console line promised rank 1's trace)."""
+    profiler = StepProfiler(ProfileConfig(start=3, ranks=ranks), str(tmp_path), 0, torch.device("cpu"), 5,
                             logging.getLogger("test"))
     _loop(profiler, 6, 8)
     assert profiler.note == "profile: this run starts after step 5, past profile.start=3: nothing is profiled"
     assert not (tmp_path / "profile").exists()
+
+
+def test_a_trace_that_is_cut_short_is_a_warning_and_leaves_nothing(tmp_path, monkeypatch, caplog):
+    """torch's export that fails (its disk full) prints a line and raises nothing, leaving a truncated file: the
+    trace is checked, the warning logged, no file left, and the steps go on."""
+    from torch.profiler import profile
+
+    def cut_short(self, path, *args, **kwargs):
+        with open(path, "w") as f:
+            f.write('{"traceEvents": [')
+    monkeypatch.setattr(profile, "export_chrome_trace", cut_short)
+    profiler = StepProfiler(ProfileConfig(start=2), str(tmp_path), 0, torch.device("cpu"), 0,
+                            logging.getLogger("test"))
+    with caplog.at_level(logging.INFO, logger="test"):
+        _loop(profiler, 1, 5)
+    assert "warning: rank 0 could not write its profile" in caplog.text and "is cut short" in caplog.text
+    assert os.listdir(tmp_path / "profile" / "step_000002-000003") == []
 
 
 def test_profile_ranks_must_name_ranks_of_the_run():
