@@ -27,9 +27,9 @@ def _ops(path) -> set:
         return {e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"}
 
 
-def _loop(profiler: StepProfiler, first: int, last: int) -> None:
+def _loop(profiler: StepProfiler, first: int, last: int, device: str = "cpu") -> None:
     """Steps first..last of a stand-in run: one matmul each, and after each an "evaluation" (a cumsum, 30 ms)."""
-    x = torch.ones(64, 64)
+    x = torch.ones(64, 64, device=device)
     try:
         for step in range(first, last + 1):
             with profiler.step(step):
@@ -62,6 +62,19 @@ def test_the_profiler_traces_the_steps_it_is_given(tmp_path, start, steps, first
     assert "aten::mm" in ops and "aten::cumsum" in ops and "aten::cumsum" in text    # and the header says so
     between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
     assert (between is not None) == (len(traced) > 1) and (not between or float(between.group(1)) >= 30), text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_profiler_traces_the_gpus_kernels(tmp_path):
+    """On CUDA the trace holds the steps' kernels, and the tables are of CUDA kernels (GEMMs among them)."""
+    profiler = StepProfiler(ProfileConfig(start=2, steps=2), str(tmp_path), 0, torch.device("cuda"), 0,
+                            logging.getLogger("test"))
+    _loop(profiler, 1, 4, "cuda")
+    where = tmp_path / "profile" / "step_000002-000003"
+    text = (where / "rank0000.txt").read_text()
+    assert "CUDA kernels busy" in text and re.search(r"\| GEMM \| [\d.]+ \|", text), text
+    with gzip.open(where / "rank0000.json.gz", "rt") as f:
+        assert any(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
 
 
 @pytest.mark.parametrize("ranks", [None, [1]])
