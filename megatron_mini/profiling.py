@@ -62,7 +62,7 @@ def busy(prof, cuda: bool) -> list:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         return e.self_cpu_time_total
     events = [(e.key, e.count, self_us(e) / 1e3) for e in prof.key_averages() if e.device_type == kind
-              and self_us(e) > 0 and not e.key.startswith("ProfilerStep#")]     # (the schedule's own ranges)
+              and self_us(e) > 0 and not e.key.startswith("ProfilerStep")]     # (the schedule's own ranges)
     return sorted(events, key=lambda e: e[2], reverse=True)
 
 
@@ -103,14 +103,14 @@ def _export(prof, tmp: str, path: str) -> None:
 
 class StepProfiler:
     """torch.profiler over steps [cfg.start, cfg.start + cfg.steps) of a run (those it runs: a run that ends
-    or stops earlier writes what it recorded), on the ranks cfg.ranks names (None: every rank); the step
-    before start, where the run has it, warms the profiler up unrecorded. `first_step`: the step the run
-    starts from (it runs first_step + 1 on). Each rank writes its own files (no collective); a failed write is
-    a warning in its log, and training goes on."""
+    or stops earlier writes what it recorded: close()), on the ranks cfg.ranks names (None: every rank); the step
+    before start, where the run has it, warms the profiler up unrecorded. The run's steps are first_step + 1 to
+    last_step. Each rank writes its own files (no collective); a failed write is a warning in its log, and
+    training goes on."""
 
     def __init__(self, cfg: ProfileConfig, run_dir: str, rank: int, device: torch.device, first_step: int,
-                 log: logging.Logger):
-        self.start, self.end = cfg.start, cfg.start + cfg.steps - 1
+                 last_step: int, log: logging.Logger):
+        self.start, self.end = cfg.start, min(cfg.start + cfg.steps, last_step + 1) - 1
         self.run_dir, self.rank, self.device, self.log = run_dir, rank, device, log
         chosen = cfg.start > 0 and (cfg.ranks is None or rank in cfg.ranks)
         ahead = cfg.start > first_step
@@ -158,7 +158,8 @@ class StepProfiler:
             self.close()
 
     def close(self) -> None:
-        """Stop the profiler (at the window's end, or where the run ends inside it: what it recorded is written)."""
+        """Stop the profiler (after the window's last step, or where the run stops inside it, before its last
+        save): what it recorded is written."""
         prof, self.prof = self.prof, None
         if prof is not None:
             prof.stop()

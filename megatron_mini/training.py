@@ -383,7 +383,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
     the steps profile.* names; when any rank got SIGTERM, every rank saves after the step and the loop ends.
     Returns the signal that stopped the run, or None."""
     profiler = StepProfiler(trainer.cfg.profile, trainer.cfg.run_dir, trainer.mesh.rank, trainer.device,
-                            trainer.step, log)
+                            trainer.step, trainer.cfg.steps, log)
     if profiler.note:
         log.info(profiler.note)
     try:
@@ -400,6 +400,8 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
     while trainer.step < cfg.steps:
         with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
+        if out["stop"]:
+            profiler.close()                     # (the trace ends with the step, not with the save after it)
         interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])

@@ -1,4 +1,5 @@
 """profile.*: torch.profiler over chosen steps of a run (megatron_mini.profiling.StepProfiler)."""
+import collections
 import gzip
 import json
 import logging
@@ -21,10 +22,10 @@ def _ranges(path) -> list:
     return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("cat") == "user_annotation"]
 
 
-def _ops(path) -> set:
-    """The names of the trace's CPU ops."""
+def _ops(path) -> collections.Counter:
+    """The trace's CPU ops: {name: calls}."""
     with gzip.open(path, "rt") as f:
-        return {e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"}
+        return collections.Counter(e["name"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op")
 
 
 def _loop(profiler: StepProfiler, first: int, last: int, device: str = "cpu") -> None:
@@ -50,24 +51,26 @@ def test_the_profiler_traces_the_steps_it_is_given(tmp_path, start, steps, first
     """The trace holds a range "step N" for each step of the window the run reaches, and no other; its
     tables name the steps."""
     profiler = StepProfiler(ProfileConfig(start=start, steps=steps), str(tmp_path), 3, torch.device("cpu"), first,
-                            logging.getLogger("test"))
+                            last, logging.getLogger("test"))
     _loop(profiler, first + 1, last)
     where = tmp_path / "profile" / f"step_{traced[0]:06d}-{traced[-1]:06d}"
     assert sorted(os.listdir(where)) == ["rank0003.json.gz", "rank0003.txt"]
     assert [r for r in _ranges(where / "rank0003.json.gz") if r.startswith("step ")] == [f"step {s}" for s in traced]
-    assert profiler.note == f"profile: this rank traces steps {start}-{start + steps - 1} into {tmp_path}/profile/"
+    assert profiler.note == f"profile: this rank traces steps {start}-{traced[-1]} into {tmp_path}/profile/"
     text = (where / "rank0003.txt").read_text()
     assert text.startswith(f"profile of steps {traced[0]}-{traced[-1]} on rank 3:") and "aten::mm" in text
     ops = _ops(where / "rank0003.json.gz")           # what runs between the steps (an evaluation, a save) too,
-    assert "aten::mm" in ops and "aten::cumsum" in ops and "aten::cumsum" in text    # and the header says so
+    assert "aten::mm" in ops and "aten::cumsum" in ops and "aten::cumsum" in text    # and the header says so;
+    assert ops["aten::cumsum"] == len(traced) - 1 + (start > first + 1)    # (after the warmup step too, not the last)
     between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
     assert (between is not None) == (len(traced) > 1) and (not between or float(between.group(1)) >= 30), text
+    assert "ProfilerStep" not in text                # (the profiler's own ranges are no rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_profiler_traces_the_gpus_kernels(tmp_path):
     """On CUDA the trace holds the steps' kernels, and the tables are of CUDA kernels (GEMMs among them)."""
-    profiler = StepProfiler(ProfileConfig(start=2, steps=2), str(tmp_path), 0, torch.device("cuda"), 0,
+    profiler = StepProfiler(ProfileConfig(start=2, steps=2), str(tmp_path), 0, torch.device("cuda"), 0, 4,
                             logging.getLogger("test"))
     _loop(profiler, 1, 4, "cuda")
     where = tmp_path / "profile" / "step_000002-000003"
@@ -80,7 +83,7 @@ def test_the_profiler_traces_the_gpus_kernels(tmp_path):
 @pytest.mark.parametrize("ranks", [None, [1]])
 def test_a_run_resumed_past_the_window_traces_nothing(tmp_path, ranks):
     """Every rank says so, those not chosen too (rank 0's console line promised rank 1's trace)."""
-    profiler = StepProfiler(ProfileConfig(start=3, ranks=ranks), str(tmp_path), 0, torch.device("cpu"), 5,
+    profiler = StepProfiler(ProfileConfig(start=3, ranks=ranks), str(tmp_path), 0, torch.device("cpu"), 5, 8,
                             logging.getLogger("test"))
     _loop(profiler, 6, 8)
     assert profiler.note == "profile: this run starts after step 5, past profile.start=3: nothing is profiled"
@@ -96,7 +99,7 @@ def test_a_trace_that_is_cut_short_is_a_warning_and_leaves_nothing(tmp_path, mon
         with open(path, "w") as f:
             f.write('{"traceEvents": [')
     monkeypatch.setattr(profile, "export_chrome_trace", cut_short)
-    profiler = StepProfiler(ProfileConfig(start=2), str(tmp_path), 0, torch.device("cpu"), 0,
+    profiler = StepProfiler(ProfileConfig(start=2), str(tmp_path), 0, torch.device("cpu"), 0, 5,
                             logging.getLogger("test"))
     with caplog.at_level(logging.INFO, logger="test"):
         _loop(profiler, 1, 5)
