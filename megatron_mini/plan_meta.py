@@ -181,13 +181,14 @@ def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
 def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
     """What the backward of a chunk holding the whole model (pp = vpp = 1; `chunk`: its Facts) allocates on top of
     the saved tensors: autograd holds the head's gradient of the tied word embedding, [V/tp, h] in the weights'
-    dtype, through every block's backward (on top of that block's own), then sums it with the embedding's into a
-    third such tensor once the blocks' saved tensors are freed: the "tied" chunk's absolute peak, less this
-    microbatch's saved tensors (other microbatches' in flight, under GPipe, count among the activations)."""
+    dtype, through every block's backward (on top of that block's own, the head's saved tensors freed by then),
+    then sums it with the embedding's into a third such tensor once the blocks' saved tensors are freed: the
+    "tied" chunk's absolute peak, less this microbatch's saved tensors (other microbatches' in flight, under
+    GPipe, count among the activations)."""
     m = cfg.model
     held = m.padded_vocab_size // cfg.tp * m.hidden_size * DTYPES[cfg.precision.dtype].itemsize
-    return max(held + max(layers["first"].backward_bytes, layers["block"].backward_bytes),
-               layers["tied"].backward_bytes - chunk.activation_bytes)
+    return max(held + max(layers["first"].backward_bytes, layers["block"].backward_bytes)
+               - layers["head"].activation_bytes, layers["tied"].backward_bytes - chunk.activation_bytes)
 
 
 class Planner:
