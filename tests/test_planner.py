@@ -575,10 +575,11 @@ WIDE = {"model.vocab_pad_multiple": 16384}
                                            (1, dict(WIDE, **{"precision.dtype": "bf16"})),
                                            (2, dict(tp=2, sp=True, **WIDE)), (1, dict(vpp=2, **WIDE)),
                                            (1, dict(WIDE, **{"model.num_layers": 16})),
-                                           (1, dict(WIDE, schedule="gpipe", gbs=8))],
+                                           (1, dict(WIDE, schedule="gpipe", gbs=8)),
+                                           (1, dict(recompute="full", **{"model.num_layers": 1}))],
                          ids=["pp2", "tp2-sp", "full", "pp2-wide-vocab", "tp2-pp2-wide-vocab", "pp1-wide-vocab",
                               "full-wide-vocab", "bf16-wide-vocab", "tp2-sp-wide-vocab", "pp1-vpp2-wide-vocab",
-                              "pp1-16-blocks-wide-vocab", "pp1-gpipe-wide-vocab"])
+                              "pp1-16-blocks-wide-vocab", "pp1-gpipe-wide-vocab", "pp1-one-block-full"])
 def test_planned_memory_holds_what_a_real_step_allocates(world, layout, small_data, tmp_path, planner):
     """The plan's activations and backward working set of a rank are within [0.9, 1.25] of the peak of what a real
     step's forwards and backwards allocate (meter.AllocationMeter on real tensors): on the last stage of a wide
