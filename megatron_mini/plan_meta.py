@@ -131,10 +131,10 @@ def math_attention(cfg: TrainConfig) -> bool:
 def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     """Facts (bytes saved for backward, bytes allocated on top of them, ledger, overlaps; no FLOPs) of one
     microbatch forward + backward of the layer `layers[0]`, on meta, its gradients going into fp32 main grads as
-    in training (a GPU's GEMM adds the weights' into them); a block gets a pending residual r when `residual`
-    (as every block but a chunk's first); with layers = (0, L + 2), of the whole chunk [embedding, L blocks, head]
-    (Planner.layer_jobs' "tied"). The CPU stream is restored after (recomputation sets it; the GPUs' are not
-    touched)."""
+    in training (a GPU's GEMM adds the weights' into them); a block or the head gets a pending residual r when
+    `residual` (as every block but a chunk's first, and the head after a block); with layers = (0, L + 2), of
+    the whole chunk [embedding, L blocks, head] (Planner.layer_jobs' "tied"). The CPU stream is restored after
+    (recomputation sets it; the GPUs' are not touched)."""
     sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
     with torch.random.fork_rng(devices=[]), mock.patch.object(F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(tensor_parallel, "gemm_into_fp32", lambda device, dtype: "addmm"), \
@@ -153,7 +153,8 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
             s = cfg.model.seq_len // (cfg.tp if cfg.sp else 1)
             return torch.empty(s, cfg.mbs, cfg.model.hidden_size, dtype=dtype, device=META, requires_grad=True)
         args = (tokens, tokens) if whole else (tokens,) if chunk.has_embedding else \
-            (activation(), tokens) if chunk.has_head else (activation(), activation() if residual else None)
+            (activation(), tokens, activation() if residual else None) if chunk.has_head else \
+            (activation(), activation() if residual else None)
         meter, allocated = SavedTensorMeter(exclude=chunk.parameters()), AllocationMeter()
         with meter.hooks(), allocated:
             out = layer(*args)
@@ -203,14 +204,15 @@ class Planner:
     def layer_jobs(self, cfg: TrainConfig) -> list:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
         block that starts a chunk: no pending residual) and "block" (one after another block, which hands it
-        the residual it has not added yet); where one chunk holds the whole model (pp = vpp = 1), "tied": that
+        the residual it has not added yet; so does the head, which follows a block wherever it shares a chunk with
+        one: an upper bound where it does not); where one chunk holds the whole model (pp = vpp = 1), "tied": that
         chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for the absolute peak of
         its backward, where the head's and the embedding's gradients of the tied word embedding [V/tp, h] are summed
         into a third such tensor, after the blocks' saved tensors are freed (_tied_backward).
         Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs)."""
         L = cfg.model.num_layers
         kinds = [("embedding", cfg, 0, 1, False), ("first", cfg, 1, 2, False), ("block", cfg, 1, 2, True),
-                 ("head", cfg, L + 1, L + 2, False)]
+                 ("head", cfg, L + 1, L + 2, True)]
         if cfg.pp * cfg.vpp == 1:
             n = min(L, 2)
             kinds.append(("tied", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)),
