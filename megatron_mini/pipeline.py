@@ -68,7 +68,6 @@ class PipelineEngine:
 
     def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None,
              first_sample: int | None) -> torch.Tensor:
-        pp, vpp = self.mesh.pp, self.cfg.vpp
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         # the step's tokens reach the device in one copy, and only where a chunk reads them
@@ -79,43 +78,50 @@ class PipelineEngine:
             if isinstance(a, tuple):
                 self._exchange(a, inputs, outputs, out_grads, in_grads)
                 continue
+            start = time.perf_counter()
             with record_function(str(a)):      # (a range of its own in a profile.* trace: profiling.py)
-                start = time.perf_counter()
-                chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
-                if a.op == "forward":
-                    tokens = batch[a.microbatch]
-                    if chunk.has_embedding:
-                        x = tokens[:, :-1]
-                    else:       # training keeps the input until its backward reads .grad; evaluation is done with it
-                        x = inputs[key] if grad_scale is not None else inputs.pop(key)
-                    sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
-                    out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
-                    if chunk.has_head:
-                        loss_sum += out.detach()
-                        out = out * grad_scale if grad_scale is not None else out
-                    if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
-                        outputs[key] = out
-                    if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
-                        inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
-                else:
-                    if key in self.last_backward:
-                        self.buffers[a.chunk].start_last_microbatch()
-                    out = outputs.pop(key)
-                    if chunk.has_head:
-                        out.backward()
-                    else:
-                        _run_backward(out, out_grads.pop(key))
-                    if not chunk.has_embedding:
-                        grad = inputs.pop(key).grad
-                        if pp == 1:
-                            out_grads[(a.chunk - 1, a.microbatch)] = grad
-                        else:
-                            in_grads[key] = grad
+                self._compute(a, batch, grad_scale, first_sample, loss_sum, inputs, outputs, out_grads, in_grads)
             self.trace.append((a, start, time.perf_counter()))
         if grad_scale is not None:
             for buf in self.buffers:
                 buf.finish_grad_sync()
         return loss_sum
+
+    def _compute(self, a, batch, grad_scale, first_sample, loss_sum, inputs, outputs, out_grads, in_grads) -> None:
+        """A forward or backward of chunk a.chunk on microbatch a.microbatch: its input from `inputs` (or the
+        tokens), its output into `outputs` (and the next local chunk's `inputs`); a backward's output gradient from
+        `out_grads` (or the loss), its input's gradient into `out_grads` (pp = 1) or `in_grads` (to send)."""
+        pp, vpp = self.mesh.pp, self.cfg.vpp
+        chunk, key = self.chunks[a.chunk], (a.chunk, a.microbatch)
+        if a.op == "forward":
+            tokens = batch[a.microbatch]
+            if chunk.has_embedding:
+                x = tokens[:, :-1]
+            else:       # training keeps the input until its backward reads .grad; evaluation is done with it
+                x = inputs[key] if grad_scale is not None else inputs.pop(key)
+            sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
+            out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
+            if chunk.has_head:
+                loss_sum += out.detach()
+                out = out * grad_scale if grad_scale is not None else out
+            if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
+                outputs[key] = out
+            if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
+                inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
+        else:
+            if key in self.last_backward:
+                self.buffers[a.chunk].start_last_microbatch()
+            out = outputs.pop(key)
+            if chunk.has_head:
+                out.backward()
+            else:
+                _run_backward(out, out_grads.pop(key))
+            if not chunk.has_embedding:
+                grad = inputs.pop(key).grad
+                if pp == 1:
+                    out_grads[(a.chunk - 1, a.microbatch)] = grad
+                else:
+                    in_grads[key] = grad
 
     def _exchange(self, actions: list, inputs, outputs, out_grads, in_grads) -> None:
         """Post the batch of sends/receives together, wait, then free what was sent."""

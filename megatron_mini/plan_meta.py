@@ -188,8 +188,9 @@ def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
     GPipe, count among the activations)."""
     m = cfg.model
     held = m.padded_vocab_size // cfg.tp * m.hidden_size * DTYPES[cfg.precision.dtype].itemsize
+    tied = layers["tied"]                            # (its peak: what it saves and what it allocates on top)
     return max(held + max(layers["first"].backward_bytes, layers["block"].backward_bytes)
-               - layers["head"].activation_bytes, layers["tied"].backward_bytes - chunk.activation_bytes)
+               - layers["head"].activation_bytes, tied.activation_bytes + tied.backward_bytes - chunk.activation_bytes)
 
 
 class Planner:
@@ -230,8 +231,8 @@ class Planner:
         for name, key, job in self.layer_jobs(cfg):
             if key not in self.layers:
                 self.layers[key] = measure_layer(*job)
-            if name == "tied":              # its absolute peak (saved + what the backward allocates on top)
-                out[name] = Facts(backward_bytes=self.layers[key].activation_bytes + self.layers[key].backward_bytes)
+            if name == "tied":              # as measured (_tied_backward reads its peak)
+                out[name] = self.layers[key]
             else:
                 kind = "block" if name == "first" else name
                 out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
