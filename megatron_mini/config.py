@@ -195,6 +195,8 @@ class TrainConfig:
     memory_plan: bool = True         # rank 0 prints the layout planner's memory per rank next to the run's
     save_interval: int = 0           # 0: only at the end
     keep_checkpoints: int = 2        # the newest N complete checkpoints are kept
+    replica_check_interval: int = 0  # also compare the weights ranks hold in common every N steps (replicas.py;
+                                     # 0: only before each save, which always does)
     async_save: bool = False         # interval saves write their files in a thread while training goes on
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
     device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
@@ -229,6 +231,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
     "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
+    "replica_check_interval": (_GE0[0], ">= 0 (0: before each save only)"),
     "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"),
     "profile.start": (_GE0[0], ">= 0 (0: no profile)"), "profile.steps": _GE1,
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, replicas
 from .comm import Group, Ledger
 from .errors import CommError
 from .files import atomic_write
@@ -163,7 +163,8 @@ class Trainer:
         self.step, self.consumed_samples = 0, 0
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
         self.pending = None                # a checkpoint.Save whose files are being written (async_save)
-        self.failure = None                # how this rank's write_alone failed (the first), until every rank stops
+        self.failure = None                # what must stop every rank (the first): a failed write_alone, replicas
+                                           # that differ (check_replicas)
         self.gc_frozen = False
 
     def _global_loss(self, loss_sum: torch.Tensor, stop: str | None = None) -> tuple[float, dict, int]:
@@ -191,14 +192,22 @@ class Trainer:
             self.failure = f"could not write {path}: {why}" if why else None
 
     def stop_on_failure(self) -> None:
-        """Every rank (a collective) raises the same RunError when any rank's write_alone failed, once the save
-        still being written (of an earlier step) is published."""
+        """Every rank (a collective) raises the same RunError when any rank's write_alone failed or found replicas
+        that differ, once the save still being written (of an earlier step) is published."""
         found = checkpoint.first_failure(self.failure, self.mesh, self.device)
         if found:
             rank, why = found
             self.finish_save()
             raise RunError(f"rank {rank} {why} (stopped after step {self.step}; the last checkpoint: "
                            f"{self.last_checkpoint or 'none'})", reporter=rank)
+
+    def check_replicas(self) -> None:
+        """Stop every rank (stop_on_failure) when weights that ranks hold in common differ (replicas.compare): a
+        checkpoint keeps one copy, so such a run could not be resumed as it is."""
+        differ = replicas.compare(self.buffers, self.mesh)      # (every rank: its groups' collectives)
+        if differ and self.failure is None:
+            self.failure = f"found weights that must equal other ranks' copies differ: {differ}"
+        self.stop_on_failure()
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step. `stop`: this rank's StopRequest, read after the forward and backward (a step is
@@ -256,8 +265,9 @@ class Trainer:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
         data's identity (checkpoint.data_identity), checked when the run resumes. `background`: return once
         the state is copied to the host; the files are written while training goes on, and finish_save
-        publishes them (a pending save is finished first). A failed write_alone stops every rank first."""
-        self.stop_on_failure()
+        publishes them (a pending save is finished first). A failed write_alone, or replicas that differ,
+        stop every rank first (check_replicas)."""
+        self.check_replicas()
         self.finish_save()
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
         self.pending = checkpoint.Save(path, self.step, self.consumed_samples, self.buffers, self.optimizer,
@@ -417,6 +427,8 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
         paused = time.time()
+        if cfg.replica_check_interval and step % cfg.replica_check_interval == 0:
+            trainer.check_replicas()
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
         due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]

@@ -8,6 +8,8 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_CRASH_RANK=r, HOOK_CRASH_AT_FSYNC=n     rank r kills itself (SIGKILL) right after its n-th
                                                os.fsync (the checkpoint writer's), on the first attempt
   HOOK_CRASH_SIGNAL=SIGSTOP                    ... or stops itself there instead (the test resumes it)
+  HOOK_DRIFT_RANK=r                            rank r's F.layer_norm scales its output by 1 + 2^-20: a kernel
+                                               whose rounding differs from the other ranks'
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ if os.environ.get("RANK") is not None:
             if _calls[0] == _at:
                 os.kill(os.getpid(), _sig)
         os.fsync = _crashing_fsync
+    if os.environ.get("HOOK_DRIFT_RANK") == _rank:
+        import torch.nn.functional as _F
+        _layer_norm = _F.layer_norm
+        _F.layer_norm = lambda *args, **kwargs: _layer_norm(*args, **kwargs) * (1 + 2 ** -20)
 """
 
 

@@ -223,7 +223,10 @@ def _save_once(cfg, path):
     trainer.train_step()
     trainer.mesh.ledger.reset()
     trainer.save(path, {})
-    return trainer.mesh.rank, trainer.mesh.ledger.summary()
+    mesh, params = trainer.mesh, [p for buf in trainer.buffers for p in buf.names]
+    shared = {"dp": (mesh.dp, len(params)), "tp": (mesh.tp, sum(p.spec.tp_dim is None for p in params)),
+              "emb": (len(mesh.embedding_group.ranks) if mesh.embedding_group else 1, sum(p.spec.tied for p in params))}
+    return mesh.rank, mesh.ledger.summary(), {g: 8 * n * size for g, (size, n) in shared.items() if size > 1 and n}
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "zero": 1}, {"pp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "pp": 2},
@@ -235,8 +238,9 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     optimizer state is tiled by its TP slices' flat ranges with no gap or overlap (with ZeRO-1 every DP rank
     writes its shard), and the files' tensors are 12 bytes per parameter in fp32 (the weight is its own master)
     and 14 in bf16 (2 + an fp32 master and two moments). The save's only collectives carry text: the failures'
-    all-gathers (empty) and the index's gather onto rank 0 (10 to 20 KB here): no tensor is gathered onto a
-    writer (gathering the weights alone would be 4 bytes per parameter)."""
+    all-gathers (empty) and the index's gather onto rank 0 (10 to 20 KB here), and the replica check's hashes (one
+    all-gather of 8 bytes a parameter per group that shares them: replicas.py): no tensor is gathered onto a writer
+    (gathering the weights alone would be 4 bytes per parameter)."""
     import json
 
     import torch
@@ -274,7 +278,8 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
         assert ranges[-1][1] == math.prod(shape) // (tp if tp_dim is not None else 1), (name, ranges)
     assert sorted(tiles) == sorted((name, r) for name, (_, tp_dim, _) in meta["tensors"].items()
                                    for r in range(tp if tp_dim is not None else 1))
-    for rank, ledger in results:
+    for rank, ledger, hashes in results:
+        assert {g: ledger.pop((g, "all_gather")) for g in hashes} == {g: (1, n) for g, n in hashes.items()}, rank
         assert set(ledger) == {("world", op) for op in ("all_reduce", "all_gather", "gather")}, (rank, ledger)
         # four failure checks, all empty: of the run's own writes (Trainer.save), then the save's three
         assert ledger[("world", "all_gather")] == (4, 4 * 4), (rank, ledger)

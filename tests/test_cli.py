@@ -229,6 +229,19 @@ def test_a_rank_that_cannot_open_its_log_is_one_line(small_data, tmp_path):
                          "[Errno 21] Is a directory"], "torchrun", code=1, quick=False)
 
 
+def test_copies_that_drift_apart_stop_every_rank_before_the_save(small_data, hooks, tmp_path):
+    """At tp = 2 rank 1's LayerNorm rounds otherwise than rank 0's (HOOK_DRIFT_RANK): the LayerNorm weights that
+    both hold drift apart, and the check before the final save stops both ranks with one line naming them; no
+    checkpoint is written (it would keep rank 0's copies, and a resume would not continue this run)."""
+    run_dir = tmp_path / "run"
+    r = torchrun_train(2, [*model_args(small_data, run_dir), "tp=2"], env(hooks, HOOK_DRIFT_RANK=1))
+    assert_one_error(r, ["rank 0 found weights that must equal other ranks' copies differ: ",
+                         "parameters that the TP group (ranks 0, 1) holds in common differ: blocks.",
+                         "(stopped after step 2; the last checkpoint: none)"], "torchrun", code=1, quick=False)
+    assert re.search(r"blocks\.\S+ \(\d+ of 64 elements, by up to [\d.e-]+; copies held by ranks 0 \| 1\)", r.err), r
+    assert not list(run_dir.glob("checkpoints/step_*"))
+
+
 def test_ranks_that_resolve_the_config_differently_stop(small_data, tmp_path):
     """Hydra resolves the command line on each rank: a run_dir through ${oc.env:RANK} is runs/r0 on rank 0 and
     runs/r1 on rank 1. Every rank stops at the job's first collective with one line naming both (they trained
