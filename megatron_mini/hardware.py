@@ -15,6 +15,7 @@ card, not the SXM one whose name, "NVIDIA H200", it also contains; "NVIDIA GH200
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +90,14 @@ def set_tf32(enabled: bool) -> bool:
         before = matmul.allow_tf32
         matmul.allow_tf32 = enabled
     return before
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """All the memory of `device`: a GPU's, or the host's physical memory for the CPU (None where the system does
+    not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -94,3 +94,8 @@ def partition(num_layers: int, num_stages: int, embedding_stage: str, first_bloc
         bounds.append((start, start + n))
         start += n
     return bounds
+
+
+def blocks_in(num_layers: int, first: int, end: int) -> int:
+    """How many blocks the layers [first, end) of [Embedding, Block_1..L, Head] hold."""
+    return max(min(end, num_layers + 1) - max(first, 1), 0)

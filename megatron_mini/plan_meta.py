@@ -40,6 +40,7 @@ from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
 from .meter import AllocationMeter, SavedTensorMeter
 from .model import ParallelContext, build_chunks, select_triton_ops
+from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
@@ -166,17 +167,12 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     return Facts(saved, 0.0, mesh.ledger.summary(), mesh.ledger.overlaps(), max(allocated.peak - saved, 0))
 
 
-def _blocks(cfg: TrainConfig, a: int, b: int) -> int:
-    """How many blocks the layers [a, b) hold (layer 0 the embedding, L + 1 the head)."""
-    return max(min(b, cfg.model.num_layers + 1) - max(a, 1), 0)
-
-
 def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
     """Facts of one microbatch through each chunk [a, b) of `stages`, from Planner.layer_facts: embedding,
     blocks (the first, the rest), head; a chunk that holds them all has a backward of its own (_tied_backward)."""
     end = cfg.model.num_layers + 2
     return [layers["embedding"] * (a == 0) + layers["first"] * (n > 0) + layers["block"] * max(n - 1, 0)
-            + layers["head"] * (b == end) for a, b in stages for n in [_blocks(cfg, a, b)]]
+            + layers["head"] * (b == end) for a, b in stages for n in [blocks_in(cfg.model.num_layers, a, b)]]
 
 
 def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
@@ -281,7 +277,8 @@ class Planner:
         layers, best = self.layer_facts(cfg), {}
         for r in range(cfg.pp):
             mine = local_stage_layers(cfg, r)
-            shape = tuple((a == 0, _blocks(cfg, a, b), b == cfg.model.num_layers + 2) for a, b in mine)
+            L = cfg.model.num_layers
+            shape = tuple((a == 0, blocks_in(L, a, b), b == L + 2) for a, b in mine)
             peak = self._peak(cfg, dp, r, _chunk_facts(cfg, layers, mine))[0]
             if shape not in best or peak > best[shape][0]:
                 best[shape] = (peak, r)

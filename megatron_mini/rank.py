@@ -12,6 +12,7 @@ from .launch import StopRequest
 from .mesh import ParallelMesh
 from .model import ParallelContext, build_chunks, compiles, select_triton_ops
 from .optimizer import Optimizer
+from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rng import RNGTracker
 
@@ -39,6 +40,25 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
         for buf in buffers:
             buf.wait_before(chunk.param_users())
     return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1)
+
+
+def state_bytes_at_least(cfg: TrainConfig, dp: int, pp_rank: int) -> int:
+    """A lower bound of the bytes that build_rank's rank `pp_rank` keeps for the whole run (its Optimizer's
+    memory_bytes()), from the config alone: the weight matrices of its blocks, its word embedding and positions,
+    the output layer's copy on a last stage that does not hold the embedding (biases and LayerNorms left out), each
+    element as a weight in the model's dtype, an fp32 main grad and Adam's fp32 state (two moments, and a master
+    with 16-bit weights: 1/dp of them with ZeRO-1). training._start_rank refuses a model that cannot fit with it
+    before building one."""
+    m = cfg.model
+    h, vocab = m.hidden_size, m.padded_vocab_size // cfg.tp * m.hidden_size
+    stages = local_stage_layers(cfg, pp_rank)
+    embedding = any(a == 0 for a, _ in stages)
+    elements = sum(blocks_in(m.num_layers, a, b) * (4 * h * h + 2 * h * m.ffn_hidden_size) // cfg.tp
+                   + (a == 0) * (vocab + m.seq_len * h) + (b == m.num_layers + 2 and not embedding) * vocab
+                   for a, b in stages)
+    weight = DTYPES[cfg.precision.dtype].itemsize
+    adam = 8 + 4 * (weight < 4)
+    return elements * weight + elements * 4 + elements * adam // (dp if cfg.zero else 1)
 
 
 def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: str | None, device: torch.device,

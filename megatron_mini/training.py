@@ -29,7 +29,7 @@ from . import checkpoint, replicas
 from .comm import Group, Ledger
 from .errors import CommError
 from .files import atomic_write
-from .hardware import set_tf32
+from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, validate
 from .data import DataError
@@ -41,7 +41,7 @@ from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import compiles, select_triton_ops
 from .pipeline import PipelineEngine
-from .rank import DTYPES, build_rank, reduce_loss
+from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
 from .rng import RNGTracker
 
 
@@ -126,6 +126,10 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
             refused = str(e)
     try:
         datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+        if cfg.gbs > len(datasets[0]):          # (every rank reads the whole global batch: get_batch)
+            raise ConfigError(f"gbs={cfg.gbs} is more samples than the training set holds ({len(datasets[0]):,} "
+                              f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens), so every step would read "
+                              f"some of them more than once: lower gbs, or train on a larger corpus.")
         data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
         # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
         resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data)
@@ -324,6 +328,7 @@ def _start_rank(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.de
     try:
         log = _setup_logging(cfg.run_dir, mesh.rank)
         doing = "build its model"
+        _refuse_what_cannot_fit(cfg, mesh, device)
         trainer = Trainer(cfg, mesh, datasets, device)
     except Exception as e:      # noqa: BLE001 - told to every rank, then raised below
         error = e
@@ -333,6 +338,21 @@ def _start_rank(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.de
     if found:
         raise RunError(f"rank {found[0]} {found[1]}", reporter=found[0]) from error
     return log, trainer
+
+
+def _refuse_what_cannot_fit(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    """MemoryError when what this rank keeps for the whole run (rank.state_bytes_at_least: no activations) is more
+    than its share of its device's memory (the host's is shared by the node's ranks, a GPU's by the ranks on it):
+    a model that large would be built in seconds on a GPU and fail at its first step, and layer by layer on the
+    CPU until the kernel killed the process, without a word."""
+    need, have = state_bytes_at_least(cfg, mesh.dp, mesh.pp_rank), device_memory_bytes(device)
+    local = gpu_slot()[1]
+    sharing = ranks_per_gpu(device, local, torch.cuda.device_count()) if device.type == "cuda" else local
+    if have and need > have / sharing:
+        share = f"its share of {device}'s {have / 2**30:.3g} GiB, which {sharing:g} ranks share" if sharing > 1 \
+            else f"{device}'s {have / 2**30:.3g} GiB"
+        raise MemoryError(f"its weights, fp32 gradients and Adam state alone need at least {need / 2**30:.3g} GiB, "
+                          f"more than {share}: use a smaller model, more tensor or pipeline parallelism, or zero=1")
 
 
 def _environmental(e: Exception) -> bool:

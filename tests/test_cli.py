@@ -229,6 +229,15 @@ def test_a_rank_that_cannot_open_its_log_is_one_line(small_data, tmp_path):
                          "[Errno 21] Is a directory"], "torchrun", code=1, quick=False)
 
 
+def test_a_model_that_cannot_fit_is_one_line_before_it_is_built(small_data, tmp_path):
+    """10^11 blocks: what the ranks keep for the whole run (weights, fp32 gradients, Adam) is more than the host's
+    memory, which the two ranks share; both stop at once with one line (before, each built blocks until the kernel
+    killed it, without a word)."""
+    r = torchrun_train(2, [*model_args(small_data, tmp_path / "run"), "model.num_layers=100000000000"])
+    assert_one_error(r, ["rank 0 could not build its model: MemoryError: its weights, fp32 gradients and Adam state "
+                         "alone need at least ", "GiB, which 2 ranks share: use a smaller model"], "torchrun", code=1)
+
+
 def test_copies_that_drift_apart_stop_every_rank_before_the_save(small_data, hooks, tmp_path):
     """At tp = 2 rank 1's LayerNorm rounds otherwise than rank 0's (HOOK_DRIFT_RANK): the LayerNorm weights that
     both hold drift apart, and the check before the final save stops both ranks with one line naming them; no

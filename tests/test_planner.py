@@ -426,6 +426,21 @@ def test_plan_says_why_nothing_can_run(capsys, tmp_path):
     assert main(["--layout", "sp=maybe"]) == 2 and capsys.readouterr().err.startswith("error: --layout sp=maybe")
 
 
+@pytest.mark.parametrize("dp, layout", [
+    (1, {}), (1, dict(pp=2)), (2, dict(tp=2, pp=2, zero=1)), (1, dict(pp=2, vpp=2)),
+    (2, dict(zero=1, **{"precision.dtype": "bf16"})), (1, dict(pp=4, embedding_stage="own")),
+    (1, dict(tp=4, **{"precision.dtype": "fp16", "model.vocab_pad_multiple": 16384}))])
+def test_the_state_floor_is_at_most_what_each_rank_holds(dp, layout, small_data, tmp_path, planner):
+    """rank.state_bytes_at_least (from the config alone, what training refuses a model too large for before
+    building it) is at most the weights, main grads and optimizer state of every rank built on meta as training
+    builds it, and within the biases and LayerNorms it leaves out (3% of the test model's blocks)."""
+    from megatron_mini.rank import state_bytes_at_least
+    cfg = small_config(small_data, tmp_path, **layout)
+    for pp_rank in range(cfg.pp):
+        held = sum(planner.rank_state(cfg, dp, pp_rank)[0].values())
+        assert 0.97 * held <= state_bytes_at_least(cfg, dp, pp_rank) <= held, (pp_rank, held)
+
+
 def test_a_layout_fits_in_the_gpu_memory_less_the_reserve(small_data, tmp_path, planner):
     """A GPU's nominal memory is not a layout's to fill (an "80 GB" A100 offers 79.3 GiB to CUDA, and the
     context and NCCL's buffers come out of that): a layout fits when its largest rank needs at most the
