@@ -96,5 +96,5 @@ def _describe(group, differ: list, total: int) -> str:
         parts.append(f"{name} ({int((s != 0).sum())} of {p.numel()} elements, by up to {s.max().item():.3g}; "
                      f"copies held by ranks {holders})")
     more = f" and {len(differ) - len(shown)} more" if len(differ) > len(shown) else ""
-    return (f"{len(differ)} of the {total} parameters that the {_GROUPS[group.name]} group (ranks "
-            f"{', '.join(map(str, group.ranks))}) holds in common differ: {', '.join(parts)}{more}")
+    return (f"the {_GROUPS[group.name]} group (ranks {', '.join(map(str, group.ranks))}) holds {len(differ)} of its "
+            f"{total} shared parameter{'s' * (total != 1)} differently: {', '.join(parts)}{more}")

@@ -210,7 +210,7 @@ class Trainer:
         checkpoint keeps one copy, so such a run could not be resumed as it is."""
         differ = replicas.compare(self.buffers, self.mesh)      # (every rank: its groups' collectives)
         if differ and self.failure is None:
-            self.failure = f"found weights that must equal other ranks' copies differ: {differ}"
+            self.failure = f"found copies of the weights that differ between ranks: {differ}"
         self.stop_on_failure()
 
     def train_step(self, stop: StopRequest | None = None) -> dict:

@@ -75,7 +75,9 @@ def test_every_rank_stops_on_a_copy_that_differs(small_data, tmp_path):
     every copy agrees; then one element moved by one ulp on one rank stops every rank with the same message, the
     first finder's, naming the parameter, the group, which ranks hold which copy, and by how much they differ. A
     LayerNorm weight (replicated over TP) on rank 1 differs from rank 0's (TP); a TP shard on rank 6 from rank 4's
-    (DP); the output layer's copy of the word embedding on rank 5 from rank 1's (embedding group)."""
+    (DP); the output layer's copy of the word embedding on rank 5 from rank 1's (embedding group). The counts of
+    shared parameters: 4 blocks x 6 replicated (2 LayerNorms, 2 row-parallel biases) + positions over TP on the first
+    stage; 4 blocks x 12 + the final LayerNorm's 2 + the word embedding's copy over DP on the last."""
     cfg = small_config(small_data, tmp_path, tp=2, pp=2, zero=1, steps=2)
     ln, shard, word = "blocks.1.ln1.weight", "blocks.6.mlp.fc1.weight", "embedding.word_embeddings.weight"
     results = spawn(8, _perturbed_checks, cfg, [(1, ln), (6, shard), (5, word)])
@@ -84,14 +86,17 @@ def test_every_rank_stops_on_a_copy_that_differs(small_data, tmp_path):
     units = [results[rank][case][1] for case, rank in enumerate((1, 6, 5), start=1)]    # where each case moved
     assert found[0][0] is None
     for ((message, reporter), first, text), unit in zip([
-            (found[0][1], 0, f"TP group (ranks 0, 1) holds in common differ: {ln} (1 of 64 elements, by up to "),
-            (found[0][2], 4, f"DP group (ranks 4, 6) holds in common differ: {shard} (1 of 8192 elements, by up to "),
-            (found[0][3], 1, f"embedding group (ranks 1, 5) holds in common differ: {word} (1 of 16384 elements, "
-                             "by up to ")], units):
+            (found[0][1], 0, f"the TP group (ranks 0, 1) holds 1 of its 25 shared parameters differently: {ln} "
+                             "(1 of 64 elements, by up to "),
+            (found[0][2], 4, f"the DP group (ranks 4, 6) holds 1 of its 51 shared parameters differently: {shard} "
+                             "(1 of 8192 elements, by up to "),
+            (found[0][3], 1, f"the embedding group (ranks 1, 5) holds 1 of its 1 shared parameter differently: {word} "
+                             "(1 of 16384 elements, by up to ")], units):
         # (the first rank that found a difference reports what it found: rank 1's DP group is not named for ln)
-        assert reporter == first and message.startswith(f"rank {first} found weights that must equal"), message
+        assert reporter == first, message
+        assert message.startswith(f"rank {first} found copies of the weights that differ between ranks: "), message
         assert text + f"{unit:.3g}; copies held by ranks " in message, message
-        assert message.count("holds in common differ") == 1, message
+        assert message.count(" differently: ") == 1, message
 
 
 def _train_with_own_triton_cache(cfg, cache_root):
