@@ -208,7 +208,7 @@ class Trainer:
     def check_replicas(self) -> None:
         """Stop every rank (stop_on_failure) when weights that ranks hold in common differ (replicas.compare): a
         checkpoint keeps one copy, so such a run could not be resumed as it is."""
-        differ = replicas.compare(self.buffers, self.mesh)      # (every rank: its groups' collectives)
+        differ = replicas.compare(self.buffers, self.optimizer, self.mesh)      # (every rank: its groups' collectives)
         if differ and self.failure is None:
             self.failure = f"found copies of the weights that differ between ranks: {differ}"
         self.stop_on_failure()
@@ -341,18 +341,27 @@ def _start_rank(cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.de
 
 
 def _refuse_what_cannot_fit(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
-    """MemoryError when what this rank keeps for the whole run (rank.state_bytes_at_least: no activations) is more
-    than its share of its device's memory (the host's is shared by the node's ranks, a GPU's by the ranks on it):
-    a model that large would be built in seconds on a GPU and fail at its first step, and layer by layer on the
-    CPU until the kernel killed the process, without a word."""
-    need, have = state_bytes_at_least(cfg, mesh.dp, mesh.pp_rank), device_memory_bytes(device)
-    local = gpu_slot()[1]
-    sharing = ranks_per_gpu(device, local, torch.cuda.device_count()) if device.type == "cuda" else local
-    if have and need > have / sharing:
-        share = f"its share of {device}'s {have / 2**30:.3g} GiB, which {sharing:g} ranks share" if sharing > 1 \
-            else f"{device}'s {have / 2**30:.3g} GiB"
-        raise MemoryError(f"its weights, fp32 gradients and Adam state alone need at least {need / 2**30:.3g} GiB, "
-                          f"more than {share}: use a smaller model, more tensor or pipeline parallelism, or zero=1")
+    """MemoryError when what this rank keeps for the whole run (rank.state_bytes_at_least: no activations), with at
+    least the smallest such floor of any stage for each other rank on its device (the node's ranks share the host;
+    ranks share a GPU round-robin, mesh.choose_device), is more than the device's memory: a model that large would
+    be built in seconds on a GPU and fail at its first step, and layer by layer on the CPU until the kernel killed
+    the process, without a word."""
+    local_rank, local = gpu_slot()
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 1
+    others = len(range(local_rank % gpus, local, gpus)) - 1
+
+    def floors(c: TrainConfig) -> tuple[int, int]:
+        """(this rank's floor, the other ranks' on its device at least) under config c."""
+        return (state_bytes_at_least(c, mesh.dp, mesh.pp_rank),
+                others * min(state_bytes_at_least(c, mesh.dp, r) for r in range(c.pp)) if others else 0)
+    have, (need, least) = device_memory_bytes(device), floors(cfg)
+    if have and need + least > have:
+        beside = f" (and the {others} other rank{'s' * (others > 1)} on it at least {least / 2**30:.3g} GiB more)" \
+            if others else ""
+        zero = ", or zero=1" if not cfg.zero and sum(floors(dataclasses.replace(cfg, zero=1))) <= have else ""
+        raise MemoryError(f"its weights, fp32 gradients and Adam state alone need at least {need / 2**30:.3g} GiB"
+                          f"{beside}, more than {device}'s {have / 2**30:.3g} GiB: use a smaller model, more tensor "
+                          f"or pipeline parallelism{zero}")
 
 
 def _environmental(e: Exception) -> bool:
@@ -447,11 +456,11 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
         paused = time.time()
-        if cfg.replica_check_interval and step % cfg.replica_check_interval == 0:
+        due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
+        if cfg.replica_check_interval and step % cfg.replica_check_interval == 0 and not due:   # (a save checks)
             trainer.check_replicas()
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             _evaluate(trainer, history, logger, log)
-        due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
         if due or not out["writing"]:                  # (not writing: every rank's files are done)
             _finish_pending(trainer, log)
         if due:

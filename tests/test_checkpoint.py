@@ -223,10 +223,10 @@ def _save_once(cfg, path):
     trainer.train_step()
     trainer.mesh.ledger.reset()
     trainer.save(path, {})
-    mesh, params = trainer.mesh, [p for buf in trainer.buffers for p in buf.names]
-    shared = {"dp": (mesh.dp, len(params)), "tp": (mesh.tp, sum(p.spec.tp_dim is None for p in params)),
-              "emb": (len(mesh.embedding_group.ranks) if mesh.embedding_group else 1, sum(p.spec.tied for p in params))}
-    return mesh.rank, mesh.ledger.summary(), {g: 8 * n * size for g, (size, n) in shared.items() if size > 1 and n}
+    from megatron_mini.replicas import shared
+    groups = shared(trainer.buffers, trainer.optimizer, trainer.mesh)
+    hashes = {g.name: 8 * g.size * len(tensors) for g, tensors in groups}
+    return trainer.mesh.rank, trainer.mesh.ledger.summary(), hashes
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "zero": 1}, {"pp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "pp": 2},
@@ -239,7 +239,7 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     writes its shard), and the files' tensors are 12 bytes per parameter in fp32 (the weight is its own master)
     and 14 in bf16 (2 + an fp32 master and two moments). The save's only collectives carry text: the failures'
     all-gathers (empty) and the index's gather onto rank 0 (10 to 20 KB here), and the replica check's hashes (one
-    all-gather of 8 bytes a parameter per group that shares them: replicas.py): no tensor is gathered onto a writer
+    all-gather of 8 bytes per tensor a group shares: replicas.py): no tensor is gathered onto a writer
     (gathering the weights alone would be 4 bytes per parameter)."""
     import json
 

@@ -441,6 +441,41 @@ def test_the_state_floor_is_at_most_what_each_rank_holds(dp, layout, small_data,
         assert 0.97 * held <= state_bytes_at_least(cfg, dp, pp_rank) <= held, (pp_rank, held)
 
 
+def test_a_model_is_refused_only_where_its_ranks_floors_cannot_fit_their_device(small_data, tmp_path, monkeypatch):
+    """training._refuse_what_cannot_fit: the four ranks of pp = 4 with a wide vocabulary on one host (uneven: the
+    embedding and head stages hold ~5x a block stage's) fit in the sum of their floors, which an even share of the
+    host refused to the embedding's rank (the review's case); a host below the rank's floor and three times the
+    smallest refuses it; a model that zero=1 would fit says so, one it would not does not."""
+    import types
+
+    from megatron_mini import training
+    from megatron_mini.rank import state_bytes_at_least
+    cfg = small_config(small_data, tmp_path, pp=4, embedding_stage="own", **{"model.vocab_pad_multiple": 16384})
+    floors = [state_bytes_at_least(cfg, 1, r) for r in range(4)]
+    assert max(floors) > 4 * min(floors)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+    def refusal(cfg, memory, pp_rank, dp=1):
+        monkeypatch.setattr(training, "device_memory_bytes", lambda device: memory)
+        monkeypatch.setenv("LOCAL_RANK", str(pp_rank))
+        monkeypatch.setenv("RANK", str(pp_rank))
+        try:
+            training._refuse_what_cannot_fit(cfg, types.SimpleNamespace(dp=dp, pp_rank=pp_rank), torch.device("cpu"))
+        except MemoryError as e:
+            return str(e)
+    assert [refusal(cfg, sum(floors), r) for r in range(4)] == [None] * 4
+    alone = floors[0] + 3 * min(floors)
+    assert refusal(cfg, alone, 0) is None
+    assert refusal(cfg, alone - 1, 0).startswith(f"its weights, fp32 gradients and Adam state alone need at least "
+                                                 f"{floors[0] / 2**30:.3g} GiB (and the 3 other ranks on it at least ")
+    dp4 = small_config(small_data, tmp_path, gbs=32)
+    full, sharded = (4 * state_bytes_at_least(c, 4, 0) for c in (dp4, dataclasses.replace(dp4, zero=1)))
+    assert refusal(dp4, sharded, 0, dp=4).endswith("more tensor or pipeline parallelism, or zero=1")
+    assert refusal(dp4, sharded - 1, 0, dp=4).endswith("more tensor or pipeline parallelism")
+    assert refusal(dp4, full, 0, dp=4) is None
+
+
 def test_a_layout_fits_in_the_gpu_memory_less_the_reserve(small_data, tmp_path, planner):
     """A GPU's nominal memory is not a layout's to fill (an "80 GB" A100 offers 79.3 GiB to CUDA, and the
     context and NCCL's buffers come out of that): a layout fits when its largest rank needs at most the

@@ -9,53 +9,77 @@ from ranks import spawn
 from megatron_mini import replicas
 
 
-def _reference(t: torch.Tensor) -> int:
-    """The module doc's hash in Python's exact integers."""
-    ints = {2: torch.int16, 4: torch.int32}[t.element_size()]
-    bits = t.reshape(-1).view(ints).tolist()
-    return sum(b * ((i * replicas.A % replicas.P) ** 2 % replicas.P + 1) for i, b in enumerate(bits)) % replicas.P
+def _reference(t: torch.Tensor, chunk: int) -> int:
+    """The module doc's hash in Python's exact integers (chunks of `chunk` 16-bit values)."""
+    P, A = replicas.P, replicas.A
+
+    def w(j):
+        return ((j + 1) * A % P) ** 2 % P + 1
+    bits = t.reshape(-1).view(torch.int16).tolist()
+    chunks = [bits[lo:lo + chunk] for lo in range(0, len(bits), chunk)]
+    return sum(sum(b * w(j) for j, b in enumerate(c)) % P * w(k) for k, c in enumerate(chunks)) % P
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_hash_is_the_formula_and_any_one_bit_changes_it(dtype, monkeypatch):
     """Chunked (CHUNK = 7 here) as a whole: equal to the exact-integer formula, for negative values (negative
-    integer bits) too; one bit flipped in any element, or two unequal elements swapped, changes it."""
+    integer bits) too; one bit flipped in any element, or two unequal elements swapped, changes it, and so do an
+    fp32 element whose integer bits moved by P (1.0 -> -1.0000001 and -1.0 -> 0.99999994, which a hash of the
+    32-bit integers mod P missed) and +0.0 -> -0.0."""
     monkeypatch.setattr(replicas, "CHUNK", 7)
+    weights = replicas.weight(torch.arange(7))
+
+    def fingerprint(t):
+        return replicas.fingerprint(t, weights).item()
     x = (torch.randn(5, 9, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
-    h = replicas.fingerprint(x).item()
-    assert h == _reference(x)
-    assert replicas.fingerprint(x.clone()).item() == h
+    h = fingerprint(x)
+    assert h == _reference(x, 7)
+    assert fingerprint(x.clone()) == h
     ints = x.view({2: torch.int16, 4: torch.int32}[x.element_size()]).reshape(-1)
     for i in range(x.numel()):
-        for bit in (0, 7, x.element_size() * 8 - 1):          # the lowest (one unit in the last place), the sign
+        for bit in (0, 7, 15, x.element_size() * 8 - 1):    # the lowest (one unit in the last place), ..., the sign
             y = ints.clone()
             y[i] ^= (1 << bit) if bit < x.element_size() * 8 - 1 else -(1 << bit)
-            assert replicas.fingerprint(y.view(dtype)).item() != h, (i, bit)
+            assert fingerprint(y.view(dtype)) != h, (i, bit)
     swapped = x.reshape(-1).clone()
     swapped[[3, 40]] = swapped[[40, 3]]
-    assert replicas.fingerprint(swapped).item() != h
+    assert fingerprint(swapped) != h
+    zero = torch.zeros(9, dtype=dtype)
+    signed = zero.clone()
+    signed[4] = -0.0
+    assert fingerprint(signed) != fingerprint(zero)
+    if dtype == torch.float32:
+        for base, other in ((1.0, -1.0000001), (-1.0, 0.99999994)):
+            x, y = torch.full((9,), base), torch.full((9,), base)
+            y[4] = other
+            assert abs(int(y.view(torch.int32)[4]) - int(x.view(torch.int32)[4])) == replicas.P
+            assert fingerprint(y) != fingerprint(x), other
 
 
 def _perturbed_checks(cfg, cases):
-    """Per case (rank, parameter name): this rank's RunError (message, reporter) from Trainer.check_replicas after
-    `rank` moved that parameter's first element up by one unit in the last place (None where the check passed),
-    and the unit on that rank (None on the others)."""
+    """Per case (rank, name, how): this rank's RunError (message, reporter) from Trainer.check_replicas (None where
+    it passed) after `rank` changed the first element of tensor `name` (a parameter, or "<name> (fp32 master)":
+    its optimizer's master), and what it changed there (None on the other ranks): "ulp" moves it up by one unit in
+    the last place (the unit), "sign" turns a 0 into -0.0 (every rank first sets +0.0; 0)."""
     import math
 
     from megatron_mini.config import RunError
+    from megatron_mini.replicas import shared
     trainer = make_trainer(cfg)
     for _ in range(2):
         trainer.train_step()
-    params = {name: p for buf in trainer.buffers for p, name in buf.names.items()}
+    tensors = {name: t for _, ts in shared(trainer.buffers, trainer.optimizer, trainer.mesh) for name, t in ts.items()}
     out = []
-    for rank, name in [(None, None)] + cases:
-        p = params.get(name)
-        kept = p.detach().clone() if p is not None else None
+    for rank, name, how in [(None, None, None)] + cases:
+        t = tensors.get(name)
+        kept = t.detach().clone() if t is not None else None
         unit = None
-        if trainer.mesh.rank == rank:
-            with torch.no_grad():
-                first = p.view(-1)[:1]
-                moved = torch.nextafter(first, torch.full_like(first, math.inf))
+        with torch.no_grad():
+            first = t.view(-1)[:1] if t is not None else None
+            if how == "sign":
+                first.fill_(0.0)
+            if trainer.mesh.rank == rank:
+                moved = torch.nextafter(first, torch.full_like(first, math.inf)) if how == "ulp" else -first
                 unit = (moved - first).item()
                 first.copy_(moved)
         try:
@@ -66,7 +90,7 @@ def _perturbed_checks(cfg, cases):
         trainer.failure = None
         if kept is not None:
             with torch.no_grad():
-                p.copy_(kept)
+                t.copy_(kept)
     return out
 
 
@@ -76,27 +100,45 @@ def test_every_rank_stops_on_a_copy_that_differs(small_data, tmp_path):
     first finder's, naming the parameter, the group, which ranks hold which copy, and by how much they differ. A
     LayerNorm weight (replicated over TP) on rank 1 differs from rank 0's (TP); a TP shard on rank 6 from rank 4's
     (DP); the output layer's copy of the word embedding on rank 5 from rank 1's (embedding group). The counts of
-    shared parameters: 4 blocks x 6 replicated (2 LayerNorms, 2 row-parallel biases) + positions over TP on the first
+    shared tensors: 4 blocks x 6 replicated (2 LayerNorms, 2 row-parallel biases) + positions over TP on the first
     stage; 4 blocks x 12 + the final LayerNorm's 2 + the word embedding's copy over DP on the last."""
     cfg = small_config(small_data, tmp_path, tp=2, pp=2, zero=1, steps=2)
     ln, shard, word = "blocks.1.ln1.weight", "blocks.6.mlp.fc1.weight", "embedding.word_embeddings.weight"
-    results = spawn(8, _perturbed_checks, cfg, [(1, ln), (6, shard), (5, word)])
+    results = spawn(8, _perturbed_checks, cfg, [(1, ln, "ulp"), (6, shard, "ulp"), (5, word, "ulp")])
     found = [[check for check, _ in r] for r in results]
     assert all(f == found[0] for f in found), found
     units = [results[rank][case][1] for case, rank in enumerate((1, 6, 5), start=1)]    # where each case moved
     assert found[0][0] is None
     for ((message, reporter), first, text), unit in zip([
-            (found[0][1], 0, f"the TP group (ranks 0, 1) holds 1 of its 25 shared parameters differently: {ln} "
+            (found[0][1], 0, f"the TP group (ranks 0, 1) holds 1 of its 25 shared tensors differently: {ln} "
                              "(1 of 64 elements, by up to "),
-            (found[0][2], 4, f"the DP group (ranks 4, 6) holds 1 of its 51 shared parameters differently: {shard} "
+            (found[0][2], 4, f"the DP group (ranks 4, 6) holds 1 of its 51 shared tensors differently: {shard} "
                              "(1 of 8192 elements, by up to "),
-            (found[0][3], 1, f"the embedding group (ranks 1, 5) holds 1 of its 1 shared parameter differently: {word} "
+            (found[0][3], 1, f"the embedding group (ranks 1, 5) holds 1 of its 1 shared tensor differently: {word} "
                              "(1 of 16384 elements, by up to ")], units):
         # (the first rank that found a difference reports what it found: rank 1's DP group is not named for ln)
         assert reporter == first, message
         assert message.startswith(f"rank {first} found copies of the weights that differ between ranks: "), message
         assert text + f"{unit:.3g}; copies held by ranks " in message, message
         assert message.count(" differently: ") == 1, message
+
+
+def test_the_fp32_masters_and_a_signed_zero_are_checked_too(small_data, tmp_path):
+    """bf16 weights at tp = 2 (ranks 0 and 1): rank 1's fp32 master of a LayerNorm weight moved by one fp32 ulp, which
+    no bf16 weight shows yet (a drifting gradient moves the masters first), stops both ranks, naming the master; a
+    weight that is +0.0 on rank 0 and -0.0 on rank 1 is one element that differs, by 0. The TP group shares 102
+    tensors: 8 blocks x 6 replicated parameters + positions + the final LayerNorm's 2, and their masters."""
+    cfg = small_config(small_data, tmp_path, tp=2, steps=2, **{"precision.dtype": "bf16"})
+    master, bias = "blocks.1.ln1.weight (fp32 master)", "blocks.2.attn.proj.bias"
+    results = spawn(2, _perturbed_checks, cfg, [(1, master, "ulp"), (1, bias, "sign")])
+    assert [check for check, _ in results[0]] == [check for check, _ in results[1]], results
+    (passed, _), ((on_master, reporter), _), ((on_bias, _), _) = results[0]
+    unit = results[1][1][1]
+    assert passed is None and reporter == 0
+    assert (f"the TP group (ranks 0, 1) holds 1 of its 102 shared tensors differently: {master} (1 of 64 elements, "
+            f"by up to {unit:.3g}; copies held by ranks 0 | 1)") in on_master, on_master
+    assert (f"holds 1 of its 102 shared tensors differently: {bias} (1 of 64 elements, by up to 0; copies held by "
+            "ranks 0 | 1)") in on_bias, on_bias
 
 
 def _train_with_own_triton_cache(cfg, cache_root):
