@@ -6,8 +6,9 @@ range it keeps fp32 master weights (the parameter buffer itself in fp32), and Ad
 So optimizer state per rank shrinks by dp with ZeRO-1: bf16 weights cost
 2 (weight) + 4 (main grad) + (4 + 8) / dp bytes per parameter.
 
-A step: finalize gradients (sum sequence-parallel replicated params over TP, the tied word
-embedding over the embedding group) -> global norm (TP-replicated params and the tied copy
+A step: finalize gradients (sum sequence-parallel replicated params over TP, or average the other replicated
+ones where each TP rank's autotuned kernel may round them otherwise; the tied word embedding over the embedding
+group) -> global norm (TP-replicated params and the tied copy
 counted once; the same all-reduce detects inf/nan everywhere) -> skip, or AdamW with the
 gradients divided by (fp16 loss scale / clip factor) inside the fused kernel -> copy to 16-bit
 weights -> ZeRO all-gather, async: each layer of the next forward waits for its own weights.
@@ -74,7 +75,7 @@ class Range:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    tp_sum_segments: list     # (a, b) offsets of sequence-parallel replicated params
+    tp_sum_segments: list     # (a, b, scale): offsets of replicated params summed over TP and scaled (1, or 1/tp)
     tied: bool                # the range belongs to the tied word-embedding bucket
 
     @property
@@ -97,7 +98,11 @@ class Optimizer:
     one for the rest. The kernel divides every gradient by `grad_scale` first, which carries both
     the fp16 loss scale and the clipping factor, so neither needs a pass of its own."""
 
-    def __init__(self, buffers: list, mesh: ParallelMesh, cfg: OptimizerConfig, precision: PrecisionConfig, zero: bool):
+    def __init__(self, buffers: list, mesh: ParallelMesh, cfg: OptimizerConfig, precision: PrecisionConfig, zero: bool,
+                 average_replicated: bool = False):
+        """average_replicated: average the TP ranks' gradients of the replicated parameters that sequence
+        parallelism does not sum (rank.build_rank: where the Triton LayerNorm runs at tp > 1 without sp, as each
+        rank autotunes its tiles, so its sums, and so these gradients, may round otherwise on each rank)."""
         self.buffers, self.mesh, self.cfg, self.zero = buffers, mesh, cfg, zero
         self.scaler = DynamicLossScaler(precision) if precision.dtype == "fp16" else None
         self.step_count = 0
@@ -121,7 +126,9 @@ class Optimizer:
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0
                     (self.check_views if replicated_copy or p.spec.copy else self.norm_views).append(views[1])
                     if p.spec.sequence_parallel:
-                        r.tp_sum_segments.append((a, b))
+                        r.tp_sum_segments.append((a, b, 1.0))
+                    elif average_replicated and p.spec.tp_dim is None:
+                        r.tp_sum_segments.append((a, b, 1.0 / mesh.tp))
                     r.tied = r.tied or (p.spec.tied and mesh.pp > 1)
                 self.ranges.append(r)
         device = buffers[0].grads_flat.device
@@ -130,15 +137,17 @@ class Optimizer:
 
     # -- gradients
     def finalize_grads(self) -> None:
-        """Sums that make replicated gradients whole: SP params over TP (one flat all-reduce),
-        the tied word embedding over the embedding group (first and last stage)."""
-        pieces = [(r, a, b) for r in self.ranges for a, b in r.tp_sum_segments]
+        """Sums that make replicated gradients whole: SP params over TP (one flat all-reduce, which also averages
+        the other replicated ones where asked), the tied word embedding over the embedding group (first and last
+        stage)."""
+        pieces = [(r, a, b, scale) for r in self.ranges for a, b, scale in r.tp_sum_segments]
         if pieces and self.mesh.tp > 1:
-            flat = torch.cat([r.grad[a:b] for r, a, b in pieces])
+            flat = torch.cat([r.grad[a:b] for r, a, b, _ in pieces])
             comm.all_reduce(flat, self.mesh.tp_group)
             offset = 0
-            for r, a, b in pieces:
-                r.grad[a:b].copy_(flat[offset:offset + b - a])
+            for r, a, b, scale in pieces:
+                piece = flat[offset:offset + b - a]
+                r.grad[a:b].copy_(piece if scale == 1.0 else piece.mul_(scale))
                 offset += b - a
         for r in self.ranges:
             if r.tied:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import make_trainer, small_config
+from harness import make_trainer, replace, small_config, train_on_ranks
 from ranks import spawn
 from megatron_mini import replicas
 
@@ -141,6 +141,47 @@ def test_the_fp32_masters_and_a_signed_zero_are_checked_too(small_data, tmp_path
             "ranks 0 | 1)") in on_bias, on_bias
 
 
+def _train_with_other_tiles_on_rank_1(cfg, average):
+    """train(cfg) with rank 1's Triton LayerNorm (the interpreter's launch) on row tiles of half the height, as a
+    rank that autotuned another config: its sums run in another order. `average`: the optimizer averages the
+    replicated gradients over TP (rank.build_rank asks it to where the Triton LayerNorm runs at tp > 1 without sp).
+    Returns the losses, or the RunError's message."""
+    import os
+
+    from megatron_mini import rank
+    from megatron_mini.config import RunError
+    from megatron_mini.optimizer import Optimizer
+    from megatron_mini.kernels import cdiv, layernorm, next_power_of_2
+    from megatron_mini.training import train
+    if os.environ["RANK"] == "1":
+        def launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
+            block_m = min(next_power_of_2(cdiv(n_rows, 4)), max(1, 2**14 // block_n))
+            tuned.fn[grid](*args, BLOCK_M=max(1, block_m // 2), BLOCK_N=block_n, num_warps=4, **meta)
+        layernorm._launch = launch
+    if not average:
+        rank.Optimizer = lambda *args, **kwargs: Optimizer(*args, **{**kwargs, "average_replicated": False})
+    try:
+        return train(cfg)["loss"]
+    except RunError as e:
+        return str(e)
+
+
+def test_tp_ranks_whose_layer_norm_rounds_otherwise_keep_equal_copies(small_data, tmp_path):
+    """kernels=layer_norm at tp = 2 without sp, rank 1's LayerNorm on other tiles (a GPU's per-rank autotuning, on
+    this CPU): its LayerNorm gradients, and through its dx every replicated parameter's, round otherwise than rank
+    0's; the replicas drift apart in the first step and the check after it stops the run. Averaged over TP they stay
+    equal, and the run trains as with equal tiles (within fp32 rounding)."""
+    cfg = small_config(small_data, tmp_path / "a", tp=2, kernels="layer_norm", steps=2, replica_check_interval=1,
+                       **{"model.num_layers": 1})
+    drifted = spawn(2, _train_with_other_tiles_on_rank_1, cfg, False, init_group=False)[0]
+    assert isinstance(drifted, str) and drifted.startswith(
+        "rank 0 found copies of the weights that differ between ranks: the TP group (ranks 0, 1) holds "), drifted
+    averaged = spawn(2, _train_with_other_tiles_on_rank_1, replace(cfg, run_dir=str(tmp_path / "b")), True,
+                     init_group=False)[0]
+    same = train_on_ranks(2, replace(cfg, run_dir=str(tmp_path / "c")))["loss"]
+    assert torch.allclose(torch.tensor(averaged), torch.tensor(same), rtol=1e-6, atol=0), (averaged, same)
+
+
 def _train_with_own_triton_cache(cfg, cache_root):
     """train(cfg) on this rank with a Triton cache of its own (as on a node of its own, or in a first run), so that
     each rank times its kernels' configs itself."""
@@ -156,7 +197,8 @@ def _train_with_own_triton_cache(cfg, cache_root):
 def test_the_triton_layer_norm_keeps_the_tp_copies_equal_on_a_gpu(small_data, tmp_path):
     """kernels=triton at tp = 2 without sp, two ranks on one GPU, each autotuning the LayerNorm on its own: every TP
     rank computes the replicated LayerNorm and its gradients, so a config chosen otherwise on one rank (the order
-    of its sums) would drift the copies apart, and the check after every step would stop the run."""
+    of its sums) would drift the copies apart without the average over TP (the test above, on this CPU), and the
+    check after every step would stop the run."""
     cfg = small_config(small_data, tmp_path / "run", tp=2, kernels="triton", device="cuda", steps=6,
                        replica_check_interval=1, **{"precision.dtype": "bf16"})
     spawn(2, _train_with_own_triton_cache, cfg, str(tmp_path / "triton"), init_group=False)
