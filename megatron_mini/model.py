@@ -67,6 +67,17 @@ def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device
                         for op, size in sizes.items()})
 
 
+def tp_ranks_may_round_apart(kernels: Kernels, tp: int, sp: bool) -> bool:
+    """Whether the TP ranks may round the replicated parameters' gradients otherwise, so that the optimizer must
+    average them over TP (Optimizer's average_replicated): where the Triton LayerNorm, which each rank autotunes,
+    may run at tp > 1 without sp (every TP rank computes the whole LayerNorm). From the config alone, which every
+    rank agrees on (kernels=auto's choice depends on a rank's GPU): a rank that ran the average's all-reduce while
+    another did not would hang."""
+    layer_norm = kernels in ("triton", "layer_norm") or (
+        kernels == "auto" and any(entry[0] == "layer_norm" for entry in TRITON_WINS))
+    return tp > 1 and not sp and layer_norm
+
+
 # SDPA's backends on CUDA in this order of preference, each taken if it accepts the inputs. On an H100
 # (2026-11-24, docs/probes/eager_glue.py) the attention core at gpt2-small's shape, q, k, v split from the
 # qkv columns as Attention.core does, took 0.509 ms fwd+bwd under cuDNN, 0.722 under flash, and 0.881 as

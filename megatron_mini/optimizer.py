@@ -75,7 +75,7 @@ class Range:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    tp_sum_segments: list     # (a, b, scale): offsets of replicated params summed over TP and scaled (1, or 1/tp)
+    tp_sum_segments: list     # (a, b, n): offsets of replicated params summed over TP, then divided by n (1, or tp)
     tied: bool                # the range belongs to the tied word-embedding bucket
 
     @property
@@ -126,9 +126,9 @@ class Optimizer:
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0
                     (self.check_views if replicated_copy or p.spec.copy else self.norm_views).append(views[1])
                     if p.spec.sequence_parallel:
-                        r.tp_sum_segments.append((a, b, 1.0))
+                        r.tp_sum_segments.append((a, b, 1))
                     elif average_replicated and p.spec.tp_dim is None:
-                        r.tp_sum_segments.append((a, b, 1.0 / mesh.tp))
+                        r.tp_sum_segments.append((a, b, mesh.tp))
                     r.tied = r.tied or (p.spec.tied and mesh.pp > 1)
                 self.ranges.append(r)
         device = buffers[0].grads_flat.device
@@ -140,14 +140,14 @@ class Optimizer:
         """Sums that make replicated gradients whole: SP params over TP (one flat all-reduce, which also averages
         the other replicated ones where asked), the tied word embedding over the embedding group (first and last
         stage)."""
-        pieces = [(r, a, b, scale) for r in self.ranges for a, b, scale in r.tp_sum_segments]
+        pieces = [(r, a, b, n) for r in self.ranges for a, b, n in r.tp_sum_segments]
         if pieces and self.mesh.tp > 1:
             flat = torch.cat([r.grad[a:b] for r, a, b, _ in pieces])
             comm.all_reduce(flat, self.mesh.tp_group)
             offset = 0
-            for r, a, b, scale in pieces:
+            for r, a, b, n in pieces:
                 piece = flat[offset:offset + b - a]
-                r.grad[a:b].copy_(piece if scale == 1.0 else piece.mul_(scale))
+                r.grad[a:b].copy_(piece if n == 1 else piece.div_(n))
                 offset += b - a
         for r in self.ranges:
             if r.tied:

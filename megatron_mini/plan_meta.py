@@ -39,7 +39,7 @@ from .config import TrainConfig
 from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
 from .meter import AllocationMeter, SavedTensorMeter
-from .model import ParallelContext, build_chunks, select_triton_ops
+from .model import ParallelContext, build_chunks, select_triton_ops, tp_ranks_may_round_apart
 from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
@@ -299,7 +299,9 @@ class Planner:
         m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
         step = sum(chunks, Facts()) * m
         ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})
-        ledger = _merged(ledger, with_sp if cfg.sp else without_sp)
+        # (with sp, or where the TP ranks average the replicated gradients: the same all-reduce of the same tensors)
+        ledger = _merged(ledger, with_sp if cfg.sp or tp_ranks_may_round_apart(cfg.kernels, cfg.tp, cfg.sp)
+                         else without_sp)
         flops = sum(c.flops for c in chunks)
         return RankFacts(pp_rank, {**memory, "activations": peak, "backward": backward},
                          peak_pairs, m * flops, ledger, flops, step.overlaps)

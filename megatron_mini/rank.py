@@ -10,7 +10,7 @@ from .config import TrainConfig
 from .data_parallel import GradBuffer
 from .launch import StopRequest
 from .mesh import ParallelMesh
-from .model import ParallelContext, build_chunks, compiles, select_triton_ops
+from .model import ParallelContext, build_chunks, compiles, select_triton_ops, tp_ranks_may_round_apart
 from .optimizer import Optimizer
 from .partition import blocks_in
 from .pipeline import local_stage_layers
@@ -25,9 +25,10 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     chunk and the Optimizer over them: (chunks, buffers, optimizer). The planner builds ranks with it
     too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
     dtype = DTYPES[cfg.precision.dtype]
-    triton = select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype)
     if chunks is None:
-        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute, triton, compiles(cfg, device))
+        ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
+                              select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype),
+                              compiles(cfg, device))
         chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
     seen, buffers = set(), []
     for chunk in chunks:
@@ -39,7 +40,7 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
         for buf in buffers:
             buf.wait_before(chunk.param_users())
     return chunks, buffers, Optimizer(buffers, mesh, cfg.optimizer, cfg.precision, zero=cfg.zero == 1,
-                                      average_replicated=triton.layer_norm and not cfg.sp)
+                                      average_replicated=tp_ranks_may_round_apart(cfg.kernels, cfg.tp, cfg.sp))
 
 
 def state_bytes_at_least(cfg: TrainConfig, dp: int, pp_rank: int) -> int:

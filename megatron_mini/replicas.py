@@ -16,9 +16,10 @@ longer the model of one device, and a resume would not continue it.
 
 Each rank hashes each tensor's bits as 16-bit integers b (two per fp32 element), CHUNK at a time, P = 2^31 - 1:
     H_c = sum_j b_cj * w_j  mod P,   hash = sum_c H_c * w_c  mod P,   w_j = ((j + 1) * A mod P)^2 mod P + 1
-(int64, no overflow): w is never 0 mod P and takes distinct values for j < P / 2 (x^2 = y^2 only for y = +-x), so
-one 16-bit half that differs always changes the hash (|b - b'| < 2^16 < P), and other differences cancel with a
-chance of about 1/P. A group all-gathers its members' hashes ([members, tensors], int64), so every member sees the
+(int64, no overflow): w is never 0 mod P (P = 3 mod 4: u^2 = -1 has no root) and takes distinct values for
+j + 1 <= (P - 1) / 2 (x^2 = y^2 only for y = +-x), so one 16-bit half that differs always changes the hash
+(|b - b'| < 2^16 < P); other differences, an fp32 element's two halves among them, cancel with a chance of about
+1/P. A group all-gathers its members' hashes ([members, tensors], int64), so every member sees the
 same differences; for the first few it then all-reduces the tensors, a chunk at a time, to count the elements
 that differ and say by how much.
 """
@@ -40,7 +41,7 @@ _GROUPS = {"dp": "DP", "tp": "TP", "emb": "embedding"}
 
 
 def weight(j: torch.Tensor | int):
-    """w_j of the module doc (an int64 tensor of them for a tensor of positions j < P / 2)."""
+    """w_j of the module doc (an int64 tensor of them for a tensor of positions j < (P - 1) / 2)."""
     u = (j + 1) * A % P
     return u * u % P + 1
 

@@ -51,14 +51,20 @@ def _tp_activation_bytes(cfg):
     return cfg.model.seq_len * cfg.mbs * cfg.model.hidden_size * F32
 
 
-def test_tp2_step(small_data, tmp_path):
-    cfg = small_config(small_data, tmp_path, tp=2)
-    m, L = cfg.gbs // cfg.mbs, cfg.model.num_layers
+@pytest.mark.parametrize("kernels", ["torch", "layer_norm"])
+def test_tp2_step(kernels, small_data, tmp_path):
+    """With the Triton LayerNorm (autotuned per rank) the replicated parameters' gradients are averaged over TP
+    once a step: one all-reduce of 2L+1 LayerNorms (w, b), 2L row-parallel biases and the positions."""
+    cfg = small_config(small_data, tmp_path, tp=2, kernels=kernels)
+    m, L, h = cfg.gbs // cfg.mbs, cfg.model.num_layers, cfg.model.hidden_size
     act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
     # per microbatch: forward g (embedding) + 2 g per block; backward 2 f per block + f (head)
     # and the cross entropy's two all-reduces: the max [s, b], then sum-exp and target logit [2, s, b]
     calls = m * (1 + 2 * L + 2 * L + 1 + 2)
     nbytes = m * ((1 + 4 * L + 1) * act + 3 * tokens)
+    if kernels == "layer_norm":
+        calls += 1
+        nbytes += ((2 * L + 1) * 2 * h + 2 * L * h + cfg.model.seq_len * h) * F32
     # each backward f is fused into its linear: dx's all-reduce runs beside dW's GEMM
     beside = Counter()
     for flops, n in _column_parallel_gemms(cfg, 2):

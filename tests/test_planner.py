@@ -42,6 +42,7 @@ GRID = {                                   # name: (world size, layout)
     "dp2-zero-selective": (2, dict(zero=1, recompute="selective")),
     "tp2-pp2-sp-bf16": (4, dict(tp=2, pp=2, sp=True, **{"precision.dtype": "bf16"})),
     "pp2-dropout": (2, dict(pp=2, **{"model.dropout": 0.1})),      # on the CPU: SDPA's math path
+    "tp2-layer_norm": (2, dict(tp=2, kernels="layer_norm")),        # the replicated gradients averaged over TP
 }
 
 
