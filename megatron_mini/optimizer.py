@@ -8,10 +8,10 @@ So optimizer state per rank shrinks by dp with ZeRO-1: bf16 weights cost
 
 A step: finalize gradients (sum sequence-parallel replicated params over TP, or average the other replicated
 ones where each TP rank's autotuned kernel may round them otherwise; the tied word embedding over the embedding
-group) -> global norm (TP-replicated params and the tied copy
-counted once; the same all-reduce detects inf/nan everywhere) -> skip, or AdamW with the
-gradients divided by (fp16 loss scale / clip factor) inside the fused kernel -> copy to 16-bit
-weights -> ZeRO all-gather, async: each layer of the next forward waits for its own weights.
+group) -> global norm (TP-replicated params and the tied copy counted once; the same all-reduce detects inf/nan
+everywhere) -> skip, or AdamW with the gradients divided by (fp16 loss scale / clip factor) inside the fused
+kernel -> copy to 16-bit weights -> ZeRO all-gather, async: each layer of the next forward waits for its own
+weights.
 """
 from __future__ import annotations
 

@@ -275,13 +275,17 @@ def _bwd_looped(X, DY, DH, DX, W, Mu, Rstd, C1, C2, Part, stride_x, stride_dy, s
 
 
 # ----------------------------------------------------------------------------------- launching
+def interpreter_block_m(n_rows: int, block_n: int) -> int:
+    """Rows per tile under the interpreter (one config, no autotuning): about 4 row tiles."""
+    return min(next_power_of_2(cdiv(n_rows, 4)), max(1, 2**14 // block_n))
+
+
 def _launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
     """Launch an autotuned kernel on rows of n_cols (block_n: its power of 2), keyed as the autotuner keys it
     (n_cols and the HAS_* flag); under the interpreter (programs run one after another, 10-40 ms each) the plain
     kernel, with BLOCK_M chosen for about 4 row tiles."""
     if _INTERPRET:
-        block_m = min(next_power_of_2(cdiv(n_rows, 4)), max(1, 2**14 // block_n))
-        tuned.fn[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
+        tuned.fn[grid](*args, BLOCK_M=interpreter_block_m(n_rows, block_n), BLOCK_N=block_n, num_warps=4, **meta)
     else:
         launch_tuned(tuned, grid, *args, key=(n_cols, *meta.values()), BLOCK_N=block_n, **meta)
 
