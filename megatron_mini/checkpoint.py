@@ -8,7 +8,8 @@ reads them back.
                                      parameter's TP slice that this rank's optimizer holds (Optimizer.saved_state:
                                      DP rank 0's whole state, or with ZeRO-1 every rank's own shard); the fp32
                                      master only beside 16-bit weights (fp32 weights are their own master)
-        meta.json                    step, consumed_samples, layout, config, data identity, the optimizer's
+        meta.json                    step, consumed_samples, the step's loss, whether its evaluation is owed (a
+                                     stop came first), layout, config, data identity, the optimizer's
                                      counters, the sha256 of every file, and the index: each tensor's full
                                      shape and TP split ("tensors"), what each file holds ("shards")
     {run_dir}/checkpoints/latest   the name of the newest complete checkpoint
@@ -365,12 +366,13 @@ class Save:
     in a thread when `background`; `finish` (every rank, once `writing` is false everywhere or to wait for it)
     agrees on the outcome, and rank 0 publishes it."""
 
-    def __init__(self, path: str, step: int, consumed_samples: int, buffers: list, optimizer, mesh, config: dict,
-                 data: dict, keep: int, background: bool = False):
+    def __init__(self, path: str, progress: dict, buffers: list, optimizer, mesh, config: dict, data: dict,
+                 keep: int, background: bool = False):
+        """`progress`: the run's counters, into meta.json ({step, consumed_samples, loss, evaluation_owed})."""
         self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
         self.tmp = path + ".tmp"
         self.last_good = _read_latest(os.path.dirname(path)) or "none"
-        self.meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+        self.meta = {"format": FORMAT, **progress,
                      "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
                      "config": config, "data": data, "optimizer": optimizer.counters()}
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}

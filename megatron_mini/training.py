@@ -4,7 +4,8 @@ Order matters: the config, the pipeline split, the schedule, the device, the run
 data files and the checkpoint to resume from are checked identically on every rank *before* any
 process group exists (`prepare_run`), so a bad run ends everywhere with one message instead of
 hanging in a collective. Rank 0 holds the run directory's lock for the whole run. A SIGTERM is
-shared with every rank at the end of a step (in the loss all-reduce); then all save and stop. What rank 0 writes
+shared with every rank at the end of a step or evaluation batch (in the loss all-reduce); then all save and
+stop, the step's evaluation owed to the resumed run if it was due (or cut short). What rank 0 writes
 alone (metrics.jsonl, summary.json, history.json) and fails to write stops every rank too (Trainer.write_alone).
 """
 from __future__ import annotations
@@ -165,18 +166,22 @@ class Trainer:
         self.tokens_per_step = cfg.gbs * cfg.model.seq_len
         self.vocab = (cfg.model.vocab_size, cfg.data)      # every batch's ids are checked against it (get_batch)
         self.step, self.consumed_samples = 0, 0
+        self.loss = float("nan")           # this step's mean loss (kept in its checkpoint, as the next two)
+        self.evaluation_owed = False       # this step's evaluation was due but a stop came first (the resumed
+                                           # run evaluates before its first step)
         self.last_checkpoint = None        # the newest complete checkpoint of this run (saved or resumed from)
         self.pending = None                # a checkpoint.Save whose files are being written (async_save)
         self.failure = None                # what must stop every rank (the first): a failed write_alone, replicas
                                            # that differ (check_replicas)
         self.gc_frozen = False
 
-    def _global_loss(self, loss_sum: torch.Tensor, stop: str | None = None) -> tuple[float, dict, int]:
-        """(mean loss per token, {signal: ranks it asked to stop} (`stop`: this rank's signal), ranks still
-        writing a checkpoint) of this step (reduce_loss); RunError on every rank when a rank's write_alone
-        failed."""
+    def _global_loss(self, loss_sum: torch.Tensor, stop: StopRequest | None = None) -> tuple[float, dict, int]:
+        """(mean loss per token, {signal: ranks it asked to stop} (`stop`: this rank's StopRequest), ranks still
+        writing a checkpoint) of this step or evaluation batch (reduce_loss); RunError on every rank when a
+        rank's write_alone failed."""
         writing = self.pending is not None and self.pending.writing
-        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, stop, self.device, writing,
+        asked = stop.name if stop is not None and stop.requested else None
+        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, asked, self.device, writing,
                                                      self.failure is not None).tolist()
         if failed:
             self.stop_on_failure()
@@ -228,7 +233,7 @@ class Trainer:
         scale = scaler.scale if scaler else None
         first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
         loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step, first)
-        loss, stop, writing = self._global_loss(loss_sum, stop.name if stop and stop.requested else None)
+        loss, stop, writing = self._global_loss(loss_sum, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -238,6 +243,7 @@ class Trainer:
                                      "the gradients are not finite at any scale")
         self.step += 1
         self.consumed_samples += cfg.gbs
+        self.loss = loss
         if not self.gc_frozen:
             # what the first step built (compiled graphs, autotuned kernels: millions of objects) is set
             # aside from the garbage collector, whose full passes would otherwise walk it mid-step; given back
@@ -255,15 +261,22 @@ class Trainer:
         """fp16 steps skipped on an overflow since the run began (resumes included; 0 without a loss scale)."""
         return self.optimizer.scaler.skipped_steps if self.optimizer.scaler else 0
 
-    def evaluate(self) -> float:
+    def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict]:
+        """(the mean loss per token of eval_iters global batches of the validation set, {signal: ranks it asked
+        to stop}). A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
+        when one comes before the last batch, every rank ends the evaluation after the same batch (an evaluation
+        can outlast a scheduler's grace period) and the loss is None."""
         for chunk in self.chunks:
             chunk.eval()
         total = 0.0
         for i in range(self.cfg.eval_iters):
             batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank,
                               self.mesh.dp, self.vocab)
-            total += self._global_loss(self.engine.eval_step(batch))[0]
-        return total / self.cfg.eval_iters
+            loss, stops, _ = self._global_loss(self.engine.eval_step(batch), stop)
+            total += loss
+            if stops and i + 1 < self.cfg.eval_iters:
+                return None, stops
+        return total / self.cfg.eval_iters, stops
 
     def save(self, run_dir: str, data: dict, background: bool = False) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
@@ -274,9 +287,10 @@ class Trainer:
         self.check_replicas()
         self.finish_save()
         path = os.path.join(run_dir, "checkpoints", f"step_{self.step:06d}")
-        self.pending = checkpoint.Save(path, self.step, self.consumed_samples, self.buffers, self.optimizer,
-                                       self.mesh, dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints,
-                                       background)
+        progress = {"step": self.step, "consumed_samples": self.consumed_samples, "loss": self.loss,
+                    "evaluation_owed": self.evaluation_owed}
+        self.pending = checkpoint.Save(path, progress, self.buffers, self.optimizer, self.mesh,
+                                       dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints, background)
         return path if background else self.finish_save()
 
     def finish_save(self) -> str | None:
@@ -290,6 +304,7 @@ class Trainer:
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
+        self.loss, self.evaluation_owed = meta.get("loss", float("nan")), meta.get("evaluation_owed", False)
         self.last_checkpoint = path
 
 
@@ -409,11 +424,41 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
             f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
 
 
-def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, note: str = "") -> None:
-    val = trainer.evaluate()
+def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest | None,
+              note: str = "") -> dict:
+    """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
+    owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({signal: ranks}; {} if none)."""
+    val, stops = trainer.evaluate(stop)
+    trainer.evaluation_owed = val is None
+    if val is None:
+        log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | evaluation cut short by {_stopped_by(stops, trainer)}")
+        return stops
     history["val_loss"].append((trainer.step, val))
     trainer.write_alone(logger.metrics_path, logger.log, trainer.step, {"val_loss": val})
     log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{note}")
+    return stops
+
+
+def _stopped_by(stops: dict, trainer: Trainer) -> str:
+    """'SIGTERM (to 1 of 2 ranks)': the signals that asked the run to stop, and how many ranks each came to."""
+    return ", ".join(f"{name} (to {n} of {trainer.mesh.world_size} ranks)" for name, n in stops.items())
+
+
+def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger,
+                    stop: StopRequest | None) -> str | None:
+    """The evaluation before the first step: at step 0, and on resuming from a checkpoint whose evaluation a
+    stop cut short or came before. Returns the signals that cut this one short too (nothing new to save: the
+    run stops), or None."""
+    if trainer.step and not trainer.evaluation_owed:
+        return None
+    stops = _evaluate(trainer, history, logger, log, stop,
+                      " (owed by the run that stopped)" if trainer.step else " (before training)")
+    if not trainer.evaluation_owed:      # (a stop during its last batch: the first step votes it again)
+        return None
+    why = _stopped_by(stops, trainer)
+    log.info(f"stopped by {why} before step {trainer.step + 1}: nothing trained since "
+             f"{trainer.last_checkpoint or 'the start'}; continue with resume=auto")
+    return why
 
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
@@ -456,11 +501,14 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_steps = now, 0
         paused = time.time()
+        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
+            if out["stop"]:             # the save comes first (a grace period is short); the resumed run evaluates
+                trainer.evaluation_owed = True
+            else:                       # (a stop that comes during it: saved and stopped now too)
+                out["stop"] = _evaluate(trainer, history, logger, log, stop)
         due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
         if cfg.replica_check_interval and step % cfg.replica_check_interval == 0 and not due:   # (a save checks)
             trainer.check_replicas()
-        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
-            _evaluate(trainer, history, logger, log)
         if due or not out["writing"]:                  # (not writing: every rank's files are done)
             _finish_pending(trainer, log)
         if due:
@@ -469,8 +517,10 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             log.info(f"saving {path} while training" if background else f"saved {path}")
         interval_start += time.time() - paused    # a step line's rate is the training steps' own
         if out["stop"]:
-            why = ", ".join(f"{name} (to {n} of {trainer.mesh.world_size} ranks)" for name, n in out["stop"].items())
-            log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with resume=auto")
+            why = _stopped_by(out["stop"], trainer)
+            owed = f" (which evaluates step {step} first)" if trainer.evaluation_owed else ""
+            log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with "
+                     f"resume=auto{owed}")
             return why
     return None
 
@@ -490,7 +540,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     upload may take longer than a collective's timeout_s) and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(steps_run * trainer.tokens_per_step, elapsed)
-    summary = {"final_loss": history["loss"][-1] if history["loss"] else float("nan"),
+    summary = {"final_loss": trainer.loss,          # (a resumed run that trained no step: its checkpoint's)
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
@@ -572,7 +622,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
             check_resume(cfg, found, run.datasets, run.data)
         run.resume = found
-        if run.resume.meta["step"] >= cfg.steps:
+        owed = cfg.eval_interval and run.resume.meta.get("evaluation_owed")      # (the final step's evaluation)
+        if run.resume.meta["step"] > cfg.steps or (run.resume.meta["step"] == cfg.steps and not owed):
             if rank == 0:
                 print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to "
                       f"train (raise steps to train further).", flush=True)
@@ -603,10 +654,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")
     first_step, start_time = trainer.step, time.time()
-    if cfg.eval_interval and trainer.step == 0:
-        _evaluate(trainer, history, logger, log, " (before training)")
+    stopped_by = _evaluate_first(trainer, history, logger, log, stop) if cfg.eval_interval else None
     try:
-        stopped_by = _train_loop(trainer, run, logger, log, history, rate, stop, memory)
+        stopped_by = stopped_by or _train_loop(trainer, run, logger, log, history, rate, stop, memory)
         _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
                    stopped_by, memory)
     except (FloatingPointError, DataError, RunError) as e:

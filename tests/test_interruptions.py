@@ -160,6 +160,97 @@ def test_a_signal_during_a_step_stops_after_that_step(signame, small_data, tmp_p
         [({}, {signame: 1}), ({}, {signame: 1})]
 
 
+def _signalled_during_an_evaluation(cfg, batch):
+    """Rank 1's StopRequest goes up inside evaluation batch `batch` (of eval_iters=4): (the loss of an evaluation
+    without it, then (loss, stop votes) of the one it cut, and how many batches this rank evaluated in it)."""
+    import types
+    import torch.distributed as dist
+    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False, name=None)
+    whole, votes = trainer.evaluate(flag)
+    assert votes == {}
+    run, calls = trainer.engine.eval_step, [0]
+
+    def signalled(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == batch:
+            flag.requested, flag.name = True, "SIGTERM"
+        return out
+    trainer.engine.eval_step = signalled
+    return whole, trainer.evaluate(flag), calls[0]
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_signal_during_an_evaluation_ends_it_on_every_rank_after_that_batch(batch, small_data, tmp_path):
+    """An evaluation of eval_iters batches can outlast a scheduler's grace period: a signal to one rank ends it
+    on every rank after the batch it came in (the vote rides each batch's loss all-reduce), without a loss; one
+    that comes in the last batch leaves the evaluation whole, its loss that of an evaluation without it."""
+    cfg = small_config(small_data, tmp_path, pp=2, eval_iters=4)
+    results = spawn(2, _signalled_during_an_evaluation, cfg, batch)
+    whole = results[0][0]
+    expected = (None if batch < 4 else whole, {"SIGTERM": 1})
+    assert results == [(whole, expected, batch)] * 2
+
+
+def _stopped_at(cfg, where, call):
+    """train(cfg) on this rank; rank 1 sends itself SIGTERM in its `call`-th engine `where` ("train_step" or
+    "eval_step"; a real signal, taken by train's StopRequest)."""
+    import torch.distributed as dist
+    from megatron_mini.pipeline import PipelineEngine
+    from megatron_mini.training import train
+    run, calls = getattr(PipelineEngine, where), [0]
+
+    def signalled(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    setattr(PipelineEngine, where, signalled)
+    return train(cfg)["summary"]
+
+
+def _curve(run_dir: Path) -> list:
+    """metrics.jsonl's (step, loss) and (step, val_loss) records, in order."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], key, r[key]) for r in lines for key in ("loss", "val_loss") if key in r]
+
+
+@pytest.mark.parametrize("where,call,step", [("train_step", 4, 4), ("eval_step", 8, 4), ("eval_step", 11, 6),
+                                             ("eval_step", 2, 0)],
+                         ids=["during-step-4", "during-step-4s-evaluation", "during-the-last-evaluation",
+                              "during-the-first-evaluation"])
+def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(where, call, step, small_data,
+                                                                                 tmp_path):
+    """A stop that comes during a step whose evaluation is due, or during an evaluation (3 batches at steps 0,
+    2, 4, 6: engine calls 1-3, 4-6, 7-9, 10-12), saves at once, the evaluation owed (in meta.json); the resumed
+    run evaluates that step before its next (after the last step: then ends), so that its metrics.jsonl,
+    summary and weights are those of a run never stopped. Cut short before the first step, nothing is saved:
+    the run starts again."""
+    from harness import train_on_ranks
+    kw = dict(steps=6, eval_interval=2, eval_iters=3, log_interval=1, save_interval=100, resume="auto")
+    whole = train_on_ranks(2, small_config(small_data, tmp_path / "whole", **kw))["summary"]
+    cfg = small_config(small_data, tmp_path / "stopped", **kw)
+    summary = spawn(2, _stopped_at, cfg, where, call, init_group=False)[0]
+    assert summary["stopped_by"] == "SIGTERM (to 1 of 2 ranks)" and summary["steps"] == step
+    saved = tmp_path / "stopped" / "checkpoints" / f"step_{step:06d}"
+    log = (tmp_path / "stopped" / "logs" / "rank0000.log").read_text()
+    if step:
+        assert json.loads((saved / "meta.json").read_text())["evaluation_owed"] is True
+        assert f"continue with resume=auto (which evaluates step {step} first)" in log
+    else:
+        assert not saved.parent.exists() and "before step 1: nothing trained since the start" in log
+    assert (f"step     {step}/6 | evaluation cut short by SIGTERM (to 1 of 2 ranks)" in log) == (where == "eval_step")
+    resumed = train_on_ranks(2, cfg)
+    assert resumed["summary"]["steps"] == 6 and "stopped_by" not in resumed["summary"]
+    for key in ("final_loss", "final_val_loss"):      # (after the last step: the loss its checkpoint kept)
+        assert resumed["summary"][key] == whole[key]
+    assert resumed["val_loss"][0][0] == step
+    assert _curve(tmp_path / "stopped") == _curve(tmp_path / "whole")
+    _same_weights(tmp_path / "stopped" / "checkpoints" / "step_000006", tmp_path / "whole" / "checkpoints" /
+                  "step_000006")
+
+
 def _until(condition, seconds: float = 5.0) -> bool:
     """Wait for `condition` (a signal sent to this process runs its Python handler at the main thread's next check)."""
     deadline = time.monotonic() + seconds
