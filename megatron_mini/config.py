@@ -42,6 +42,7 @@ DType = choice("DType", "fp32", "fp16", "bf16")
 Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
+Decay = choice("Decay", "cosine", "linear", "constant")
 # the last three: Triton for that op only
 Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention", "cross_entropy")
 WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
@@ -117,6 +118,8 @@ class OptimizerConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 20
+    decay_style: Decay = Decay.cosine  # from lr after the warmup to min_lr (constant: lr throughout)
+    decay_steps: int = 0             # min_lr from step decay_steps on, warmup counted (0: from the last step)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -218,6 +221,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "model.vocab_size": _GE1, "model.vocab_pad_multiple": _GE1, "model.ffn_mult": _GE1,
     "model.label_smoothing": _UNIT, "model.dropout": _UNIT, "model.ln_eps": _GT0, "model.init_std": _GT0,
     "optimizer.lr": _GE0, "optimizer.min_lr": _GE0, "optimizer.warmup_steps": _GE0,
+    "optimizer.decay_steps": (_GE0[0], ">= 0 (0: decay until the last step)"),
     "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT, "optimizer.eps": _GT0,
     "optimizer.grad_clip": (_GE0[0], ">= 0 (0: no clipping)"),
     "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
@@ -332,8 +336,12 @@ def check_layout_free(cfg: TrainConfig) -> None:
                           "resume=never or resume=PATH of a checkpoint directory.")
     o = cfg.optimizer
     if o.min_lr > o.lr:
-        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the cosine schedule decays "
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "
                           f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
+    if 0 < o.decay_steps <= o.warmup_steps:
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay before the warmup "
+                          f"(optimizer.warmup_steps={o.warmup_steps}) ends: set it above {o.warmup_steps}, or to 0 "
+                          f"(the decay ends at the last step).")
     p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="

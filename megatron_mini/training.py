@@ -32,7 +32,7 @@ from .errors import CommError
 from .files import atomic_write
 from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
-from .config import ConfigError, RunError, TrainConfig, validate
+from .config import ConfigError, OptimizerConfig, RunError, TrainConfig, validate
 from .data import DataError
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
@@ -46,16 +46,46 @@ from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
 from .rng import RNGTracker
 
 
-def learning_rate(update: int, cfg: TrainConfig) -> float:
-    """The lr of applied update `update` (0-based): linear warmup over warmup_steps (lr/w, 2 lr/w, ..., lr at
-    update w - 1), then cosine decay to min_lr at update steps - 1. An fp16 step skipped on an overflow
-    applies no update and does not advance the schedule (as Megatron's), so warmup is not spent on them."""
-    o, last = cfg.optimizer, cfg.steps - 1
+def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
+    """The lr of applied update `update` (0-based) of a run of `steps`: linear warmup over w = warmup_steps
+    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr to min_lr at update D - 1 (D:
+    decay_steps, or `steps` when 0; min_lr after it): with p = (update - (w - 1)) / (D - w) in [0, 1],
+
+        cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p     constant: lr
+
+    An fp16 step skipped on an overflow applies no update and does not advance the schedule (as Megatron's),
+    so warmup is not spent on them. A fixed decay_steps (Megatron's lr-decay-iters) keeps the schedule when a
+    resumed run raises `steps`."""
     if update < o.warmup_steps:
         return o.lr * (update + 1) / o.warmup_steps
-    peak = max(o.warmup_steps - 1, 0)
+    if o.decay_style == "constant":
+        return o.lr
+    peak, last = max(o.warmup_steps - 1, 0), (o.decay_steps or steps) - 1
     progress = min(1.0, (update - peak) / max(1, last - peak))
+    if o.decay_style == "linear":
+        return o.lr - (o.lr - o.min_lr) * progress
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
+    """A resume's log line when this run gives its next update (`update`) another lr than the run that saved
+    the checkpoint (`saved`: its config) would have: a changed `steps` moves a decay that ends at the last
+    step, as a changed optimizer.* moves any."""
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    if not isinstance(saved.get("optimizer"), dict) or not isinstance(saved.get("steps"), int):
+        return None                            # (a meta.json edited by hand: nothing to compare with)
+    old = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields})
+    was, now = learning_rate(update, old, saved["steps"]), learning_rate(update, cfg.optimizer, cfg.steps)
+    if math.isclose(was, now, rel_tol=1e-12):
+        return None
+    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if saved["steps"] != cfg.steps else []
+    changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(cfg.optimizer, k)}" for k in
+                ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
+                if getattr(old, k) != getattr(cfg.optimizer, k)]
+    keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
+            if changed[0].startswith("steps") and not old.decay_steps and not cfg.optimizer.decay_steps else "")
+    return (f"the lr schedule changed ({', '.join(changed)}): update {update} takes lr {now:.3g}, where the run "
+            f"that saved it would have taken {was:.3g}{keep}")
 
 
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
@@ -226,7 +256,7 @@ class Trainer:
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
-        lr = learning_rate(self.optimizer.step_count, cfg)
+        lr = learning_rate(self.optimizer.step_count, cfg.optimizer, cfg.steps)
         batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp,
                           self.vocab)
         scaler = self.optimizer.scaler
@@ -626,7 +656,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         if run.resume.meta["step"] > cfg.steps or (run.resume.meta["step"] == cfg.steps and not owed):
             if rank == 0:
                 print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to "
-                      f"train (raise steps to train further).", flush=True)
+                      f"train (raise steps to train further; optimizer.decay_steps fixes where the lr decay "
+                      f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
@@ -634,7 +665,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         trainer.load(run.resume.path)
     moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     if run.resume:
-        for note in run.resume.notes + moved:
+        schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count)
+        for note in run.resume.notes + moved + ([schedule] if schedule else []):
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     if cut:

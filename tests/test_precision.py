@@ -1,4 +1,5 @@
 """Mixed precision: the fp16 loss scaler, mesh-wide overflow skipping, fp32 main grads, 16-bit training."""
+import json
 import math
 
 import pytest
@@ -60,15 +61,60 @@ def test_loss_scale_grows_no_further_than_its_cap():
 
 
 def test_learning_rate_schedule():
-    """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine down to exactly min_lr at the last step."""
-    from megatron_mini.config import OptimizerConfig, TrainConfig
+    """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine or a line down to exactly min_lr at the last step
+    (or at update decay_steps - 1, whatever `steps`), min_lr after it; constant: lr after the warmup."""
+    from megatron_mini.config import OptimizerConfig
     from megatron_mini.training import learning_rate
-    cfg = TrainConfig(steps=8, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=3))
+    o = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=3)
+    warmup = [1 / 3, 2 / 3]
     cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 5)) for k in range(6)]   # the peak at update 2 = k 0
-    assert [learning_rate(u, cfg) for u in range(8)] == pytest.approx([1 / 3, 2 / 3] + cosine, abs=1e-12)
-    assert learning_rate(20, cfg) == pytest.approx(0.1)                           # past the end: min_lr
-    cfg.optimizer.warmup_steps = 0
-    assert [learning_rate(u, cfg) for u in (0, 7)] == pytest.approx([1.0, 0.1])
+    assert [learning_rate(u, o, 8) for u in range(8)] == pytest.approx(warmup + cosine, abs=1e-12)
+    assert learning_rate(20, o, 8) == pytest.approx(0.1)                           # past the end: min_lr
+    o.decay_style = "linear"
+    assert [learning_rate(u, o, 8) for u in range(8)] == pytest.approx(warmup + [1 - 0.9 * k / 5 for k in range(6)],
+                                                                        abs=1e-12)
+    o.decay_style, o.decay_steps = "cosine", 8          # the same decay in a run of any length
+    for steps in (4, 8, 100):
+        assert [learning_rate(u, o, steps) for u in range(12)] == pytest.approx(warmup + cosine + [0.1] * 4,
+                                                                                 abs=1e-12)
+    o.decay_style = "constant"
+    assert [learning_rate(u, o, 8) for u in range(8)] == pytest.approx(warmup + [1.0] * 6, abs=1e-12)
+    o.decay_style, o.decay_steps, o.warmup_steps = "cosine", 0, 0
+    assert [learning_rate(u, o, 8) for u in (0, 7)] == pytest.approx([1.0, 0.1])
+
+
+def test_a_resume_that_moves_the_lr_schedule_says_so():
+    """A resume whose next update gets another lr than in the run that saved it (steps raised under a decay
+    that ends at the last step; an optimizer.* changed) names what changed, both lrs, and the fix for steps."""
+    import dataclasses
+    from megatron_mini.config import OptimizerConfig, TrainConfig
+    from megatron_mini.training import schedule_note
+    saved = dataclasses.asdict(TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0)))
+    saved = json.loads(json.dumps(saved))                                       # as meta.json holds it
+    del saved["optimizer"]["decay_steps"], saved["optimizer"]["decay_style"]     # (a checkpoint of before them)
+    same = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0))
+    assert schedule_note(saved, same, 99) is None
+    longer = TrainConfig(steps=199, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0))
+    assert schedule_note(saved, longer, 99) == (
+        "the lr schedule changed (steps: 100 -> 199): update 99 takes lr 0.55, where the run that saved it would "
+        "have taken 0.1; optimizer.decay_steps=100 keeps the saved run's decay")
+    longer.optimizer.decay_steps = 100
+    assert schedule_note(saved, longer, 99) is None
+    assert schedule_note(saved, longer, 150) is None                           # (both at min_lr past the decay)
+    lower = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=0.5, min_lr=0.1, warmup_steps=0))
+    assert schedule_note(saved, lower, 0) == ("the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 0 takes "
+                                              "lr 0.5, where the run that saved it would have taken 1")
+    assert schedule_note(saved, lower, 99) is None                             # (the same min_lr at the end)
+    assert schedule_note({"config": "edited by hand"}, same, 0) is None
+
+
+def test_the_resumed_run_logs_the_schedule_note(small_data, tmp_path):
+    cfg = small_config(small_data, tmp_path / "run", steps=2, resume="auto", **{"optimizer.warmup_steps": 0})
+    train_on_ranks(1, cfg)
+    cfg.steps = 4
+    train_on_ranks(1, cfg)
+    assert "resume: the lr schedule changed (steps: 2 -> 4): update 2 takes lr 0.00065" in \
+        (tmp_path / "run" / "logs" / "rank0000.log").read_text()
 
 
 def _lrs_through_skips(cfg):

@@ -119,6 +119,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("appended-typo", 1, ["+optimizer.lrr=1e-3"],
          ["Unknown config key optimizer.lrr (did you mean optimizer.lr?)"]),
         ("device-tpu", 1, ["device=tpu"], ["Invalid value 'tpu', expected one of [auto, cpu, cuda]"]),
+        ("decay-style-typo", 1, ["optimizer.decay_style=cosin"],
+         ["Invalid value 'cosin', expected one of [cosine, linear, constant]"]),
         ("no-layers", 1, ["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
         ("negative-lr", 1, ["optimizer.lr=-0.001"], ["optimizer.lr=-0.001 must be >= 0"]),
         ("loss-scale-inf", 1, ["precision=fp16", "precision.initial_loss_scale=inf"],
@@ -204,8 +206,8 @@ def refusals(small_data, trained, tmp_path_factory):
         return dict(pool.map(run, cases))
 
 
-REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "no-layers", "negative-lr", "loss-scale-inf",
-               "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
+REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo", "no-layers", "negative-lr",
+               "loss-scale-inf", "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
                "token-ids", "resume-empty-dir", "resume-run-dir",
@@ -262,6 +264,18 @@ def test_min_lr_above_lr_is_refused():
                                           r"set optimizer\.min_lr <= 0\.0001"):
         validate(cfg, 1)
     cfg.optimizer.min_lr = 1e-4
+    assert validate(cfg, 1) == 1
+
+
+def test_a_decay_that_ends_within_the_warmup_is_refused():
+    """optimizer.decay_steps at or below warmup_steps would put min_lr at the warmup's peak: refused."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+    cfg = TrainConfig()
+    cfg.optimizer.decay_steps = 20
+    with pytest.raises(ConfigError, match=r"optimizer\.decay_steps=20 ends the decay before the warmup \(optimizer\."
+                                          r"warmup_steps=20\) ends: set it above 20, or to 0"):
+        validate(cfg, 1)
+    cfg.optimizer.decay_steps = 21
     assert validate(cfg, 1) == 1
 
 
