@@ -201,6 +201,8 @@ class TrainConfig:
     replica_check_interval: int = 0  # also compare the weights ranks hold in common every N steps (replicas.py;
                                      # 0: only before each save, which always does)
     async_save: bool = False         # interval saves write their files in a thread while training goes on
+    exit_after_minutes: float = 0    # save and stop at the first step's end past this many minutes since the
+                                     # start (a job's time limit less a step, a save and the start-up; 0: none)
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
     device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
     dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo
@@ -236,6 +238,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
     "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
     "replica_check_interval": (_GE0[0], ">= 0 (0: before each save only)"),
+    "exit_after_minutes": (_GE0[0], ">= 0 (0: no time limit)"),
     "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"),
     "profile.start": (_GE0[0], ">= 0 (0: no profile)"), "profile.steps": _GE1,
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),

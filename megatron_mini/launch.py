@@ -13,7 +13,8 @@
 * `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away), SIGINT (Ctrl-C), SIGHUP (the
   terminal or ssh session gone), which torchrun forwards to its workers as it gets them, or SIGUSR1 (Slurm's
   `--signal=USR1@SECONDS` warning) sets a flag that the training loop shares with every rank at the end of a
-  step; then all of them save and exit. A second SIGINT interrupts at once.
+  step; then all of them save and exit. A second SIGINT interrupts at once. Its deadline (exit_after_minutes,
+  a job's time limit less a margin) asks the same once it has passed.
 * `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
@@ -179,19 +180,29 @@ class Terminated(Exception):
 
 class StopRequest:
     """SIGTERM, SIGINT, SIGHUP or SIGUSR1 (Slurm's `--signal=USR1@SECONDS` warning, sent to every task) sets
-    `requested` (and `name`, the first signal's); the training loop decides, with every rank, to save and stop.
-    After a SIGINT, the next one raises KeyboardInterrupt (Ctrl-C twice: stop now). A signal this process was
-    started ignoring (nohup's SIGHUP, a script's background job's SIGINT) stays ignored. `close()` gives every
-    signal back the handler it had before (train() does, as it returns: Ctrl-C after it is a KeyboardInterrupt
-    again)."""
+    `requested` (and `name`, the first signal's); the training loop decides, with every rank, to save and stop
+    (`asked`: why this rank asks, a signal or the `deadline`, a time.monotonic() time, having passed). After a
+    SIGINT, the next one raises KeyboardInterrupt (Ctrl-C twice: stop now). A signal this process was started
+    ignoring (nohup's SIGHUP, a script's background job's SIGINT) stays ignored. `close()` gives every signal back
+    the handler it had before (train() does, as it returns: Ctrl-C after it is a KeyboardInterrupt again).
+    Signals are taken only where Python can (`take_signals`: the main thread)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+    TIME_LIMIT = "exit_after_minutes"
+    REASONS = tuple(s.name for s in SIGNALS) + (TIME_LIMIT,)      # (what `asked` returns)
 
-    def __init__(self):
-        self.requested, self.name = False, None
-        self.previous = {signum: signal.getsignal(signum) for signum in self.taken()}
+    def __init__(self, deadline: float | None = None, take_signals: bool = True):
+        self.requested, self.name, self.deadline = False, None, deadline
+        self.previous = {signum: signal.getsignal(signum) for signum in self.taken()} if take_signals else {}
         for signum in self.previous:
             signal.signal(signum, self._handle)
+
+    def asked(self) -> str | None:
+        """Why this rank asks the run to stop: the first signal's name, TIME_LIMIT once the deadline has passed,
+        or None."""
+        if self.requested:
+            return self.name
+        return self.TIME_LIMIT if self.deadline is not None and time.monotonic() >= self.deadline else None
 
     def close(self) -> None:
         """Give each signal taken back the handler it had before."""

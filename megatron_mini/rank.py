@@ -66,9 +66,9 @@ def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: str | None, de
                 writing: bool = False, failed: bool = False) -> torch.Tensor:
     """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of ranks
     still writing a checkpoint, the number of ranks whose write of their own failed (rank 0's metrics.jsonl:
-    Trainer.write_alone), then per signal of StopRequest.SIGNALS the number of ranks it asked to stop (`stop`:
-    this rank's first, by name, or None)]: one world all-reduce."""
-    names = [s.name for s in StopRequest.SIGNALS]
+    Trainer.write_alone), then per reason of StopRequest.REASONS (a signal, the time limit) the number of ranks
+    that asked to stop for it (`stop`: this rank's, StopRequest.asked)]: one world all-reduce."""
+    names = StopRequest.REASONS
     t = torch.zeros(3 + len(names), device=device)
     if mesh.is_last_stage and mesh.tp_rank == 0:
         t[0] = loss_sum.float()

@@ -206,16 +206,15 @@ class Trainer:
         self.gc_frozen = False
 
     def _global_loss(self, loss_sum: torch.Tensor, stop: StopRequest | None = None) -> tuple[float, dict, int]:
-        """(mean loss per token, {signal: ranks it asked to stop} (`stop`: this rank's StopRequest), ranks still
-        writing a checkpoint) of this step or evaluation batch (reduce_loss); RunError on every rank when a
-        rank's write_alone failed."""
+        """(mean loss per token, {reason: ranks that asked to stop for it} (`stop`: this rank's StopRequest),
+        ranks still writing a checkpoint) of this step or evaluation batch (reduce_loss); RunError on every rank
+        when a rank's write_alone failed."""
         writing = self.pending is not None and self.pending.writing
-        asked = stop.name if stop is not None and stop.requested else None
-        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, asked, self.device, writing,
-                                                     self.failure is not None).tolist()
+        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, stop and stop.asked(), self.device,
+                                                     writing, self.failure is not None).tolist()
         if failed:
             self.stop_on_failure()
-        stops = {s.name: int(n) for s, n in zip(StopRequest.SIGNALS, counts) if n}
+        stops = {name: int(n) for name, n in zip(StopRequest.REASONS, counts) if n}
         return loss / self.tokens_per_step, stops, int(writers)
 
     def write_alone(self, path: str, fn, *args) -> None:
@@ -454,7 +453,7 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
             f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
 
 
-def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest | None,
+def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest,
               note: str = "") -> dict:
     """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
     owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({signal: ranks}; {} if none)."""
@@ -470,12 +469,15 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
 
 
 def _stopped_by(stops: dict, trainer: Trainer) -> str:
-    """'SIGTERM (to 1 of 2 ranks)': the signals that asked the run to stop, and how many ranks each came to."""
-    return ", ".join(f"{name} (to {n} of {trainer.mesh.world_size} ranks)" for name, n in stops.items())
+    """'SIGTERM (to 1 of 2 ranks)': what asked the run to stop (signals, the time limit), and on how many ranks."""
+    w = trainer.mesh.world_size
+    return ", ".join(f"exit_after_minutes={trainer.cfg.exit_after_minutes:g} (reached on {n} of {w} ranks)"
+                     if name == StopRequest.TIME_LIMIT else f"{name} (to {n} of {w} ranks)"
+                     for name, n in stops.items())
 
 
 def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger,
-                    stop: StopRequest | None) -> str | None:
+                    stop: StopRequest) -> str | None:
     """The evaluation before the first step: at step 0, and on resuming from a checkpoint whose evaluation a
     stop cut short or came before. Returns the signals that cut this one short too (nothing new to save: the
     run stops), or None."""
@@ -492,7 +494,7 @@ def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: log
 
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
-                rate: Throughput, stop: StopRequest | None, memory: MemoryReport) -> str | None:
+                rate: Throughput, stop: StopRequest, memory: MemoryReport) -> str | None:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals, tracing
     the steps profile.* names; when any rank got SIGTERM, every rank saves after the step and the loop ends.
     Returns the signal that stopped the run, or None."""
@@ -507,7 +509,7 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
 
 
 def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
-           stop: StopRequest | None, memory: MemoryReport, profiler: StepProfiler) -> str | None:
+           stop: StopRequest, memory: MemoryReport, profiler: StepProfiler) -> str | None:
     cfg = trainer.cfg
     interval_steps, first_step = 0, trainer.step
     start_time = interval_start = time.time()
@@ -601,19 +603,20 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
 
 def train(cfg: TrainConfig) -> dict:
     """Train on every rank of the job; returns the history (losses per step, eval losses, summary)."""
+    minutes = cfg.exit_after_minutes                                  # (counted from here, set-up included)
+    deadline = time.monotonic() + 60 * minutes if minutes else None
     rank, world_size, _, _ = launch_env()
     follow_parent()
     run = prepare_run(cfg, rank, world_size)
-    stop = StopRequest() if threading.current_thread() is threading.main_thread() else None
+    stop = StopRequest(deadline, take_signals=threading.current_thread() is threading.main_thread())
     try:
         return _train(cfg, run, rank, world_size, stop)
     except CommError:
-        if stop and stop.requested:     # the launcher is tearing the job down: the cause is elsewhere
+        if stop.requested:              # the launcher is tearing the job down: the cause is elsewhere
             raise Terminated() from None
         raise
     finally:
-        if stop:
-            stop.close()
+        stop.close()
         if run.lock:
             run.lock.release()
 
@@ -639,7 +642,7 @@ def agree_on_config(cfg: TrainConfig, device: torch.device) -> None:
                           f"${{oc.env:...}} gives each rank its own value; give the value itself on the command line.")
 
 
-def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest | None) -> dict:
+def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
     init_process_group(run.device, run.backend, cfg.timeout_s)
     agree_on_config(cfg, run.device)

@@ -136,9 +136,9 @@ def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks,
 def _signalled_during_a_step(cfg, signame):
     """Rank 1's StopRequest goes up inside its second step's forward/backward (a step is long; a signal lands in
     one), by `signame`: (step 1's stop counts, step 2's) on this rank."""
-    import types
     import torch.distributed as dist
-    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False, name=None)
+    from megatron_mini.launch import StopRequest
+    trainer, flag = make_trainer(cfg), StopRequest(take_signals=False)
     first = trainer.train_step(flag)["stop"]
     run = trainer.engine.train_step
 
@@ -163,9 +163,9 @@ def test_a_signal_during_a_step_stops_after_that_step(signame, small_data, tmp_p
 def _signalled_during_an_evaluation(cfg, batch):
     """Rank 1's StopRequest goes up inside evaluation batch `batch` (of eval_iters=4): (the loss of an evaluation
     without it, then (loss, stop votes) of the one it cut, and how many batches this rank evaluated in it)."""
-    import types
     import torch.distributed as dist
-    trainer, flag = make_trainer(cfg), types.SimpleNamespace(requested=False, name=None)
+    from megatron_mini.launch import StopRequest
+    trainer, flag = make_trainer(cfg), StopRequest(take_signals=False)
     whole, votes = trainer.evaluate(flag)
     assert votes == {}
     run, calls = trainer.engine.eval_step, [0]
@@ -249,6 +249,37 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
     assert _curve(tmp_path / "stopped") == _curve(tmp_path / "whole")
     _same_weights(tmp_path / "stopped" / "checkpoints" / "step_000006", tmp_path / "whole" / "checkpoints" /
                   "step_000006")
+
+
+def test_a_deadline_asks_to_stop_once_it_has_passed_and_a_signal_first():
+    """StopRequest.asked(): None before its deadline (time.monotonic()) and without one, the time limit after
+    it, and a signal's name whenever one came; without take_signals no handler is touched."""
+    from megatron_mini.launch import StopRequest
+    handlers = [signal.getsignal(s) for s in StopRequest.SIGNALS]
+    assert StopRequest(take_signals=False).asked() is None
+    assert StopRequest(time.monotonic() + 60, take_signals=False).asked() is None
+    past = StopRequest(time.monotonic() - 1e-3, take_signals=False)
+    assert past.asked() == StopRequest.TIME_LIMIT == "exit_after_minutes" and not past.requested
+    past.requested, past.name = True, "SIGUSR1"
+    assert past.asked() == "SIGUSR1"
+    assert [signal.getsignal(s) for s in StopRequest.SIGNALS] == handlers
+
+
+def test_the_time_limit_saves_and_stops_every_rank_and_the_resume_continues_exactly(small_data, tmp_path):
+    """exit_after_minutes (counted from train's start): every rank saves and stops at the end of the first step
+    past it, exit 0 with the limit in the stop line and summary; resumed without it, the run ends with
+    bitwise the weights of one never stopped."""
+    from harness import train_on_ranks
+    whole = small_config(small_data, tmp_path / "whole", steps=3)
+    train_on_ranks(2, whole)
+    cfg = small_config(small_data, tmp_path / "run", steps=3, exit_after_minutes=1e-9, resume="auto")
+    summary = train_on_ranks(2, cfg)["summary"]
+    assert summary["steps"] == 1 and summary["stopped_by"] == "exit_after_minutes=1e-09 (reached on 2 of 2 ranks)"
+    assert "stopped by exit_after_minutes=1e-09 (reached on 2 of 2 ranks) after step 1: saved" in \
+        (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    cfg.exit_after_minutes = 0
+    assert train_on_ranks(2, cfg)["summary"]["steps"] == 3
+    _same_weights(tmp_path / "run" / "checkpoints" / "step_000003", tmp_path / "whole" / "checkpoints" / "step_000003")
 
 
 def _until(condition, seconds: float = 5.0) -> bool:
