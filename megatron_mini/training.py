@@ -479,9 +479,11 @@ def _stopped_by(stops: dict, trainer: Trainer) -> str:
 def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger,
                     stop: StopRequest) -> str | None:
     """The evaluation before the first step: at step 0, and on resuming from a checkpoint whose evaluation a
-    stop cut short or came before. Returns the signals that cut this one short too (nothing new to save: the
-    run stops), or None."""
-    if trainer.step and not trainer.evaluation_owed:
+    stop cut short or came before (none with eval_interval=0: nothing is owed then). Returns the signals that cut
+    this one short too (nothing new to save: the run stops), or None."""
+    if not trainer.cfg.eval_interval:
+        trainer.evaluation_owed = False
+    if not trainer.cfg.eval_interval or (trainer.step and not trainer.evaluation_owed):
         return None
     stops = _evaluate(trainer, history, logger, log, stop,
                       " (owed by the run that stopped)" if trainer.step else " (before training)")
@@ -689,7 +691,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")
     first_step, start_time = trainer.step, time.time()
-    stopped_by = _evaluate_first(trainer, history, logger, log, stop) if cfg.eval_interval else None
+    stopped_by = _evaluate_first(trainer, history, logger, log, stop)
     try:
         stopped_by = stopped_by or _train_loop(trainer, run, logger, log, history, rate, stop, memory)
         _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,

@@ -251,6 +251,18 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
                   "step_000006")
 
 
+def test_a_resume_without_evaluation_owes_none(small_data, tmp_path):
+    """Resumed with eval_interval=0 from a checkpoint that owes its evaluation: nothing is evaluated, and the
+    next checkpoint owes nothing (a later resume with evaluation on would evaluate a step it never asked for)."""
+    from harness import train_on_ranks
+    cfg = small_config(small_data, tmp_path, steps=6, eval_interval=2, eval_iters=3, resume="auto")
+    assert spawn(2, _stopped_at, cfg, "eval_step", 8, init_group=False)[0]["steps"] == 4
+    cfg.eval_interval = 0
+    resumed = train_on_ranks(2, cfg)
+    assert resumed["summary"]["steps"] == 6 and resumed["val_loss"] == []
+    assert json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())["evaluation_owed"] is False
+
+
 def test_a_deadline_asks_to_stop_once_it_has_passed_and_a_signal_first():
     """StopRequest.asked(): None before its deadline (time.monotonic()) and without one, the time limit after
     it, and a signal's name whenever one came; without take_signals no handler is touched."""
