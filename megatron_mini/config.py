@@ -341,10 +341,11 @@ def check_layout_free(cfg: TrainConfig) -> None:
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "
                           f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
-    if 0 < o.decay_steps <= o.warmup_steps:
-        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay before the warmup "
-                          f"(optimizer.warmup_steps={o.warmup_steps}) ends: set it above {o.warmup_steps}, or to 0 "
-                          f"(the decay ends at the last step).")
+    peak = max(o.warmup_steps, 1)        # (the step at which the lr peaks: the warmup's last, or the first)
+    if 0 < o.decay_steps <= peak:
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay no later than the lr peaks (step "
+                          f"{peak}, optimizer.warmup_steps={o.warmup_steps}): set it above {peak}, or to 0 (the "
+                          f"decay ends at the last step).")
     p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="

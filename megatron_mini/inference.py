@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclass
 class Checkpoint:
     path: str          # the checkpoint directory (step_NNNNNN)
-    meta: dict         # meta.json: step, consumed_samples, layout, config
+    meta: dict         # meta.json: step, consumed_samples, loss, layout, config, ...
     cfg: TrainConfig   # the training config, rebuilt from meta["config"]
     tensors: dict      # {global name: full fp32 tensor}
     notes: list = dataclasses.field(default_factory=list)   # newer checkpoints of the run passed over, and why

@@ -93,11 +93,13 @@ def _plain(value):
     return value if isinstance(value, (int, str)) else float(value)
 
 
-def cut_metrics(run_dir: str, step: int) -> int:
+def cut_metrics(run_dir: str, step: int, evaluates_it: bool = False) -> int:
     """A run starting from `step` (-1: a fresh start, which keeps none): metrics.jsonl keeps its lines up to that
     step; the later ones, which the run logs again (after a crash) or replaces (a branch from an older
-    checkpoint, or a fresh start after an attempt that died before its first checkpoint), and a line a kill cut
-    short, are appended to metrics.superseded.jsonl. Returns their count.
+    checkpoint, or a fresh start after an attempt that died before its first checkpoint), those of an
+    evaluation at `step` when the run evaluates it first (`evaluates_it`: its checkpoint owes it, and an
+    earlier resume may have logged it), and a line a kill cut short, are appended to metrics.superseded.jsonl.
+    Returns their count.
 
     A kill anywhere in between moves every line exactly once: a journal, metrics.cut.json (metrics.jsonl's
     sha256 and metrics.superseded.jsonl's size before the cut), is written first, then each file is
@@ -119,7 +121,8 @@ def cut_metrics(run_dir: str, step: int) -> int:
 
     def kept(line: bytes) -> bool:
         try:
-            return line.endswith(b"\n") and json.loads(line)["step"] <= step
+            record = json.loads(line) if line.endswith(b"\n") else {}
+            return record["step"] < step or record["step"] == step and not (evaluates_it and "val_loss" in record)
         except (ValueError, KeyError, TypeError):
             return False
     keep, cut = [], []

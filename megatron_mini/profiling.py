@@ -159,9 +159,11 @@ class StepProfiler:
 
     def close(self) -> None:
         """Stop the profiler (after the window's last step, or where the run stops inside it, before its last
-        save): what it recorded is written."""
+        save): what it recorded is written, the time since the window's last step counted as between steps."""
         prof, self.prof = self.prof, None
         if prof is not None:
+            if self.recorded:
+                self.window_wall = time.perf_counter() - self.window
             prof.stop()
 
     def _write(self, prof) -> None:

@@ -48,8 +48,9 @@ from .rng import RNGTracker
 
 def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
     """The lr of applied update `update` (0-based) of a run of `steps`: linear warmup over w = warmup_steps
-    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr to min_lr at update D - 1 (D:
-    decay_steps, or `steps` when 0; min_lr after it): with p = (update - (w - 1)) / (D - w) in [0, 1],
+    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr at the peak, update k = max(w - 1, 0),
+    to min_lr at update D - 1 (D: decay_steps, or `steps` when 0; min_lr after it): with p = (update - k) /
+    (D - 1 - k) in [0, 1],
 
         cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p     constant: lr
 
@@ -67,24 +68,32 @@ def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
+
+
 def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
-    """A resume's log line when this run gives its next update (`update`) another lr than the run that saved
-    the checkpoint (`saved`: its config) would have: a changed `steps` moves a decay that ends at the last
-    step, as a changed optimizer.* moves any."""
+    """A resume's log line when this run gives one of its updates (`update`, 0-based, is its first) another lr
+    than the run that saved the checkpoint (`saved`: its config) would have: the first such update, counted
+    from 1 as steps are, and what changed (a raised `steps` moves a decay that ends at the last step)."""
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     if not isinstance(saved.get("optimizer"), dict) or not isinstance(saved.get("steps"), int):
         return None                            # (a meta.json edited by hand: nothing to compare with)
-    old = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields})
-    was, now = learning_rate(update, old, saved["steps"]), learning_rate(update, cfg.optimizer, cfg.steps)
-    if math.isclose(was, now, rel_tol=1e-12):
+    old, new = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields}), cfg.optimizer
+    ends = (old.decay_steps or saved["steps"], new.decay_steps or cfg.steps)
+    if ends[0] == ends[1] and all(getattr(old, k) == getattr(new, k) for k in SCHEDULE_KEYS):
         return None
-    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if saved["steps"] != cfg.steps else []
-    changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(cfg.optimizer, k)}" for k in
-                ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
-                if getattr(old, k) != getattr(cfg.optimizer, k)]
+    last = max(update, *ends, old.warmup_steps, new.warmup_steps)      # (both schedules are flat past it)
+    lrs = ((u, learning_rate(u, old, saved["steps"]), learning_rate(u, new, cfg.steps))
+           for u in range(update, last + 1))
+    u, was, now = next((lr for lr in lrs if not math.isclose(lr[1], lr[2], rel_tol=1e-12)), (None, 0, 0))
+    if u is None:
+        return None
+    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if ends[0] != ends[1] and saved["steps"] != cfg.steps else []
+    changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
+                if getattr(old, k) != getattr(new, k)]
     keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
-            if changed[0].startswith("steps") and not old.decay_steps and not cfg.optimizer.decay_steps else "")
-    return (f"the lr schedule changed ({', '.join(changed)}): update {update} takes lr {now:.3g}, where the run "
+            if changed[0].startswith("steps") and not old.decay_steps and not new.decay_steps else "")
+    return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.3g}, where the run "
             f"that saved it would have taken {was:.3g}{keep}")
 
 
@@ -426,13 +435,14 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
     metrics.jsonl opened (RunLogger; wandb started). A failure (a full disk, a permission) stops every rank with
     rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
+    owed = bool(resume and resume.meta.get("evaluation_owed") and cfg.eval_interval)     # (_evaluate_first)
 
     def tidy():
         _write_config(cfg)
         if resume and resume.superseded:
             record_branch(cfg.run_dir, step)
         done["moved"] = checkpoint.set_aside(resume) if resume else []
-        done["cut"] = cut_metrics(cfg.run_dir, step)
+        done["cut"] = cut_metrics(cfg.run_dir, step, owed)
         done["logger"] = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)
     found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
     if found:
@@ -518,8 +528,6 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
     while trainer.step < cfg.steps:
         with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
-        if out["stop"]:
-            profiler.close()                     # (the trace ends with the step, not with the save after it)
         interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
@@ -540,6 +548,8 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
                 trainer.evaluation_owed = True
             else:                       # (a stop that comes during it: saved and stopped now too)
                 out["stop"] = _evaluate(trainer, history, logger, log, stop)
+        if out["stop"]:
+            profiler.close()            # (the trace ends with the step, or the evaluation cut short: not the save)
         due = (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.steps or out["stop"]
         if cfg.replica_check_interval and step % cfg.replica_check_interval == 0 and not due:   # (a save checks)
             trainer.check_replicas()
@@ -691,9 +701,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")
     first_step, start_time = trainer.step, time.time()
-    stopped_by = _evaluate_first(trainer, history, logger, log, stop)
     try:
-        stopped_by = stopped_by or _train_loop(trainer, run, logger, log, history, rate, stop, memory)
+        stopped_by = _evaluate_first(trainer, history, logger, log, stop) or \
+            _train_loop(trainer, run, logger, log, history, rate, stop, memory)
         _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
                    stopped_by, memory)
     except (FloatingPointError, DataError, RunError) as e:

@@ -225,8 +225,8 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
     """A stop that comes during a step whose evaluation is due, or during an evaluation (3 batches at steps 0,
     2, 4, 6: engine calls 1-3, 4-6, 7-9, 10-12), saves at once, the evaluation owed (in meta.json); the resumed
     run evaluates that step before its next (after the last step: then ends), so that its metrics.jsonl,
-    summary and weights are those of a run never stopped. Cut short before the first step, nothing is saved:
-    the run starts again."""
+    summary and weights are those of a run never stopped, however often it starts from that checkpoint. Cut
+    short before the first step, nothing is saved: the run starts again."""
     from harness import train_on_ranks
     kw = dict(steps=6, eval_interval=2, eval_iters=3, log_interval=1, save_interval=100, resume="auto")
     whole = train_on_ranks(2, small_config(small_data, tmp_path / "whole", **kw))["summary"]
@@ -249,6 +249,10 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
     assert _curve(tmp_path / "stopped") == _curve(tmp_path / "whole")
     _same_weights(tmp_path / "stopped" / "checkpoints" / "step_000006", tmp_path / "whole" / "checkpoints" /
                   "step_000006")
+    if step:              # started again from it (a branch, or a restart after a crash): evaluated once more,
+        cfg.resume = str(saved)                                    # its line replacing the earlier start's
+        assert train_on_ranks(2, cfg)["val_loss"][0][0] == step
+        assert _curve(tmp_path / "stopped") == _curve(tmp_path / "whole")
 
 
 def test_a_resume_without_evaluation_owes_none(small_data, tmp_path):

@@ -84,8 +84,9 @@ def test_learning_rate_schedule():
 
 
 def test_a_resume_that_moves_the_lr_schedule_says_so():
-    """A resume whose next update gets another lr than in the run that saved it (steps raised under a decay
-    that ends at the last step; an optimizer.* changed) names what changed, both lrs, and the fix for steps."""
+    """A resume one of whose updates gets another lr than in the run that saved it (steps raised under a decay
+    that ends at the last step; an optimizer.* changed) names the first such update (counted from 1), what
+    changed, both lrs, and the fix for steps."""
     import dataclasses
     from megatron_mini.config import OptimizerConfig, TrainConfig
     from megatron_mini.training import schedule_note
@@ -96,15 +97,24 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     assert schedule_note(saved, same, 99) is None
     longer = TrainConfig(steps=199, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0))
     assert schedule_note(saved, longer, 99) == (
-        "the lr schedule changed (steps: 100 -> 199): update 99 takes lr 0.55, where the run that saved it would "
+        "the lr schedule changed (steps: 100 -> 199): update 100 takes lr 0.55, where the run that saved it would "
         "have taken 0.1; optimizer.decay_steps=100 keeps the saved run's decay")
     longer.optimizer.decay_steps = 100
     assert schedule_note(saved, longer, 99) is None
     assert schedule_note(saved, longer, 150) is None                           # (both at min_lr past the decay)
     lower = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=0.5, min_lr=0.1, warmup_steps=0))
-    assert schedule_note(saved, lower, 0) == ("the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 0 takes "
+    assert schedule_note(saved, lower, 0) == ("the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 1 takes "
                                               "lr 0.5, where the run that saved it would have taken 1")
     assert schedule_note(saved, lower, 99) is None                             # (the same min_lr at the end)
+    mid = dict(saved, steps=101)                   # (p = 1/2 at update 51: cosine and linear agree there)
+    linear = TrainConfig(steps=101, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0,
+                                                               decay_style="linear"))
+    assert schedule_note(mid, linear, 50) == ("the lr schedule changed (optimizer.decay_style: cosine -> linear): "
+                                              "update 52 takes lr 0.541, where the run that saved it would have "
+                                              "taken 0.536")
+    warm = dict(saved, optimizer=dict(saved["optimizer"], warmup_steps=10))
+    later = TrainConfig(steps=199, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10))
+    assert schedule_note(warm, later, 3).startswith("the lr schedule changed (steps: 100 -> 199): update 11 takes")
     assert schedule_note({"config": "edited by hand"}, same, 0) is None
 
 
@@ -113,7 +123,7 @@ def test_the_resumed_run_logs_the_schedule_note(small_data, tmp_path):
     train_on_ranks(1, cfg)
     cfg.steps = 4
     train_on_ranks(1, cfg)
-    assert "resume: the lr schedule changed (steps: 2 -> 4): update 2 takes lr 0.00065" in \
+    assert "resume: the lr schedule changed (steps: 2 -> 4): update 3 takes lr 0.00065" in \
         (tmp_path / "run" / "logs" / "rank0000.log").read_text()
 
 

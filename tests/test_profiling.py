@@ -80,6 +80,20 @@ def test_the_profiler_traces_the_gpus_kernels(tmp_path):
         assert any(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
 
 
+def test_a_run_stopped_inside_the_window_counts_what_ran_after_its_last_step(tmp_path):
+    """A run that stops inside the window during the "evaluation" after its step 4 (a stop cuts it short; the
+    run closes the profiler before its save): the trace holds that evaluation, and the header counts it as
+    time between the steps (both evaluations, 30 ms each)."""
+    profiler = StepProfiler(ProfileConfig(start=3, steps=3), str(tmp_path), 0, torch.device("cpu"), 0, 8,
+                            logging.getLogger("test"))
+    _loop(profiler, 1, 4)
+    where = tmp_path / "profile" / "step_000003-000004"
+    assert _ops(where / "rank0000.json.gz")["aten::cumsum"] == 3             # (after steps 2, 3 and 4)
+    text = (where / "rank0000.txt").read_text()
+    between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
+    assert between is not None and float(between.group(1)) >= 60, text
+
+
 @pytest.mark.parametrize("ranks", [None, [1]])
 def test_a_run_resumed_past_the_window_traces_nothing(tmp_path, ranks):
     """Every rank says so, those not chosen too (rank 0's console line promised rank 1's trace)."""

@@ -268,15 +268,18 @@ def test_min_lr_above_lr_is_refused():
 
 
 def test_a_decay_that_ends_within_the_warmup_is_refused():
-    """optimizer.decay_steps at or below warmup_steps would put min_lr at the warmup's peak: refused."""
+    """optimizer.decay_steps at or before the step where the lr peaks (the warmup's last, or the first without
+    one) would put min_lr at the peak: refused."""
     from megatron_mini.config import ConfigError, TrainConfig, validate
     cfg = TrainConfig()
-    cfg.optimizer.decay_steps = 20
-    with pytest.raises(ConfigError, match=r"optimizer\.decay_steps=20 ends the decay before the warmup \(optimizer\."
-                                          r"warmup_steps=20\) ends: set it above 20, or to 0"):
-        validate(cfg, 1)
-    cfg.optimizer.decay_steps = 21
-    assert validate(cfg, 1) == 1
+    for warmup, peak in ((20, 20), (0, 1)):
+        cfg.optimizer.warmup_steps, cfg.optimizer.decay_steps = warmup, peak
+        with pytest.raises(ConfigError, match=rf"optimizer\.decay_steps={peak} ends the decay no later than the lr "
+                                              rf"peaks \(step {peak}, optimizer\.warmup_steps={warmup}\): set it "
+                                              rf"above {peak}, or to 0"):
+            validate(cfg, 1)
+        cfg.optimizer.decay_steps = peak + 1
+        assert validate(cfg, 1) == 1
 
 
 def test_min_loss_scale_above_the_initial_scale_is_refused():
