@@ -700,6 +700,10 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing)
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")
+    if stop.deadline is not None:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + stop.deadline - time.monotonic()))
+        log.info(f"exit_after_minutes={cfg.exit_after_minutes:g}: every rank saves and stops after the first step "
+                 f"past {at} on any of them")
     first_step, start_time = trainer.step, time.time()
     try:
         stopped_by = _evaluate_first(trainer, history, logger, log, stop) or \

@@ -291,8 +291,9 @@ def test_the_time_limit_saves_and_stops_every_rank_and_the_resume_continues_exac
     cfg = small_config(small_data, tmp_path / "run", steps=3, exit_after_minutes=1e-9, resume="auto")
     summary = train_on_ranks(2, cfg)["summary"]
     assert summary["steps"] == 1 and summary["stopped_by"] == "exit_after_minutes=1e-09 (reached on 2 of 2 ranks)"
-    assert "stopped by exit_after_minutes=1e-09 (reached on 2 of 2 ranks) after step 1: saved" in \
-        (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    assert "exit_after_minutes=1e-09: every rank saves and stops after the first step past 20" in log
+    assert "stopped by exit_after_minutes=1e-09 (reached on 2 of 2 ranks) after step 1: saved" in log
     cfg.exit_after_minutes = 0
     assert train_on_ranks(2, cfg)["summary"]["steps"] == 3
     _same_weights(tmp_path / "run" / "checkpoints" / "step_000003", tmp_path / "whole" / "checkpoints" / "step_000003")
