@@ -201,8 +201,9 @@ class TrainConfig:
     replica_check_interval: int = 0  # also compare the weights ranks hold in common every N steps (replicas.py;
                                      # 0: only before each save, which always does)
     async_save: bool = False         # interval saves write their files in a thread while training goes on
-    exit_after_minutes: float = 0    # save and stop at the first step's end past this many minutes since the
-                                     # start (a job's time limit less a step, a save and the start-up; 0: none)
+    exit_after_minutes: float = 0    # save and stop at the end of the first step (or evaluation batch) past
+                                     # this many minutes since the start (a job's time limit less a step, a
+                                     # save and the start-up; 0: none)
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
     device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
     dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo

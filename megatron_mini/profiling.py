@@ -125,6 +125,7 @@ class StepProfiler:
                      f"(not this one)")
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof, self.recorded, self.wall, self.window, self.window_wall = None, [], 0.0, 0.0, 0.0
+        self.stepping = False        # inside a step (one that raised stays so: its time is no time between)
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -145,8 +146,10 @@ class StepProfiler:
         t0 = time.perf_counter()
         if step == self.start:
             self.window = t0
+        self.stepping = True
         with record_function(f"step {step}"):
             yield
+        self.stepping = False
         if step >= self.start:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)      # (the step's last kernels: AdamW's)
@@ -159,10 +162,11 @@ class StepProfiler:
 
     def close(self) -> None:
         """Stop the profiler (after the window's last step, or where the run stops inside it, before its last
-        save): what it recorded is written, the time since the window's last step counted as between steps."""
+        save): what it recorded is written, the time since the window's last step counted as between steps
+        (unless a step raised)."""
         prof, self.prof = self.prof, None
         if prof is not None:
-            if self.recorded:
+            if self.recorded and not self.stepping:
                 self.window_wall = time.perf_counter() - self.window
             prof.stop()
 

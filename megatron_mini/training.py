@@ -49,8 +49,8 @@ from .rng import RNGTracker
 def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
     """The lr of applied update `update` (0-based) of a run of `steps`: linear warmup over w = warmup_steps
     (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr at the peak, update k = max(w - 1, 0),
-    to min_lr at update D - 1 (D: decay_steps, or `steps` when 0; min_lr after it): with p = (update - k) /
-    (D - 1 - k) in [0, 1],
+    to min_lr at update D - 1 (D: decay_steps, or `steps` when 0; min_lr after it): with p = min(1, (update - k)
+    / max(1, D - 1 - k)) (a run of no more steps than its warmup: min_lr after it),
 
         cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p     constant: lr
 
@@ -71,28 +71,40 @@ def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
 
 
+def _decays(o: OptimizerConfig) -> bool:
+    """Whether the schedule's lr moves after the warmup (not constant, and min_lr below lr)."""
+    return o.decay_style != "constant" and o.min_lr != o.lr
+
+
+def _shape(o: OptimizerConfig, steps: int) -> tuple:
+    """What sets a schedule's lrs: lr and the warmup, and where the lr decays, min_lr, the style and its end."""
+    return (o.lr, o.warmup_steps) + ((o.min_lr, str(o.decay_style), o.decay_steps or steps) if _decays(o) else ())
+
+
 def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
-    """A resume's log line when this run gives one of its updates (`update`, 0-based, is its first) another lr
-    than the run that saved the checkpoint (`saved`: its config) would have: the first such update, counted
-    from 1 as steps are, and what changed (a raised `steps` moves a decay that ends at the last step)."""
+    """A resume's log line when one of the updates this run may apply (from `update`, 0-based, its first, to
+    steps - 1) takes another lr than in the run that saved the checkpoint (`saved`: its config): the first
+    such update, counted from 1 as steps are, both lrs, and what changed (a raised `steps` moves a decay that
+    ends at the last step). Both schedules are flat past their warmups and decays: a scan stops there."""
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     if not isinstance(saved.get("optimizer"), dict) or not isinstance(saved.get("steps"), int):
         return None                            # (a meta.json edited by hand: nothing to compare with)
     old, new = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields}), cfg.optimizer
-    ends = (old.decay_steps or saved["steps"], new.decay_steps or cfg.steps)
-    if ends[0] == ends[1] and all(getattr(old, k) == getattr(new, k) for k in SCHEDULE_KEYS):
+    if _shape(old, saved["steps"]) == _shape(new, cfg.steps):
         return None
-    last = max(update, *ends, old.warmup_steps, new.warmup_steps)      # (both schedules are flat past it)
+    flat = max(old.warmup_steps, new.warmup_steps,
+               *[o.decay_steps or steps for o, steps in ((old, saved["steps"]), (new, cfg.steps)) if _decays(o)])
     lrs = ((u, learning_rate(u, old, saved["steps"]), learning_rate(u, new, cfg.steps))
-           for u in range(update, last + 1))
+           for u in range(update, min(max(update, flat), cfg.steps - 1) + 1))
     u, was, now = next((lr for lr in lrs if not math.isclose(lr[1], lr[2], rel_tol=1e-12)), (None, 0, 0))
     if u is None:
         return None
-    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if ends[0] != ends[1] and saved["steps"] != cfg.steps else []
+    moved = saved["steps"] != cfg.steps and any(_decays(o) and not o.decay_steps for o in (old, new))
+    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if moved else []
     changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
                 if getattr(old, k) != getattr(new, k)]
     keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
-            if changed[0].startswith("steps") and not old.decay_steps and not new.decay_steps else "")
+            if moved and not old.decay_steps and not new.decay_steps and _decays(new) else "")
     return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.3g}, where the run "
             f"that saved it would have taken {was:.3g}{keep}")
 
@@ -258,9 +270,9 @@ class Trainer:
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step. `stop`: this rank's StopRequest, read after the forward and backward (a step is
-        long: a signal during it stops the run after it, not after the next); out["stop"]: {signal: how many
-        ranks it asked to stop}, empty when none; out["writing"]: how many ranks were still writing the pending
-        checkpoint (async_save)."""
+        long: a signal during it stops the run after it, not after the next); out["stop"]: {reason (a signal,
+        the time limit): how many ranks asked to stop for it}, empty when none; out["writing"]: how many ranks
+        were still writing the pending checkpoint (async_save)."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -300,8 +312,8 @@ class Trainer:
         return self.optimizer.scaler.skipped_steps if self.optimizer.scaler else 0
 
     def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict]:
-        """(the mean loss per token of eval_iters global batches of the validation set, {signal: ranks it asked
-        to stop}). A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
+        """(the mean loss per token of eval_iters global batches of the validation set, {reason: ranks that asked
+        to stop for it}). A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
         when one comes before the last batch, every rank ends the evaluation after the same batch (an evaluation
         can outlast a scheduler's grace period) and the loss is None."""
         for chunk in self.chunks:
@@ -466,7 +478,7 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest,
               note: str = "") -> dict:
     """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
-    owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({signal: ranks}; {} if none)."""
+    owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({reason: ranks}; {} if none)."""
     val, stops = trainer.evaluate(stop)
     trainer.evaluation_owed = val is None
     if val is None:
@@ -489,8 +501,8 @@ def _stopped_by(stops: dict, trainer: Trainer) -> str:
 def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger,
                     stop: StopRequest) -> str | None:
     """The evaluation before the first step: at step 0, and on resuming from a checkpoint whose evaluation a
-    stop cut short or came before (none with eval_interval=0: nothing is owed then). Returns the signals that cut
-    this one short too (nothing new to save: the run stops), or None."""
+    stop cut short or came before (none with eval_interval=0: nothing is owed then). Returns what cut this one
+    short too (nothing new to save: the run stops), or None."""
     if not trainer.cfg.eval_interval:
         trainer.evaluation_owed = False
     if not trainer.cfg.eval_interval or (trainer.step and not trainer.evaluation_owed):
@@ -500,16 +512,19 @@ def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: log
     if not trainer.evaluation_owed:      # (a stop during its last batch: the first step votes it again)
         return None
     why = _stopped_by(stops, trainer)
+    hint = (f" (exit_after_minutes={trainer.cfg.exit_after_minutes:g} passed before the first step: raise it, or "
+            f"every start stops here)" if StopRequest.TIME_LIMIT in stops else "")
     log.info(f"stopped by {why} before step {trainer.step + 1}: nothing trained since "
-             f"{trainer.last_checkpoint or 'the start'}; continue with resume=auto")
+             f"{trainer.last_checkpoint or 'the start'}; continue with resume=auto{hint}")
     return why
 
 
 def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict,
                 rate: Throughput, stop: StopRequest, memory: MemoryReport) -> str | None:
     """Steps until cfg.steps, logging every log_interval, evaluating and saving on their intervals, tracing
-    the steps profile.* names; when any rank got SIGTERM, every rank saves after the step and the loop ends.
-    Returns the signal that stopped the run, or None."""
+    the steps profile.* names; when any rank asks to stop (a signal, the time limit), every rank saves after the
+    step (or the evaluation batch) and the loop ends. Returns what stopped the run, or None (also when the
+    request came with the last step, the run then whole)."""
     profiler = StepProfiler(trainer.cfg.profile, trainer.cfg.run_dir, trainer.mesh.rank, trainer.device,
                             trainer.step, trainer.cfg.steps, log)
     if profiler.note:
@@ -560,7 +575,7 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             path = trainer.save(cfg.run_dir, run.data, background)
             log.info(f"saving {path} while training" if background else f"saved {path}")
         interval_start += time.time() - paused    # a step line's rate is the training steps' own
-        if out["stop"]:
+        if out["stop"] and (step < cfg.steps or trainer.evaluation_owed):   # (else the run is whole: it ends)
             why = _stopped_by(out["stop"], trainer)
             owed = f" (which evaluates step {step} first)" if trainer.evaluation_owed else ""
             log.info(f"stopped by {why} after step {step}: saved {trainer.last_checkpoint}; continue with "

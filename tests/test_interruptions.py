@@ -255,6 +255,14 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
         assert _curve(tmp_path / "stopped") == _curve(tmp_path / "whole")
 
 
+def test_a_stop_that_comes_with_the_last_step_ends_a_whole_run(small_data, tmp_path):
+    """A signal during the last step (no evaluation due): the run is whole, so it ends as one never signalled,
+    its summary without stopped_by (a requeue script that reads it would start it again and again)."""
+    summary = spawn(2, _stopped_at, small_config(small_data, tmp_path, steps=2), "train_step", 2, init_group=False)[0]
+    assert summary["steps"] == 2 and "stopped_by" not in summary
+    assert "stopped by" not in (tmp_path / "logs" / "rank0000.log").read_text()
+
+
 def test_a_resume_without_evaluation_owes_none(small_data, tmp_path):
     """Resumed with eval_interval=0 from a checkpoint that owes its evaluation: nothing is evaluated, and the
     next checkpoint owes nothing (a later resume with evaluation on would evaluate a step it never asked for)."""
@@ -296,6 +304,10 @@ def test_the_time_limit_saves_and_stops_every_rank_and_the_resume_continues_exac
     assert "stopped by exit_after_minutes=1e-09 (reached on 2 of 2 ranks) after step 1: saved" in log
     cfg.exit_after_minutes = 0
     assert train_on_ranks(2, cfg)["summary"]["steps"] == 3
+    first = small_config(small_data, tmp_path / "first", steps=3, exit_after_minutes=1e-9, eval_interval=2)
+    assert train_on_ranks(2, first)["summary"]["steps"] == 0              # (cut short: the evaluation at step 0)
+    assert "exit_after_minutes=1e-09 passed before the first step: raise it, or every start stops here" in \
+        (tmp_path / "first" / "logs" / "rank0000.log").read_text()
     _same_weights(tmp_path / "run" / "checkpoints" / "step_000003", tmp_path / "whole" / "checkpoints" / "step_000003")
 
 

@@ -116,6 +116,33 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     later = TrainConfig(steps=199, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10))
     assert schedule_note(warm, later, 3).startswith("the lr schedule changed (steps: 100 -> 199): update 11 takes")
     assert schedule_note({"config": "edited by hand"}, same, 0) is None
+    lower.optimizer.lr = 1.0
+    lower.optimizer.min_lr = 0.2
+    assert schedule_note(saved, lower, 100) is None                  # (no update left: an owed evaluation's start)
+
+
+def test_the_schedule_note_looks_at_this_runs_updates_only_and_few(monkeypatch):
+    """No note for updates past this run's steps, nor for a change that leaves every lr as it was (a flat
+    schedule's steps or decay_steps, in a schedule 10**7 steps long: found without computing its lrs); a
+    constant lr's note does not blame steps."""
+    import dataclasses
+    from megatron_mini import training
+    from megatron_mini.config import OptimizerConfig, TrainConfig
+
+    def saved(steps, **o):
+        return json.loads(json.dumps(dataclasses.asdict(TrainConfig(steps=steps, optimizer=OptimizerConfig(**o)))))
+    shorter = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=200))
+    assert training.schedule_note(saved(1000, lr=1.0, min_lr=0.1, warmup_steps=200), shorter, 50) is None
+    lrs, learning_rate = [], training.learning_rate
+    monkeypatch.setattr(training, "learning_rate", lambda *a: lrs.append(a) or learning_rate(*a))
+    for o in (dict(decay_style="constant"), dict(min_lr=1.0), dict(decay_style="constant", decay_steps=10**8)):
+        longer = TrainConfig(steps=10**7, optimizer=OptimizerConfig(**{"lr": 1.0, "min_lr": 0.1, **o}))
+        assert training.schedule_note(saved(100, **{"lr": 1.0, "min_lr": 0.1, **o}), longer, 100) is None
+    assert lrs == []
+    constant = TrainConfig(steps=200, optimizer=OptimizerConfig(lr=0.5, decay_style="constant", warmup_steps=0))
+    assert training.schedule_note(saved(100, lr=1.0, decay_style="constant", warmup_steps=0), constant, 100) == (
+        "the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 101 takes lr 0.5, where the run that saved it "
+        "would have taken 1")
 
 
 def test_the_resumed_run_logs_the_schedule_note(small_data, tmp_path):

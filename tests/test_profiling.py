@@ -94,6 +94,26 @@ def test_a_run_stopped_inside_the_window_counts_what_ran_after_its_last_step(tmp
     assert between is not None and float(between.group(1)) >= 60, text
 
 
+def test_a_step_that_raises_inside_the_window_is_no_time_between_steps(tmp_path):
+    """A run whose step 5 raises after 0.3 s (a non-finite loss) writes the trace of the steps it ran, and its
+    header counts only the 30 ms evaluations between the steps, not the step that raised."""
+    profiler = StepProfiler(ProfileConfig(start=3, steps=3), str(tmp_path), 0, torch.device("cpu"), 0, 8,
+                            logging.getLogger("test"))
+    with pytest.raises(FloatingPointError):
+        try:
+            for step in range(1, 6):
+                with profiler.step(step):
+                    if step == 5:
+                        time.sleep(0.3)
+                        raise FloatingPointError("the training loss is nan")
+                time.sleep(0.03)
+        finally:
+            profiler.close()
+    text = (tmp_path / "profile" / "step_000003-000004" / "rank0000.txt").read_text()
+    between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
+    assert between is not None and 30 <= float(between.group(1)) < 300, text
+
+
 @pytest.mark.parametrize("ranks", [None, [1]])
 def test_a_run_resumed_past_the_window_traces_nothing(tmp_path, ranks):
     """Every rank says so, those not chosen too (rank 0's console line promised rank 1's trace)."""
