@@ -42,7 +42,7 @@ DType = choice("DType", "fp32", "fp16", "bf16")
 Schedule = choice("Schedule", *KINDS)
 EmbeddingStage = choice("EmbeddingStage", "none", "layer", "own")
 Recompute = choice("Recompute", "none", "full", "selective")
-Decay = choice("Decay", "cosine", "linear", "constant")
+Decay = choice("Decay", "cosine", "linear", "sqrt", "constant")
 # the last three: Triton for that op only
 Kernels = choice("Kernels", "auto", "triton", "torch", "layer_norm", "attention", "cross_entropy")
 WandbMode = choice("WandbMode", "auto", "online", "offline", "disabled")
@@ -120,6 +120,8 @@ class OptimizerConfig:
     warmup_steps: int = 20
     decay_style: Decay = Decay.cosine  # from lr after the warmup to min_lr (constant: lr throughout)
     decay_steps: int = 0             # min_lr from step decay_steps on, warmup counted (0: from the last step)
+    cooldown_steps: int = 0          # WSD: lr held after the warmup, decayed over the decay's last N steps only
+                                     # (0: from the warmup's end)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -225,6 +227,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "model.label_smoothing": _UNIT, "model.dropout": _UNIT, "model.ln_eps": _GT0, "model.init_std": _GT0,
     "optimizer.lr": _GE0, "optimizer.min_lr": _GE0, "optimizer.warmup_steps": _GE0,
     "optimizer.decay_steps": (_GE0[0], ">= 0 (0: decay until the last step)"),
+    "optimizer.cooldown_steps": (_GE0[0], ">= 0 (0: decay from the warmup's end)"),
     "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT, "optimizer.eps": _GT0,
     "optimizer.grad_clip": (_GE0[0], ">= 0 (0: no clipping)"),
     "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
@@ -347,6 +350,12 @@ def check_layout_free(cfg: TrainConfig) -> None:
         raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay no later than the lr peaks (step "
                           f"{peak}, optimizer.warmup_steps={o.warmup_steps}): set it above {peak}, or to 0 (the "
                           f"decay ends at the last step).")
+    end = o.decay_steps or cfg.steps
+    if o.cooldown_steps > max(end - peak, 0):
+        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} is longer than the decay can be: from the "
+                          f"lr's peak (step {peak}) to the decay's end (step {end}, "
+                          f"{'optimizer.decay_steps' if o.decay_steps else 'the last'}) is {max(end - peak, 0)} "
+                          f"steps.")
     p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="

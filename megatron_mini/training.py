@@ -48,11 +48,13 @@ from .rng import RNGTracker
 
 def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
     """The lr of applied update `update` (0-based) of a run of `steps`: linear warmup over w = warmup_steps
-    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr at the peak, update k = max(w - 1, 0),
-    to min_lr at update D - 1 (D: decay_steps, or `steps` when 0; min_lr after it): with p = min(1, (update - k)
+    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr at update k to min_lr at update D - 1
+    (D: decay_steps, or `steps` when 0; min_lr after it): k = max(w - 1, 0), the peak, or with cooldown_steps
+    C > 0 (warmup-stable-decay) k = max(D - 1 - C, the peak), lr held until then; with p = min(1, (update - k)
     / max(1, D - 1 - k)) (a run of no more steps than its warmup: min_lr after it),
 
-        cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p     constant: lr
+        cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p
+        sqrt:   lr - (lr - min_lr) sqrt(p)  (WSD's "1 - sqrt" cooldown)     constant: lr
 
     An fp16 step skipped on an overflow applies no update and does not advance the schedule (as Megatron's),
     so warmup is not spent on them. A fixed decay_steps (Megatron's lr-decay-iters) keeps the schedule when a
@@ -61,14 +63,17 @@ def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
         return o.lr * (update + 1) / o.warmup_steps
     if o.decay_style == "constant":
         return o.lr
-    peak, last = max(o.warmup_steps - 1, 0), (o.decay_steps or steps) - 1
-    progress = min(1.0, (update - peak) / max(1, last - peak))
+    last = (o.decay_steps or steps) - 1
+    start = max(o.warmup_steps - 1, 0, last - o.cooldown_steps if o.cooldown_steps else 0)
+    progress = min(1.0, max(0.0, (update - start) / max(1, last - start)))
     if o.decay_style == "linear":
         return o.lr - (o.lr - o.min_lr) * progress
+    if o.decay_style == "sqrt":
+        return o.lr - (o.lr - o.min_lr) * math.sqrt(progress)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "cooldown_steps")
 
 
 def _decays(o: OptimizerConfig) -> bool:
@@ -77,8 +82,10 @@ def _decays(o: OptimizerConfig) -> bool:
 
 
 def _shape(o: OptimizerConfig, steps: int) -> tuple:
-    """What sets a schedule's lrs: lr and the warmup, and where the lr decays, min_lr, the style and its end."""
-    return (o.lr, o.warmup_steps) + ((o.min_lr, str(o.decay_style), o.decay_steps or steps) if _decays(o) else ())
+    """What sets a schedule's lrs: lr and the warmup, and where the lr decays, min_lr, the style, its end and
+    its cooldown."""
+    return (o.lr, o.warmup_steps) + ((o.min_lr, str(o.decay_style), o.decay_steps or steps, o.cooldown_steps)
+                                     if _decays(o) else ())
 
 
 def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
@@ -105,8 +112,9 @@ def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
                 if getattr(old, k) != getattr(new, k)]
     keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
             if moved and not old.decay_steps and not new.decay_steps and _decays(new) else "")
-    return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.3g}, where the run "
-            f"that saved it would have taken {was:.3g}{keep}")
+    digits = next((d for d in range(3, 17) if f"{now:.{d}g}" != f"{was:.{d}g}"), 17)     # (as many as differ)
+    return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.{digits}g}, where the "
+            f"run that saved it would have taken {was:.{digits}g}{keep}")
 
 
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:

@@ -79,6 +79,15 @@ def test_learning_rate_schedule():
                                                                                  abs=1e-12)
     o.decay_style = "constant"
     assert [learning_rate(u, o, 8) for u in range(8)] == pytest.approx(warmup + [1.0] * 6, abs=1e-12)
+    o.decay_style, o.decay_steps, o.cooldown_steps = "sqrt", 0, 3     # warmup-stable-decay: the last 3 decay
+    assert [learning_rate(u, o, 10) for u in range(12)] == pytest.approx(
+        warmup + [1.0] * 5 + [1 - 0.9 * math.sqrt(k / 3) for k in (1, 2, 3)] + [0.1] * 2, abs=1e-12)
+    o.decay_style = "linear"                                           # (the stable part grows with steps)
+    assert [learning_rate(u, o, 20)for u in (16, 17, 18, 19)] == pytest.approx([1.0, 0.7, 0.4, 0.1], abs=1e-12)
+    o.cooldown_steps = 7                                               # (all of it: from the peak)
+    assert [learning_rate(u, o, 10) for u in range(2, 10)] == pytest.approx([1 - 0.9 * k / 7 for k in range(8)],
+                                                                            abs=1e-12)
+    o.cooldown_steps = 0
     o.decay_style, o.decay_steps, o.warmup_steps = "cosine", 0, 0
     assert [learning_rate(u, o, 8) for u in (0, 7)] == pytest.approx([1.0, 0.1])
 
@@ -102,6 +111,9 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     longer.optimizer.decay_steps = 100
     assert schedule_note(saved, longer, 99) is None
     assert schedule_note(saved, longer, 150) is None                           # (both at min_lr past the decay)
+    wsd = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0, cooldown_steps=20))
+    assert schedule_note(saved, wsd, 0) == ("the lr schedule changed (optimizer.cooldown_steps: 0 -> 20): update 2 "
+                                            "takes lr 1, where the run that saved it would have taken 0.9998")
     lower = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=0.5, min_lr=0.1, warmup_steps=0))
     assert schedule_note(saved, lower, 0) == ("the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 1 takes "
                                               "lr 0.5, where the run that saved it would have taken 1")

@@ -120,7 +120,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          ["Unknown config key optimizer.lrr (did you mean optimizer.lr?)"]),
         ("device-tpu", 1, ["device=tpu"], ["Invalid value 'tpu', expected one of [auto, cpu, cuda]"]),
         ("decay-style-typo", 1, ["optimizer.decay_style=cosin"],
-         ["Invalid value 'cosin', expected one of [cosine, linear, constant]"]),
+         ["Invalid value 'cosin', expected one of [cosine, linear, sqrt, constant]"]),
         ("no-layers", 1, ["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
         ("negative-lr", 1, ["optimizer.lr=-0.001"], ["optimizer.lr=-0.001 must be >= 0"]),
         ("loss-scale-inf", 1, ["precision=fp16", "precision.initial_loss_scale=inf"],
@@ -280,6 +280,19 @@ def test_a_decay_that_ends_within_the_warmup_is_refused():
             validate(cfg, 1)
         cfg.optimizer.decay_steps = peak + 1
         assert validate(cfg, 1) == 1
+
+
+def test_a_cooldown_longer_than_the_decay_is_refused():
+    """optimizer.cooldown_steps can be at most the steps from the lr's peak to the decay's end."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+    cfg = TrainConfig(steps=100)
+    cfg.optimizer.warmup_steps, cfg.optimizer.cooldown_steps = 20, 81
+    with pytest.raises(ConfigError, match=r"optimizer\.cooldown_steps=81 is longer than the decay can be: from the "
+                                          r"lr's peak \(step 20\) to the decay's end \(step 100, the last\) is 80 "
+                                          r"steps\."):
+        validate(cfg, 1)
+    cfg.optimizer.cooldown_steps = 80
+    assert validate(cfg, 1) == 1
 
 
 def test_min_loss_scale_above_the_initial_scale_is_refused():
