@@ -32,7 +32,7 @@ from .errors import CommError
 from .files import atomic_write
 from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
-from .config import ConfigError, OptimizerConfig, RunError, TrainConfig, validate
+from .config import ConfigError, RunError, TrainConfig, validate
 from .data import DataError
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
@@ -43,78 +43,8 @@ from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import compiles, select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
+from .optimizer import learning_rate, schedule_note
 from .rng import RNGTracker
-
-
-def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
-    """The lr of applied update `update` (0-based) of a run of `steps`: linear warmup over w = warmup_steps
-    (lr/w, 2 lr/w, ..., lr at update w - 1), then the decay_style from lr at update k to min_lr at update D - 1
-    (D: decay_steps, or `steps` when 0; min_lr after it): k = max(w - 1, 0), the peak, or with cooldown_steps
-    C > 0 (warmup-stable-decay) k = max(D - 1 - C, the peak), lr held until then; with p = min(1, (update - k)
-    / max(1, D - 1 - k)) (a run of no more steps than its warmup: min_lr after it),
-
-        cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2     linear: lr - (lr - min_lr) p
-        sqrt:   lr - (lr - min_lr) sqrt(p)  (WSD's "1 - sqrt" cooldown)     constant: lr
-
-    An fp16 step skipped on an overflow applies no update and does not advance the schedule (as Megatron's),
-    so warmup is not spent on them. A fixed decay_steps (Megatron's lr-decay-iters) keeps the schedule when a
-    resumed run raises `steps`."""
-    if update < o.warmup_steps:
-        return o.lr * (update + 1) / o.warmup_steps
-    if o.decay_style == "constant":
-        return o.lr
-    last = (o.decay_steps or steps) - 1
-    start = max(o.warmup_steps - 1, 0, last - o.cooldown_steps if o.cooldown_steps else 0)
-    progress = min(1.0, max(0.0, (update - start) / max(1, last - start)))
-    if o.decay_style == "linear":
-        return o.lr - (o.lr - o.min_lr) * progress
-    if o.decay_style == "sqrt":
-        return o.lr - (o.lr - o.min_lr) * math.sqrt(progress)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "cooldown_steps")
-
-
-def _decays(o: OptimizerConfig) -> bool:
-    """Whether the schedule's lr moves after the warmup (not constant, and min_lr below lr)."""
-    return o.decay_style != "constant" and o.min_lr != o.lr
-
-
-def _shape(o: OptimizerConfig, steps: int) -> tuple:
-    """What sets a schedule's lrs: lr and the warmup, and where the lr decays, min_lr, the style, its end and
-    its cooldown."""
-    return (o.lr, o.warmup_steps) + ((o.min_lr, str(o.decay_style), o.decay_steps or steps, o.cooldown_steps)
-                                     if _decays(o) else ())
-
-
-def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
-    """A resume's log line when one of the updates this run may apply (from `update`, 0-based, its first, to
-    steps - 1) takes another lr than in the run that saved the checkpoint (`saved`: its config): the first
-    such update, counted from 1 as steps are, both lrs, and what changed (a raised `steps` moves a decay that
-    ends at the last step). Both schedules are flat past their warmups and decays: a scan stops there."""
-    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    if not isinstance(saved.get("optimizer"), dict) or not isinstance(saved.get("steps"), int):
-        return None                            # (a meta.json edited by hand: nothing to compare with)
-    old, new = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields}), cfg.optimizer
-    if _shape(old, saved["steps"]) == _shape(new, cfg.steps):
-        return None
-    flat = max(old.warmup_steps, new.warmup_steps,
-               *[o.decay_steps or steps for o, steps in ((old, saved["steps"]), (new, cfg.steps)) if _decays(o)])
-    lrs = ((u, learning_rate(u, old, saved["steps"]), learning_rate(u, new, cfg.steps))
-           for u in range(update, min(max(update, flat), cfg.steps - 1) + 1))
-    u, was, now = next((lr for lr in lrs if not math.isclose(lr[1], lr[2], rel_tol=1e-12)), (None, 0, 0))
-    if u is None:
-        return None
-    moved = saved["steps"] != cfg.steps and any(_decays(o) and not o.decay_steps for o in (old, new))
-    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if moved else []
-    changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
-                if getattr(old, k) != getattr(new, k)]
-    keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
-            if moved and not old.decay_steps and not new.decay_steps and _decays(new) else "")
-    digits = next((d for d in range(3, 17) if f"{now:.{d}g}" != f"{was:.{d}g}"), 17)     # (as many as differ)
-    return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.{digits}g}, where the "
-            f"run that saved it would have taken {was:.{digits}g}{keep}")
 
 
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:

@@ -64,7 +64,7 @@ def test_learning_rate_schedule():
     """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine or a line down to exactly min_lr at the last step
     (or at update decay_steps - 1, whatever `steps`), min_lr after it; constant: lr after the warmup."""
     from megatron_mini.config import OptimizerConfig
-    from megatron_mini.training import learning_rate
+    from megatron_mini.optimizer import learning_rate
     o = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=3)
     warmup = [1 / 3, 2 / 3]
     cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 5)) for k in range(6)]   # the peak at update 2 = k 0
@@ -98,7 +98,7 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     changed, both lrs, and the fix for steps."""
     import dataclasses
     from megatron_mini.config import OptimizerConfig, TrainConfig
-    from megatron_mini.training import schedule_note
+    from megatron_mini.optimizer import schedule_note
     saved = dataclasses.asdict(TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0)))
     saved = json.loads(json.dumps(saved))                                       # as meta.json holds it
     del saved["optimizer"]["decay_steps"], saved["optimizer"]["decay_style"]     # (a checkpoint of before them)
@@ -138,21 +138,21 @@ def test_the_schedule_note_looks_at_this_runs_updates_only_and_few(monkeypatch):
     schedule's steps or decay_steps, in a schedule 10**7 steps long: found without computing its lrs); a
     constant lr's note does not blame steps."""
     import dataclasses
-    from megatron_mini import training
+    from megatron_mini import optimizer
     from megatron_mini.config import OptimizerConfig, TrainConfig
 
     def saved(steps, **o):
         return json.loads(json.dumps(dataclasses.asdict(TrainConfig(steps=steps, optimizer=OptimizerConfig(**o)))))
     shorter = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=200))
-    assert training.schedule_note(saved(1000, lr=1.0, min_lr=0.1, warmup_steps=200), shorter, 50) is None
-    lrs, learning_rate = [], training.learning_rate
-    monkeypatch.setattr(training, "learning_rate", lambda *a: lrs.append(a) or learning_rate(*a))
+    assert optimizer.schedule_note(saved(1000, lr=1.0, min_lr=0.1, warmup_steps=200), shorter, 50) is None
+    lrs, learning_rate = [], optimizer.learning_rate
+    monkeypatch.setattr(optimizer, "learning_rate", lambda *a: lrs.append(a) or learning_rate(*a))
     for o in (dict(decay_style="constant"), dict(min_lr=1.0), dict(decay_style="constant", decay_steps=10**8)):
         longer = TrainConfig(steps=10**7, optimizer=OptimizerConfig(**{"lr": 1.0, "min_lr": 0.1, **o}))
-        assert training.schedule_note(saved(100, **{"lr": 1.0, "min_lr": 0.1, **o}), longer, 100) is None
+        assert optimizer.schedule_note(saved(100, **{"lr": 1.0, "min_lr": 0.1, **o}), longer, 100) is None
     assert lrs == []
     constant = TrainConfig(steps=200, optimizer=OptimizerConfig(lr=0.5, decay_style="constant", warmup_steps=0))
-    assert training.schedule_note(saved(100, lr=1.0, decay_style="constant", warmup_steps=0), constant, 100) == (
+    assert optimizer.schedule_note(saved(100, lr=1.0, decay_style="constant", warmup_steps=0), constant, 100) == (
         "the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 101 takes lr 0.5, where the run that saved it "
         "would have taken 1")
 
