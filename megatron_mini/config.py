@@ -352,10 +352,10 @@ def check_layout_free(cfg: TrainConfig) -> None:
                           f"decay ends at the last step).")
     end = o.decay_steps or cfg.steps
     if o.cooldown_steps > max(end - peak, 0):
+        where = f"optimizer.decay_steps={end}" if o.decay_steps else f"the last, steps={end}"
         raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} is longer than the decay can be: from the "
-                          f"lr's peak (step {peak}) to the decay's end (step {end}, "
-                          f"{'optimizer.decay_steps' if o.decay_steps else 'the last'}) is {max(end - peak, 0)} "
-                          f"steps.")
+                          f"lr's peak (step {peak}) to the decay's end (step {end}, {where}) is {max(end - peak, 0)} "
+                          f"steps; lower it, or raise {'optimizer.decay_steps' if o.decay_steps else 'steps'}.")
     p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="

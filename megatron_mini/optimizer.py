@@ -293,14 +293,19 @@ def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
         return o.lr * (update + 1) / o.warmup_steps
     if o.decay_style == "constant":
         return o.lr
-    last = (o.decay_steps or steps) - 1
-    start = max(o.warmup_steps - 1, 0, last - o.cooldown_steps if o.cooldown_steps else 0)
+    start, last = _decay_span(o, steps)
     progress = min(1.0, max(0.0, (update - start) / max(1, last - start)))
     if o.decay_style == "linear":
         return o.lr - (o.lr - o.min_lr) * progress
     if o.decay_style == "sqrt":
         return o.lr - (o.lr - o.min_lr) * math.sqrt(progress)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _decay_span(o: OptimizerConfig, steps: int) -> tuple[int, int]:
+    """(k, D - 1) of learning_rate: the updates at which the decay starts (from lr) and ends (at min_lr)."""
+    last = (o.decay_steps or steps) - 1
+    return max(o.warmup_steps - 1, 0, last - o.cooldown_steps if o.cooldown_steps else 0), last
 
 
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "cooldown_steps")
@@ -311,36 +316,34 @@ def _decays(o: OptimizerConfig) -> bool:
     return o.decay_style != "constant" and o.min_lr != o.lr
 
 
-def _shape(o: OptimizerConfig, steps: int) -> tuple:
-    """What sets a schedule's lrs: lr and the warmup, and where the lr decays, min_lr, the style, its end and
-    its cooldown."""
-    return (o.lr, o.warmup_steps) + ((o.min_lr, str(o.decay_style), o.decay_steps or steps, o.cooldown_steps)
-                                     if _decays(o) else ())
+def schedule_note(saved: dict, cfg: TrainConfig, update: int, updates: int) -> str | None:
+    """A resume's log line when one of the `updates` this run may apply (the first: `update`, 0-based) takes
+    another lr than in the run that saved the checkpoint (`saved`: its config): the first such update, counted
+    from 1 as steps are, both lrs, and what changed (a raised `steps` moves a decay that ends at the last step).
 
-
-def schedule_note(saved: dict, cfg: TrainConfig, update: int) -> str | None:
-    """A resume's log line when one of the updates this run may apply (from `update`, 0-based, its first, to
-    steps - 1) takes another lr than in the run that saved the checkpoint (`saved`: its config): the first
-    such update, counted from 1 as steps are, both lrs, and what changed (a raised `steps` moves a decay that
-    ends at the last step). Both schedules are flat past their warmups and decays: a scan stops there."""
+    Each schedule is one closed form between its breaks (the warmup's end, the decay's start and end): the lrs
+    are compared at the first four updates from each break and at sixteenths of the spans between them, a few
+    hundred whatever the run's length (a change that shows only within a span, as a longer cosine's first
+    updates barely leave lr, is named where it shows, a sixteenth of the span at the latest)."""
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     if not isinstance(saved.get("optimizer"), dict) or not isinstance(saved.get("steps"), int):
         return None                            # (a meta.json edited by hand: nothing to compare with)
-    old, new = OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields}), cfg.optimizer
-    if _shape(old, saved["steps"]) == _shape(new, cfg.steps):
-        return None
-    flat = max(old.warmup_steps, new.warmup_steps,
-               *[o.decay_steps or steps for o, steps in ((old, saved["steps"]), (new, cfg.steps)) if _decays(o)])
-    lrs = ((u, learning_rate(u, old, saved["steps"]), learning_rate(u, new, cfg.steps))
-           for u in range(update, min(max(update, flat), cfg.steps - 1) + 1))
+    runs = ((OptimizerConfig(**{k: v for k, v in saved["optimizer"].items() if k in fields}), saved["steps"]),
+            (cfg.optimizer, cfg.steps))
+    end = update + updates
+    edges = sorted({update, end} | {b for o, steps in runs for b in (o.warmup_steps, *_decay_span(o, steps))})
+    at = sorted(u for a, b in zip(edges, edges[1:]) for u in {a + d for d in range(4)} |
+                {a + (b - a) * i // 16 for i in range(1, 16)} if update <= u < end)
+    lrs = ((u, *(learning_rate(u, o, steps) for o, steps in runs)) for u in at)
     u, was, now = next((lr for lr in lrs if not math.isclose(lr[1], lr[2], rel_tol=1e-12)), (None, 0, 0))
     if u is None:
         return None
-    moved = saved["steps"] != cfg.steps and any(_decays(o) and not o.decay_steps for o in (old, new))
-    changed = [f"steps: {saved['steps']} -> {cfg.steps}"] if moved else []
+    (old, old_steps), (new, _) = runs
+    moved = old_steps != cfg.steps and any(_decays(o) and not o.decay_steps for o in (old, new))
+    changed = [f"steps: {old_steps} -> {cfg.steps}"] if moved else []
     changed += [f"optimizer.{k}: {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
                 if getattr(old, k) != getattr(new, k)]
-    keep = (f"; optimizer.decay_steps={saved['steps']} keeps the saved run's decay"
+    keep = (f"; optimizer.decay_steps={old_steps} keeps the saved run's decay"
             if moved and not old.decay_steps and not new.decay_steps and _decays(new) else "")
     digits = next((d for d in range(3, 17) if f"{now:.{d}g}" != f"{was:.{d}g}"), 17)     # (as many as differ)
     return (f"the lr schedule changed ({', '.join(changed)}): update {u + 1} takes lr {now:.{digits}g}, where the "

@@ -125,7 +125,7 @@ class StepProfiler:
                      f"(not this one)")
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof, self.recorded, self.wall, self.window, self.window_wall = None, [], 0.0, 0.0, 0.0
-        self.stepping = False        # inside a step (one that raised stays so: its time is no time between)
+        self.stepping = None         # the step running (one that raised stays: its time and ops are said apart)
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -146,10 +146,10 @@ class StepProfiler:
         t0 = time.perf_counter()
         if step == self.start:
             self.window = t0
-        self.stepping = True
+        self.stepping = step
         with record_function(f"step {step}"):
             yield
-        self.stepping = False
+        self.stepping = None
         if step >= self.start:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)      # (the step's last kernels: AdamW's)
@@ -162,11 +162,11 @@ class StepProfiler:
 
     def close(self) -> None:
         """Stop the profiler (after the window's last step, or where the run stops inside it, before its last
-        save): what it recorded is written, the time since the window's last step counted as between steps
-        (unless a step raised)."""
+        save, or where a step raised): what it recorded is written, the time since the window's last whole step
+        counted as between steps."""
         prof, self.prof = self.prof, None
         if prof is not None:
-            if self.recorded and not self.stepping:
+            if self.recorded:
                 self.window_wall = time.perf_counter() - self.window
             prof.stop()
 
@@ -184,8 +184,10 @@ class StepProfiler:
             cuda = self.device.type == "cuda"
             wall_ms, between_ms = 1e3 * self.window_wall, 1e3 * (self.window_wall - self.wall)
             events = busy(prof, cuda)
-            between = (f"; {between_ms:.1f} ms between them (an evaluation, a save: their ops are in the trace and "
-                       f"the tables too)" if between_ms > 0.02 * wall_ms else "")
+            raised = self.stepping is not None
+            what = f"and in step {self.stepping}, which raised" if raised else "(an evaluation, a save)"
+            between = (f"; {between_ms:.1f} ms between them {what} (their ops are in the trace and the tables too)"
+                       if between_ms > 0.02 * wall_ms or raised else "")
             head = (f"profile of steps {first}-{last} on rank {self.rank}: {1e3 * self.wall / steps:.1f} ms a step "
                     f"(wall, profiler on){between}; {'CUDA kernels' if cuda else 'CPU ops'} busy "
                     f"{sum(ms for _, _, ms in events) / steps:.1f} ms a step\n\n")

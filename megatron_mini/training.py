@@ -633,7 +633,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         trainer.load(run.resume.path)
     moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     if run.resume:
-        schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count)
+        schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count,
+                                 cfg.steps - trainer.step)
         for note in run.resume.notes + moved + ([schedule] if schedule else []):
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")

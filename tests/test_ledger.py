@@ -12,8 +12,8 @@ from harness import make_trainer, small_config
 
 F32 = 4
 # the step-end all-reduce: the logged loss, the ranks writing a checkpoint, the ranks whose own write failed,
-# a stop count per signal
-STEP_END = (3 + 4) * F32
+# a stop count per signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) and one for the time limit (exit_after_minutes)
+STEP_END = (3 + 4 + 1) * F32
 
 
 def _one_step_ledger(cfg):

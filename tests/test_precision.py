@@ -98,7 +98,10 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     changed, both lrs, and the fix for steps."""
     import dataclasses
     from megatron_mini.config import OptimizerConfig, TrainConfig
-    from megatron_mini.optimizer import schedule_note
+    from megatron_mini.optimizer import schedule_note as note
+
+    def schedule_note(saved, cfg, update, skipped=0):     # (a run of steps - update steps, `skipped` before it)
+        return note(saved, cfg, update, cfg.steps - update - skipped)
     saved = dataclasses.asdict(TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=0)))
     saved = json.loads(json.dumps(saved))                                       # as meta.json holds it
     del saved["optimizer"]["decay_steps"], saved["optimizer"]["decay_style"]     # (a checkpoint of before them)
@@ -131,12 +134,14 @@ def test_a_resume_that_moves_the_lr_schedule_says_so():
     lower.optimizer.lr = 1.0
     lower.optimizer.min_lr = 0.2
     assert schedule_note(saved, lower, 100) is None                  # (no update left: an owed evaluation's start)
+    assert schedule_note(saved, lower, 95, skipped=5) is None        # (nor after 5 fp16 steps skipped)
 
 
 def test_the_schedule_note_looks_at_this_runs_updates_only_and_few(monkeypatch):
     """No note for updates past this run's steps, nor for a change that leaves every lr as it was (a flat
-    schedule's steps or decay_steps, in a schedule 10**7 steps long: found without computing its lrs); a
-    constant lr's note does not blame steps."""
+    schedule's steps or decay_steps, a cooldown as long as the whole decay); in schedules 10**7 steps long it
+    computes a few hundred lrs, the first that differs 9 million updates on among them (a warmup-stable-decay
+    run extended: its cooldown moves); a constant lr's note does not blame steps."""
     import dataclasses
     from megatron_mini import optimizer
     from megatron_mini.config import OptimizerConfig, TrainConfig
@@ -144,17 +149,30 @@ def test_the_schedule_note_looks_at_this_runs_updates_only_and_few(monkeypatch):
     def saved(steps, **o):
         return json.loads(json.dumps(dataclasses.asdict(TrainConfig(steps=steps, optimizer=OptimizerConfig(**o)))))
     shorter = TrainConfig(steps=100, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=200))
-    assert optimizer.schedule_note(saved(1000, lr=1.0, min_lr=0.1, warmup_steps=200), shorter, 50) is None
+    assert optimizer.schedule_note(saved(1000, lr=1.0, min_lr=0.1, warmup_steps=200), shorter, 50, 50) is None
     lrs, learning_rate = [], optimizer.learning_rate
     monkeypatch.setattr(optimizer, "learning_rate", lambda *a: lrs.append(a) or learning_rate(*a))
-    for o in (dict(decay_style="constant"), dict(min_lr=1.0), dict(decay_style="constant", decay_steps=10**8)):
-        longer = TrainConfig(steps=10**7, optimizer=OptimizerConfig(**{"lr": 1.0, "min_lr": 0.1, **o}))
-        assert optimizer.schedule_note(saved(100, **{"lr": 1.0, "min_lr": 0.1, **o}), longer, 100) is None
-    assert lrs == []
+    for before, after in ((dict(decay_style="constant"), dict(decay_style="constant")),
+                          (dict(min_lr=1.0), dict(min_lr=1.0)),
+                          (dict(decay_style="constant"), dict(decay_style="constant", decay_steps=10**8)),
+                          (dict(steps=10**7), dict(steps=10**7, cooldown_steps=10**7 - 20))):
+        longer = TrainConfig(steps=after.pop("steps", 10**7),
+                             optimizer=OptimizerConfig(**{"lr": 1.0, "min_lr": 0.1, **after}))
+        old = saved(before.pop("steps", 100), **{"lr": 1.0, "min_lr": 0.1, **before})
+        assert optimizer.schedule_note(old, longer, 100, longer.steps - 100) is None
+    wsd = saved(10**7, lr=1.0, min_lr=0.1, cooldown_steps=10**6)
+    extended = TrainConfig(steps=2 * 10**7, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, cooldown_steps=10**6))
+    assert optimizer.schedule_note(wsd, extended, 10**5, 2 * 10**7 - 10**5).startswith(
+        "the lr schedule changed (steps: 10000000 -> 20000000): update 9000001 takes lr 1, where the run that saved "
+        "it would have taken 0.99999")
+    flat_start = TrainConfig(steps=10**7, optimizer=OptimizerConfig(lr=1.0, min_lr=0.1, cooldown_steps=5 * 10**6))
+    assert optimizer.schedule_note(saved(10**7, lr=1.0, min_lr=0.1), flat_start, 20, 10**7 - 20).startswith(
+        "the lr schedule changed (optimizer.cooldown_steps: 0 -> 5000000): update 312519 takes lr 1, where")
+    assert len(lrs) < 1000                     # (a cosine barely leaves lr at first: a sixteenth of the span on)
     constant = TrainConfig(steps=200, optimizer=OptimizerConfig(lr=0.5, decay_style="constant", warmup_steps=0))
-    assert optimizer.schedule_note(saved(100, lr=1.0, decay_style="constant", warmup_steps=0), constant, 100) == (
-        "the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 101 takes lr 0.5, where the run that saved it "
-        "would have taken 1")
+    assert optimizer.schedule_note(saved(100, lr=1.0, decay_style="constant", warmup_steps=0), constant, 100,
+                                   100) == ("the lr schedule changed (optimizer.lr: 1.0 -> 0.5): update 101 takes lr "
+                                            "0.5, where the run that saved it would have taken 1")
 
 
 def test_the_resumed_run_logs_the_schedule_note(small_data, tmp_path):

@@ -94,15 +94,19 @@ def test_a_run_stopped_inside_the_window_counts_what_ran_after_its_last_step(tmp
     assert between is not None and float(between.group(1)) >= 60, text
 
 
-def test_a_step_that_raises_inside_the_window_is_no_time_between_steps(tmp_path):
-    """A run whose step 5 raises after 0.3 s (a non-finite loss) writes the trace of the steps it ran, and its
-    header counts only the 30 ms evaluations between the steps, not the step that raised."""
+def test_a_step_that_raises_inside_the_window_is_said_apart(tmp_path):
+    """A run whose step 5 raises (a non-finite loss) after 0.3 s and 50 matmuls writes the trace of the steps it
+    ran: its header counts the step that raised with the time between the steps, and says so; its tables' shares
+    of the wall time, that step's ops among them, stay within 100%."""
     profiler = StepProfiler(ProfileConfig(start=3, steps=3), str(tmp_path), 0, torch.device("cpu"), 0, 8,
                             logging.getLogger("test"))
+    x = torch.ones(64, 64)
     with pytest.raises(FloatingPointError):
         try:
             for step in range(1, 6):
                 with profiler.step(step):
+                    for _ in range(50 if step == 5 else 1):
+                        x = (x @ x).clamp(max=1.0)
                     if step == 5:
                         time.sleep(0.3)
                         raise FloatingPointError("the training loss is nan")
@@ -110,8 +114,11 @@ def test_a_step_that_raises_inside_the_window_is_no_time_between_steps(tmp_path)
         finally:
             profiler.close()
     text = (tmp_path / "profile" / "step_000003-000004" / "rank0000.txt").read_text()
-    between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them \(an evaluation, a save", text)
-    assert between is not None and 30 <= float(between.group(1)) < 300, text
+    between = re.search(r"ms a step \(wall, profiler on\); ([\d.]+) ms between them and in step 5, which raised "
+                        r"\(their ops are in the trace and the tables too\)", text)
+    assert between is not None and float(between.group(1)) >= 330, text
+    shares = [float(row.rsplit("|", 2)[1]) for row in text.splitlines() if row.startswith("| aten::")]
+    assert shares and max(shares) <= 100, text
 
 
 @pytest.mark.parametrize("ranks", [None, [1]])

@@ -288,8 +288,8 @@ def test_a_cooldown_longer_than_the_decay_is_refused():
     cfg = TrainConfig(steps=100)
     cfg.optimizer.warmup_steps, cfg.optimizer.cooldown_steps = 20, 81
     with pytest.raises(ConfigError, match=r"optimizer\.cooldown_steps=81 is longer than the decay can be: from the "
-                                          r"lr's peak \(step 20\) to the decay's end \(step 100, the last\) is 80 "
-                                          r"steps\."):
+                                          r"lr's peak \(step 20\) to the decay's end \(step 100, the last, steps=100\) "
+                                          r"is 80 steps; lower it, or raise steps\."):
         validate(cfg, 1)
     cfg.optimizer.cooldown_steps = 80
     assert validate(cfg, 1) == 1
