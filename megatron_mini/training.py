@@ -292,7 +292,7 @@ class Trainer:
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_samples = meta["step"], meta["consumed_samples"]
-        self.loss, self.evaluation_owed = meta.get("loss", float("nan")), meta.get("evaluation_owed", False)
+        self.loss = meta.get("loss", float("nan"))
         self.last_checkpoint = path
 
 
@@ -373,6 +373,12 @@ def _environmental(e: Exception) -> bool:
     return isinstance(e, (OSError, MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
+def _owes_evaluation(cfg: TrainConfig, resume: checkpoint.Resume | None) -> bool:
+    """Whether this start evaluates its checkpoint's step before its first step: a stop cut that evaluation short
+    or came before it (meta.json's evaluation_owed), and this run evaluates at all (eval_interval > 0)."""
+    return bool(resume and resume.meta.get("evaluation_owed") and cfg.eval_interval)
+
+
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
                   device: torch.device) -> tuple[list, int, RunLogger]:
     """Rank 0's writes to the run directory before the first step, once every rank has built its model and loaded
@@ -385,14 +391,13 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
     metrics.jsonl opened (RunLogger; wandb started). A failure (a full disk, a permission) stops every rank with
     rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
-    owed = bool(resume and resume.meta.get("evaluation_owed") and cfg.eval_interval)     # (_evaluate_first)
 
     def tidy():
         _write_config(cfg)
         if resume and resume.superseded:
             record_branch(cfg.run_dir, step)
         done["moved"] = checkpoint.set_aside(resume) if resume else []
-        done["cut"] = cut_metrics(cfg.run_dir, step, owed)
+        done["cut"] = cut_metrics(cfg.run_dir, step, _owes_evaluation(cfg, resume))
         done["logger"] = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)
     found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
     if found:
@@ -439,10 +444,8 @@ def _stopped_by(stops: dict, trainer: Trainer) -> str:
 def _evaluate_first(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger,
                     stop: StopRequest) -> str | None:
     """The evaluation before the first step: at step 0, and on resuming from a checkpoint whose evaluation a
-    stop cut short or came before (none with eval_interval=0: nothing is owed then). Returns what cut this one
-    short too (nothing new to save: the run stops), or None."""
-    if not trainer.cfg.eval_interval:
-        trainer.evaluation_owed = False
+    stop cut short or came before (_owes_evaluation). Returns what cut this one short too (nothing new to save:
+    the run stops), or None."""
     if not trainer.cfg.eval_interval or (trainer.step and not trainer.evaluation_owed):
         return None
     stops = _evaluate(trainer, history, logger, log, stop,
@@ -620,10 +623,10 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
             check_resume(cfg, found, run.datasets, run.data)
         run.resume = found
-        owed = cfg.eval_interval and run.resume.meta.get("evaluation_owed")      # (the final step's evaluation)
-        if run.resume.meta["step"] > cfg.steps or (run.resume.meta["step"] == cfg.steps and not owed):
+        at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
+        if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):
             if rank == 0:
-                print(f"{run.resume.path} is at step {run.resume.meta['step']}, and steps={cfg.steps}: nothing to "
+                print(f"{run.resume.path} is at step {at}, and steps={cfg.steps}: nothing to "
                       f"train (raise steps to train further; optimizer.decay_steps fixes where the lr decay "
                       f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
@@ -631,6 +634,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)
+        trainer.evaluation_owed = _owes_evaluation(cfg, run.resume)
     moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     if run.resume:
         schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count,

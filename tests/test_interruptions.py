@@ -133,21 +133,34 @@ def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks,
     _same_weights(run_dir / "checkpoints" / "step_000010", uninterrupted / "step_000010")
 
 
+def _on_rank_1_after(owner, where: str, call: int, then) -> list:
+    """Wrap owner.<where> (a PipelineEngine's method, or its class's) so that rank 1 runs then() right after its
+    `call`-th call from now; returns [how many calls this rank has made since]."""
+    import torch.distributed as dist
+    run, calls = getattr(owner, where), [0]
+
+    def wrapped(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == call:
+            then()
+        return out
+    setattr(owner, where, wrapped)
+    return calls
+
+
+def _request(flag, name: str) -> None:
+    """What StopRequest's handler does on signal `name`."""
+    flag.requested, flag.name = True, name
+
+
 def _signalled_during_a_step(cfg, signame):
     """Rank 1's StopRequest goes up inside its second step's forward/backward (a step is long; a signal lands in
     one), by `signame`: (step 1's stop counts, step 2's) on this rank."""
-    import torch.distributed as dist
     from megatron_mini.launch import StopRequest
     trainer, flag = make_trainer(cfg), StopRequest(take_signals=False)
     first = trainer.train_step(flag)["stop"]
-    run = trainer.engine.train_step
-
-    def signalled(*args, **kwargs):
-        out = run(*args, **kwargs)
-        if dist.get_rank() == 1:
-            flag.requested, flag.name = True, signame
-        return out
-    trainer.engine.train_step = signalled
+    _on_rank_1_after(trainer.engine, "train_step", 1, lambda: _request(flag, signame))
     return first, trainer.train_step(flag)["stop"]
 
 
@@ -163,20 +176,11 @@ def test_a_signal_during_a_step_stops_after_that_step(signame, small_data, tmp_p
 def _signalled_during_an_evaluation(cfg, batch):
     """Rank 1's StopRequest goes up inside evaluation batch `batch` (of eval_iters=4): (the loss of an evaluation
     without it, then (loss, stop votes) of the one it cut, and how many batches this rank evaluated in it)."""
-    import torch.distributed as dist
     from megatron_mini.launch import StopRequest
     trainer, flag = make_trainer(cfg), StopRequest(take_signals=False)
     whole, votes = trainer.evaluate(flag)
     assert votes == {}
-    run, calls = trainer.engine.eval_step, [0]
-
-    def signalled(*args, **kwargs):
-        out = run(*args, **kwargs)
-        calls[0] += 1
-        if dist.get_rank() == 1 and calls[0] == batch:
-            flag.requested, flag.name = True, "SIGTERM"
-        return out
-    trainer.engine.eval_step = signalled
+    calls = _on_rank_1_after(trainer.engine, "eval_step", batch, lambda: _request(flag, "SIGTERM"))
     return whole, trainer.evaluate(flag), calls[0]
 
 
@@ -195,18 +199,9 @@ def test_a_signal_during_an_evaluation_ends_it_on_every_rank_after_that_batch(ba
 def _stopped_at(cfg, where, call):
     """train(cfg) on this rank; rank 1 sends itself SIGTERM in its `call`-th engine `where` ("train_step" or
     "eval_step"; a real signal, taken by train's StopRequest)."""
-    import torch.distributed as dist
     from megatron_mini.pipeline import PipelineEngine
     from megatron_mini.training import train
-    run, calls = getattr(PipelineEngine, where), [0]
-
-    def signalled(self, *args, **kwargs):
-        out = run(self, *args, **kwargs)
-        calls[0] += 1
-        if dist.get_rank() == 1 and calls[0] == call:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-    setattr(PipelineEngine, where, signalled)
+    _on_rank_1_after(PipelineEngine, where, call, lambda: os.kill(os.getpid(), signal.SIGTERM))
     return train(cfg)["summary"]
 
 
