@@ -189,6 +189,9 @@ class TrainConfig:
     # batch and schedule
     mbs: int = 4
     gbs: int = 32
+    rampup_batch_size: Optional[List[int]] = None   # [start, increment, samples]: the global batch grows from
+                                     # start by increment, each size for an equal share of the first `samples`
+                                     # samples, up to gbs (Megatron's --rampup-batch-size; null: gbs throughout)
     steps: int = 300
     seed: int = 1234
     # bookkeeping
@@ -212,7 +215,37 @@ class TrainConfig:
     timeout_s: int = 300             # how long any collective may wait (a stalled peer ends the job)
 
     def num_microbatches(self, dp: int) -> int:
+        """Microbatches per DP rank of a full global batch (gbs: after any rampup_batch_size)."""
         return self.gbs // (self.mbs * dp)
+
+    def global_batch_size(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts at sample `consumed_samples`. With rampup_batch_size =
+        [start, increment, samples] and n = (gbs - start) / increment increments, size start + k increment
+        holds for the samples [k samples / n, (k + 1) samples / n), k < n (Megatron's ramp, in exact integers):
+
+            start + increment * floor(consumed_samples * n / samples), and gbs from `samples` on.
+
+        A function of the samples consumed alone: a resume, in any layout, takes up the ramp where it was."""
+        if not self.rampup_batch_size:
+            return self.gbs
+        start, increment, samples = self.rampup_batch_size
+        if consumed_samples >= samples:
+            return self.gbs
+        return start + increment * (consumed_samples * ((self.gbs - start) // increment) // samples)
+
+    def ramp(self, consumed_samples: int) -> list[int]:
+        """The global batches of the steps from `consumed_samples` on that are smaller than gbs (empty past the
+        ramp, and without one)."""
+        sizes = []
+        while (size := self.global_batch_size(consumed_samples)) < self.gbs:
+            sizes.append(size)
+            consumed_samples += size
+        return sizes
+
+    def consumed_after(self, consumed_samples: int, steps: int) -> int:
+        """The samples consumed after `steps` more steps from `consumed_samples`."""
+        ramp = self.ramp(consumed_samples)[:steps]
+        return consumed_samples + sum(ramp) + (steps - len(ramp)) * self.gbs
 
 
 MAX_LOSS_SCALE = 2.0 ** 64    # fp16's dynamic loss scale never grows past it (a larger one only overflows)
@@ -370,6 +403,52 @@ def check_layout_free(cfg: TrainConfig) -> None:
     m = cfg.model
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
+    _check_rampup(cfg)
+
+
+def _check_rampup(cfg: TrainConfig) -> None:
+    """rampup_batch_size is [start, increment, samples] with a ramp that lands on gbs (any layout)."""
+    ramp = cfg.rampup_batch_size
+    if ramp is None:
+        return
+    ramp = list(ramp)
+    if len(ramp) != 3:
+        raise ConfigError(f"rampup_batch_size={ramp} must be [start, increment, samples]: the first global batch, "
+                          f"how much it grows at a time, and over how many samples it reaches gbs (e.g. "
+                          f"rampup_batch_size=[{max(cfg.gbs // 4, 1)},{max(cfg.gbs // 4, 1)},{100 * cfg.gbs}]; "
+                          f"null: gbs throughout).")
+    start, increment, samples = ramp
+    if start < 1 or increment < 1 or samples < 0:
+        raise ConfigError(f"rampup_batch_size={ramp}: start and increment must be >= 1, samples >= 0.")
+    if start > cfg.gbs:
+        raise ConfigError(f"rampup_batch_size={ramp} starts at {start} samples, above gbs={cfg.gbs}: the ramp grows "
+                          f"the global batch up to gbs; start it at {cfg.gbs} or less.")
+    if (cfg.gbs - start) % increment:
+        fits = max(d for d in range(1, increment + 1) if (cfg.gbs - start) % d == 0)
+        raise ConfigError(f"rampup_batch_size={ramp}: from start={start} the increments of {increment} miss "
+                          f"gbs={cfg.gbs} (gbs - start = {cfg.gbs - start} is no multiple of {increment}); "
+                          f"use an increment that divides it, e.g. {fits}.")
+
+
+def _check_rampup_layout(cfg: TrainConfig, dp: int) -> None:
+    """Every global batch of the ramp splits into microbatches of mbs on each of the dp ranks, and the first has
+    as many as the schedule needs (the ramp's sizes only grow from there)."""
+    if not cfg.rampup_batch_size:
+        return
+    start, increment, _ = cfg.rampup_batch_size
+    unit = cfg.mbs * dp
+    grows = {"start": start, "increment": increment} if start < cfg.gbs else {"start": start}
+    for name, value in grows.items():
+        if value % unit:
+            raise ConfigError(f"rampup_batch_size={list(cfg.rampup_batch_size)}: its {name} {value} is not divisible "
+                              f"by mbs x dp = {cfg.mbs} x {dp} = {unit}, so some of the ramp's global batches would "
+                              f"not split into microbatches of mbs on each DP rank; use multiples of {unit}.")
+    try:
+        check_schedule(cfg.schedule, cfg.pp, cfg.vpp, start // unit)
+    except ConfigError as e:
+        raise ConfigError(f"rampup_batch_size={list(cfg.rampup_batch_size)} starts with {start // unit} "
+                          f"microbatch{'es' * (start // unit > 1)} per step: {e} For the ramp, start it at "
+                          f"{cfg.pp * unit} or more.") from None
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int:
@@ -413,6 +492,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
     partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
+    _check_rampup_layout(cfg, dp)
     return dp
 
 

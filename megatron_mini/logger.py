@@ -288,7 +288,8 @@ class Throughput:
 def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, throughput: Throughput, elapsed: float,
               eta: float, skipped_steps: int) -> str:
     scale = f" | scale {out['loss_scale']:.0f} | skipped {skipped_steps}" if out["loss_scale"] is not None else ""
-    return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e} | "
+    gbs = f" | gbs {out['gbs']}" if cfg.rampup_batch_size else ""
+    return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e}{gbs} | "
             f"grad norm {out['grad_norm']:.3f} | "
             f"{throughput.text(rate)} | "
             f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | "

@@ -32,9 +32,12 @@ class MemoryReport:
         if plan and self.mesh.rank == 0:
             try:
                 from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
-                # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention)
-                self.planned = planned_memory(dataclasses.replace(trainer.cfg, device=trainer.device.type),
-                                              self.mesh.dp)
+                # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention),
+                # and the global batch of the step it measures (a rampup_batch_size's first may be smaller)
+                cfg = trainer.cfg
+                first = dataclasses.replace(cfg, device=trainer.device.type, rampup_batch_size=None,
+                                            gbs=cfg.global_batch_size(trainer.consumed_samples))
+                self.planned = planned_memory(first, self.mesh.dp)
             except Exception as e:      # noqa: BLE001 - a report's failure, told in the log, must not stop training
                 log.info(f"warning: no memory plan, the planner failed ({first_line(e)}); "
                          f"memory_plan=false leaves it out")

@@ -41,30 +41,40 @@ def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 class PipelineEngine:
     """Runs one training (or eval) step of this rank's schedule over its model chunks."""
 
-    def __init__(self, chunks: list, buffers: list, mesh, cfg: TrainConfig, num_microbatches: int,
-                 act_dtype: torch.dtype, device: torch.device):
+    def __init__(self, chunks: list, buffers: list, mesh, cfg: TrainConfig, act_dtype: torch.dtype,
+                 device: torch.device):
         self.chunks, self.buffers, self.mesh, self.cfg = chunks, buffers, mesh, cfg
         self.dtype, self.device = act_dtype, device
-        self.schedule = build_schedule(cfg.schedule, mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
-        gpipe = build_schedule("gpipe", mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
-        self.eval_schedule = [a for a in gpipe if a.op in ("forward", "send_act", "recv_act")]
-        # each chunk's last backward: its buckets may start reducing over DP as they fill
-        self.last_backward = set({a.chunk: (a.chunk, a.microbatch)
-                                  for a in self.schedule if a.op == "backward"}.values())
+        self._schedules = {}    # microbatches per step -> (training actions, evaluation actions, last backwards)
+        self.last_backward = set()   # (of the training step being run: schedules())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
         self.trace = []    # (Action, t_start, t_end) of the last step, in execution order: host perf_counter
         #                    times, the work's on a CPU; on a GPU the launches' (no device sync is taken)
 
+    def schedules(self, num_microbatches: int) -> tuple[list, list, set]:
+        """(this rank's training actions, its evaluation actions (GPipe's forwards), each chunk's last backward,
+        whose DP buckets may start reducing as they fill) for a step of `num_microbatches`, built once per count
+        (a batch-size ramp runs several)."""
+        if num_microbatches not in self._schedules:
+            cfg, mesh = self.cfg, self.mesh
+            train = build_schedule(cfg.schedule, mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
+            gpipe = build_schedule("gpipe", mesh.pp, cfg.vpp, num_microbatches, mesh.pp_rank)
+            last = set({a.chunk: (a.chunk, a.microbatch) for a in train if a.op == "backward"}.values())
+            self._schedules[num_microbatches] = (
+                train, [a for a in gpipe if a.op in ("forward", "send_act", "recv_act")], last)
+        return self._schedules[num_microbatches]
+
     def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int, first_sample: int) -> torch.Tensor:
         """Forward and backward over the microbatches of `batch` [m, mbs, s+1], whose first sample has the
         global index `first_sample` (it keys the dropout masks); gradients land (DP-synced) in the main-grad
         buffers. Returns the local sum of token losses (last stage)."""
-        return self._run(self.schedule, batch, loss_scale / global_tokens, first_sample)
+        actions, _, self.last_backward = self.schedules(len(batch))
+        return self._run(actions, batch, loss_scale / global_tokens, first_sample)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
-        return self._run(self.eval_schedule, batch, None, None)
+        return self._run(self.schedules(len(batch))[1], batch, None, None)
 
     def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None,
              first_sample: int | None) -> torch.Tensor:

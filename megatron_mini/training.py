@@ -150,9 +150,7 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.dtype]
         self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, RNGTracker(cfg.seed, mesh.tp_rank, device),
                                                                device)
-        self.m = cfg.num_microbatches(mesh.dp)
-        self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.m, self.dtype, device)
-        self.tokens_per_step = cfg.gbs * cfg.model.seq_len
+        self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.dtype, device)
         self.vocab = (cfg.model.vocab_size, cfg.data)      # every batch's ids are checked against it (get_batch)
         self.step, self.consumed_samples = 0, 0
         self.loss = float("nan")           # this step's mean loss (kept in its checkpoint, as the next two)
@@ -164,17 +162,18 @@ class Trainer:
                                            # that differ (check_replicas)
         self.gc_frozen = False
 
-    def _global_loss(self, loss_sum: torch.Tensor, stop: StopRequest | None = None) -> tuple[float, dict, int]:
+    def _global_loss(self, loss_sum: torch.Tensor, tokens: int,
+                     stop: StopRequest | None = None) -> tuple[float, dict, int]:
         """(mean loss per token, {reason: ranks that asked to stop for it} (`stop`: this rank's StopRequest),
-        ranks still writing a checkpoint) of this step or evaluation batch (reduce_loss); RunError on every rank
-        when a rank's write_alone failed."""
+        ranks still writing a checkpoint) of this step or evaluation batch of `tokens` tokens (reduce_loss);
+        RunError on every rank when a rank's write_alone failed."""
         writing = self.pending is not None and self.pending.writing
         loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, stop and stop.asked(), self.device,
                                                      writing, self.failure is not None).tolist()
         if failed:
             self.stop_on_failure()
         stops = {name: int(n) for name, n in zip(StopRequest.REASONS, counts) if n}
-        return loss / self.tokens_per_step, stops, int(writers)
+        return loss / tokens, stops, int(writers)
 
     def write_alone(self, path: str, fn, *args) -> None:
         """fn(*args): a write of `path` that this rank does alone (rank 0's metrics.jsonl, summary.json,
@@ -210,18 +209,21 @@ class Trainer:
         """One optimizer step. `stop`: this rank's StopRequest, read after the forward and backward (a step is
         long: a signal during it stops the run after it, not after the next); out["stop"]: {reason (a signal,
         the time limit): how many ranks asked to stop for it}, empty when none; out["writing"]: how many ranks
-        were still writing the pending checkpoint (async_save)."""
+        were still writing the pending checkpoint (async_save); out["gbs"]: the step's global batch
+        (TrainConfig.global_batch_size)."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
         lr = learning_rate(self.optimizer.step_count, cfg.optimizer, cfg.steps)
-        batch = get_batch(self.train_data, self.consumed_samples, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp,
+        gbs = cfg.global_batch_size(self.consumed_samples)
+        batch = get_batch(self.train_data, self.consumed_samples, gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp,
                           self.vocab)
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
-        first = first_sample(self.consumed_samples, cfg.gbs, self.mesh.dp_rank, self.mesh.dp)
-        loss_sum = self.engine.train_step(batch, scale or 1.0, self.tokens_per_step, first)
-        loss, stop, writing = self._global_loss(loss_sum, stop)
+        first = first_sample(self.consumed_samples, gbs, self.mesh.dp_rank, self.mesh.dp)
+        tokens = gbs * cfg.model.seq_len
+        loss_sum = self.engine.train_step(batch, scale or 1.0, tokens, first)
+        loss, stop, writing = self._global_loss(loss_sum, tokens, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -230,7 +232,7 @@ class Trainer:
                                      f"{scaler.min_scale:g} (step {self.step + 1}): "
                                      "the gradients are not finite at any scale")
         self.step += 1
-        self.consumed_samples += cfg.gbs
+        self.consumed_samples += gbs
         self.loss = loss
         if not self.gc_frozen:
             # what the first step built (compiled graphs, autotuned kernels: millions of objects) is set
@@ -242,7 +244,7 @@ class Trainer:
             atexit.register(gc.unfreeze)
             self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop,
-                "writing": writing}
+                "writing": writing, "gbs": gbs}
 
     @property
     def skipped_steps(self) -> int:
@@ -251,7 +253,8 @@ class Trainer:
 
     def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict]:
         """(the mean loss per token of eval_iters global batches of the validation set, {reason: ranks that asked
-        to stop for it}). A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
+        to stop for it}). The batches are of gbs samples during a rampup_batch_size too: every evaluation reads
+        the same samples. A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
         when one comes before the last batch, every rank ends the evaluation after the same batch (an evaluation
         can outlast a scheduler's grace period) and the loss is None."""
         for chunk in self.chunks:
@@ -260,7 +263,8 @@ class Trainer:
         for i in range(self.cfg.eval_iters):
             batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank,
                               self.mesh.dp, self.vocab)
-            loss, stops, _ = self._global_loss(self.engine.eval_step(batch), stop)
+            loss, stops, _ = self._global_loss(self.engine.eval_step(batch), self.cfg.gbs * self.cfg.model.seq_len,
+                                               stop)
             total += loss
             if stops and i + 1 < self.cfg.eval_iters:
                 return None, stops
@@ -418,6 +422,18 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
             f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
 
 
+def rampup_note(cfg: TrainConfig, step: int, consumed_samples: int) -> str | None:
+    """The start-up line of a rampup_batch_size run that is still ramping after `step`: the global batch it starts
+    with, and the step from which it is gbs (TrainConfig.global_batch_size); None without a ramp, or past it."""
+    ramp = cfg.ramp(consumed_samples)
+    if not ramp:
+        return None
+    start, increment, samples = cfg.rampup_batch_size
+    return (f"rampup_batch_size=[{start}, {increment}, {samples}]: step {step + 1} takes a global batch of {ramp[0]}, "
+            f"growing by {increment} up to gbs {cfg.gbs} from step {step + len(ramp) + 1} on (sample "
+            f"{consumed_samples + sum(ramp):,})")
+
+
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest,
               note: str = "") -> dict:
     """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
@@ -479,25 +495,29 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
 def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
            stop: StopRequest, memory: MemoryReport, profiler: StepProfiler) -> str | None:
     cfg = trainer.cfg
-    interval_steps, first_step = 0, trainer.step
+    tokens = cfg.model.seq_len
+    first_consumed = interval_consumed = trainer.consumed_samples
+    last_consumed = cfg.consumed_after(first_consumed, cfg.steps - trainer.step)    # (at the last step: the ETA)
     start_time = interval_start = time.time()
     while trainer.step < cfg.steps:
         with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
-        interval_steps += 1
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
         step = trainer.step
         if step % cfg.log_interval == 0 or step == cfg.steps or out["stop"]:
             now = time.time()
-            r = rate(interval_steps * trainer.tokens_per_step, now - interval_start)
+            consumed = trainer.consumed_samples
+            r = rate((consumed - interval_consumed) * tokens, now - interval_start)
             record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
+            if cfg.rampup_batch_size:
+                record.update(gbs=out["gbs"], consumed_samples=consumed)
             if out["loss_scale"] is not None:
                 record.update(loss_scale=out["loss_scale"], skipped_steps=trainer.skipped_steps)
             trainer.write_alone(logger.metrics_path, logger.log, step, record)
-            eta = (now - start_time) / (step - first_step) * (cfg.steps - step)
+            eta = (now - start_time) / (consumed - first_consumed) * (last_consumed - consumed)
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
-            interval_start, interval_steps = now, 0
+            interval_start, interval_consumed = now, consumed
         paused = time.time()
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
             if out["stop"]:             # the save comes first (a grace period is short); the resumed run evaluates
@@ -532,14 +552,14 @@ def _finish_pending(trainer: Trainer, log: logging.Logger) -> None:
 
 
 def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
-               steps_run: int, elapsed: float, stopped_by: str | None, memory: MemoryReport) -> None:
+               steps_run: int, samples_run: int, elapsed: float, stopped_by: str | None, memory: MemoryReport) -> None:
     """The run's final figures, into `history` with its checkpoint and memory report; rank 0's last writes
     (summary.json and wandb's summary, metrics.jsonl closed, history.json), then the run's last collective: a
     failure of any stops every rank with rank 0's message and exit 1 (the run's record is incomplete, though
     its last checkpoint is whole), rather than rank 0 alone while the others exit 0; then wandb's finish (an
     upload may take longer than a collective's timeout_s) and the closing lines of the console."""
     cfg = trainer.cfg
-    r = rate(steps_run * trainer.tokens_per_step, elapsed)
+    r = rate(samples_run * cfg.model.seq_len, elapsed)
     summary = {"final_loss": trainer.loss,          # (a resumed run that trained no step: its checkpoint's)
                "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
@@ -646,7 +666,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
-             f"gbs {cfg.gbs} = {trainer.m} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | {cfg.precision.dtype} | "
+             f"gbs {cfg.gbs} = {cfg.num_microbatches(mesh.dp)} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | "
+             f"{cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
     note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
     if note:
@@ -662,12 +683,14 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + stop.deadline - time.monotonic()))
         log.info(f"exit_after_minutes={cfg.exit_after_minutes:g}: every rank saves and stops after the first step "
                  f"past {at} on any of them")
-    first_step, start_time = trainer.step, time.time()
+    if (note := rampup_note(cfg, trainer.step, trainer.consumed_samples)) is not None:
+        log.info(note)
+    first_step, first_consumed, start_time = trainer.step, trainer.consumed_samples, time.time()
     try:
         stopped_by = _evaluate_first(trainer, history, logger, log, stop) or \
             _train_loop(trainer, run, logger, log, history, rate, stop, memory)
-        _summarize(trainer, logger, log, history, rate, trainer.step - first_step, time.time() - start_time,
-                   stopped_by, memory)
+        _summarize(trainer, logger, log, history, rate, trainer.step - first_step,
+                   trainer.consumed_samples - first_consumed, time.time() - start_time, stopped_by, memory)
     except (FloatingPointError, DataError, RunError) as e:
         # every rank raises these at the same step (the global loss; the fp16 scaler's state; the ids of the
         # whole global batch, which every rank reads; a failed save, or write_alone): the save still being

@@ -213,8 +213,8 @@ def _step_with_injected_inf(cfg, poisoned_rank):
     before = [t.clone() for buf in trainer.buffers for t in (buf.params_flat,)]
     state = [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone()) for r in trainer.optimizer.ranges]
     steps, scaler = trainer.optimizer.step_count, trainer.optimizer.scaler.state_dict()
-    batch = torch.zeros(trainer.m, cfg.mbs, cfg.model.seq_len + 1, dtype=torch.long)
-    trainer.engine.train_step(batch, trainer.optimizer.scaler.scale, trainer.tokens_per_step, 0)
+    batch = torch.zeros(cfg.num_microbatches(trainer.mesh.dp), cfg.mbs, cfg.model.seq_len + 1, dtype=torch.long)
+    trainer.engine.train_step(batch, trainer.optimizer.scaler.scale, cfg.gbs * cfg.model.seq_len, 0)
     if dist.get_rank() == poisoned_rank:              # an element of the (reduced) gradient this rank owns
         trainer.optimizer.ranges[0].grad[3] = float("inf")
     _, skipped = trainer.optimizer.step(lr=1e-3)

@@ -1,0 +1,145 @@
+"""Batch-size rampup (rampup_batch_size = [start, increment, samples]): the global batch of each step, the run it
+trains (the same as a chain of fixed-batch runs, and on every layout), its resume, and its refusals."""
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from harness import assert_same_training, final_weights, small_config, train_on_ranks
+from megatron_mini.config import ConfigError, TrainConfig, validate
+
+
+def _by_definition(consumed: int, gbs: int, start: int, increment: int, samples: int) -> int:
+    """Megatron's ramp as it states it: n = (gbs - start) / increment increments, the size start + k increment for
+    the samples [k samples / n, (k + 1) samples / n), gbs from `samples` on (exact fractions, not floats)."""
+    n = (gbs - start) // increment
+    for k in range(n):
+        if consumed < Fraction((k + 1) * samples, n):
+            return start + k * increment
+    return gbs
+
+
+@pytest.mark.parametrize("gbs, ramp", [(32, [8, 8, 100]), (96, [16, 16, 999]), (24, [4, 20, 7]), (64, [64, 8, 50]),
+                                       (40, [8, 8, 0]), (30, [3, 3, 1001])])
+def test_the_ramp_is_megatrons(gbs, ramp):
+    cfg = TrainConfig(gbs=gbs, rampup_batch_size=ramp)
+    assert [cfg.global_batch_size(c) for c in range(2 * ramp[2] + 3)] == \
+        [_by_definition(c, gbs, *ramp) for c in range(2 * ramp[2] + 3)]
+    sizes, consumed = [], 0                                # the steps, each starting where the last one ended
+    while (size := _by_definition(consumed, gbs, *ramp)) < gbs:
+        sizes.append(size)
+        consumed += size
+    assert cfg.ramp(0) == sizes
+    assert [cfg.consumed_after(0, k) for k in range(len(sizes) + 3)] == \
+        [sum(sizes[:k]) + max(k - len(sizes), 0) * gbs for k in range(len(sizes) + 3)]
+
+
+def test_a_ramp_by_hand():
+    """gbs 32 from 8 by 8 over 100 samples: 3 increments of 100/3 samples each; step 6 starts at sample 40 (past
+    33.3: 16), step 8 at 72 (past 66.7: 24), step 10 at 120 (past 100: 32)."""
+    cfg = TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100])
+    assert cfg.ramp(0) == [8, 8, 8, 8, 8, 16, 16, 24, 24]
+    assert TrainConfig(gbs=32).ramp(0) == [] and TrainConfig(gbs=32).global_batch_size(0) == 32
+
+
+RAMP = dict(gbs=24, rampup_batch_size=[8, 8, 40], steps=8)    # 16 from sample 20, 24 from 40
+RAMP_SIZES = [8, 8, 8, 16, 24, 24, 24, 24]
+
+
+def _ramped(small_data, run_dir, **overrides):
+    # the lr schedule counts steps: decay_steps pins it, so that runs of fewer steps take the same lrs
+    return small_config(small_data, run_dir, **{**RAMP, "optimizer.decay_steps": RAMP["steps"], **overrides})
+
+
+@pytest.fixture(scope="module")
+def ramped(small_data, tmp_path_factory):
+    """The ramped run on one process, eval and metrics on."""
+    cfg = _ramped(small_data, tmp_path_factory.mktemp("ramped"), eval_interval=4, eval_iters=1, log_interval=1)
+    return cfg, train_on_ranks(1, cfg)
+
+
+def test_a_ramped_run_is_the_chain_of_fixed_batch_runs(small_data, ramped, tmp_path):
+    """The ramped run equals, bitwise, runs of a fixed gbs each resuming the last: 3 steps of 8, 1 of 16, 4 of 24
+    (the data order is one global sample order, so each step reads the samples after the last's). Its metrics
+    carry each step's gbs and the samples consumed, its evaluations read gbs = 24 samples throughout, and its
+    tokens/s counts the tokens the steps held."""
+    cfg, history = ramped
+    chain, losses = None, []
+    for gbs, steps in ((8, 3), (16, 4), (24, 8)):
+        chain = train_on_ranks(1, small_config(small_data, tmp_path, gbs=gbs, steps=steps, resume="auto",
+                                               eval_interval=4, eval_iters=1, **{"optimizer.decay_steps": 8}))
+        losses += chain["loss"]
+    assert history["loss"] == losses
+    assert history["val_loss"][-1] == chain["val_loss"][-1]          # step 8's, on 24 validation samples
+    a, b = final_weights(history), final_weights(chain)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(x) for x in open(f"{cfg.run_dir}/metrics.jsonl")]
+    steps = [x for x in lines if "loss" in x]
+    assert [x["gbs"] for x in steps] == RAMP_SIZES
+    assert [x["consumed_samples"] for x in steps] == [sum(RAMP_SIZES[:k + 1]) for k in range(8)]
+    s = history["summary"]
+    assert s["tokens_per_s"] == pytest.approx(sum(RAMP_SIZES) * cfg.model.seq_len / s["elapsed_s"], rel=1e-9)
+    log = open(f"{cfg.run_dir}/logs/rank0000.log").read()
+    assert "rampup_batch_size=[8, 8, 40]: step 1 takes a global batch of 8, growing by 8 up to gbs 24 from " \
+           "step 5 on (sample 40)" in log
+    assert "| lr 4.00e-04 | gbs 8 |" in log      # (step 1 of the 5-step warmup to 2e-3)
+
+
+def test_a_ramped_run_resumed_mid_ramp_is_the_run_never_stopped(small_data, ramped, tmp_path):
+    """Stopped after step 4 (of 16, after three of 8) and resumed at dp = 2: the ramp goes on from the samples
+    consumed, and the run ends with the weights of the one never stopped."""
+    ref = ramped[1]
+    first = train_on_ranks(1, _ramped(small_data, tmp_path, steps=4))
+    rest = train_on_ranks(2, _ramped(small_data, tmp_path, resume="auto"))
+    assert first["loss"] == ref["loss"][:4]
+    assert torch.tensor(rest["loss"]).allclose(torch.tensor(ref["loss"][4:]), rtol=1e-5, atol=0)
+    a, b = final_weights(ref), final_weights(rest)
+    assert all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+
+
+def test_a_ramp_trains_the_same_model_on_every_layout(small_data, ramped, tmp_path):
+    """Interleaved 1F1B at pp = 2 x vpp = 2, dp = 2, ZeRO-1: 2, 4 then 6 microbatches a rank as the global batch
+    grows from 8 to 24 (each count its own schedule and DP buckets' last backward), the same model as one process."""
+    assert_same_training(ramped[1], train_on_ranks(4, _ramped(small_data, tmp_path, pp=2, vpp=2, zero=1,
+                                                              eval_interval=4, eval_iters=1)))
+
+
+@pytest.mark.parametrize("ramp, world, overrides, error", [
+    ([8, 8], 1, {}, r"rampup_batch_size=\[8, 8\] must be \[start, increment, samples\]"),
+    ([0, 8, 100], 1, {}, r"start and increment must be >= 1, samples >= 0"),
+    ([8, 0, 100], 1, {}, r"start and increment must be >= 1, samples >= 0"),
+    ([8, 8, -1], 1, {}, r"start and increment must be >= 1, samples >= 0"),
+    ([40, 8, 100], 1, {}, r"starts at 40 samples, above gbs=32: .* start it at 32 or less"),
+    ([8, 5, 100], 1, {}, r"from start=8 the increments of 5 miss gbs=32 \(gbs - start = 24 is no multiple of 5\); "
+                         r"use an increment that divides it, e.g. 4"),
+    ([4, 4, 100], 2, {}, r"its start 4 is not divisible by mbs x dp = 4 x 2 = 8, .* use multiples of 8"),
+    ([8, 4, 100], 2, {}, r"its increment 4 is not divisible by mbs x dp = 4 x 2 = 8"),
+    ([8, 8, 100], 4, dict(pp=2, vpp=2), r"starts with 1 microbatch per step: Interleaved 1F1B .* For the ramp, "
+                                         r"start it at 16 or more"),
+])
+def test_a_ramp_that_cannot_run_is_refused(ramp, world, overrides, error):
+    cfg = TrainConfig(gbs=32, rampup_batch_size=ramp, **overrides)
+    with pytest.raises(ConfigError, match=error):
+        validate(cfg, world)
+
+
+def test_a_ramp_that_can_run_is_accepted():
+    """A ramp already at gbs needs no fitting increment; one of no samples is gbs from the first step."""
+    assert validate(TrainConfig(gbs=32, rampup_batch_size=[32, 5, 100]), 1) == 1
+    assert validate(TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100], pp=2, vpp=2), 2) == 1
+    assert TrainConfig(gbs=32, rampup_batch_size=[8, 8, 0]).ramp(0) == []
+
+
+def test_the_memory_report_plans_the_ramps_first_step(small_data, tmp_path):
+    """The start-up memory report measures the first step: at pp = 2 under 1F1B the first stage holds
+    min(pp, microbatches) microbatches' activations, 1 at the ramp's first step (gbs 2), 2 at gbs 8. The plan is
+    of the step measured, within 10% on both ranks, where the full batch's is near twice the first rank's."""
+    from megatron_mini.plan_meta import planned_memory
+
+    cfg = small_config(small_data, tmp_path, pp=2, gbs=8, steps=1, memory_plan=True, rampup_batch_size=[2, 2, 100])
+    history = train_on_ranks(2, cfg)
+    for r in history["memory"]:
+        assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
+    full = planned_memory(small_config(small_data, tmp_path, pp=2, gbs=8), 1)[0]["activations"]
+    assert full > 1.8 * history["memory"][0]["measured"]["activations"]
