@@ -233,19 +233,29 @@ class TrainConfig:
             return self.gbs
         return start + increment * (consumed_samples * ((self.gbs - start) // increment) // samples)
 
-    def ramp(self, consumed_samples: int) -> list[int]:
-        """The global batches of the steps from `consumed_samples` on that are smaller than gbs (empty past the
-        ramp, and without one)."""
-        sizes = []
+    def ramp(self, consumed_samples: int) -> list[tuple[int, int]]:
+        """(global batch, steps of it) of the steps from `consumed_samples` on whose batch is smaller than gbs, in
+        order (empty past the ramp, and without one): one pair per size, so as many pairs as the ramp has sizes,
+        whatever its length in steps. Size start + k increment holds for the steps that start below sample
+        ceil((k + 1) samples / n) (global_batch_size)."""
+        if not self.rampup_batch_size:
+            return []
+        start, increment, samples = self.rampup_batch_size
+        n, out = (self.gbs - start) // increment, []
         while (size := self.global_batch_size(consumed_samples)) < self.gbs:
-            sizes.append(size)
-            consumed_samples += size
-        return sizes
+            k = (size - start) // increment
+            bound = -(-(k + 1) * samples // n)                        # ceil: the first sample of the next size
+            steps = -(-(bound - consumed_samples) // size)            # the steps that start below it
+            out.append((size, steps))
+            consumed_samples += size * steps
+        return out
 
     def consumed_after(self, consumed_samples: int, steps: int) -> int:
         """The samples consumed after `steps` more steps from `consumed_samples`."""
-        ramp = self.ramp(consumed_samples)[:steps]
-        return consumed_samples + sum(ramp) + (steps - len(ramp)) * self.gbs
+        for size, count in self.ramp(consumed_samples):
+            take = min(count, steps)
+            consumed_samples, steps = consumed_samples + size * take, steps - take
+        return consumed_samples + steps * self.gbs
 
 
 MAX_LOSS_SCALE = 2.0 ** 64    # fp16's dynamic loss scale never grows past it (a larger one only overflows)

@@ -429,9 +429,9 @@ def rampup_note(cfg: TrainConfig, step: int, consumed_samples: int) -> str | Non
     if not ramp:
         return None
     start, increment, samples = cfg.rampup_batch_size
-    return (f"rampup_batch_size=[{start}, {increment}, {samples}]: step {step + 1} takes a global batch of {ramp[0]}, "
-            f"growing by {increment} up to gbs {cfg.gbs} from step {step + len(ramp) + 1} on (sample "
-            f"{consumed_samples + sum(ramp):,})")
+    return (f"rampup_batch_size=[{start}, {increment}, {samples}]: step {step + 1} takes a global batch of "
+            f"{ramp[0][0]}, growing by {increment} up to gbs {cfg.gbs} from step "
+            f"{step + sum(n for _, n in ramp) + 1} on (sample {consumed_samples + sum(s * n for s, n in ramp):,})")
 
 
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest,

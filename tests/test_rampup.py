@@ -26,20 +26,22 @@ def test_the_ramp_is_megatrons(gbs, ramp):
     cfg = TrainConfig(gbs=gbs, rampup_batch_size=ramp)
     assert [cfg.global_batch_size(c) for c in range(2 * ramp[2] + 3)] == \
         [_by_definition(c, gbs, *ramp) for c in range(2 * ramp[2] + 3)]
-    sizes, consumed = [], 0                                # the steps, each starting where the last one ended
-    while (size := _by_definition(consumed, gbs, *ramp)) < gbs:
-        sizes.append(size)
-        consumed += size
-    assert cfg.ramp(0) == sizes
-    assert [cfg.consumed_after(0, k) for k in range(len(sizes) + 3)] == \
-        [sum(sizes[:k]) + max(k - len(sizes), 0) * gbs for k in range(len(sizes) + 3)]
+    for first in range(0, ramp[2] + 2, 7):      # the steps from any sample on (a resume may start anywhere)
+        sizes, consumed = [], first
+        while (size := _by_definition(consumed, gbs, *ramp)) < gbs:
+            sizes.append(size)
+            consumed += size
+        assert [size for size, steps in cfg.ramp(first) for _ in range(steps)] == sizes
+        assert [cfg.consumed_after(first, k) for k in range(len(sizes) + 3)] == \
+            [first + sum(sizes[:k]) + max(k - len(sizes), 0) * gbs for k in range(len(sizes) + 3)]
 
 
 def test_a_ramp_by_hand():
     """gbs 32 from 8 by 8 over 100 samples: 3 increments of 100/3 samples each; step 6 starts at sample 40 (past
     33.3: 16), step 8 at 72 (past 66.7: 24), step 10 at 120 (past 100: 32)."""
     cfg = TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100])
-    assert cfg.ramp(0) == [8, 8, 8, 8, 8, 16, 16, 24, 24]
+    assert cfg.ramp(0) == [(8, 5), (16, 2), (24, 2)]
+    assert cfg.ramp(48) == [(16, 2), (24, 1)]     # from sample 48: steps at 48 and 64 (< 66.7), at 80 (< 100)
     assert TrainConfig(gbs=32).ramp(0) == [] and TrainConfig(gbs=32).global_batch_size(0) == 32
 
 
@@ -143,3 +145,16 @@ def test_the_memory_report_plans_the_ramps_first_step(small_data, tmp_path):
         assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
     full = planned_memory(small_config(small_data, tmp_path, pp=2, gbs=8), 1)[0]["activations"]
     assert full > 1.8 * history["memory"][0]["measured"]["activations"]
+
+
+def test_bloom_ramp_is_one_pair_per_size():
+    """BLOOM-176B's ramp (192 by 16 to 2048 over 9,765,625 samples): 116 sizes, 12,658 steps walked one by one
+    here; ramp() gives a pair per size, so a ramp of 10^12 samples from 1 by 1 costs 1023 pairs, not ~10^10 steps."""
+    cfg = TrainConfig(gbs=2048, rampup_batch_size=[192, 16, 9_765_625])
+    consumed, walked = 0, []
+    while (size := cfg.global_batch_size(consumed)) < cfg.gbs:
+        walked.append(size)
+        consumed += size
+    assert [size for size, steps in cfg.ramp(0) for _ in range(steps)] == walked and len(walked) == 12_658
+    assert len(cfg.ramp(0)) == 116
+    assert len(TrainConfig(gbs=1024, rampup_batch_size=[1, 1, 10**12]).ramp(0)) == 1023
