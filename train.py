@@ -34,7 +34,9 @@ def main(dict_cfg: DictConfig) -> None:
             cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
         except OmegaConfBaseException as e:          # an interpolation that does not resolve: ${nope}, ${oc.env:X}
             raise ConfigError(str(e).strip().splitlines()[0]) from None
-        validate(cfg, launch_env()[1])     # a bad config is refused in well under a second: torch is not loaded yet
+        # a bad config is refused in well under a second: torch is not loaded yet (a ramp's batches: from sample 0
+        # unless the run may resume, when train() checks them from its checkpoint's)
+        validate(cfg, launch_env()[1], consumed_samples=0 if cfg.resume == "never" else None)
         from megatron_mini.training import train
         train(cfg)
     except ConfigError as e:               # every rank finds the same problem before any collective

@@ -434,36 +434,39 @@ def _check_rampup(cfg: TrainConfig) -> None:
         raise ConfigError(f"rampup_batch_size={ramp} starts at {start} samples, above gbs={cfg.gbs}: the ramp grows "
                           f"the global batch up to gbs; start it at {cfg.gbs} or less.")
     if (cfg.gbs - start) % increment:
-        fits = max(d for d in range(1, increment + 1) if (cfg.gbs - start) % d == 0)
         raise ConfigError(f"rampup_batch_size={ramp}: from start={start} the increments of {increment} miss "
                           f"gbs={cfg.gbs} (gbs - start = {cfg.gbs - start} is no multiple of {increment}); "
-                          f"use an increment that divides it, e.g. {fits}.")
+                          f"use an increment that divides it, e.g. {math.gcd(increment, cfg.gbs - start)}.")
 
 
-def _check_rampup_layout(cfg: TrainConfig, dp: int) -> None:
-    """Every global batch of the ramp splits into microbatches of mbs on each of the dp ranks, and the first has
-    as many as the schedule needs (the ramp's sizes only grow from there)."""
-    if not cfg.rampup_batch_size:
+def check_rampup_layout(cfg: TrainConfig, dp: int, consumed_samples: int) -> None:
+    """The global batches of the ramp still to come from `consumed_samples` on (TrainConfig.ramp) split into
+    microbatches of mbs on each of the dp ranks, and the first has as many as the schedule needs (they only grow).
+    A resume past the ramp checks nothing of it: its dp may be any that divides gbs."""
+    ramp = cfg.ramp(consumed_samples)
+    if not ramp:
         return
-    start, increment, _ = cfg.rampup_batch_size
-    unit = cfg.mbs * dp
-    grows = {"start": start, "increment": increment} if start < cfg.gbs else {"start": start}
-    for name, value in grows.items():
-        if value % unit:
-            raise ConfigError(f"rampup_batch_size={list(cfg.rampup_batch_size)}: its {name} {value} is not divisible "
-                              f"by mbs x dp = {cfg.mbs} x {dp} = {unit}, so some of the ramp's global batches would "
-                              f"not split into microbatches of mbs on each DP rank; use multiples of {unit}.")
+    unit, name = cfg.mbs * dp, f"rampup_batch_size={list(cfg.rampup_batch_size)}"
+    at, other = (f" (from sample {consumed_samples:,}, where the run resumes)", ", or resume at another dp") \
+        if consumed_samples else ("", "")
+    bad = next((size for size, _ in ramp if size % unit), None)
+    if bad is not None:
+        raise ConfigError(f"{name}: its global batch of {bad}{at} is not divisible by mbs x dp = {cfg.mbs} x {dp} = "
+                          f"{unit}, so it would not split into microbatches of mbs on each DP rank; use a start and "
+                          f"an increment that are multiples of {unit}{other}.")
+    first = ramp[0][0] // unit
     try:
-        check_schedule(cfg.schedule, cfg.pp, cfg.vpp, start // unit)
+        check_schedule(cfg.schedule, cfg.pp, cfg.vpp, first)
     except ConfigError as e:
-        raise ConfigError(f"rampup_batch_size={list(cfg.rampup_batch_size)} starts with {start // unit} "
-                          f"microbatch{'es' * (start // unit > 1)} per step: {e} For the ramp, start it at "
-                          f"{cfg.pp * unit} or more.") from None
+        raise ConfigError(f"{name}: its first step{at} has {first} microbatch{'es' * (first > 1)}: {e} For the ramp, "
+                          f"start it at {cfg.pp * unit} or more{other}.") from None
 
 
-def validate(cfg: TrainConfig, world_size: int) -> int:
+def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0) -> int:
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
-    ConfigError with one paragraph. Run by every rank before any process group exists."""
+    ConfigError with one paragraph. Run by every rank before any process group exists. `consumed_samples`:
+    where the run starts, for the global batches of a rampup_batch_size still to come (check_rampup_layout);
+    None when it is not known yet (a resume's checkpoint is found later), which then checks them."""
     check_layout_free(cfg)
     m = cfg.model
     model_parallel = cfg.tp * cfg.pp
@@ -502,7 +505,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
     partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
-    _check_rampup_layout(cfg, dp)
+    if consumed_samples is not None:
+        check_rampup_layout(cfg, dp, consumed_samples)
     return dp
 
 

@@ -29,14 +29,14 @@ class MemoryReport:
     def __init__(self, trainer, log: logging.Logger, plan: bool):
         self.trainer, self.log, self.mesh = trainer, log, trainer.mesh
         self.planned = None
+        self.first_gbs = trainer.cfg.global_batch_size(trainer.consumed_samples)   # (of the step measured)
         if plan and self.mesh.rank == 0:
             try:
                 from .plan_meta import planned_memory       # (the first meta-device op imports torch's compiler)
                 # planned for the device the run chose (device=auto on a CPU machine plans the CPU's attention),
                 # and the global batch of the step it measures (a rampup_batch_size's first may be smaller)
-                cfg = trainer.cfg
-                first = dataclasses.replace(cfg, device=trainer.device.type, rampup_batch_size=None,
-                                            gbs=cfg.global_batch_size(trainer.consumed_samples))
+                first = dataclasses.replace(trainer.cfg, device=trainer.device.type, rampup_batch_size=None,
+                                            gbs=self.first_gbs)
                 self.planned = planned_memory(first, self.mesh.dp)
             except Exception as e:      # noqa: BLE001 - a report's failure, told in the log, must not stop training
                 log.info(f"warning: no memory plan, the planner failed ({first_line(e)}); "
@@ -98,7 +98,10 @@ class MemoryReport:
                          if self.planned else "")
                 gpu = f"; all memory {total}{allocated / MiB:.0f} (the allocator's peak)"
             lines.append(f"  {self._label(r)}: activations {self._planned(r, 'activations')} | {measured}{gpu}")
-        self.log.info("memory at the first step's peak, MiB (planned | measured):\n" + "\n".join(lines))
+        gbs = self.trainer.cfg.gbs
+        ramp = (f" (a rampup_batch_size step of {self.first_gbs} samples: the activations of gbs {gbs} may be more; "
+                f"tools/plan.py plans them)") if self.first_gbs < gbs else ""
+        self.log.info(f"memory at the first step's peak, MiB (planned | measured){ramp}:\n" + "\n".join(lines))
 
     def history(self) -> list:
         """Per rank: what was measured and (from rank 0's planner) planned, for history.json."""

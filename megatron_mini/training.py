@@ -32,7 +32,7 @@ from .errors import CommError
 from .files import atomic_write
 from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
-from .config import ConfigError, RunError, TrainConfig, validate
+from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
@@ -103,7 +103,7 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     is rank 0's alone to find: kept in Run.refused, it stops every rank together once they have met
     (_train), not rank 0 alone while the others wait for it in the rendezvous (srun without
     --kill-on-bad-exit stops nobody) until timeout_s."""
-    dp = validate(cfg, world_size)
+    dp = validate(cfg, world_size, consumed_samples=None)    # (the ramp's batches once the resume is known)
     device, backend = setup_device(cfg)
     check_run_dir(cfg.run_dir)
     lock, refused = None, None
@@ -122,7 +122,7 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
         data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
         # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
-        resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data)
+        resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
     except BaseException:
         if lock:
             lock.release()
@@ -130,12 +130,14 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     return Run(dp, device, backend, datasets, data, resume, lock, refused)
 
 
-def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict):
-    """`resume`, once it is known to be of this model and data, and the first batches it reads (and the
-    validation set's) hold only ids of the vocabulary."""
+def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict, dp: int):
+    """`resume`, once it is known to be of this model and data, the global batches of a rampup_batch_size still to
+    come from it (config.check_rampup_layout), and the first batches it reads (and the validation set's) hold only
+    ids of the vocabulary."""
     if resume:
         checkpoint.check_compatible(resume, cfg, data)
     consumed = resume.meta["consumed_samples"] if resume else 0
+    check_rampup_layout(cfg, dp, consumed)
     check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
     check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
     return resume
@@ -641,7 +643,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
         if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
-            check_resume(cfg, found, run.datasets, run.data)
+            check_resume(cfg, found, run.datasets, run.data, run.dp)
         run.resume = found
         at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
         if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):

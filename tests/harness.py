@@ -44,6 +44,24 @@ def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
     return spawn(world_size, _train, cfg, init_group=False)[0]
 
 
+def train_on_a_fake_clock(cfg: TrainConfig) -> dict:
+    """train(cfg) on this spawned rank, on a clock where a training step takes 1 s and an evaluation or a save 100 s."""
+    import time
+    import types
+    from megatron_mini import training
+    clock = [0.0]
+
+    def taking(seconds, fn):
+        def timed(*args, **kwargs):
+            clock[0] += seconds
+            return fn(*args, **kwargs)
+        return timed
+    training.time = types.SimpleNamespace(**{**vars(time), "time": lambda: clock[0]})
+    for name, seconds in (("train_step", 1.0), ("evaluate", 100.0), ("save", 100.0)):
+        setattr(training.Trainer, name, taking(seconds, getattr(training.Trainer, name)))
+    return training.train(cfg)
+
+
 def make_trainer(cfg: TrainConfig):
     """A Trainer on this spawned rank (the process group exists), without the training loop."""
     import torch.distributed as dist

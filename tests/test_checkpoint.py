@@ -538,8 +538,8 @@ def _stopped_with_slow_writes(cfg, delays, step, cause):
     if cause == "nan":
         global_loss = training.Trainer._global_loss
 
-        def diverging(self, loss_sum, stop=None):
-            loss, stops, writers = global_loss(self, loss_sum, stop)
+        def diverging(self, loss_sum, tokens, stop=None):
+            loss, stops, writers = global_loss(self, loss_sum, tokens, stop)
             return (math.nan if self.step + 1 == step else loss), stops, writers
         training.Trainer._global_loss = diverging
     else:

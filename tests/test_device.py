@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ranks import spawn
-from harness import assert_same_training, small_config, train_on_ranks
+from harness import assert_same_training, small_config, train_on_a_fake_clock, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
@@ -209,28 +209,11 @@ def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path):
     assert len(lines) == 3 and all(" TFLOP/s/rank" in line and "MFU " in line for line in lines), lines
 
 
-def _train_on_a_fake_clock(cfg):
-    """train(cfg) on a clock where a training step takes 1 s and an evaluation or a save 100 s."""
-    import types
-    from megatron_mini import training
-    clock = [0.0]
-
-    def taking(seconds, fn):
-        def timed(*args, **kwargs):
-            clock[0] += seconds
-            return fn(*args, **kwargs)
-        return timed
-    training.time = types.SimpleNamespace(**{**vars(time), "time": lambda: clock[0]})
-    for name, seconds in (("train_step", 1.0), ("evaluate", 100.0), ("save", 100.0)):
-        setattr(training.Trainer, name, taking(seconds, getattr(training.Trainer, name)))
-    return training.train(cfg)
-
-
 def test_step_lines_leave_out_evaluation_and_save_time(small_data, tmp_path):
     """Each step line's tokens/s is its steps' own: the evaluation and the save after a line are not
     charged to the next one (which showed a tenth of the real rate after each evaluation)."""
     cfg = small_config(small_data, tmp_path, steps=6, log_interval=1, eval_interval=2, save_interval=3, eval_iters=1)
-    spawn(1, _train_on_a_fake_clock, cfg, init_group=False)
+    spawn(1, train_on_a_fake_clock, cfg, init_group=False)
     rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
              if "tokens_per_s" in r]
     assert rates == [cfg.gbs * cfg.model.seq_len / 1.0] * cfg.steps

@@ -1,12 +1,13 @@
 """Batch-size rampup (rampup_batch_size = [start, increment, samples]): the global batch of each step, the run it
 trains (the same as a chain of fixed-batch runs, and on every layout), its resume, and its refusals."""
 import json
+import re
 from fractions import Fraction
 
 import pytest
 import torch
 
-from harness import assert_same_training, final_weights, small_config, train_on_ranks
+from harness import assert_same_training, final_weights, small_config, train_on_a_fake_clock, train_on_ranks
 from megatron_mini.config import ConfigError, TrainConfig, validate
 
 
@@ -74,6 +75,9 @@ def test_a_ramped_run_is_the_chain_of_fixed_batch_runs(small_data, ramped, tmp_p
         losses += chain["loss"]
     assert history["loss"] == losses
     assert history["val_loss"][-1] == chain["val_loss"][-1]          # step 8's, on 24 validation samples
+    fresh = train_on_ranks(1, small_config(small_data, tmp_path / "fresh", gbs=24, steps=1, eval_interval=4,
+                                           eval_iters=1))
+    assert history["val_loss"][0] == fresh["val_loss"][0]            # step 0's too (the ramp's batch is then 8)
     a, b = final_weights(history), final_weights(chain)
     assert all(torch.equal(a[k], b[k]) for k in a)
     lines = [json.loads(x) for x in open(f"{cfg.run_dir}/metrics.jsonl")]
@@ -88,16 +92,39 @@ def test_a_ramped_run_is_the_chain_of_fixed_batch_runs(small_data, ramped, tmp_p
     assert "| lr 4.00e-04 | gbs 8 |" in log      # (step 1 of the 5-step warmup to 2e-3)
 
 
-def test_a_ramped_run_resumed_mid_ramp_is_the_run_never_stopped(small_data, ramped, tmp_path):
-    """Stopped after step 4 (of 16, after three of 8) and resumed at dp = 2: the ramp goes on from the samples
-    consumed, and the run ends with the weights of the one never stopped."""
+def test_a_ramped_run_resumes_in_another_layout(small_data, ramped, tmp_path):
+    """Checkpoints of steps 3 (mid-ramp: 24 samples consumed, the next batch 16) and 4 (past it: 40, then 24). From
+    step 3 at dp = 2 the ramp goes on from the samples consumed, and the run ends with the weights of the one never
+    stopped; at dp = 3 (mbs x dp = 6) its batch of 16 would not split, refused before training; from step 4 at dp = 3
+    only gbs is left, which does."""
     ref = ramped[1]
-    first = train_on_ranks(1, _ramped(small_data, tmp_path, steps=4))
-    rest = train_on_ranks(2, _ramped(small_data, tmp_path, resume="auto"))
+    first = train_on_ranks(1, _ramped(small_data, tmp_path / "first", steps=4, save_interval=1, keep_checkpoints=4))
     assert first["loss"] == ref["loss"][:4]
-    assert torch.tensor(rest["loss"]).allclose(torch.tensor(ref["loss"][4:]), rtol=1e-5, atol=0)
-    a, b = final_weights(ref), final_weights(rest)
-    assert all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    ckpt = tmp_path / "first" / "checkpoints"
+    for step, world in ((3, 2), (4, 3)):
+        resume = str(ckpt / f"step_{step:06d}")
+        rest = train_on_ranks(world, _ramped(small_data, tmp_path / f"from{step}", resume=resume))
+        assert torch.tensor(rest["loss"]).allclose(torch.tensor(ref["loss"][step:]), rtol=1e-5, atol=0)
+        a, b = final_weights(ref), final_weights(rest)
+        assert all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    with pytest.raises(RuntimeError, match=r"rampup_batch_size=\[8, 8, 40\]: its global batch of 16 \(from sample 24, "
+                                           r"where the run resumes\) is not divisible by mbs x dp = 2 x 3 = 6"):
+        train_on_ranks(3, _ramped(small_data, tmp_path / "refused", resume=str(ckpt / "step_000003")))
+
+
+def test_step_lines_count_each_steps_tokens(small_data, tmp_path):
+    """On a clock where a step takes 1 s: each step's tokens/s is its own batch's tokens, and the ETA after step k is
+    the time per sample so far times the samples still to train."""
+    from megatron_mini.logger import format_duration
+    from ranks import spawn
+
+    cfg = _ramped(small_data, tmp_path, log_interval=1)
+    spawn(1, train_on_a_fake_clock, cfg, init_group=False)
+    rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    assert rates == [size * cfg.model.seq_len / 1.0 for size in RAMP_SIZES]
+    etas = re.findall(r"\| ETA (\S+)", (tmp_path / "logs" / "rank0000.log").read_text())
+    done = [sum(RAMP_SIZES[:k]) for k in range(1, 9)]
+    assert etas == [format_duration(k / d * (sum(RAMP_SIZES) - d)) for k, d in enumerate(done, 1)]
 
 
 def test_a_ramp_trains_the_same_model_on_every_layout(small_data, ramped, tmp_path):
@@ -113,12 +140,14 @@ def test_a_ramp_trains_the_same_model_on_every_layout(small_data, ramped, tmp_pa
     ([8, 0, 100], 1, {}, r"start and increment must be >= 1, samples >= 0"),
     ([8, 8, -1], 1, {}, r"start and increment must be >= 1, samples >= 0"),
     ([40, 8, 100], 1, {}, r"starts at 40 samples, above gbs=32: .* start it at 32 or less"),
-    ([8, 5, 100], 1, {}, r"from start=8 the increments of 5 miss gbs=32 \(gbs - start = 24 is no multiple of 5\); "
-                         r"use an increment that divides it, e.g. 4"),
-    ([4, 4, 100], 2, {}, r"its start 4 is not divisible by mbs x dp = 4 x 2 = 8, .* use multiples of 8"),
-    ([8, 4, 100], 2, {}, r"its increment 4 is not divisible by mbs x dp = 4 x 2 = 8"),
-    ([8, 8, 100], 4, dict(pp=2, vpp=2), r"starts with 1 microbatch per step: Interleaved 1F1B .* For the ramp, "
-                                         r"start it at 16 or more"),
+    ([8, 10, 100], 1, {}, r"from start=8 the increments of 10 miss gbs=32 \(gbs - start = 24 is no multiple of 10\); "
+                          r"use an increment that divides it, e.g. 2\."),
+    ([8, 10**10, 100], 1, {}, r"the increments of 10000000000 miss gbs=32 .* e.g. 8\."),   # (at once)
+    ([4, 4, 100], 2, {}, r"its global batch of 4 is not divisible by mbs x dp = 4 x 2 = 8, .* use a start and an "
+                         r"increment that are multiples of 8\.$"),
+    ([8, 4, 100], 2, {}, r"its global batch of 12 is not divisible by mbs x dp = 4 x 2 = 8"),
+    ([8, 8, 100], 4, dict(pp=2, vpp=2), r"its first step has 1 microbatch: Interleaved 1F1B .* For the ramp, "
+                                         r"start it at 16 or more\.$"),
 ])
 def test_a_ramp_that_cannot_run_is_refused(ramp, world, overrides, error):
     cfg = TrainConfig(gbs=32, rampup_batch_size=ramp, **overrides)
@@ -131,6 +160,11 @@ def test_a_ramp_that_can_run_is_accepted():
     assert validate(TrainConfig(gbs=32, rampup_batch_size=[32, 5, 100]), 1) == 1
     assert validate(TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100], pp=2, vpp=2), 2) == 1
     assert TrainConfig(gbs=32, rampup_batch_size=[8, 8, 0]).ramp(0) == []
+    # batches of 8 and 16 do not split over mbs 2 x dp 3, gbs 24 does: a run that resumes past the ramp may use it
+    cfg = TrainConfig(gbs=24, mbs=2, rampup_batch_size=[8, 8, 40])
+    assert validate(cfg, 3, consumed_samples=40) == validate(cfg, 3, consumed_samples=None) == 3
+    with pytest.raises(ConfigError, match="its global batch of 8 is not divisible by mbs x dp = 2 x 3 = 6"):
+        validate(cfg, 3)
 
 
 def test_the_memory_report_plans_the_ramps_first_step(small_data, tmp_path):
@@ -145,6 +179,8 @@ def test_the_memory_report_plans_the_ramps_first_step(small_data, tmp_path):
         assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
     full = planned_memory(small_config(small_data, tmp_path, pp=2, gbs=8), 1)[0]["activations"]
     assert full > 1.8 * history["memory"][0]["measured"]["activations"]
+    assert "(planned | measured) (a rampup_batch_size step of 2 samples: the activations of gbs 8 may be more; " \
+        "tools/plan.py plans them):" in (tmp_path / "logs" / "rank0000.log").read_text()
 
 
 def test_bloom_ramp_is_one_pair_per_size():

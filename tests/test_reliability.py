@@ -164,7 +164,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("rampup-two-values", 1, ["rampup_batch_size=[8,8]"],
          ["rampup_batch_size=[8, 8] must be [start, increment, samples]"]),
         ("rampup-start-per-rank", 2, ["rampup_batch_size=[4,4,64]"],
-         ["rampup_batch_size=[4, 4, 64]: its start 4 is not divisible by mbs x dp = 4 x 2 = 8"]),
+         ["rampup_batch_size=[4, 4, 64]: its global batch of 4 is not divisible by mbs x dp = 4 x 2 = 8"]),
         ("resume-more-layers", 1, [*resume, "model.num_layers=4"], ["model.num_layers: 8 -> 4"]),
         ("resume-other-heads", 1, [*resume, "model.num_heads=2"], ["model.num_heads: 4 -> 2"]),
         ("resume-other-hidden", 1, [*resume, "model.hidden_size=96"], ["model.hidden_size: 64 -> 96"]),

@@ -31,7 +31,7 @@ for row in rows:
         for _ in range(6):
             sync(); a = time.perf_counter()
             batch = get_batch(t.train_data, t.consumed_samples, cfg.gbs, cfg.mbs, 0, 1)
-            ls = t.engine.train_step(batch, 1.0, t.tokens_per_step, 0)
+            ls = t.engine.train_step(batch, 1.0, cfg.gbs * cfg.model.seq_len, 0)
             b = time.perf_counter(); sync(); c = time.perf_counter()
             t.optimizer.step(1e-4); sync(); d = time.perf_counter()
             t.consumed_samples += cfg.gbs
