@@ -516,7 +516,7 @@ def test_memory_report_gives_the_allocator_peak_under_compile_too(compile_, capl
     from megatron_mini.memory_report import MemoryReport
 
     mesh = types.SimpleNamespace(rank=0, dp=1, coords=lambda r: (0, 0, 0))
-    trainer = types.SimpleNamespace(mesh=mesh, cfg=TrainConfig(compile=compile_), chunks=[],
+    trainer = types.SimpleNamespace(mesh=mesh, cfg=TrainConfig(compile=compile_), chunks=[], consumed_samples=0,
                                     device=torch.device("cuda"))
     with mock.patch("megatron_mini.plan_meta.planned_memory", return_value=None):
         report = MemoryReport(trainer, logging.getLogger("memory-test"), plan=True)
