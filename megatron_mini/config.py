@@ -439,22 +439,28 @@ def _check_rampup(cfg: TrainConfig) -> None:
                           f"use an increment that divides it, e.g. {math.gcd(increment, cfg.gbs - start)}.")
 
 
-def check_rampup_layout(cfg: TrainConfig, dp: int, consumed_samples: int) -> None:
-    """The global batches of the ramp still to come from `consumed_samples` on (TrainConfig.ramp) split into
-    microbatches of mbs on each of the dp ranks, and the first has as many as the schedule needs (they only grow).
-    A resume past the ramp checks nothing of it: its dp may be any that divides gbs."""
-    ramp = cfg.ramp(consumed_samples)
+def check_rampup_layout(cfg: TrainConfig, dp: int, consumed_samples: int, steps: int) -> None:
+    """The global batches of the ramp that the next `steps` steps from `consumed_samples` on take (TrainConfig.ramp)
+    split into microbatches of mbs on each of the dp ranks, and the first has as many as the schedule needs (they
+    only grow). A resume past the ramp, or with no step to train, checks nothing of it: its dp may be any that
+    divides gbs (an evaluation reads batches of gbs)."""
+    ramp, left = [], steps
+    for size, count in cfg.ramp(consumed_samples):
+        if left <= 0:
+            break
+        ramp.append(size)
+        left -= count
     if not ramp:
         return
     unit, name = cfg.mbs * dp, f"rampup_batch_size={list(cfg.rampup_batch_size)}"
     at, other = (f" (from sample {consumed_samples:,}, where the run resumes)", ", or resume at another dp") \
         if consumed_samples else ("", "")
-    bad = next((size for size, _ in ramp if size % unit), None)
+    bad = next((size for size in ramp if size % unit), None)
     if bad is not None:
         raise ConfigError(f"{name}: its global batch of {bad}{at} is not divisible by mbs x dp = {cfg.mbs} x {dp} = "
                           f"{unit}, so it would not split into microbatches of mbs on each DP rank; use a start and "
                           f"an increment that are multiples of {unit}{other}.")
-    first = ramp[0][0] // unit
+    first = ramp[0] // unit
     try:
         check_schedule(cfg.schedule, cfg.pp, cfg.vpp, first)
     except ConfigError as e:
@@ -466,7 +472,7 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
     ConfigError with one paragraph. Run by every rank before any process group exists. `consumed_samples`:
     where the run starts, for the global batches of a rampup_batch_size still to come (check_rampup_layout);
-    None when it is not known yet (a resume's checkpoint is found later), which then checks them."""
+    None where a resume may set it: training.check_resume checks them once its checkpoint is found."""
     check_layout_free(cfg)
     m = cfg.model
     model_parallel = cfg.tp * cfg.pp
@@ -506,7 +512,7 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
     if consumed_samples is not None:
-        check_rampup_layout(cfg, dp, consumed_samples)
+        check_rampup_layout(cfg, dp, consumed_samples, cfg.steps)
     return dp
 
 

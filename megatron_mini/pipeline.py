@@ -46,7 +46,6 @@ class PipelineEngine:
         self.chunks, self.buffers, self.mesh, self.cfg = chunks, buffers, mesh, cfg
         self.dtype, self.device = act_dtype, device
         self._schedules = {}    # microbatches per step -> (training actions, evaluation actions, last backwards)
-        self.last_backward = set()   # (of the training step being run: schedules())
         s = cfg.model.seq_len // (mesh.tp if cfg.sp else 1)
         self.act_shape = (s, cfg.mbs, cfg.model.hidden_size)
         self.trace = []    # (Action, t_start, t_end) of the last step, in execution order: host perf_counter
@@ -69,15 +68,17 @@ class PipelineEngine:
         """Forward and backward over the microbatches of `batch` [m, mbs, s+1], whose first sample has the
         global index `first_sample` (it keys the dropout masks); gradients land (DP-synced) in the main-grad
         buffers. Returns the local sum of token losses (last stage)."""
-        actions, _, self.last_backward = self.schedules(len(batch))
-        return self._run(actions, batch, loss_scale / global_tokens, first_sample)
+        actions, _, last_backward = self.schedules(len(batch))
+        return self._run(actions, batch, loss_scale / global_tokens, first_sample, last_backward)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedules(len(batch))[1], batch, None, None)
+        return self._run(self.schedules(len(batch))[1], batch, None, None, set())
 
-    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None,
-             first_sample: int | None) -> torch.Tensor:
+    def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None, first_sample: int | None,
+             last_backward: set) -> torch.Tensor:
+        """`actions` over `batch`; `last_backward`: the (chunk, microbatch) backwards after which a chunk's DP
+        buckets may start reducing (schedules())."""
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         # the step's tokens reach the device in one copy, and only where a chunk reads them
@@ -90,14 +91,16 @@ class PipelineEngine:
                 continue
             start = time.perf_counter()
             with record_function(str(a)):      # (a range of its own in a profile.* trace: profiling.py)
-                self._compute(a, batch, grad_scale, first_sample, loss_sum, inputs, outputs, out_grads, in_grads)
+                self._compute(a, batch, grad_scale, first_sample, last_backward, loss_sum, inputs, outputs, out_grads,
+                              in_grads)
             self.trace.append((a, start, time.perf_counter()))
         if grad_scale is not None:
             for buf in self.buffers:
                 buf.finish_grad_sync()
         return loss_sum
 
-    def _compute(self, a, batch, grad_scale, first_sample, loss_sum, inputs, outputs, out_grads, in_grads) -> None:
+    def _compute(self, a, batch, grad_scale, first_sample, last_backward, loss_sum, inputs, outputs, out_grads,
+                 in_grads) -> None:
         """A forward or backward of chunk a.chunk on microbatch a.microbatch: its input from `inputs` (or the
         tokens), its output into `outputs` (and the next local chunk's `inputs`); a backward's output gradient from
         `out_grads` (or the loss), its input's gradient into `out_grads` (pp = 1) or `in_grads` (to send)."""
@@ -119,7 +122,7 @@ class PipelineEngine:
             if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank
                 inputs[(a.chunk + 1, a.microbatch)] = out.detach().requires_grad_(grad_scale is not None)
         else:
-            if key in self.last_backward:
+            if key in last_backward:
                 self.buffers[a.chunk].start_last_microbatch()
             out = outputs.pop(key)
             if chunk.has_head:

@@ -137,7 +137,7 @@ def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: t
     if resume:
         checkpoint.check_compatible(resume, cfg, data)
     consumed = resume.meta["consumed_samples"] if resume else 0
-    check_rampup_layout(cfg, dp, consumed)
+    check_rampup_layout(cfg, dp, consumed, cfg.steps - (resume.meta["step"] if resume else 0))
     check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
     check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
     return resume
@@ -431,9 +431,11 @@ def rampup_note(cfg: TrainConfig, step: int, consumed_samples: int) -> str | Non
     if not ramp:
         return None
     start, increment, samples = cfg.rampup_batch_size
+    full = step + sum(n for _, n in ramp) + 1
+    past = f", past steps={cfg.steps}" if full > cfg.steps else ""
     return (f"rampup_batch_size=[{start}, {increment}, {samples}]: step {step + 1} takes a global batch of "
-            f"{ramp[0][0]}, growing by {increment} up to gbs {cfg.gbs} from step "
-            f"{step + sum(n for _, n in ramp) + 1} on (sample {consumed_samples + sum(s * n for s, n in ramp):,})")
+            f"{ramp[0][0]}, growing by {increment} up to gbs {cfg.gbs} from step {full} on (sample "
+            f"{consumed_samples + sum(s * n for s, n in ramp):,}){past}")
 
 
 def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.Logger, stop: StopRequest,

@@ -231,6 +231,8 @@ def test_training_prints_the_plan_next_to_the_run(small_data, tmp_path):
             {k: r["measured"][k] for k in ("weights", "grads", "optimizer")}, r
         assert r["planned"]["activations"] == pytest.approx(r["measured"]["activations"], rel=0.1), r
     assert "planned" not in plain["memory"][0] and "activations" not in plain["memory"][0]["measured"]
+    assert "memory at the first step's peak, MiB (planned | measured):\n" in \
+        (tmp_path / "plan" / "logs" / "rank0000.log").read_text()          # (no rampup_batch_size: no note of it)
 
 
 def _train_unplanned(cfg):

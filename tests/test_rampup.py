@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import assert_same_training, final_weights, small_config, train_on_a_fake_clock, train_on_ranks
-from megatron_mini.config import ConfigError, TrainConfig, validate
+from megatron_mini.config import ConfigError, TrainConfig, check_rampup_layout, validate
 
 
 def _by_definition(consumed: int, gbs: int, start: int, increment: int, samples: int) -> int:
@@ -107,9 +107,14 @@ def test_a_ramped_run_resumes_in_another_layout(small_data, ramped, tmp_path):
         assert torch.tensor(rest["loss"]).allclose(torch.tensor(ref["loss"][step:]), rtol=1e-5, atol=0)
         a, b = final_weights(ref), final_weights(rest)
         assert all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    assert "rampup_batch_size=[8, 8, 40]: step 4 takes a global batch of 16, growing by 8 up to gbs 24 from step 5 " \
+           "on (sample 40)" in (tmp_path / "from3" / "logs" / "rank0000.log").read_text()
     with pytest.raises(RuntimeError, match=r"rampup_batch_size=\[8, 8, 40\]: its global batch of 16 \(from sample 24, "
                                            r"where the run resumes\) is not divisible by mbs x dp = 2 x 3 = 6"):
         train_on_ranks(3, _ramped(small_data, tmp_path / "refused", resume=str(ckpt / "step_000003")))
+    # with no step left to train, the start at dp = 3 finds nothing to do, and is not refused over the ramp
+    done = train_on_ranks(3, _ramped(small_data, tmp_path / "done", steps=3, resume=str(ckpt / "step_000003")))
+    assert done["checkpoint"] == str(ckpt / "step_000003") and done["loss"] == []
 
 
 def test_step_lines_count_each_steps_tokens(small_data, tmp_path):
@@ -127,11 +132,14 @@ def test_step_lines_count_each_steps_tokens(small_data, tmp_path):
     assert etas == [format_duration(k / d * (sum(RAMP_SIZES) - d)) for k, d in enumerate(done, 1)]
 
 
-def test_a_ramp_trains_the_same_model_on_every_layout(small_data, ramped, tmp_path):
+def test_a_ramp_trains_the_same_model_on_every_layout(small_data, tmp_path):
     """Interleaved 1F1B at pp = 2 x vpp = 2, dp = 2, ZeRO-1: 2, 4 then 6 microbatches a rank as the global batch
-    grows from 8 to 24 (each count its own schedule and DP buckets' last backward), the same model as one process."""
-    assert_same_training(ramped[1], train_on_ranks(4, _ramped(small_data, tmp_path, pp=2, vpp=2, zero=1,
-                                                              eval_interval=4, eval_iters=1)))
+    grows from 8 to 24 (each count its own schedule and DP buckets' last backward), the same model as one process,
+    with dropout too (a mask is keyed by its microbatch's first sample, of the step's own batch on each DP rank)."""
+    dropout = {"model.dropout": 0.1}
+    one = train_on_ranks(1, _ramped(small_data, tmp_path / "one", **dropout))
+    assert_same_training(one, train_on_ranks(4, _ramped(small_data, tmp_path / "four", pp=2, vpp=2, zero=1,
+                                                        **dropout)))
 
 
 @pytest.mark.parametrize("ramp, world, overrides, error", [
@@ -160,11 +168,16 @@ def test_a_ramp_that_can_run_is_accepted():
     assert validate(TrainConfig(gbs=32, rampup_batch_size=[32, 5, 100]), 1) == 1
     assert validate(TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100], pp=2, vpp=2), 2) == 1
     assert TrainConfig(gbs=32, rampup_batch_size=[8, 8, 0]).ramp(0) == []
+    assert validate(TrainConfig(gbs=32, rampup_batch_size=[8, 8, 0]), 1) == 1
     # batches of 8 and 16 do not split over mbs 2 x dp 3, gbs 24 does: a run that resumes past the ramp may use it
     cfg = TrainConfig(gbs=24, mbs=2, rampup_batch_size=[8, 8, 40])
     assert validate(cfg, 3, consumed_samples=40) == validate(cfg, 3, consumed_samples=None) == 3
     with pytest.raises(ConfigError, match="its global batch of 8 is not divisible by mbs x dp = 2 x 3 = 6"):
         validate(cfg, 3)
+    # only the batches of the steps to run: from sample 24 the next is 16, then 24 from sample 40
+    check_rampup_layout(cfg, 3, 24, 0)
+    with pytest.raises(ConfigError, match="its global batch of 16 .* mbs x dp = 2 x 3 = 6"):
+        check_rampup_layout(cfg, 3, 24, 1)
 
 
 def test_the_memory_report_plans_the_ramps_first_step(small_data, tmp_path):
@@ -194,3 +207,28 @@ def test_bloom_ramp_is_one_pair_per_size():
     assert [size for size, steps in cfg.ramp(0) for _ in range(steps)] == walked and len(walked) == 12_658
     assert len(cfg.ramp(0)) == 116
     assert len(TrainConfig(gbs=1024, rampup_batch_size=[1, 1, 10**12]).ramp(0)) == 1023
+
+
+def test_the_memory_report_of_a_resume_plans_the_step_it_measures():
+    """A resume mid-ramp measures its first step, of the ramp's batch at the samples consumed: that is planned."""
+    import logging
+    import types
+    from unittest import mock
+
+    from megatron_mini.memory_report import MemoryReport
+
+    cfg = TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100])
+    trainer = types.SimpleNamespace(mesh=types.SimpleNamespace(rank=0, dp=1), cfg=cfg, chunks=[], consumed_samples=40,
+                                    device=torch.device("cpu"))
+    with mock.patch("megatron_mini.plan_meta.planned_memory", return_value=None) as plan:
+        MemoryReport(trainer, logging.getLogger("memory-test"), plan=True)
+    planned = plan.call_args.args[0]
+    assert (planned.gbs, planned.rampup_batch_size) == (16, None)
+
+
+def test_the_ramps_note_says_when_it_outlasts_the_run():
+    from megatron_mini.training import rampup_note
+
+    cfg = TrainConfig(gbs=32, rampup_batch_size=[8, 8, 100], steps=4)
+    assert rampup_note(cfg, 0, 0).endswith("from step 10 on (sample 120), past steps=4")
+    assert rampup_note(TrainConfig(gbs=32), 0, 0) is None and rampup_note(cfg, 9, 120) is None
