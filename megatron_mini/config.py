@@ -104,7 +104,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"          # "stdlib", a directory of .txt files, or a .jsonl with a "text" field
+    source: str = "stdlib"          # "stdlib", a .jsonl (.jsonl.gz) file, or a directory of them and of .txt files
+    text_key: str = "text"          # the field of a .jsonl line that holds its document
     dir: str = "data/stdlib-v8192"  # where tokenizer.model, tokens.bin/.idx and meta.json live
     vocab_size: int = 8192
     val_fraction: float = 0.02      # fraction of documents held out for validation
@@ -367,7 +368,8 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):
                 raise ConfigError(f"{key}={value} must be {requirement}.")
-    for key, what in (("data.source", "stdlib, a directory of .txt files or a .jsonl file"),
+    for key, what in (("data.source", "stdlib, a .jsonl file or a directory of .jsonl and .txt files"),
+                      ("data.text_key", "the field of a .jsonl line that holds its document"),
                       ("data.dir", "the directory of the prepared data")):
         if key.startswith(section) and not str(_get(cfg, key)).strip():  # ('' wrote the data into the current dir)
             raise ConfigError(f"{key} is empty: give {what}.")

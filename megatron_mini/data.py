@@ -11,6 +11,7 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import io
 import json
@@ -24,6 +25,7 @@ import struct
 import sys
 import sysconfig
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +57,9 @@ class DataError(ConfigError):
 def rebuild_command(cfg: DataConfig, **changes) -> str:
     """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
     keys): `make data` for the default data, else prepare_data.py with every key that decides the
-    directory and its contents (source, dir, vocab_size, and the tokenizer keys that differ)."""
+    directory and its contents (source, dir, vocab_size, and text_key and the tokenizer keys where they differ)."""
     values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
-    for key in ("tokenizer_sample_chars", "tokenizer_seed"):
+    for key in ("text_key", "tokenizer_sample_chars", "tokenizer_seed"):
         if getattr(cfg, key) != getattr(DataConfig, key):
             values[key] = getattr(cfg, key)
     if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
@@ -81,24 +83,31 @@ def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
 
 # ----------------------------------------------------------------------------------------------- corpus
 
-def read_corpus(source: str) -> tuple[list[str], dict]:
+JSONL = (".jsonl", ".jsonl.gz")          # a document per line, as {"<text_key>": "..."}; .gz read through gzip
+
+
+def read_corpus(source: str, text_key: str = "text") -> tuple[list[str], dict]:
     """Documents of `source` in a fixed order, empty ones dropped, and their description
     {source, python, corpus_sha256, num_docs}. source: "stdlib" (the interpreter's standard library,
-    one document per .py file, site-/dist-packages excluded), a directory of .txt files, or a .jsonl
-    file with a "text" field per line."""
+    one document per .py file, site-/dist-packages excluded), a .jsonl (or .jsonl.gz) file with a `text_key`
+    string per line, or a directory of such files and of .txt files (one document each), every one below it
+    in the order of their paths (a corpus in shards)."""
+    none = "no non-empty documents"
     if source == "stdlib":
         docs = [_read_text(p) for p in _stdlib_files()]
     elif Path(source).is_dir():
-        docs = [_read_text(p) for p in sorted(Path(source).rglob("*.txt"))]
-    elif Path(source).is_file() and source.endswith(".jsonl"):
-        docs = _read_jsonl(Path(source))
+        files = sorted(p for p in Path(source).rglob("*") if p.name.endswith((".txt", *JSONL)) and p.is_file())
+        docs = [d for p in files for d in ([_read_text(p)] if p.name.endswith(".txt") else _read_jsonl(p, text_key))]
+        none += "" if files else " (it holds no .txt, .jsonl or .jsonl.gz file)"
+    elif Path(source).is_file() and source.endswith(JSONL):
+        docs = _read_jsonl(Path(source), text_key)
     else:
-        what = "is a file but not a .jsonl file" if Path(source).is_file() else "not found"
-        raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a directory of .txt files "
-                        "or a .jsonl file with a \"text\" field per line", rebuild=None)
+        what = "is a file but not a .jsonl or .jsonl.gz file" if Path(source).is_file() else "not found"
+        raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a .jsonl (or .jsonl.gz) file with a "
+                        f"\"{text_key}\" field per line, or a directory of such files and .txt files", rebuild=None)
     docs = [d for d in docs if d]
     if not docs:
-        raise DataError(f"data.source={source}", "no non-empty documents", rebuild=None)
+        raise DataError(f"data.source={source}", none, rebuild=None)
     digest = hashlib.sha256()
     for d in docs:
         b = d.encode()
@@ -125,32 +134,43 @@ def _read_text(path) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def _read_jsonl(path: Path) -> list[str]:
-    """The "text" of each non-blank line: UTF-8 (a leading byte-order mark is allowed), JSON, no lone
-    surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names itself."""
+def _read_jsonl(path: Path, text_key: str) -> list[str]:
+    """The `text_key` string of each non-blank line: UTF-8 (a leading byte-order mark is allowed), JSON, no lone
+    surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names itself (its number
+    in the decompressed text of a .gz)."""
     docs = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}", f"not valid UTF-8 (byte {e.start + 1} of the line: "
-                                f"{raw[e.start:e.start + 1]!r})", None) from None
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                text = None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}", "expected a JSON object with a \"text\" string", None)
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise DataError(f"{path}:{lineno}", f"the text holds a lone surrogate ({text[e.start]!r} at character "
-                                f"{e.start + 1}), which is no Unicode character", None) from None
-            docs.append(text)
+    for lineno, raw in _lines(path):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}", f"not valid UTF-8 (byte {e.start + 1} of the line: "
+                            f"{raw[e.start:e.start + 1]!r})", None) from None
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)[text_key]
+        except (ValueError, KeyError, TypeError):
+            text = None
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{lineno}", f"expected a JSON object with a \"{text_key}\" string"
+                            + ("" if text_key != "text" else " (data.text_key names another field)"), None)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{path}:{lineno}", f"the text holds a lone surrogate ({text[e.start]!r} at character "
+                            f"{e.start + 1}), which is no Unicode character", None) from None
+        docs.append(text)
     return docs
+
+
+def _lines(path: Path):
+    """(number from 1, bytes) of each line of `path`, decompressed where it is a .gz: a damaged one (cut short,
+    not gzip) is a DataError naming it."""
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            yield from enumerate(f, 1)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(path, f"is not a whole gzip file ({e})", None) from None
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
@@ -389,7 +409,7 @@ def prepare(cfg: DataConfig) -> dict:
 def _build(cfg: DataConfig, out: Path) -> dict:
     """prepare()'s work in the directory `out`, which exists."""
     t0 = time.time()
-    docs, info = read_corpus(cfg.source)
+    docs, info = read_corpus(cfg.source, cfg.text_key)
     print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
           f"(python {info['python']}, sha256 {info['corpus_sha256'][:12]})")
     tok_path = out / "tokenizer.model"

@@ -101,8 +101,47 @@ def test_stdlib_and_jsonl_sources(tmp_path):
         with pytest.raises(DataError, match=f"data.source={bad}: "):
             read_corpus(str(bad))
     (tmp_path / "one.txt").write_text("a document")
-    with pytest.raises(DataError, match=r"one\.txt: is a file but not a \.jsonl file; use .*a directory of \.txt"):
+    with pytest.raises(DataError, match=r"one\.txt: is a file but not a \.jsonl or \.jsonl\.gz file; use 'stdlib', "
+                                        r"a \.jsonl \(or \.jsonl\.gz\) file with a \"text\" field per line, or a "
+                                        r"directory"):
         read_corpus(str(tmp_path / "one.txt"))
+
+
+def test_a_corpus_in_shards(tmp_path):
+    """A directory's .txt (a document each), .jsonl and .jsonl.gz files (a document a line) below it, in the order of
+    their paths; other files are left out; data.text_key names the field; a bad line of a .gz names its line."""
+    import gzip
+
+    shards = tmp_path / "shards"
+    (shards / "b").mkdir(parents=True)
+    (shards / "a.txt").write_text("first")
+    (shards / "b" / "c.jsonl").write_text('{"text": "second", "content": "2"}\n{"text": "third", "content": "3"}\n')
+    with gzip.open(shards / "b" / "d.jsonl.gz", "wt") as f:
+        f.write('{"text": "fourth", "content": "4"}\n')
+    (shards / "e.md").write_text("not a document")
+    (shards / "f.txt").write_text("fifth")
+    docs, info = read_corpus(str(shards))
+    assert docs == ["first", "second", "third", "fourth", "fifth"] and info["num_docs"] == 5
+    assert read_corpus(str(shards / "b" / "d.jsonl.gz"))[0] == ["fourth"]
+    (shards / "a.txt").unlink(), (shards / "f.txt").unlink()
+    assert read_corpus(str(shards), text_key="content")[0] == ["2", "3", "4"]
+    with gzip.open(shards / "b" / "d.jsonl.gz", "wt") as f:
+        f.write('{"text": "fourth"}\n\n{"body": "fifth"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl\.gz:3: expected a JSON object with a \"text\" string "
+                                        r"\(data\.text_key names another field\)"):
+        read_corpus(str(shards))
+    with gzip.open(shards / "b" / "d.jsonl.gz", "wt") as f:
+        f.write('{"text": "fourth"}\n')
+    whole = (shards / "b" / "d.jsonl.gz").read_bytes()
+    for damaged, why in ((whole[:-12], "Compressed file ended before the end-of-stream marker was reached"),
+                         (b"not gzip" + whole, "Not a gzipped file")):
+        (shards / "b" / "d.jsonl.gz").write_bytes(damaged)
+        with pytest.raises(DataError, match=rf"d\.jsonl\.gz: is not a whole gzip file \({why}"):
+            read_corpus(str(shards))
+    (tmp_path / "no_docs").mkdir()
+    (tmp_path / "no_docs" / "x.md").write_text("x")
+    with pytest.raises(DataError, match=r"no non-empty documents \(it holds no \.txt, \.jsonl or \.jsonl\.gz file\)"):
+        read_corpus(str(tmp_path / "no_docs"))
 
 
 def test_jsonl_encoding_errors_name_the_line(tmp_path):
@@ -129,14 +168,14 @@ def test_prepare_refuses_a_data_dir_it_cannot_write_before_reading(tmp_path, mon
     (tmp_path / "afile").write_text("keep me")
     (tmp_path / "ro").mkdir()
     pretend_read_only(monkeypatch, tmp_path / "ro")
-    monkeypatch.setattr(data, "read_corpus", lambda source: pytest.fail("read the corpus before refusing data.dir"))
+    monkeypatch.setattr(data, "read_corpus", lambda *args: pytest.fail("read the corpus before refusing data.dir"))
     for where, problem in (("afile", f"{tmp_path}/afile is not a directory"),
                            ("afile/sub", f"{tmp_path}/afile is not a directory"),
                            ("ro/sub", f"the directory {tmp_path}/ro is not writable")):
         with pytest.raises(DataError) as refused:
             prepare(DataConfig(source="stdlib", dir=str(tmp_path / where)))
         assert str(refused.value) == f"data.dir={tmp_path / where}: {problem}; choose another data.dir"
-    monkeypatch.setattr(data, "read_corpus", lambda source: read_corpus(str(tmp_path / "nonexistent")))
+    monkeypatch.setattr(data, "read_corpus", lambda *args: read_corpus(str(tmp_path / "nonexistent")))
     with pytest.raises(DataError, match="nonexistent: not found"):
         prepare(DataConfig(source="stdlib", dir=str(tmp_path / "new" / "out")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ro"]
@@ -277,6 +316,8 @@ def test_rebuild_command_names_the_directory_the_run_reads():
     assert rebuild_command(DataConfig()) == "make data"
     assert rebuild_command(DataConfig(vocab_size=4096)) == ("python tools/prepare_data.py data.source=stdlib "
                                                             "data.dir=data/stdlib-v8192 data.vocab_size=4096")
+    assert rebuild_command(DataConfig(source="c.jsonl", dir="d", text_key="content")) == (
+        "python tools/prepare_data.py data.source=c.jsonl data.dir=d data.vocab_size=8192 data.text_key=content")
 
 
 def test_split_and_samples(prepared):

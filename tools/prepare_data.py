@@ -2,6 +2,7 @@
 
     python tools/prepare_data.py                       # = make data
     python tools/prepare_data.py data.source=corpus.jsonl data.dir=data/mine data.vocab_size=4096
+    python tools/prepare_data.py data.source=shards/ data.text_key=content data.dir=data/mine   # *.jsonl(.gz), *.txt
 
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare).
