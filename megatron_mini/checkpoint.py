@@ -301,14 +301,35 @@ def data_identity(tokenizer_sha256: str, data_meta: dict) -> dict:
             "num_tokens": data_meta.get("num_tokens")}
 
 
+def model_changes(meta: dict, cfg: TrainConfig) -> list:
+    """'model.KEY: old -> new' for each of MODEL_KEYS in which cfg's model differs from the checkpoint's."""
+    old = meta["config"]["model"]
+    return [f"model.{key}: {old[key]} -> {getattr(cfg.model, key)}" for key in MODEL_KEYS
+            if old[key] != getattr(cfg.model, key)]
+
+
+def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
+    """cfg.init_from as a checkpoint (passing `check`) of this run's model, trained with this run's tokenizer
+    (`tokenizer_sha256`: a token id must mean the same text); one ConfigError naming what differs."""
+    meta = check(cfg.init_from)
+    diffs = model_changes(meta, cfg)
+    if diffs:
+        raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}. "
+                          f"Set these back (init_from starts from its weights).")
+    saved = meta.get("data", {}).get("tokenizer_sha256")
+    if saved and saved != tokenizer_sha256:
+        raise ConfigError(f"init_from={cfg.init_from} was trained with another tokenizer (sha256 {saved[:12]}; this "
+                          f"run's data.dir={cfg.data.dir} has {tokenizer_sha256[:12]}), so its token ids mean other "
+                          f"text: prepare this run's corpus with data.tokenizer=<its run's data.dir>/tokenizer.model, "
+                          f"or start from the seed's weights.")
+    return Resume(cfg.init_from, meta, [])
+
+
 def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
     """Refuse a checkpoint of another model, tokenizer, corpus, seed or validation split, listing
     every differing key as old -> new. The layout, batch, schedule, optimizer, precision and
     bookkeeping may change (README, "Resuming")."""
-    old, diffs = resume.meta["config"], []
-    for key in MODEL_KEYS:
-        if old["model"][key] != getattr(cfg.model, key):
-            diffs.append(f"model.{key}: {old['model'][key]} -> {getattr(cfg.model, key)}")
+    old, diffs = resume.meta["config"], model_changes(resume.meta, cfg)
     for key, new in (("seed", cfg.seed), ("data.val_fraction", cfg.data.val_fraction)):
         was = old["seed"] if key == "seed" else old["data"]["val_fraction"]
         if was != new:
@@ -554,17 +575,18 @@ def load_model_tensors(path: str) -> dict:
     return {name: reader.full(name).float() for name in reader.names()}
 
 
-def load(path: str, buffers: list, optimizer, mesh, device) -> dict:
+def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool = False) -> dict:
     """Restore weights and optimizer state (any layout); returns meta. (The dropout streams are keyed by
-    sample and layer, rng.py: there is no RNG state to restore.) Tensors that do not fit this model (a name
-    missing, another shape: a checkpoint of another model or of older code) are one CheckpointError on every
-    rank, whichever ranks found it."""
+    sample and layer, rng.py: there is no RNG state to restore.) `weights_only` (init_from): the weights and
+    their fp32 masters, the optimizer otherwise as new. Tensors that do not fit this model (a name missing,
+    another shape: a checkpoint of another model or of older code) are one CheckpointError on every rank,
+    whichever ranks found it."""
     failure, meta = None, read_meta(path)
     try:
         reader = ShardReader(path, meta)
         for buf in buffers:
             buf.load_weights(reader)
-        optimizer.load_state_dict(reader, meta["optimizer"])
+        optimizer.load_state_dict(reader, None if weights_only else meta["optimizer"])
     except CommError:
         raise
     except CheckpointError as e:

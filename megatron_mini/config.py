@@ -106,6 +106,8 @@ class ModelConfig:
 class DataConfig:
     source: str = "stdlib"          # "stdlib", a .jsonl (.jsonl.gz) file, or a directory of them and of .txt files
     text_key: str = "text"          # the field of a .jsonl line that holds its document
+    tokenizer: Optional[str] = None  # a tokenizer.model to encode the corpus with (another data.dir's: its runs'
+                                     # checkpoints can then init_from), instead of training one
     dir: str = "data/stdlib-v8192"  # where tokenizer.model, tokens.bin/.idx and meta.json live
     vocab_size: int = 8192
     val_fraction: float = 0.02      # fraction of documents held out for validation
@@ -211,6 +213,9 @@ class TrainConfig:
                                      # this many minutes since the start (a job's time limit less a step, a
                                      # save and the start-up; 0: none)
     resume: str = "auto"             # auto | never | PATH to a checkpoint directory
+    init_from: Optional[str] = None  # a checkpoint whose weights start a new run (any layout; the optimizer, step
+                                     # and data start anew: fine-tuning, another corpus); a run that resumes its
+                                     # own checkpoints ignores it
     device: Device = Device.auto     # auto: a GPU per rank when there are enough, else the CPU
     dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo
     timeout_s: int = 300             # how long any collective may wait (a stalled peer ends the job)
@@ -370,8 +375,10 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be {requirement}.")
     for key, what in (("data.source", "stdlib, a .jsonl file or a directory of .jsonl and .txt files"),
                       ("data.text_key", "the field of a .jsonl line that holds its document"),
-                      ("data.dir", "the directory of the prepared data")):
-        if key.startswith(section) and not str(_get(cfg, key)).strip():  # ('' wrote the data into the current dir)
+                      ("data.dir", "the directory of the prepared data"),
+                      ("data.tokenizer", "a tokenizer.model to encode the corpus with (null: train one)")):
+        value = _get(cfg, key)       # (data.tokenizer may be null)
+        if key.startswith(section) and value is not None and not str(value).strip():   # ('' wrote into the cwd)
             raise ConfigError(f"{key} is empty: give {what}.")
 
 
@@ -386,6 +393,12 @@ def check_layout_free(cfg: TrainConfig) -> None:
     if not str(cfg.resume).strip():
         raise ConfigError("resume is empty: use resume=auto (continue this run directory's run, if any), "
                           "resume=never or resume=PATH of a checkpoint directory.")
+    if cfg.init_from is not None and not str(cfg.init_from).strip():
+        raise ConfigError("init_from is empty: give the checkpoint directory whose weights start this run "
+                          "(null: the seed's initial weights).")
+    if cfg.init_from and cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"init_from={cfg.init_from} starts a new run from a checkpoint's weights, and "
+                          f"resume={cfg.resume} continues the run of another: give one of them.")
     o = cfg.optimizer
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "

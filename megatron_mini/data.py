@@ -59,7 +59,7 @@ def rebuild_command(cfg: DataConfig, **changes) -> str:
     keys): `make data` for the default data, else prepare_data.py with every key that decides the
     directory and its contents (source, dir, vocab_size, and text_key and the tokenizer keys where they differ)."""
     values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
-    for key in ("text_key", "tokenizer_sample_chars", "tokenizer_seed"):
+    for key in ("text_key", "tokenizer", "tokenizer_sample_chars", "tokenizer_seed"):
         if getattr(cfg, key) != getattr(DataConfig, key):
             values[key] = getattr(cfg, key)
     if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
@@ -420,7 +420,9 @@ def _build(cfg: DataConfig, out: Path) -> dict:
         cached = read_json(out / "tokenizer.json") == {**trained_on, "sha256": tok.sha256}
     except DataError:
         cached = False
-    if cached:
+    if cfg.tokenizer:
+        tok = _given_tokenizer(cfg, tok_path)
+    elif cached:
         print(f"tokenizer: cached {tok_path}")
     else:
         t = time.time()
@@ -442,6 +444,21 @@ def _build(cfg: DataConfig, out: Path) -> dict:
         atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
     print(f"data ready in {out} ({time.time() - t0:.1f} s)")
     return meta
+
+
+def _given_tokenizer(cfg: DataConfig, tok_path: Path) -> Tokenizer:
+    """data.tokenizer, copied to `tok_path` (the directory holds its own), for a corpus encoded with the tokenizer
+    of other data: another run's, whose checkpoints init_from then reads (a token id means the same text)."""
+    given = Tokenizer(cfg.tokenizer)
+    if given.vocab_size != cfg.vocab_size:
+        raise DataError(f"data.tokenizer={cfg.tokenizer}", f"has {given.vocab_size} tokens, but data.vocab_size="
+                        f"{cfg.vocab_size}; set data.vocab_size={given.vocab_size}", rebuild=None)
+    if not tok_path.is_file() or Tokenizer(tok_path).sha256 != given.sha256:
+        atomic_write(tok_path, given.path.read_bytes())
+    atomic_write(tok_path.with_suffix(".json"), json.dumps({"given": str(given.path.resolve()),
+                                                            "sha256": given.sha256}, indent=1).encode())
+    print(f"tokenizer: {tok_path}, a copy of {cfg.tokenizer} ({given.vocab_size} tokens, sha256 {given.sha256[:12]})")
+    return Tokenizer(tok_path)
 
 
 def _refuse_other_data(cfg: DataConfig, out: Path) -> None:

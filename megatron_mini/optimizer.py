@@ -257,18 +257,20 @@ class Optimizer:
         return {"step_count": self.step_count, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     @torch.no_grad()
-    def load_state_dict(self, reader, counters: dict) -> None:
+    def load_state_dict(self, reader, counters: dict | None) -> None:
         """Take this rank's slices from a checkpoint.ShardReader saved in any layout, and `counters`
-        (the weights are loaded already)."""
+        (the weights are loaded already). counters None (init_from): the fp32 masters alone (a checkpoint's
+        fp32 weights where they were their own), Adam's moments, the step count and the loss scale as new."""
         self.finish_param_gather()
-        self.step_count = counters["step_count"]
-        if self.scaler and counters["scaler"]:
-            self.scaler.load_state_dict(counters["scaler"])
+        if counters is not None:
+            self.step_count = counters["step_count"]
+            if self.scaler and counters["scaler"]:
+                self.scaler.load_state_dict(counters["scaler"])
         mesh = self.mesh
         for r in self.ranges:
             for p, name, a, b in r.buffer.segments(r.lo, r.hi):
                 first = r.buffer.offsets[p]
-                for k in STATES:
+                for k in STATES if counters is not None else ("master",):
                     flat = reader.local(name, k, mesh.tp, mesh.tp_rank).reshape(-1)
                     getattr(r, k)[a - r.lo:b - r.lo] = flat[a - first:b - first]
             if r.separate_master:

@@ -80,6 +80,7 @@ class Run:
     datasets: tuple
     data: dict                      # the data's identity, recorded in checkpoints
     resume: checkpoint.Resume | None
+    init: checkpoint.Resume | None  # init_from's checkpoint, when the run starts anew (it resumes nothing)
     lock: RunLock | None            # rank 0's lock on the run directory
     refused: str | None = None      # rank 0: why it could not take the lock (another run holds it), told to all
 
@@ -123,11 +124,13 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
         data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
         # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
         resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
+        init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) if cfg.init_from and not resume \
+            else None
     except BaseException:
         if lock:
             lock.release()
         raise
-    return Run(dp, device, backend, datasets, data, resume, lock, refused)
+    return Run(dp, device, backend, datasets, data, resume, init, lock, refused)
 
 
 def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict, dp: int):
@@ -294,6 +297,11 @@ class Trainer:
         pending, self.pending = self.pending, None
         self.last_checkpoint = pending.finish()
         return self.last_checkpoint
+
+    def init_weights(self, path: str) -> None:
+        """This run's weights and fp32 masters from the checkpoint `path` (any layout: init_from); the optimizer,
+        the step count and the data start anew."""
+        checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device, weights_only=True)
 
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
@@ -655,10 +663,14 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                       f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
+    if run.init:                       # its files' sha256 too, before they are read
+        checkpoint.agree_verify(mesh, run.device)(run.init.path)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)
         trainer.evaluation_owed = _owes_evaluation(cfg, run.resume)
+    elif run.init:
+        trainer.init_weights(run.init.path)
     moved, cut, logger = _tidy_run_dir(cfg, run.resume, mesh, run.device)
     if run.resume:
         schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count,
@@ -666,6 +678,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         for note in run.resume.notes + moved + ([schedule] if schedule else []):
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
+    elif run.init:
+        log.info(f"init_from: the weights of {run.init.path} (step {run.init.meta['step']} of the run that saved it); "
+                 f"the optimizer, the step count and the data start anew")
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")

@@ -311,6 +311,33 @@ def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
     assert prepare(dataclasses.replace(copy_of, source=str(other)))["num_docs"] == len(texts)
 
 
+def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
+    """data.tokenizer: the corpus is encoded with that tokenizer (copied into data.dir: the same sha256), so that a
+    run on it may init_from the checkpoints of runs on the other data; its size must be data.vocab_size; a second
+    prepare is cached; the rebuild command names it."""
+    cfg, _ = prepared
+    given = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    path = tmp_path / "c.jsonl"
+    texts = ("def f(x):\n    return x\n", "class A:\n    pass\n")
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    other = DataConfig(source=str(path), dir=str(tmp_path / "out"), vocab_size=VOCAB, tokenizer=str(given.path),
+                       num_workers=1)
+    meta = prepare(other)
+    tok = Tokenizer(tmp_path / "out" / "tokenizer.model")
+    assert tok.sha256 == given.sha256 == meta["tokenizer_sha256"]
+    ds = IndexedDataset(tmp_path / "out" / "tokens")
+    assert [given.decode(ds.doc(i)[:-1].tolist()) for i in range(len(ds))] == read_corpus(str(path))[0]
+    capsys.readouterr()
+    prepare(other)
+    assert "tokens: cached" in capsys.readouterr().out
+    assert f"data.tokenizer={given.path}" in rebuild_command(other)
+    with pytest.raises(DataError, match=rf"data\.tokenizer={given.path}: has {VOCAB} tokens, but data\.vocab_size=256; "
+                                        rf"set data\.vocab_size={VOCAB}"):
+        prepare(dataclasses.replace(other, vocab_size=256, dir=str(tmp_path / "out256")))
+    with pytest.raises(DataError, match=r"nowhere\.model: missing"):
+        prepare(dataclasses.replace(other, tokenizer=str(tmp_path / "nowhere.model")))
+
+
 def test_rebuild_command_names_the_directory_the_run_reads():
     """The built-in data.dir is named too: prepare_data.py's own default depends on data.vocab_size."""
     assert rebuild_command(DataConfig()) == "make data"

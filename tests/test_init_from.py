@@ -1,0 +1,81 @@
+"""init_from: a new run that starts from a checkpoint's weights (any layout, precision, seed or data encoded with
+its tokenizer), with the optimizer, the step count and the data as new; a run that resumes ignores it."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from harness import small_config, train_on_ranks
+from megatron_mini import checkpoint
+from megatron_mini.checkpoint import ShardReader
+from megatron_mini.config import ConfigError, TrainConfig, validate
+from megatron_mini.data import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def source(small_data, tmp_path_factory):
+    """3 steps in bf16 at tp = 2 x pp = 2: its checkpoint keeps 16-bit weights and fp32 masters."""
+    cfg = small_config(small_data, tmp_path_factory.mktemp("source"), tp=2, pp=2, steps=3, gbs=8,
+                       **{"precision.dtype": "bf16"})
+    return train_on_ranks(4, cfg)["checkpoint"]
+
+
+def test_a_run_starts_from_a_checkpoints_masters_with_a_new_optimizer(small_data, source, tmp_path):
+    """In fp32 at dp = 2, another seed, lr 0 (no update moves a weight): the run ends with the source's fp32 masters,
+    bitwise (not its bf16 weights); its step count and samples start at 0; Adam's moments are the new run's own,
+    m = (1 - beta1) g and v = (1 - beta2) g^2 after one update, not the source's three steps of history."""
+    cfg = small_config(small_data, tmp_path, steps=1, gbs=8, seed=7, init_from=source,
+                       **{"optimizer.lr": 0.0, "optimizer.min_lr": 0.0})
+    history = train_on_ranks(2, cfg)
+    src, new = ShardReader(source, checkpoint.read_meta(source)), ShardReader(history["checkpoint"],
+                                                                              checkpoint.read_meta(history["checkpoint"]))
+    meta = checkpoint.read_meta(history["checkpoint"])
+    assert (meta["step"], meta["consumed_samples"], meta["optimizer"]["step_count"]) == (1, 8, 1)
+    o = cfg.optimizer
+    for name in src.names():
+        master = src.full(name, "master")
+        assert not torch.equal(master, src.full(name).float())        # (bf16 weights: the masters are finer)
+        assert torch.equal(new.full(name), master), name
+        m, v = new.full(name, "exp_avg"), new.full(name, "exp_avg_sq")
+        seen = v > 1e-30
+        assert seen.any() and torch.allclose(m[seen] ** 2 / v[seen], torch.full_like(v[seen], (1 - o.beta1) ** 2 /
+                                                                                        (1 - o.beta2)), rtol=1e-4)
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert f"init_from: the weights of {source} (step 3 of the run that saved it); the optimizer, the step count " \
+           "and the data start anew" in log
+
+
+def test_a_run_that_resumes_ignores_init_from(small_data, source, tmp_path):
+    """init_from starts a run: a start that finds the run's own checkpoint resumes it, wherever init_from points."""
+    first = train_on_ranks(1, small_config(small_data, tmp_path, steps=2, gbs=8, init_from=source))
+    again = train_on_ranks(1, small_config(small_data, tmp_path, steps=3, gbs=8, resume="auto",
+                                           init_from=str(tmp_path / "nowhere")))
+    assert len(first["loss"]) == 2 and len(again["loss"]) == 1
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert f"resumed from {first['checkpoint']} at step 2" in log and log.count("init_from:") == 1
+
+
+def test_what_init_from_cannot_start_from_is_refused(small_data, source, tmp_path):
+    tokenizer = Tokenizer(f"{small_data.dir}/tokenizer.model").sha256
+    other = small_config(small_data, tmp_path, init_from=source, **{"model.num_layers": 4})
+    with pytest.raises(ConfigError, match=rf"init_from={source} holds another model than this run asks for: "
+                                          r"model\.num_layers: 8 -> 4\. Set these back"):
+        checkpoint.check_init(other, tokenizer)
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["data"]["tokenizer_sha256"] = "f" * 64
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=rf"init_from={copy} was trained with another tokenizer \(sha256 "
+                                          rf"ffffffffffff; this run's data\.dir=.* has {tokenizer[:12]}\), so its "
+                                          r"token ids mean other text: prepare this run.s corpus with data\.tokenizer"):
+        checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(copy)), tokenizer)
+    with pytest.raises(ConfigError, match="is not a checkpoint"):
+        checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(tmp_path)), tokenizer)
+    assert checkpoint.check_init(small_config(small_data, tmp_path, init_from=source), tokenizer).path == source
+    with pytest.raises(ConfigError, match="init_from is empty"):
+        validate(TrainConfig(init_from=" "), 1)
+    with pytest.raises(ConfigError, match=rf"init_from={source} starts a new run from a checkpoint's weights, and "
+                                          rf"resume={source} continues the run of another: give one of them\."):
+        validate(TrainConfig(init_from=source, resume=source), 1)
