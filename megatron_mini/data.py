@@ -57,11 +57,14 @@ class DataError(ConfigError):
 def rebuild_command(cfg: DataConfig, **changes) -> str:
     """The command that (re)builds exactly the directory `cfg.dir` (with `changes` applied to the data
     keys): `make data` for the default data, else prepare_data.py with every key that decides the
-    directory and its contents (source, dir, vocab_size, and text_key and the tokenizer keys where they differ)."""
+    directory and its contents (source, dir, vocab_size, and text_key and the tokenizer keys where they differ;
+    data.tokenizer too where the directory's tokenizer.json records one)."""
     values = {"source": cfg.source, "dir": cfg.dir, "vocab_size": cfg.vocab_size, **changes}
     for key in ("text_key", "tokenizer", "tokenizer_sample_chars", "tokenizer_seed"):
         if getattr(cfg, key) != getattr(DataConfig, key):
             values[key] = getattr(cfg, key)
+    if not cfg.tokenizer and (given := (read_json(Path(cfg.dir) / "tokenizer.json") or {}).get("given")):
+        values["tokenizer"] = given          # (a directory of a given tokenizer is rebuilt with it)
     if values == {k: getattr(DataConfig, k) for k in ("source", "dir", "vocab_size")}:
         return "make data"
     return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
@@ -137,7 +140,17 @@ def _read_text(path) -> str:
 def _read_jsonl(path: Path, text_key: str) -> list[str]:
     """The `text_key` string of each non-blank line: UTF-8 (a leading byte-order mark is allowed), JSON, no lone
     surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names itself (its number
-    in the decompressed text of a .gz)."""
+    in the decompressed text of a .gz), unless the .gz is damaged (its checksum, at its end, is read first)."""
+    try:
+        return _parse_jsonl(path, text_key)
+    except DataError:
+        if path.name.endswith(".gz"):
+            for _ in _lines(path):          # (a DataError of its own where the file is damaged)
+                pass
+        raise
+
+
+def _parse_jsonl(path: Path, text_key: str) -> list[str]:
     docs = []
     for lineno, raw in _lines(path):
         try:
@@ -396,18 +409,19 @@ def prepare(cfg: DataConfig) -> dict:
     out = Path(cfg.dir)
     if (problem := unwritable_dir(out)) is not None:
         raise DataError(f"data.dir={cfg.dir}", f"{problem}; choose another data.dir", rebuild=None)
-    _refuse_other_data(cfg, out)
+    given = _given_tokenizer(cfg)
+    _refuse_other_data(cfg, out, given)
     existing = existing_part(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _build(cfg, out)
+        return _build(cfg, out, given)
     except BaseException:
         remove_empty_dirs(out, existing)
         raise
 
 
-def _build(cfg: DataConfig, out: Path) -> dict:
-    """prepare()'s work in the directory `out`, which exists."""
+def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
+    """prepare()'s work in the directory `out`, which exists (`given`: data.tokenizer's)."""
     t0 = time.time()
     docs, info = read_corpus(cfg.source, cfg.text_key)
     print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
@@ -420,8 +434,8 @@ def _build(cfg: DataConfig, out: Path) -> dict:
         cached = read_json(out / "tokenizer.json") == {**trained_on, "sha256": tok.sha256}
     except DataError:
         cached = False
-    if cfg.tokenizer:
-        tok = _given_tokenizer(cfg, tok_path)
+    if given:
+        tok = _copy_tokenizer(given, tok_path)
     elif cached:
         print(f"tokenizer: cached {tok_path}")
     else:
@@ -446,31 +460,55 @@ def _build(cfg: DataConfig, out: Path) -> dict:
     return meta
 
 
-def _given_tokenizer(cfg: DataConfig, tok_path: Path) -> Tokenizer:
-    """data.tokenizer, copied to `tok_path` (the directory holds its own), for a corpus encoded with the tokenizer
-    of other data: another run's, whose checkpoints init_from then reads (a token id means the same text)."""
-    given = Tokenizer(cfg.tokenizer)
+def _given_tokenizer(cfg: DataConfig) -> Tokenizer | None:
+    """data.tokenizer's tokenizer (None without one), checked before the corpus is read: it exists, is one, and has
+    data.vocab_size tokens."""
+    if not cfg.tokenizer:
+        return None
+    try:
+        given = Tokenizer(cfg.tokenizer)
+    except DataError as e:
+        raise DataError(f"data.tokenizer={cfg.tokenizer}", e.problem, rebuild=None) from None
     if given.vocab_size != cfg.vocab_size:
         raise DataError(f"data.tokenizer={cfg.tokenizer}", f"has {given.vocab_size} tokens, but data.vocab_size="
                         f"{cfg.vocab_size}; set data.vocab_size={given.vocab_size}", rebuild=None)
+    return given
+
+
+def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
+    """`given` (data.tokenizer) copied to `tok_path`, the directory's own, for a corpus encoded with the tokenizer of
+    other data: another run's, whose checkpoints init_from then reads (a token id means the same text); recorded in
+    tokenizer.json (`given`), so that no later prepare of the directory trains another over it."""
     if not tok_path.is_file() or Tokenizer(tok_path).sha256 != given.sha256:
         atomic_write(tok_path, given.path.read_bytes())
     atomic_write(tok_path.with_suffix(".json"), json.dumps({"given": str(given.path.resolve()),
                                                             "sha256": given.sha256}, indent=1).encode())
-    print(f"tokenizer: {tok_path}, a copy of {cfg.tokenizer} ({given.vocab_size} tokens, sha256 {given.sha256[:12]})")
+    print(f"tokenizer: {tok_path}, a copy of {given.path} ({given.vocab_size} tokens, sha256 {given.sha256[:12]})")
     return Tokenizer(tok_path)
 
 
-def _refuse_other_data(cfg: DataConfig, out: Path) -> None:
+def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> None:
     """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
     another Python's standard library, a broken or partial build), never over a valid build of another
-    corpus or vocabulary: runs and their checkpoints may read it (data.dir's default names only the vocabulary)."""
+    corpus or vocabulary: runs and their checkpoints may read it (data.dir's default names only the vocabulary);
+    nor, over a valid build, another tokenizer than data.tokenizer's (`given`), or a trained one over a given one
+    (the build's token ids then mean what another data's checkpoints were trained on)."""
     try:
         tok = Tokenizer(out / "tokenizer.model")
         meta = open_checked(out, tok)[1]
     except DataError:
         return
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False)
+    recorded = (read_json(out / "tokenizer.json") or {}).get("given")
+    remove = f"(to rebuild {cfg.dir} itself, remove it first)"
+    if given and given.sha256 != tok.sha256:
+        raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer="
+                        f"{cfg.tokenizer} ({given.sha256[:12]}), in a valid build that runs may read; prepare this "
+                        f"corpus with it in another data.dir {remove}", rebuild=None)
+    if recorded and not given:
+        raise DataError(tok.path, f"is a copy of {recorded} (data.tokenizer), in a valid build that runs may read; "
+                        f"give data.tokenizer={recorded} to prepare it again, or train a tokenizer of its own in "
+                        f"another data.dir {remove}", rebuild=None)
 
 
 def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool) -> None:

@@ -138,6 +138,16 @@ def test_a_corpus_in_shards(tmp_path):
         (shards / "b" / "d.jsonl.gz").write_bytes(damaged)
         with pytest.raises(DataError, match=rf"d\.jsonl\.gz: is not a whole gzip file \({why}"):
             read_corpus(str(shards))
+    lines = "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(2000))
+    with gzip.open(shards / "b" / "d.jsonl.gz", "wt") as f:
+        f.write(lines)
+    whole = (shards / "b" / "d.jsonl.gz").read_bytes()
+    for at in (30, len(whole) // 2):        # (the first: a deflate error; the second: parsed, then the checksum)
+        flipped = bytearray(whole)
+        flipped[at] ^= 0x55
+        (shards / "b" / "d.jsonl.gz").write_bytes(bytes(flipped))
+        with pytest.raises(DataError, match=r"d\.jsonl\.gz: is not a whole gzip file"):
+            read_corpus(str(shards))
     (tmp_path / "no_docs").mkdir()
     (tmp_path / "no_docs" / "x.md").write_text("x")
     with pytest.raises(DataError, match=r"no non-empty documents \(it holds no \.txt, \.jsonl or \.jsonl\.gz file\)"):
@@ -334,8 +344,35 @@ def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
     with pytest.raises(DataError, match=rf"data\.tokenizer={given.path}: has {VOCAB} tokens, but data\.vocab_size=256; "
                                         rf"set data\.vocab_size={VOCAB}"):
         prepare(dataclasses.replace(other, vocab_size=256, dir=str(tmp_path / "out256")))
-    with pytest.raises(DataError, match=r"nowhere\.model: missing"):
-        prepare(dataclasses.replace(other, tokenizer=str(tmp_path / "nowhere.model")))
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    for bad, problem in (("nowhere.model", "missing"), ("bad.model", "not a valid sentencepiece model")):
+        with pytest.raises(DataError, match=rf"^data\.tokenizer={tmp_path / bad}: {problem}$"):   # (no rebuild hint)
+            prepare(dataclasses.replace(other, tokenizer=str(tmp_path / bad), source=str(tmp_path / "no-corpus")))
+
+
+def test_a_given_tokenizer_is_never_swapped_in_a_valid_build(prepared, small_data, tmp_path):
+    """Over a valid build, prepare neither trains a tokenizer where data.tokenizer gave one (the rebuild command
+    gives it again), nor copies another given one over its tokenizer: runs, and checkpoints that other data's runs
+    init_from, read those token ids. A directory that is no valid build takes the given tokenizer."""
+    cfg, _ = prepared
+    given, other = Tokenizer(Path(cfg.dir) / "tokenizer.model"), Tokenizer(Path(small_data.dir) / "tokenizer.model")
+    out = DataConfig(source=cfg.source, dir=str(tmp_path / "out"), vocab_size=VOCAB, tokenizer=str(given.path),
+                     num_workers=1)
+    prepare(out)
+    trained = dataclasses.replace(out, tokenizer=None)
+    assert f"data.tokenizer={given.path.resolve()}" in rebuild_command(trained)
+    with pytest.raises(DataError, match=rf"tokenizer\.model: is a copy of {given.path.resolve()} \(data\.tokenizer\), "
+                                        rf"in a valid build .* give data\.tokenizer={given.path.resolve()} to prepare "
+                                        r"it again"):
+        prepare(trained)
+    with pytest.raises(DataError, match=rf"tokenizer\.model: is another tokenizer \(sha256 {given.sha256[:12]}\) than "
+                                        rf"data\.tokenizer={other.path} \({other.sha256[:12]}\)"):
+        prepare(dataclasses.replace(out, tokenizer=str(other.path)))
+    assert Tokenizer(tmp_path / "out" / "tokenizer.model").sha256 == given.sha256
+    (tmp_path / "partial").mkdir()                       # another tokenizer, but no build: it is replaced
+    shutil.copy(other.path, tmp_path / "partial" / "tokenizer.model")
+    prepare(dataclasses.replace(out, dir=str(tmp_path / "partial")))
+    assert Tokenizer(tmp_path / "partial" / "tokenizer.model").sha256 == given.sha256
 
 
 def test_rebuild_command_names_the_directory_the_run_reads():

@@ -9,7 +9,7 @@ import torch
 from harness import small_config, train_on_ranks
 from megatron_mini import checkpoint
 from megatron_mini.checkpoint import ShardReader
-from megatron_mini.config import ConfigError, TrainConfig, validate
+from megatron_mini.config import ConfigError, DataConfig, TrainConfig, validate
 from megatron_mini.data import Tokenizer
 
 
@@ -74,8 +74,29 @@ def test_what_init_from_cannot_start_from_is_refused(small_data, source, tmp_pat
     with pytest.raises(ConfigError, match="is not a checkpoint"):
         checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(tmp_path)), tokenizer)
     assert checkpoint.check_init(small_config(small_data, tmp_path, init_from=source), tokenizer).path == source
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(source, corrupt)
+    weights = sorted(corrupt.glob("model_*.pt"))[0]
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=rf"{weights} does not match its sha256"):    # (read before the weights)
+        train_on_ranks(1, small_config(small_data, tmp_path / "from-corrupt", init_from=str(corrupt)))
+    with pytest.raises(ConfigError, match="data.tokenizer is empty"):
+        validate(TrainConfig(data=DataConfig(tokenizer=" ")), 1)
     with pytest.raises(ConfigError, match="init_from is empty"):
         validate(TrainConfig(init_from=" "), 1)
     with pytest.raises(ConfigError, match=rf"init_from={source} starts a new run from a checkpoint's weights, and "
                                           rf"resume={source} continues the run of another: give one of them\."):
         validate(TrainConfig(init_from=source, resume=source), 1)
+
+
+def test_an_fp16_run_starts_with_its_own_loss_scale(small_data, tmp_path):
+    """From an fp16 checkpoint whose scale grew (growth every step), an fp16 run starts from its own initial scale."""
+    fp16 = {"precision.dtype": "fp16", "precision.loss_scale_growth_interval": 1}
+    src = train_on_ranks(1, small_config(small_data, tmp_path / "src", steps=3, gbs=8,
+                                         **{**fp16, "precision.initial_loss_scale": 1024.0}))["checkpoint"]
+    assert checkpoint.read_meta(src)["optimizer"]["scaler"]["scale"] == 8192
+    new = train_on_ranks(1, small_config(small_data, tmp_path / "new", steps=1, gbs=8, init_from=src,
+                                         **{**fp16, "precision.initial_loss_scale": 64.0}))
+    assert checkpoint.read_meta(new["checkpoint"])["optimizer"]["scaler"]["scale"] == 128     # 64, grown once
