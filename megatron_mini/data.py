@@ -2,7 +2,8 @@
 reads it into packed, shuffled GPT samples).
 
 Files in DataConfig.dir, each written atomically (tmp file + os.replace):
-  tokenizer.model  sentencepiece BPE; tokenizer.json records what it was trained on (for caching)
+  tokenizer.model  sentencepiece BPE; tokenizer.json records what it was trained on (for caching), or the file it
+                   is a copy of (data.tokenizer: the corpus encoded with another data's tokenizer)
   tokens.bin       every document's tokens followed by EOS, back to back (uint16 if the vocab fits, else int32)
   tokens.idx       header <8s magic, u32 version, u8 dtype code, 3 pad bytes, u64 num_docs>, then
                    int64 sizes[num_docs] (tokens per document, EOS included), int64 offsets[num_docs] (in tokens)
@@ -479,7 +480,7 @@ def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
     """`given` (data.tokenizer) copied to `tok_path`, the directory's own, for a corpus encoded with the tokenizer of
     other data: another run's, whose checkpoints init_from then reads (a token id means the same text); recorded in
     tokenizer.json (`given`), so that no later prepare of the directory trains another over it."""
-    if not tok_path.is_file() or Tokenizer(tok_path).sha256 != given.sha256:
+    if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != given.sha256:
         atomic_write(tok_path, given.path.read_bytes())
     atomic_write(tok_path.with_suffix(".json"), json.dumps({"given": str(given.path.resolve()),
                                                             "sha256": given.sha256}, indent=1).encode())

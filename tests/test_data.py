@@ -369,10 +369,11 @@ def test_a_given_tokenizer_is_never_swapped_in_a_valid_build(prepared, small_dat
                                         rf"data\.tokenizer={other.path} \({other.sha256[:12]}\)"):
         prepare(dataclasses.replace(out, tokenizer=str(other.path)))
     assert Tokenizer(tmp_path / "out" / "tokenizer.model").sha256 == given.sha256
-    (tmp_path / "partial").mkdir()                       # another tokenizer, but no build: it is replaced
-    shutil.copy(other.path, tmp_path / "partial" / "tokenizer.model")
-    prepare(dataclasses.replace(out, dir=str(tmp_path / "partial")))
-    assert Tokenizer(tmp_path / "partial" / "tokenizer.model").sha256 == given.sha256
+    for name, damaged in (("partial", other.path.read_bytes()), ("broken", b"not a model")):
+        (tmp_path / name).mkdir()                        # another tokenizer, or none, but no build: it is replaced
+        (tmp_path / name / "tokenizer.model").write_bytes(damaged)
+        prepare(dataclasses.replace(out, dir=str(tmp_path / name)))
+        assert Tokenizer(tmp_path / name / "tokenizer.model").sha256 == given.sha256
 
 
 def test_rebuild_command_names_the_directory_the_run_reads():
