@@ -507,7 +507,6 @@ def _train_loop(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logg
 def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, history: dict, rate: Throughput,
            stop: StopRequest, memory: MemoryReport, profiler: StepProfiler) -> str | None:
     cfg = trainer.cfg
-    tokens = cfg.model.seq_len
     first_consumed = interval_consumed = trainer.consumed_samples
     last_consumed = cfg.consumed_after(first_consumed, cfg.steps - trainer.step)    # (at the last step: the ETA)
     start_time = interval_start = time.time()
@@ -520,7 +519,7 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
         if step % cfg.log_interval == 0 or step == cfg.steps or out["stop"]:
             now = time.time()
             consumed = trainer.consumed_samples
-            r = rate((consumed - interval_consumed) * tokens, now - interval_start)
+            r = rate((consumed - interval_consumed) * cfg.model.seq_len, now - interval_start)
             record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
             if cfg.rampup_batch_size:
                 record.update(gbs=out["gbs"], consumed_samples=consumed)
