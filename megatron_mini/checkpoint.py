@@ -295,12 +295,6 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
     return Resume(cfg.resume, meta, [], superseded=later)
 
 
-def data_identity(tokenizer_sha256: str, data_meta: dict) -> dict:
-    """What the train/validation split and the token ids depend on, besides seed and val_fraction."""
-    return {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": data_meta.get("corpus_sha256"),
-            "num_tokens": data_meta.get("num_tokens")}
-
-
 def model_changes(meta: dict, cfg: TrainConfig) -> list:
     """'model.KEY: old -> new' for each of MODEL_KEYS in which cfg's model differs from the checkpoint's."""
     old = meta["config"]["model"]
@@ -335,12 +329,17 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
         if was != new:
             diffs.append(f"{key}: {was} -> {new} (it draws the train/validation split)")
     saved = resume.meta.get("data", {})
+    startable = not diffs and saved.get("tokenizer_sha256") in (None, data.get("tokenizer_sha256"))   # (check_init)
+    mixture = ("corpus_sha256", "num_tokens") if saved.get("blend") != data.get("blend") else ()
+    if mixture:                            # (data.blend's directories and shares, whole; none: data.dir)
+        diffs.append(f"data.blend: {saved.get('blend')} -> {data.get('blend')}")
     for key, new in data.items():          # (a key the checkpoint lacks, or this version does not know: not compared)
-        if key in saved and saved[key] != new:
+        if key in saved and saved[key] != new and key not in ("blend", *mixture):
             diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")
     if diffs:
+        weights = f" (init_from={resume.path} starts it from these weights)" if startable else ""
         raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
-                          f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name.")
+                          f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name{weights}.")
 
 
 # ----------------------------------------------------------------------------- saving

@@ -12,8 +12,10 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
+from fractions import Fraction
 from typing import List, Optional
 
 from .errors import ConfigError, RunError  # noqa: F401  (re-exported: the errors of a config and a run)
@@ -109,11 +111,43 @@ class DataConfig:
     tokenizer: Optional[str] = None  # a tokenizer.model to encode the corpus with (another data.dir's: its runs'
                                      # checkpoints can then init_from), instead of training one
     dir: str = "data/stdlib-v8192"  # where tokenizer.model, tokens.bin/.idx and meta.json live
+    blend: Optional[List[str]] = None  # [weight, dir, weight, dir, ...]: train on prepared directories mixed by
+                                     # weight (Megatron's --data-path; one tokenizer), data.dir unread (null: data.dir)
     vocab_size: int = 8192
     val_fraction: float = 0.02      # fraction of documents held out for validation
     tokenizer_sample_chars: int = 12_000_000  # text fed to sentencepiece training
     tokenizer_seed: int = 1234      # seeds the sample of text chunks the tokenizer is trained on
     num_workers: int = 2            # processes encoding the corpus
+
+    def parts(self) -> list[tuple[Fraction, str]]:
+        """[(share, directory)] of the prepared data a run reads: `blend`'s weights as exact fractions of their
+        sum, in its order, else [(1, dir)]. ConfigError for a blend that is no list of weight, directory pairs, a
+        weight that is no positive number, or a directory named twice."""
+        if self.blend is None:
+            return [(Fraction(1), self.dir)]
+        items, example = [str(v).strip() for v in self.blend], "data.blend=[0.7,data/web,0.3,data/code]"
+        if not items or len(items) % 2:
+            raise ConfigError(f"data.blend={list(self.blend)} must be weight, directory pairs, as in {example}: "
+                              f"{len(items)} item{'s' * (len(items) != 1)} are no pairs.")
+        weights = []
+        for w in items[::2]:
+            try:
+                weights.append(Fraction(w))
+            except (ValueError, ZeroDivisionError):
+                raise ConfigError(f"data.blend: {w!r} stands where a weight must (a number > 0), as in "
+                                  f"{example}.") from None
+            if weights[-1] <= 0:
+                raise ConfigError(f"data.blend: the weight {w} must be > 0 (leave a directory out to read none "
+                                  f"of it).")
+        dirs = items[1::2]
+        for d in dirs:
+            same = [x for x in dirs if os.path.abspath(x) == os.path.abspath(d)]
+            if not d or len(same) > 1:
+                twice = f"{d} twice" + (f" (as {' and '.join(same)})" if len(set(same)) > 1 else "")
+                raise ConfigError(f"data.blend names {twice if d else 'an empty directory'}: give each prepared "
+                                  f"directory once, with the sum of its weights.")
+        total = sum(weights)
+        return [(w / total, d) for w, d in zip(weights, dirs)]
 
 
 @dataclass
@@ -380,6 +414,8 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
         value = _get(cfg, key)       # (data.tokenizer may be null)
         if key.startswith(section) and value is not None and not str(value).strip():   # ('' wrote into the cwd)
             raise ConfigError(f"{key} is empty: give {what}.")
+    if "data.blend".startswith(section):
+        cfg.data.parts()
 
 
 def check_layout_free(cfg: TrainConfig) -> None:

@@ -1,16 +1,21 @@
 """Reading prepared data: packed, shuffled GPT samples, the train/validation split, DP batches.
 
-`load_datasets` opens a directory built by data.prepare() (nothing is rebuilt here) and checks it
-against the run; every problem is a one-line DataError naming the file and the command that rebuilds
-exactly the directory the run reads, or, for a valid directory holding other data, one beside it.
+`load_datasets` opens a directory built by data.prepare(), or the directories of a data.blend mixed by weight
+(BlendedDataset; nothing is rebuilt here), and checks them against the run; every problem is a one-line DataError
+naming the file and the command that rebuilds exactly the directory the run reads, or, for a valid directory holding
+other data, one beside it.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from .config import DataConfig
+from .config import ConfigError, DataConfig
 from .data import DataError, IndexedDataset, Tokenizer, check_holds, open_checked, read_json, rebuild_command
 
 
@@ -50,6 +55,9 @@ class GPTDataset:
     def __len__(self) -> int:
         return self._len
 
+    def locate(self, i: int) -> tuple:
+        return self, int(i)
+
     def __getitem__(self, i: int) -> np.ndarray:
         if i < 0:
             raise IndexError(f"sample index {i} < 0")
@@ -64,6 +72,79 @@ class GPTDataset:
             parts.append(self.indexed.span(int(self._seg_start[seg]) + start - int(self._seg_cum[seg]), take))
             start, seg = start + take, seg + 1
         return np.concatenate(parts).astype(np.int64)
+
+
+class BlendedDataset:
+    """Samples of `datasets` mixed by `shares` (Fractions summing to 1; Megatron's BlendedDataset, in closed form).
+    The stream is periodic in blocks of B samples, B the least common denominator of the shares (at most MAX_BLOCK;
+    a share then counts c_d = its largest-remainder part of B): each block takes the next c_d samples of dataset d,
+    in that dataset's own order, its j-th of them at the rank of (j + 1/2) / c_d among all (Sainte-Lague's
+    interleaving: after any n samples, d has given within 1/2 + w_d (k - 2) / 2 of n w_d, w_d = c_d / B, k datasets:
+    1/2 for two). So
+
+        dataset[i] = datasets[d][q c_d + j],   q, r = divmod(i, B),   (d, j) = the block's r-th entry,
+
+    for any i >= 0, in O(1); each dataset runs through its own epochs (GPTDataset). len() = the samples read before
+    any dataset's first sample is read again (the blend's epoch)."""
+
+    MAX_BLOCK = 1 << 20
+
+    def __init__(self, datasets: list, shares: list):
+        self.datasets, self.shares = list(datasets), list(shares)
+        self.counts = blend_counts(self.shares, self.MAX_BLOCK)
+        self.block = sum(self.counts)
+        which = np.repeat(np.arange(len(self.counts)), self.counts)
+        rank = np.concatenate([np.arange(c) for c in self.counts])
+        order = np.lexsort((which, (2 * rank + 1) / (2 * np.asarray(self.counts)[which])))
+        self._which, self._rank = which[order], rank[order]
+        position = np.empty(self.block, np.int64)
+        position[order] = np.arange(self.block)
+        first = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        # dataset d's sample len(d) (its epoch's end) is read at block q, position of its j-th entry
+        ends = [q * self.block + int(position[first[d] + j])
+                for d, (q, j) in enumerate(divmod(len(ds), c) for ds, c in zip(self.datasets, self.counts))]
+        self._len = min(ends)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def locate(self, i: int) -> tuple:
+        """(dataset, its sample index) of blended sample i."""
+        q, r = divmod(int(i), self.block)
+        d = int(self._which[r])
+        return self.datasets[d], q * self.counts[d] + int(self._rank[r])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            raise IndexError(f"sample index {i} < 0")
+        dataset, j = self.locate(i)
+        return dataset[j]
+
+
+def blend_note(train: BlendedDataset) -> str:
+    """The start-up line of a blend: each directory's share and training samples an epoch, and the samples the
+    blend reads before one of them repeats (len)."""
+    names = [str(ds.indexed.bin_path.parent) for ds in train.datasets]
+    ends = {name: len(ds) * share for name, ds, share in zip(names, train.datasets, train.shares)}
+    parts = ", ".join(f"{float(share):.4g} {name} ({len(ds):,} samples an epoch)"
+                      for name, ds, share in zip(names, train.datasets, train.shares))
+    return (f"data.blend: {parts}; {len(train):,} samples of the blend read each once, then "
+            f"{min(ends, key=ends.get)} repeats first")
+
+
+def blend_counts(shares: list, max_block: int) -> list:
+    """The samples of each share in a block of B (BlendedDataset's c_d): B = the shares' least common denominator, at
+    most max_block, and c_d = B share_d rounded by largest remainders (ties to the earlier dataset), so sum c_d = B;
+    ValueError for a share that rounds to no sample."""
+    block = min(math.lcm(*(s.denominator for s in shares)), max_block)
+    exact = [s * block for s in shares]
+    counts = [math.floor(x) for x in exact]
+    for d in sorted(range(len(shares)), key=lambda d: (-(exact[d] - counts[d]), d))[:block - sum(counts)]:
+        counts[d] += 1
+    if 0 in counts:
+        raise ValueError(f"a weight of {float(shares[counts.index(0)]):.2e} of the total rounds to no sample in a "
+                         f"block of {block}")
+    return counts
 
 
 def first_sample(consumed_samples: int, gbs: int, dp_rank: int, dp: int) -> int:
@@ -101,24 +182,32 @@ def check_token_ids(dataset: GPTDataset, first: int, count: int, vocab_size: int
     _refuse_ids(np.stack([dataset[first + j] for j in range(count)]), dataset, first, vocab_size, cfg)
 
 
-def _refuse_ids(rows: np.ndarray, dataset: GPTDataset, first: int, vocab_size: int, cfg: DataConfig) -> None:
-    """DataError when samples first, first + 1, ... (`rows`) hold an id outside [0, vocab_size)."""
-    if rows.size and (rows.min() < 0 or rows.max() >= vocab_size):
-        bad = rows[(rows < 0) | (rows >= vocab_size)]
-        raise DataError(dataset.indexed.bin_path, f"holds token id {int(bad[0])}, outside the vocabulary of "
-                        f"{vocab_size} (in samples {first}..{first + len(rows) - 1})", rebuild_command(cfg))
+def _refuse_ids(rows: np.ndarray, dataset, first: int, vocab_size: int, cfg: DataConfig) -> None:
+    """DataError when samples first, first + 1, ... (`rows`) hold an id outside [0, vocab_size): it names the
+    tokens.bin of the first such sample (a blend's directory) and the command that rebuilds it."""
+    bad = (rows < 0) | (rows >= vocab_size)
+    if rows.size and bad.any():
+        row = int(np.flatnonzero(bad.any(axis=1))[0])
+        part, j = dataset.locate(first + row)
+        own = f" of the blend, its sample {j}" if j != first + row else ""
+        raise DataError(part.indexed.bin_path, f"holds token id {int(rows[row][bad[row]][0])}, outside the vocabulary "
+                        f"of {vocab_size} (in sample {first + row}{own})",
+                        rebuild_command(part_config(cfg, part.indexed.bin_path.parent)))
 
 
-def data_meta(cfg: DataConfig) -> dict:
-    """meta.json of a prepared data directory (load_datasets has checked it)."""
-    return read_json(Path(cfg.dir) / "meta.json") or {}
+def part_config(cfg: DataConfig, directory) -> DataConfig:
+    """The DataConfig that builds `directory`, one the run reads: cfg itself without a blend, else a blend's directory
+    with the corpus its meta.json names (`<corpus>` where it names none; tools/prepare_data.py)."""
+    if cfg.blend is None:
+        return cfg
+    source = (read_json(Path(directory) / "meta.json") or {}).get("source")
+    return dataclasses.replace(cfg, dir=str(directory), blend=None, tokenizer=None,
+                               source=source if isinstance(source, str) else "<corpus>")
 
 
-def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
-                  vocab_size: int) -> tuple[GPTDataset, GPTDataset, Tokenizer]:
-    """Open cfg.dir (built by prepare(); nothing is rebuilt here), check it against cfg and the model's
-    vocab_size, split documents (cfg.val_fraction, by seed) and return (train, val, tokenizer).
-    Any problem raises a one-line DataError naming the file and the command that rebuilds it."""
+def open_part(cfg: DataConfig, vocab_size: int) -> tuple[IndexedDataset, Tokenizer, dict]:
+    """(tokens, tokenizer, meta.json) of prepared directory cfg.dir (nothing is rebuilt here), checked against cfg and
+    the model's vocab_size; one DataError naming the file and the command that rebuilds it."""
     out = Path(cfg.dir)
     try:
         tok = Tokenizer(out / "tokenizer.model")
@@ -126,9 +215,67 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
     except DataError as e:           # missing or broken: rebuilding this very directory repairs it
         raise e.with_rebuild(rebuild_command(cfg)) from None
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size, "model.vocab_size": vocab_size}, training=True)
+    return ds, tok, meta
+
+
+def open_parts(cfg: DataConfig, vocab_size: int) -> list:
+    """[(share, tokens, tokenizer, meta)] of each directory the run reads (DataConfig.parts: data.dir, or data.blend's),
+    all of one tokenizer: a token id must mean the same text in each."""
+    opened = []
+    for share, directory in cfg.parts():
+        part = part_config(cfg, directory)
+        try:
+            ds, tok, meta = open_part(part, vocab_size)
+        except DataError as e:           # a blend's directory that is no build: prepare it with the others' tokenizer
+            if not opened or Path(e.what).parent != Path(directory) or (Path(directory) / "meta.json").is_file():
+                raise
+            raise e.with_rebuild(rebuild_command(part, tokenizer=opened[0][2].path)) from None
+        if opened and tok.sha256 != opened[0][2].sha256:
+            first = opened[0][2]
+            raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than {first.path} "
+                            f"({first.sha256[:12]}): the directories of data.blend must share one, so that a token id "
+                            f"means the same text in each; prepare {meta.get('source', 'its corpus')} with "
+                            f"data.tokenizer={first.path} in a data.dir of its own and blend that",
+                            rebuild=None)
+        opened.append((share, ds, tok, meta))
+    return opened
+
+
+def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
+                  vocab_size: int) -> tuple[GPTDataset | BlendedDataset, GPTDataset | BlendedDataset, Tokenizer]:
+    """Open the prepared directories of cfg (data.dir, or data.blend's; nothing is rebuilt here), check them against
+    cfg and the model's vocab_size, split each one's documents (cfg.val_fraction, by seed) and return (train, val,
+    tokenizer): GPTDatasets, or BlendedDatasets of a blend's, train and validation mixed alike.
+    Any problem raises a one-line DataError naming the file and the command that rebuilds it."""
+    train, val = [], []
+    parts = open_parts(cfg, vocab_size)
+    for _, ds, _, _ in parts:
+        try:
+            train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
+            train.append(GPTDataset(ds, train_ids, seq_len, seed))
+            val.append(GPTDataset(ds, val_ids, seq_len, seed + 1))
+        except ValueError as e:
+            raise DataError(ds.bin_path, f"{e}; use a larger corpus, a larger data.val_fraction or a shorter "
+                            f"sequence", rebuild=None) from None
+    if cfg.blend is None:
+        return train[0], val[0], parts[0][2]
+    shares = [share for share, *_ in parts]
     try:
-        train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
-        return GPTDataset(ds, train_ids, seq_len, seed), GPTDataset(ds, val_ids, seq_len, seed + 1), tok
+        return BlendedDataset(train, shares), BlendedDataset(val, shares), parts[0][2]
     except ValueError as e:
-        raise DataError(ds.bin_path, f"{e}; use a larger corpus, a larger data.val_fraction or a shorter sequence",
-                        rebuild=None) from None
+        raise ConfigError(f"data.blend={list(cfg.blend)}: {e}; raise that weight or leave its directory out.") from None
+
+
+def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
+    """What the train/validation split and the token ids depend on, besides seed and val_fraction, recorded in each
+    checkpoint (a resume must read the same data): the tokenizer, the corpus (a blend's: its shares and corpora) and
+    its token count."""
+    metas = [(share, directory, read_json(Path(directory) / "meta.json") or {}) for share, directory in cfg.parts()]
+    identity = {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
+                "num_tokens": metas[0][2].get("num_tokens")}
+    if len(metas) == 1:                  # (a blend of one directory reads its samples as data.dir does)
+        return identity
+    blend = [[str(share), meta.get("corpus_sha256")] for share, _, meta in metas]
+    return {**identity, "corpus_sha256": hashlib.sha256(json.dumps(blend).encode()).hexdigest(),
+            "num_tokens": sum(meta.get("num_tokens") or 0 for *_, meta in metas),
+            "blend": [f"{float(share):.6g} {directory}" for share, directory, _ in metas]}

@@ -69,13 +69,14 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
-    """The run's sentencepiece model: `path`, else `data.dir/tokenizer.model` of the training config
-    (absolute, or relative to the current directory or the repository root). It must be the file the checkpoint
-    was trained with (its sha256, recorded in meta.json's "data"): the same ids are other tokens in another one."""
+    """The run's sentencepiece model: `path`, else `data.dir/tokenizer.model` of the training config (a data.blend's
+    first directory's; absolute, or relative to the current directory or the repository root). It must be the file
+    the checkpoint was trained with (its sha256, recorded in meta.json's "data"): the same ids are other tokens in
+    another one."""
     if path:
         candidates = [path]
     else:
-        data_dir = ckpt.cfg.data.dir
+        data_dir = ckpt.cfg.data.parts()[0][1]
         roots = [""] if os.path.isabs(data_dir) else [os.getcwd(), REPO]
         candidates = list(dict.fromkeys(os.path.join(r, data_dir, "tokenizer.model") for r in roots))
     found = next((c for c in candidates if os.path.isfile(c)), None)
@@ -88,7 +89,7 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     if tok.vocab_size != ckpt.cfg.model.vocab_size:
         raise CheckpointError(f"{found}: {tok.vocab_size} tokens, but the checkpoint's model.vocab_size is "
                               f"{ckpt.cfg.model.vocab_size}; pass the run's tokenizer with --tokenizer PATH")
-    trained = (ckpt.meta.get("data") or {}).get("tokenizer_sha256")   # (checkpoint.data_identity)
+    trained = (ckpt.meta.get("data") or {}).get("tokenizer_sha256")   # (dataset.data_identity)
     if trained and tok.sha256 != trained:
         raise CheckpointError(f"{found} is not the tokenizer {ckpt.path} was trained with (sha256 {tok.sha256[:12]}, "
                               f"the checkpoint's {trained[:12]}: data.dir was rebuilt since, or this is another "

@@ -34,7 +34,7 @@ from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
-from .dataset import check_token_ids, data_meta, first_sample, get_batch, load_datasets
+from .dataset import BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch, load_datasets
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
 from .profiling import StepProfiler
@@ -119,9 +119,11 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
         datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
         if cfg.gbs > len(datasets[0]):          # (every rank reads the whole global batch: get_batch)
             raise ConfigError(f"gbs={cfg.gbs} is more samples than the training set holds ({len(datasets[0]):,} "
-                              f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens), so every step would read "
+                              f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens"
+                              f"{', read before a directory of data.blend repeats' if cfg.data.blend else ''}), so "
+                              f"every step would read "
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
-        data = checkpoint.data_identity(datasets[2].sha256, data_meta(cfg.data))
+        data = data_identity(cfg.data, datasets[2].sha256)
         # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
         resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
         init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) if cfg.init_from and not resume \
@@ -277,7 +279,7 @@ class Trainer:
 
     def save(self, run_dir: str, data: dict, background: bool = False) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
-        data's identity (checkpoint.data_identity), checked when the run resumes. `background`: return once
+        data's identity (dataset.data_identity), checked when the run resumes. `background`: return once
         the state is copied to the host; the files are written while training goes on, and finish_save
         publishes them (a pending save is finished first). A failed write_alone, or replicas that differ,
         stop every rank first (check_replicas)."""
@@ -687,6 +689,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
              f"gbs {cfg.gbs} = {cfg.num_microbatches(mesh.dp)} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | "
              f"{cfg.precision.dtype} | "
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
+    if isinstance(trainer.train_data, BlendedDataset):
+        log.info(blend_note(trainer.train_data))
     note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
     if note:
         log.info(note)

@@ -3,15 +3,19 @@
     python tools/prepare_data.py                       # = make data
     python tools/prepare_data.py data.source=corpus.jsonl data.dir=data/mine data.vocab_size=4096
     python tools/prepare_data.py data.source=shards/ data.text_key=content data.dir=data/mine   # *.jsonl(.gz), *.txt
+    python tools/prepare_data.py data.source=code.jsonl data.dir=data/code data.tokenizer=data/mine/tokenizer.model
+    python tools/prepare_data.py 'data.blend=[0.7,data/mine,0.3,data/code]'   # checks a blend's directories
 
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
-already valid are skipped (see megatron_mini.data.prepare).
+already valid are skipped (see megatron_mini.data.prepare). With data.blend, builds nothing: each of its
+directories must already be prepared (with one tokenizer: data.tokenizer), and the mixture is printed.
 """
 import hydra
 from omegaconf import OmegaConf
 
 from megatron_mini.config import ConfigError, check_keys, check_ranges, register_configs
 from megatron_mini.data import DataError, prepare
+from megatron_mini.dataset import blend_note, load_datasets
 from megatron_mini.launch import HydraCommandLine, fail
 
 register_configs()
@@ -25,7 +29,10 @@ def main(dict_cfg) -> None:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))   # (train.py's checks of the data.* keys)
         cfg = OmegaConf.to_object(dict_cfg)
         check_ranges(cfg, "data.")
-        prepare(cfg.data)
+        if cfg.data.blend is None:
+            prepare(cfg.data)
+        else:
+            print(blend_note(load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.data.vocab_size)[0]))
     except (ConfigError, DataError) as e:
         fail(str(e), code=2)
     except OSError as e:                   # checked writable before the build: a full disk, a corpus file unread

@@ -1,0 +1,277 @@
+"""data.blend: prepared directories mixed by weight (Megatron's --data-path 0.7 A 0.3 B). The mixture against exact
+rational arithmetic, a blend of one directory against data.dir, a blended run against one process and against its
+own resume, and every refusal."""
+import dataclasses
+import json
+import math
+import random
+import re
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import assert_same_training, small_config, train_on_ranks
+from megatron_mini import checkpoint
+from megatron_mini.config import ConfigError, DataConfig
+from megatron_mini.data import DataError, Tokenizer, prepare
+from megatron_mini.dataset import BlendedDataset, check_token_ids, data_identity, load_datasets
+from megatron_mini.inference import find_tokenizer, read_checkpoint
+
+SEQ = 32
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Indices:
+    """A dataset of `n` samples an epoch whose sample j is j (so a blend's stream shows which sample it read)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        return j
+
+
+def stream(blend: BlendedDataset, n: int) -> list:
+    """(dataset, its sample) of blended samples 0..n-1."""
+    return [(blend.datasets.index(ds), j) for ds, j in map(blend.locate, range(n))]
+
+
+def shares(*weights) -> list:
+    return [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+
+
+@pytest.mark.parametrize("weights", [(7, 3), (1, 1, 1), (5, 2, 9, 1), (1, 1000)])
+def test_a_blocks_order_is_the_exact_sainte_lague_interleaving(weights):
+    """In a block of B = the shares' common denominator, dataset d gives its next c_d = B share_d samples, in its own
+    order, the j-th at the rank of (j + 1/2) / c_d among all (ties: the earlier dataset), computed here in exact
+    fractions; every later block repeats it with each dataset's samples moved on by c_d."""
+    blend = BlendedDataset([Indices(10 ** 6) for _ in weights], shares(*weights))
+    block = sum(weights) // math.gcd(*weights)
+    counts = [w * block // sum(weights) for w in weights]
+    assert (blend.block, blend.counts) == (block, counts)
+    order = sorted((Fraction(2 * j + 1, 2 * c), d, j) for d, c in enumerate(counts) for j in range(c))
+    first = [(d, j) for _, d, j in order]
+    assert stream(blend, 3 * block) == [(d, q * counts[d] + j) for q in range(3) for d, j in first]
+    assert [blend[i] for i in range(block)] == [j for _, j in first]
+
+
+def test_each_datasets_share_of_any_prefix_is_within_the_bound_of_its_weight():
+    """Random weights of 2..10 datasets: after any n samples, dataset d has given its samples 0, 1, 2, ... in order,
+    none skipped or read twice, and within 1/2 + w_d (k - 2) / 2 of n w_d (k datasets; 1/2 for two). The bound: after
+    n samples, the last taken has key t, d has given c_d t + e_d with |e_d| <= 1/2, and n = B t + sum e."""
+    rng = random.Random(0)
+    for trial in range(60):
+        k = 2 if trial < 20 else rng.randint(3, 10)
+        weights = [rng.choice([1, 2, 3, rng.randint(1, 50), rng.randint(1, 500)]) for _ in range(k)]
+        blend = BlendedDataset([Indices(10 ** 6) for _ in weights], shares(*weights))
+        read = np.array(stream(blend, 2 * blend.block))
+        given = np.eye(k, dtype=np.int64)[read[:, 0]].cumsum(0)
+        w = np.array([float(s) for s in blend.shares])
+        deviation = np.abs(given - np.arange(1, len(read) + 1)[:, None] * w[None]).max(0)
+        assert (deviation <= 0.5 + w * (k - 2) / 2 + 1e-9).all(), (weights, deviation)
+        for d in range(k):
+            assert read[read[:, 0] == d, 1].tolist() == list(range(given[-1, d]))
+
+
+def test_shares_of_a_large_common_denominator_are_rounded_by_largest_remainders():
+    """Weights 1 : 1,000,003 : 999,983 (their common denominator is past MAX_BLOCK): a block of MAX_BLOCK samples,
+    each count the floor or ceiling of MAX_BLOCK share_d, summing to it; a weight that rounds to no sample refused."""
+    s = shares(1, 1_000_003, 999_983)
+    blend = BlendedDataset([Indices(10 ** 7) for _ in s], s)
+    assert blend.block == BlendedDataset.MAX_BLOCK and sum(blend.counts) == blend.block
+    for share, count in zip(s, blend.counts):
+        assert count in (math.floor(share * blend.block), math.ceil(share * blend.block))
+    with pytest.raises(ValueError, match="rounds to no sample in a block of 1048576"):
+        BlendedDataset([Indices(10), Indices(10)], shares(1, 10 ** 9))
+
+
+def test_the_blends_epoch_ends_where_a_dataset_would_repeat():
+    """len() = the blended samples read before any dataset's sample len(d) (its next epoch): none before, one at it."""
+    for sizes, weights in (((30, 1000), (1, 1)), ((1000, 7), (9, 1)), ((50, 60, 70), (3, 2, 2))):
+        blend = BlendedDataset([Indices(n) for n in sizes], shares(*weights))
+        read = stream(blend, len(blend) + 1)
+        assert all(j < sizes[d] for d, j in read[:-1])
+        d, j = read[-1]
+        assert j == sizes[d]
+
+
+@pytest.fixture(scope="module")
+def blend_dirs(small_data, tmp_path_factory):
+    """small_data's directory, one of 25 other standard-library modules encoded with its tokenizer (blendable), and
+    one of those modules with a tokenizer of its own (not)."""
+    import sysconfig
+    root = tmp_path_factory.mktemp("blend")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[100:125]:
+        shutil.copyfile(p, corpus / f"{p.stem}.txt")
+    code = dataclasses.replace(small_data, source=str(corpus), dir=str(root / "code"),
+                               tokenizer=str(Path(small_data.dir) / "tokenizer.model"))
+    own = dataclasses.replace(code, dir=str(root / "own"), tokenizer=None)
+    prepare(code)
+    prepare(own)
+    return small_data.dir, code.dir, own.dir
+
+
+def blend_of(small_data, *pairs) -> DataConfig:
+    return dataclasses.replace(small_data, blend=[str(x) for pair in pairs for x in pair])
+
+
+def own_config(small_data, directory) -> DataConfig:
+    """The DataConfig that reads `directory` alone (its corpus as data.source)."""
+    source = json.loads(Path(directory, "meta.json").read_text())["source"]
+    return dataclasses.replace(small_data, dir=str(directory), source=source, tokenizer=None)
+
+
+def test_a_blend_of_one_directory_reads_as_data_dir(small_data, blend_dirs):
+    """The same samples, train and validation, and the same identity in checkpoints (a run may switch between them)."""
+    plain, one = load_datasets(small_data, SEQ, 5, small_data.vocab_size), \
+        load_datasets(blend_of(small_data, (2, blend_dirs[0])), SEQ, 5, small_data.vocab_size)
+    for a, b in zip(plain[:2], one[:2]):
+        assert len(a) == len(b) and all(np.array_equal(a[i], b[i]) for i in range(0, 3 * len(a), 97))
+    sha = plain[2].sha256
+    assert data_identity(small_data, sha) == data_identity(blend_of(small_data, (2, blend_dirs[0])), sha)
+
+
+def test_a_blends_samples_are_its_directories_own(small_data, blend_dirs):
+    """Blended sample i is the sample that each directory's own GPTDataset (its split by the same seed) gives at the
+    index the blend locates, for train and validation alike, 70 : 30."""
+    first, second, _ = blend_dirs
+    cfg = blend_of(small_data, (0.7, first), (0.3, second))
+    train, val, tok = load_datasets(cfg, SEQ, 5, small_data.vocab_size)
+    assert tok.sha256 == Tokenizer(Path(first) / "tokenizer.model").sha256
+    for blend, which in ((train, 0), (val, 1)):
+        assert blend.counts == [7, 3]
+        for d, directory in enumerate((first, second)):
+            plain = load_datasets(own_config(small_data, directory), SEQ, 5, small_data.vocab_size)[which]
+            assert len(plain) == len(blend.datasets[d])
+            for i in range(0, 500, 7):
+                part, j = blend.locate(i)
+                if part is blend.datasets[d]:
+                    assert np.array_equal(blend[i], plain[j])
+    identity = data_identity(cfg, tok.sha256)
+    assert identity["blend"] == [f"0.7 {first}", f"0.3 {second}"]
+    assert identity["num_tokens"] == sum(json.loads(Path(d, "meta.json").read_text())["num_tokens"]
+                                         for d in (first, second))
+
+
+def test_a_blended_run_is_the_same_in_any_layout_and_resumes_exactly(small_data, blend_dirs, tmp_path):
+    """0.7 : 0.3 for 4 steps on one process, at pp = 2 x dp = 2, and as 2 steps then a resume to 4 at dp = 2: the same
+    losses and final weights (the blend is a function of the sample index); the start-up log names the mixture."""
+    cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path / "one", steps=4,
+                       gbs=8)
+    ref = train_on_ranks(1, cfg)
+    assert_same_training(ref, train_on_ranks(4, dataclasses.replace(cfg, run_dir=str(tmp_path / "pp2"), pp=2)))
+    half = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), steps=2))
+    rest = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume="auto"))
+    assert_same_training(ref, {**rest, "loss": half["loss"] + rest["loss"], "grad_norm": half["grad_norm"] +
+                               rest["grad_norm"]})
+    log = (tmp_path / "one" / "logs" / "rank0000.log").read_text()
+    assert f"data.blend: 0.7 {blend_dirs[0]} (" in log and f"0.3 {blend_dirs[1]} (" in log
+    meta = checkpoint.read_meta(ref["checkpoint"])
+    assert meta["data"]["blend"] == [f"0.7 {blend_dirs[0]}", f"0.3 {blend_dirs[1]}"]
+    assert find_tokenizer(read_checkpoint(ref["checkpoint"])).sha256 == meta["data"]["tokenizer_sha256"]
+
+
+def test_a_resume_with_another_mixture_is_refused(small_data, blend_dirs, tmp_path):
+    """The checkpoint's mixture, whole, against the run's: another weight, a plain data.dir, the same blend (accepted);
+    init_from is offered, since the model and tokenizer are the same."""
+    cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path, steps=1, gbs=8)
+    path = train_on_ranks(1, cfg)["checkpoint"]
+    resume = checkpoint.Resume(path, checkpoint.read_meta(path), [])
+    sha = Tokenizer(Path(blend_dirs[0]) / "tokenizer.model").sha256
+    checkpoint.check_compatible(resume, cfg, data_identity(cfg.data, sha))
+    for data, new in ((blend_of(small_data, (1, blend_dirs[0]), (1, blend_dirs[1])), f"['0.5 {blend_dirs[0]}', "),
+                      (small_data, "None")):
+        with pytest.raises(ConfigError, match=re.escape(f"data.blend: ['0.7 {blend_dirs[0]}', '0.3 {blend_dirs[1]}']"
+                                                        f" -> {new}")) as err:
+            checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=data), data_identity(data, sha))
+        assert str(err.value).endswith(f"(init_from={resume.path} starts it from these weights).")
+        assert "corpus_sha256" not in str(err.value)
+
+
+@pytest.mark.parametrize("blend, error", [
+    (["1", "A", "1"], r"data\.blend=\['1', 'A', '1'\] must be weight, directory pairs, as in data\.blend=\[0\.7,"),
+    ([], r"data\.blend=\[\] must be weight, directory pairs"),
+    (["A", "1"], r"data\.blend: 'A' stands where a weight must \(a number > 0\)"),
+    (["0", "A"], r"data\.blend: the weight 0 must be > 0"),
+    (["-1", "A", "2", "B"], r"data\.blend: the weight -1 must be > 0"),
+    (["nan", "A"], r"data\.blend: 'nan' stands where a weight must"),
+    (["1", "A", "2", "./A/"], r"data\.blend names A twice \(as A and \./A/\): give each prepared directory once"),
+    (["1", " "], r"data\.blend names an empty directory"),
+], ids=["odd", "empty", "no-weight", "zero", "negative", "nan", "twice", "empty-dir"])
+def test_a_blend_that_is_no_mixture_is_refused_in_one_line(small_data, blend, error):
+    with pytest.raises(ConfigError, match=error):
+        dataclasses.replace(small_data, blend=blend).parts()
+
+
+def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_data, blend_dirs, tmp_path):
+    """Another tokenizer (prepare it with the first's: data.tokenizer), a directory that is no build (its prepare
+    command, with the first's tokenizer), a weight that rounds to no sample."""
+    first, second, own = blend_dirs
+    with pytest.raises(DataError, match=re.escape(f"{own}/tokenizer.model: is another tokenizer (sha256 ")) as err:
+        load_datasets(blend_of(small_data, (1, first), (1, own)), SEQ, 5, small_data.vocab_size)
+    source = json.loads(Path(own, "meta.json").read_text())["source"]
+    assert str(err.value).endswith(f"must share one, so that a token id means the same text in each; prepare "
+                                   f"{source} with data.tokenizer={first}/tokenizer.model in a data.dir of its own "
+                                   f"and blend that")
+    missing = tmp_path / "nothing"
+    with pytest.raises(DataError, match=re.escape(
+            f"{missing}/tokenizer.model: missing; rebuild it with: python tools/prepare_data.py data.source='<corpus>' "
+            f"data.dir={missing} data.vocab_size={small_data.vocab_size} data.tokenizer={first}/tokenizer.model")):
+        load_datasets(blend_of(small_data, (1, first), (1, missing)), SEQ, 5, small_data.vocab_size)
+    with pytest.raises(DataError, match=re.escape(f"{missing}/tokenizer.model: missing; rebuild it with: python "
+                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={missing} ")):
+        load_datasets(blend_of(small_data, (1, missing), (1, first)), SEQ, 5, small_data.vocab_size)
+    with pytest.raises(ConfigError, match=r"data\.blend=.*: a weight of 1\.00e-09 of the total rounds to no sample"):
+        load_datasets(blend_of(small_data, (1, first), (1e-9, second)), SEQ, 5, small_data.vocab_size)
+
+
+def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blend_dirs, tmp_path):
+    """An id past the vocabulary in the second directory's tokens.bin: the DataError names that file, the blend's
+    sample and the directory's, and the command that rebuilds that directory (with the tokenizer it was given)."""
+    first, second, _ = blend_dirs
+    copy = tmp_path / "code"
+    shutil.copytree(second, copy)
+    cfg = blend_of(small_data, (0.7, first), (0.3, copy))
+    train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
+    i = next(i for i in range(3, 20) if train.locate(i)[0] is train.datasets[1])
+    part, j = train.locate(i)
+    row, tokens = part[j], np.memmap(copy / "tokens.bin", dtype=np.uint16, mode="r+")
+    where = [k for k in np.flatnonzero(tokens[:len(tokens) - len(row)] == row[0])
+             if np.array_equal(tokens[k:k + len(row)], row)]
+    tokens[where[0] + 3] = 60000
+    tokens.flush()
+    del tokens
+    train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
+    check_token_ids(train, 0, i, small_data.vocab_size, cfg)          # (the samples before it are clean)
+    with pytest.raises(DataError) as err:
+        check_token_ids(train, 0, 20, small_data.vocab_size, cfg)
+    source = json.loads((copy / "meta.json").read_text())["source"]
+    assert str(err.value).startswith(f"{copy}/tokens.bin: holds token id 60000, outside the vocabulary of "
+                                     f"{small_data.vocab_size} (in sample {i} of the blend, its sample {j}); rebuild "
+                                     f"it with: python tools/prepare_data.py data.source={source} data.dir={copy} "
+                                     f"data.vocab_size={small_data.vocab_size} ")
+    assert str(err.value).endswith(f" data.tokenizer={Path(first, 'tokenizer.model').resolve()}")
+
+
+def test_prepare_data_checks_a_blend_and_builds_nothing(small_data, blend_dirs, tmp_path):
+    """tools/prepare_data.py with data.blend (as `make train` runs it first) prints the mixture, or refuses a
+    directory that is not ready, exit 2, building nothing."""
+    first, second, own = blend_dirs
+    args = [sys.executable, str(REPO / "tools" / "prepare_data.py"), f"data.vocab_size={small_data.vocab_size}",
+            "model.seq_len=32"]
+    ok = subprocess.run(args + [f"data.blend=[0.7,{first},0.3,{second}]"], capture_output=True, text=True, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"data.blend: 0.7 {first} (") and "repeats first" in ok.stdout
+    bad = subprocess.run(args + [f"data.blend=[0.7,{first},0.3,{own}]"], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is another tokenizer" in bad.stderr
+    assert list(tmp_path.iterdir()) == []
