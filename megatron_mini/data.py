@@ -11,6 +11,7 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gzip
 import hashlib
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import time
 import zlib
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -90,34 +92,57 @@ def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
 JSONL = (".jsonl", ".jsonl.gz")          # a document per line, as {"<text_key>": "..."}; .gz read through gzip
 
 
-def read_corpus(source: str, text_key: str = "text") -> tuple[list[str], dict]:
-    """Documents of `source` in a fixed order, empty ones dropped, and their description
-    {source, python, corpus_sha256, num_docs}. source: "stdlib" (the interpreter's standard library,
-    one document per .py file, site-/dist-packages excluded), a .jsonl (or .jsonl.gz) file with a `text_key`
-    string per line, or a directory of such files and of .txt files (one document each), every one below it
-    in the order of their paths (a corpus in shards)."""
-    none = "no non-empty documents"
-    if source == "stdlib":
-        docs = [_read_text(p) for p in _stdlib_files()]
-    elif Path(source).is_dir():
-        files = sorted(p for p in Path(source).rglob("*") if p.name.endswith((".txt", *JSONL)) and p.is_file())
-        docs = [d for p in files for d in ([_read_text(p)] if p.name.endswith(".txt") else _read_jsonl(p, text_key))]
-        none += "" if files else " (it holds no .txt, .jsonl or .jsonl.gz file)"
-    elif Path(source).is_file() and source.endswith(JSONL):
-        docs = _read_jsonl(Path(source), text_key)
-    else:
-        what = "is a file but not a .jsonl or .jsonl.gz file" if Path(source).is_file() else "not found"
-        raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a .jsonl (or .jsonl.gz) file with a "
-                        f"\"{text_key}\" field per line, or a directory of such files and .txt files", rebuild=None)
-    docs = [d for d in docs if d]
-    if not docs:
-        raise DataError(f"data.source={source}", none, rebuild=None)
-    digest = hashlib.sha256()
-    for d in docs:
-        b = d.encode()
-        digest.update(len(b).to_bytes(8, "little") + b)
-    return docs, {"source": source_id(source), "python": platform.python_version(),
-                  "corpus_sha256": digest.hexdigest(), "num_docs": len(docs)}
+class Corpus:
+    """The documents of data.source in a fixed order, empty ones dropped, read from its files again on each pass
+    (never all in memory: a corpus may be larger than it): "stdlib" (the interpreter's standard library, one document
+    per .py file, site-/dist-packages excluded), a .jsonl (or .jsonl.gz) file with a `text_key` string per line, or a
+    directory of such files and of .txt files (one document each), every one below it in the order of their paths
+    (a corpus in shards). A source that is none of these is a DataError here. Once read_corpus has described it
+    (sha256), each pass checks that it reads the same documents again: a corpus that changed in between (a file
+    written during prepare) is a DataError at the pass's end, before anything built from it is kept."""
+
+    def __init__(self, source: str, text_key: str = "text"):
+        self.source, self.text_key, self.none, self.sha256 = source, text_key, "no non-empty documents", None
+        if source == "stdlib":
+            self.files = [Path(p) for p in _stdlib_files()]
+        elif Path(source).is_dir():
+            self.files = sorted(p for p in Path(source).rglob("*") if p.name.endswith((".txt", *JSONL)) and p.is_file())
+            self.none += "" if self.files else " (it holds no .txt, .jsonl or .jsonl.gz file)"
+        elif Path(source).is_file() and source.endswith(JSONL):
+            self.files = [Path(source)]
+        else:
+            what = "is a file but not a .jsonl or .jsonl.gz file" if Path(source).is_file() else "not found"
+            raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a .jsonl (or .jsonl.gz) file with a "
+                            f"\"{text_key}\" field per line, or a directory of such files and .txt files", rebuild=None)
+
+    def __iter__(self):
+        digest = hashlib.sha256()
+        for path in self.files:
+            for doc in _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else [_read_text(path)]:
+                if doc:
+                    _add_doc(digest, doc)
+                    yield doc
+        if self.sha256 is not None and digest.hexdigest() != self.sha256:
+            raise DataError(f"data.source={self.source}", "changed while it was being prepared (its sha256 differs "
+                            "from the first read's); prepare it again once it is complete", rebuild=None)
+        self.sha256 = digest.hexdigest()
+
+
+def read_corpus(source: str, text_key: str = "text") -> tuple[Corpus, dict]:
+    """data.source's Corpus and, from one pass over it, its description {source, python, corpus_sha256 (of each
+    document's UTF-8 length and bytes, in order), num_docs, num_chars}; a DataError where it has no document."""
+    corpus, num_docs, num_chars = Corpus(source, text_key), 0, 0
+    for doc in corpus:
+        num_docs, num_chars = num_docs + 1, num_chars + len(doc)
+    if not num_docs:
+        raise DataError(f"data.source={source}", corpus.none, rebuild=None)
+    return corpus, {"source": source_id(source), "python": platform.python_version(),
+                    "corpus_sha256": corpus.sha256, "num_docs": num_docs, "num_chars": num_chars}
+
+
+def _add_doc(digest, doc: str) -> None:
+    b = doc.encode()
+    digest.update(len(b).to_bytes(8, "little") + b)
 
 
 def source_id(source: str) -> str:
@@ -138,12 +163,13 @@ def _read_text(path) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def _read_jsonl(path: Path, text_key: str) -> list[str]:
-    """The `text_key` string of each non-blank line: UTF-8 (a leading byte-order mark is allowed), JSON, no lone
-    surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names itself (its number
-    in the decompressed text of a .gz), unless the .gz is damaged (its checksum, at its end, is read first)."""
+def _read_jsonl(path: Path, text_key: str):
+    """The `text_key` string of each non-blank line, in order (a generator): UTF-8 (a leading byte-order mark is
+    allowed), JSON, no lone surrogate (JSON can escape one, UTF-8 cannot hold it); a line that is none of these names
+    itself (its number in the decompressed text of a .gz), unless the .gz is damaged (its checksum, at its end, is
+    read first)."""
     try:
-        return _parse_jsonl(path, text_key)
+        yield from _parse_jsonl(path, text_key)
     except DataError:
         if path.name.endswith(".gz"):
             for _ in _lines(path):          # (a DataError of its own where the file is damaged)
@@ -151,8 +177,7 @@ def _read_jsonl(path: Path, text_key: str) -> list[str]:
         raise
 
 
-def _parse_jsonl(path: Path, text_key: str) -> list[str]:
-    docs = []
+def _parse_jsonl(path: Path, text_key: str):
     for lineno, raw in _lines(path):
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -173,8 +198,7 @@ def _parse_jsonl(path: Path, text_key: str) -> list[str]:
         except UnicodeEncodeError as e:
             raise DataError(f"{path}:{lineno}", f"the text holds a lone surrogate ({text[e.start]!r} at character "
                             f"{e.start + 1}), which is no Unicode character", None) from None
-        docs.append(text)
-    return docs
+        yield text
 
 
 def _lines(path: Path):
@@ -214,19 +238,13 @@ class Tokenizer:
         return self._sp.decode(list(ids))
 
 
-def train_tokenizer(docs: list[str], vocab_size: int, sample_chars: int, seed: int, path) -> None:
+def train_tokenizer(docs, vocab_size: int, sample_chars: int, seed: int, path) -> None:
     """Train a byte-fallback BPE on about `sample_chars` characters of seeded-shuffled multi-line chunks
-    of `docs`: identity normalisation, whitespace kept (runs of spaces are pieces), digits split,
+    of `docs` (tokenizer_sample): identity normalisation, whitespace kept (runs of spaces are pieces), digits split,
     "\\n" and "\\t" always in the vocabulary; id 0 = <unk>, 1 = EOS, no BOS/PAD. The same inputs give
     the same model file on any machine (with the same sentencepiece version)."""
-    chunks = [c for d in docs for c in _chunks(d)]
-    random.Random(seed).shuffle(chunks)
-    sample, total = [], 0
-    for c in chunks:
-        if total >= sample_chars:
-            break
-        sample.append(c)
-        total += len(c)
+    sample = tokenizer_sample(docs, sample_chars, seed)
+    total = sum(map(len, sample))
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -238,6 +256,27 @@ def train_tokenizer(docs: list[str], vocab_size: int, sample_chars: int, seed: i
     except RuntimeError as e:
         raise DataError(path, _tokenizer_failure(str(e), vocab_size, total), rebuild=None) from None
     atomic_write(path, model.getvalue())
+
+
+def tokenizer_sample(docs, sample_chars: int, seed: int) -> list[str]:
+    """The chunks (_chunks) of `docs` (iterated twice: a list or a Corpus) in the order random.Random(seed).shuffle
+    puts them, up to the first at which they hold `sample_chars` characters. Without holding the corpus: a first pass
+    keeps each chunk's length (4 bytes), the shuffle permutes their indices (4 bytes each), and a second pass keeps
+    only the chunks chosen."""
+    lengths = array("I", (len(c) for d in docs for c in _chunks(d)))
+    order = array("I", range(len(lengths)))
+    random.Random(seed).shuffle(order)           # (shuffle's draws depend on the length alone: the chunks' order)
+    rank, total = {}, 0
+    for i in order:
+        if total >= sample_chars:
+            break
+        rank[i], total = len(rank), total + lengths[i]
+    sample = [""] * len(rank)
+    chunks = (c for d in docs for c in _chunks(d))
+    for i, chunk in enumerate(chunks):
+        if i in rank:
+            sample[rank[i]] = chunk
+    return sample
 
 
 def _tokenizer_failure(message: str, vocab_size: int, chars: int) -> str:
@@ -322,10 +361,14 @@ def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     tmp = bin_path.with_name(f"{bin_path.name}.tmp{os.getpid()}")
     sizes = []
-    with open(tmp, "wb") as f:
-        for arr in docs:
-            f.write(np.asarray(arr, dtype).tobytes())
-            sizes.append(len(arr))
+    try:
+        with open(tmp, "wb") as f:
+            for arr in docs:
+                f.write(np.asarray(arr, dtype).tobytes())
+                sizes.append(len(arr))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     sizes = np.array(sizes, np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     os.replace(tmp, bin_path)
@@ -350,37 +393,63 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
 
 
-def encode_corpus(docs: list[str], tokenizer: Tokenizer, prefix, num_workers: int) -> tuple[int, int]:
-    """Encode `docs` (EOS appended to each) with `num_workers` processes into <prefix>.bin/.idx,
-    showing a progress bar and printing tokens/s. Returns (documents, tokens)."""
+def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs: int) -> tuple[int, int]:
+    """Encode the `num_docs` documents of `docs` (any iterable: read as they are encoded) with `num_workers`
+    processes, EOS appended to each, into <prefix>.bin/.idx, showing a progress bar and printing tokens/s. Batches of
+    _BATCH_CHARS characters, at most 2 x num_workers of them in flight, so memory does not grow with the corpus.
+    Returns (documents, tokens)."""
     dtype = token_dtype(tokenizer.vocab_size)
-    batches, chars = [[]], 0
-    for d in docs:
-        if chars >= _BATCH_CHARS:
-            batches, chars = batches + [[]], 0
-        batches[-1].append(d)
-        chars += len(d)
-    progress, t0, done = _Progress(len(docs)), time.time(), [0, 0]
+    progress, t0, done = _Progress(num_docs), time.time(), [0, 0]
 
-    def track(results):
-        for arrays in results:
-            for a in arrays:
-                done[0], done[1] = done[0] + 1, done[1] + len(a)
-                yield a
-            progress(*done)
+    def batches():
+        batch, chars = [], 0
+        for d in docs:
+            if chars >= _BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+            batch.append(d)
+            chars += len(d)
+        if batch:
+            yield batch
+
+    def encoded(submit):
+        """Each document's token array, in order, with batches submitted ahead while earlier ones are written."""
+        pending = collections.deque()
+        for batch in batches():
+            pending.append(submit(batch))
+            if len(pending) >= 2 * num_workers:
+                yield from written(pending.popleft().get())
+        while pending:
+            yield from written(pending.popleft().get())
+
+    def written(arrays):
+        for a in arrays:
+            done[0], done[1] = done[0] + 1, done[1] + len(a)
+            yield a
+        progress(*done)
 
     init = (str(tokenizer.path), dtype)
     if num_workers > 1:
         with multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, init) as pool:
-            n_docs, n_tokens = write_indexed(prefix, track(pool.imap(_encode_batch, batches)), dtype)
+            n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: pool.apply_async(_encode_batch, (b,))), dtype)
     else:
         _init_worker(*init)
-        n_docs, n_tokens = write_indexed(prefix, track(map(_encode_batch, batches)), dtype)
+        n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(b))), dtype)
     progress(*done, final=True)
     dt = time.time() - t0
     print(f"encoded {n_docs:,} documents, {n_tokens:,} tokens in {dt:.1f} s ({n_tokens / dt:,.0f} tokens/s, "
           f"{num_workers} workers) -> {prefix}.bin ({np.dtype(dtype)})")
     return n_docs, n_tokens
+
+
+class _Done:
+    """An in-process batch's result, as an AsyncResult gives it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
 
 
 class _Progress:
@@ -425,7 +494,7 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     """prepare()'s work in the directory `out`, which exists (`given`: data.tokenizer's)."""
     t0 = time.time()
     docs, info = read_corpus(cfg.source, cfg.text_key)
-    print(f"corpus: {info['num_docs']:,} documents, {sum(map(len, docs)):,} characters from {info['source']} "
+    print(f"corpus: {info['num_docs']:,} documents, {info['num_chars']:,} characters from {info['source']} "
           f"(python {info['python']}, sha256 {info['corpus_sha256'][:12]})")
     tok_path = out / "tokenizer.model"
     trained_on = {"vocab_size": cfg.vocab_size, "sample_chars": cfg.tokenizer_sample_chars,
@@ -453,7 +522,7 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     if cached:
         print(f"tokens: cached {out / 'tokens.bin'} ({meta['num_tokens']:,} tokens)")
     else:
-        n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers)
+        n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers, info["num_docs"])
         meta = {**info, "num_docs": n_docs, "num_tokens": n_tokens, "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size))}
         atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())

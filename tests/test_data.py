@@ -5,6 +5,7 @@ One small corpus (40 standard-library files copied as .txt, vocab 512) is prepar
 import dataclasses
 import json
 import platform
+import random
 import re
 import shutil
 import sysconfig
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from megatron_mini import data
 from megatron_mini.config import DataConfig
 from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus,
                                 train_tokenizer)
@@ -68,6 +70,7 @@ def test_dataset_round_trip(prepared):
     cfg, meta = prepared
     tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
     docs, info = read_corpus(cfg.source)
+    docs = list(docs)
     ds = IndexedDataset(Path(cfg.dir) / "tokens")
     assert len(ds) == len(docs) == meta["num_docs"] and ds.dtype == np.uint16
     for i, d in enumerate(docs):
@@ -80,18 +83,19 @@ def test_dataset_round_trip(prepared):
 def test_encoding_does_not_depend_on_workers(prepared, tmp_path):
     cfg, _ = prepared
     tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
-    assert encode_corpus(read_corpus(cfg.source)[0], tok, tmp_path / "tokens", num_workers=1)[0] == 40
+    assert encode_corpus(read_corpus(cfg.source)[0], tok, tmp_path / "tokens", num_workers=1, num_docs=40)[0] == 40
     for ext in ("bin", "idx"):
         assert (tmp_path / f"tokens.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
 
 
 def test_stdlib_and_jsonl_sources(tmp_path):
     docs, info = read_corpus("stdlib")
+    docs = list(docs)
     assert info["num_docs"] == len(docs) > 500 and info["python"] == platform.python_version()
     assert read_corpus("stdlib")[1]["corpus_sha256"] == info["corpus_sha256"]
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "one\\n"}\n\n{"text": "two"}\n')
-    assert read_corpus(str(path))[0] == ["one\n", "two"]
+    assert list(read_corpus(str(path))[0]) == ["one\n", "two"]
     for bad in ('{"body": "two"}', '{"text": 2}', 'not json'):
         path.write_text('{"text": "one"}\n' + bad + "\n")
         with pytest.raises(DataError, match=r"c\.jsonl:2: expected"):
@@ -105,6 +109,64 @@ def test_stdlib_and_jsonl_sources(tmp_path):
                                         r"a \.jsonl \(or \.jsonl\.gz\) file with a \"text\" field per line, or a "
                                         r"directory"):
         read_corpus(str(tmp_path / "one.txt"))
+
+
+@pytest.mark.parametrize("sample_chars", [1, 50_000, 400_000, 10 ** 9])
+def test_the_tokenizer_sample_is_the_shuffled_prefix_without_holding_the_corpus(prepared, sample_chars):
+    """tokenizer_sample streams the corpus twice (chunk lengths, then the chosen chunks); its sample is the in-memory
+    reference's, chunk for chunk: every chunk of every document, random.Random(seed).shuffle'd, up to the first at
+    which they hold sample_chars characters (all of them where the corpus is smaller)."""
+    corpus, info = read_corpus(prepared[0].source)
+    chunks = [c for d in list(corpus) for c in data._chunks(d)]
+    random.Random(77).shuffle(chunks)
+    end = next((k + 1 for k in range(len(chunks)) if sum(map(len, chunks[:k + 1])) >= sample_chars), len(chunks))
+    assert data.tokenizer_sample(corpus, sample_chars, 77) == chunks[:end]
+
+
+def test_encoding_reads_the_corpus_only_a_few_batches_ahead(prepared, tmp_path, monkeypatch):
+    """encode_corpus at 2 workers reads at most 2 x 2 batches beyond the documents written (it does not hold the
+    corpus); the tokens are those of the in-process encoding."""
+    cfg, _ = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    doc = "x = 1\n" * (data._BATCH_CHARS // 4 // 6)          # 4 documents a batch
+    read, lag, real = [0], [], data.write_indexed
+
+    def docs():
+        for _ in range(60):
+            read[0] += 1
+            yield doc
+
+    def writing(prefix, arrays, dtype):
+        def counted():
+            for written, a in enumerate(arrays, 1):
+                lag.append(read[0] - written)
+                yield a
+        return real(prefix, counted(), dtype)
+    monkeypatch.setattr(data, "write_indexed", writing)
+    assert encode_corpus(docs(), tok, tmp_path / "two", num_workers=2, num_docs=60) == (60, 60 * (len(tok.encode(doc))
+                                                                                                 + 1))
+    assert 0 <= max(lag) <= (2 * 2 + 1) * 4, max(lag)
+    encode_corpus([doc] * 60, tok, tmp_path / "one", num_workers=1, num_docs=60)
+    assert (tmp_path / "two.bin").read_bytes() == (tmp_path / "one.bin").read_bytes()
+
+
+def test_a_corpus_that_changes_while_it_is_prepared_is_refused(prepared, tmp_path):
+    """Each pass after the first checks the corpus's sha256: a file written in between is a DataError at the end of
+    the pass, and the encoding it fed leaves no file."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.txt").write_text("first document")
+    corpus, info = read_corpus(str(shards))
+    assert list(corpus) == ["first document"]
+    (shards / "a.txt").write_text("first document, rewritten")
+    changed = rf"data\.source={shards}: changed while it was being prepared"
+    with pytest.raises(DataError, match=changed):
+        list(corpus)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DataError, match=changed):
+        encode_corpus(corpus, Tokenizer(Path(prepared[0].dir) / "tokenizer.model"), out / "tokens", 1, 1)
+    assert list(out.iterdir()) == []
 
 
 def test_a_corpus_in_shards(tmp_path):
@@ -121,10 +183,10 @@ def test_a_corpus_in_shards(tmp_path):
     (shards / "e.md").write_text("not a document")
     (shards / "f.txt").write_text("fifth")
     docs, info = read_corpus(str(shards))
-    assert docs == ["first", "second", "third", "fourth", "fifth"] and info["num_docs"] == 5
-    assert read_corpus(str(shards / "b" / "d.jsonl.gz"))[0] == ["fourth"]
+    assert list(docs) == ["first", "second", "third", "fourth", "fifth"] and info["num_docs"] == 5
+    assert list(read_corpus(str(shards / "b" / "d.jsonl.gz"))[0]) == ["fourth"]
     (shards / "a.txt").unlink(), (shards / "f.txt").unlink()
-    assert read_corpus(str(shards), text_key="content")[0] == ["2", "3", "4"]
+    assert list(read_corpus(str(shards), text_key="content")[0]) == ["2", "3", "4"]
     with gzip.open(shards / "b" / "d.jsonl.gz", "wt") as f:
         f.write('{"text": "fourth"}\n\n{"body": "fifth"}\n')
     with pytest.raises(DataError, match=r"d\.jsonl\.gz:3: expected a JSON object with a \"text\" string "
@@ -159,7 +221,7 @@ def test_jsonl_encoding_errors_name_the_line(tmp_path):
     a lone surrogate (valid JSON, no Unicode character), is refused with its line number, not a traceback."""
     path = tmp_path / "c.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9"}\n')
-    assert read_corpus(str(path))[0] == ["caf\u00e9"]
+    assert list(read_corpus(str(path))[0]) == ["caf\u00e9"]
     path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"c\.jsonl:2: not valid UTF-8 \(byte 14 of the line: b'\\xe9'\)"):
         read_corpus(str(path))
@@ -336,7 +398,7 @@ def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
     tok = Tokenizer(tmp_path / "out" / "tokenizer.model")
     assert tok.sha256 == given.sha256 == meta["tokenizer_sha256"]
     ds = IndexedDataset(tmp_path / "out" / "tokens")
-    assert [given.decode(ds.doc(i)[:-1].tolist()) for i in range(len(ds))] == read_corpus(str(path))[0]
+    assert [given.decode(ds.doc(i)[:-1].tolist()) for i in range(len(ds))] == list(read_corpus(str(path))[0])
     capsys.readouterr()
     prepare(other)
     assert "tokens: cached" in capsys.readouterr().out

@@ -443,7 +443,7 @@ def test_tools_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(tiny_check
     ckpt = inference.read_checkpoint(tiny_checkpoint)
     own = inference.find_tokenizer(ckpt)
     assert own.sha256 == ckpt.meta["data"]["tokenizer_sha256"]
-    docs, _ = read_corpus(small_data.source)
+    docs = list(read_corpus(small_data.source)[0])
     other = tmp_path / "rebuilt" / "tokenizer.model"
     other.parent.mkdir()
     train_tokenizer(docs[len(docs) // 2:], small_data.vocab_size, small_data.tokenizer_sample_chars,
