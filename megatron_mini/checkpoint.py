@@ -313,7 +313,8 @@ def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
     saved = meta.get("data", {}).get("tokenizer_sha256")
     if saved and saved != tokenizer_sha256:
         raise ConfigError(f"init_from={cfg.init_from} was trained with another tokenizer (sha256 {saved[:12]}; this "
-                          f"run's data.dir={cfg.data.dir} has {tokenizer_sha256[:12]}), so its token ids mean other "
+                          f"run's {'data.blend' if cfg.data.blend else 'data.dir'}={cfg.data.parts()[0][1]} has "
+                          f"{tokenizer_sha256[:12]}), so its token ids mean other "
                           f"text: prepare this run's corpus with data.tokenizer=<its run's data.dir>/tokenizer.model, "
                           f"or start from the seed's weights.")
     return Resume(cfg.init_from, meta, [])
@@ -330,9 +331,11 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
             diffs.append(f"{key}: {was} -> {new} (it draws the train/validation split)")
     saved = resume.meta.get("data", {})
     startable = not diffs and saved.get("tokenizer_sha256") in (None, data.get("tokenizer_sha256"))   # (check_init)
-    mixture = ("corpus_sha256", "num_tokens") if saved.get("blend") != data.get("blend") else ()
-    if mixture:                            # (data.blend's directories and shares, whole; none: data.dir)
-        diffs.append(f"data.blend: {saved.get('blend')} -> {data.get('blend')}")
+    blends = (saved.get("blend"), data.get("blend"))      # (how a blend's shares and directories read; none: data.dir)
+    mixture = ("corpus_sha256", "num_tokens") if any(blends) and saved.get("corpus_sha256") != \
+        data.get("corpus_sha256") else ()           # (its shares and corpora: a directory's spelling may change)
+    if mixture:
+        diffs.append("data.blend: " + " -> ".join(str(b or "data.dir") for b in blends))
     for key, new in data.items():          # (a key the checkpoint lacks, or this version does not know: not compared)
         if key in saved and saved[key] != new and key not in ("blend", *mixture):
             diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")

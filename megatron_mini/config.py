@@ -141,7 +141,7 @@ class DataConfig:
                                   f"of it).")
         dirs = items[1::2]
         for d in dirs:
-            same = [x for x in dirs if os.path.abspath(x) == os.path.abspath(d)]
+            same = [x for x in dirs if os.path.realpath(x) == os.path.realpath(d)]     # (a link to it too)
             if not d or len(same) > 1:
                 twice = f"{d} twice" + (f" (as {' and '.join(same)})" if len(set(same)) > 1 else "")
                 raise ConfigError(f"data.blend names {twice if d else 'an empty directory'}: give each prepared "

@@ -124,12 +124,10 @@ class BlendedDataset:
 def blend_note(train: BlendedDataset) -> str:
     """The start-up line of a blend: each directory's share and training samples an epoch, and the samples the
     blend reads before one of them repeats (len)."""
-    names = [str(ds.indexed.bin_path.parent) for ds in train.datasets]
-    ends = {name: len(ds) * share for name, ds, share in zip(names, train.datasets, train.shares)}
-    parts = ", ".join(f"{float(share):.4g} {name} ({len(ds):,} samples an epoch)"
-                      for name, ds, share in zip(names, train.datasets, train.shares))
+    parts = ", ".join(f"{float(share):.4g} {ds.indexed.bin_path.parent} ({len(ds):,} samples an epoch)"
+                      for ds, share in zip(train.datasets, train.shares))
     return (f"data.blend: {parts}; {len(train):,} samples of the blend read each once, then "
-            f"{min(ends, key=ends.get)} repeats first")
+            f"{train.locate(len(train))[0].indexed.bin_path.parent} repeats first")
 
 
 def blend_counts(shares: list, max_block: int) -> list:
@@ -205,38 +203,43 @@ def part_config(cfg: DataConfig, directory) -> DataConfig:
                                source=source if isinstance(source, str) else "<corpus>")
 
 
-def open_part(cfg: DataConfig, vocab_size: int) -> tuple[IndexedDataset, Tokenizer, dict]:
+def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None) -> tuple[IndexedDataset, Tokenizer,
+                                                                                         dict]:
     """(tokens, tokenizer, meta.json) of prepared directory cfg.dir (nothing is rebuilt here), checked against cfg and
-    the model's vocab_size; one DataError naming the file and the command that rebuilds it."""
+    the model's vocab_size, and for a blend's later directory, first against the `first` one's tokenizer; one DataError
+    naming the file and the command that rebuilds it."""
     out = Path(cfg.dir)
     try:
         tok = Tokenizer(out / "tokenizer.model")
         ds, meta = open_checked(out, tok)
     except DataError as e:           # missing or broken: rebuilding this very directory repairs it
         raise e.with_rebuild(rebuild_command(cfg)) from None
+    if first and tok.sha256 != first.sha256:
+        raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}, {tok.vocab_size} tokens) than "
+                        f"{first.path} ({first.sha256[:12]}): the directories of data.blend must share one, so that a "
+                        f"token id means the same text in each; prepare {meta.get('source', 'its corpus')} with "
+                        f"data.tokenizer={first.path} in a data.dir of its own and blend that", rebuild=None)
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size, "model.vocab_size": vocab_size}, training=True)
     return ds, tok, meta
 
 
 def open_parts(cfg: DataConfig, vocab_size: int) -> list:
     """[(share, tokens, tokenizer, meta)] of each directory the run reads (DataConfig.parts: data.dir, or data.blend's),
-    all of one tokenizer: a token id must mean the same text in each."""
+    all of one tokenizer (a token id must mean the same text in each) and of distinct corpora."""
     opened = []
     for share, directory in cfg.parts():
         part = part_config(cfg, directory)
+        first = opened[0][2] if opened else None
         try:
-            ds, tok, meta = open_part(part, vocab_size)
+            ds, tok, meta = open_part(part, vocab_size, first)
         except DataError as e:           # a blend's directory that is no build: prepare it with the others' tokenizer
-            if not opened or Path(e.what).parent != Path(directory) or (Path(directory) / "meta.json").is_file():
+            if not first or Path(e.what).parent != Path(directory) or (Path(directory) / "meta.json").is_file():
                 raise
-            raise e.with_rebuild(rebuild_command(part, tokenizer=opened[0][2].path)) from None
-        if opened and tok.sha256 != opened[0][2].sha256:
-            first = opened[0][2]
-            raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than {first.path} "
-                            f"({first.sha256[:12]}): the directories of data.blend must share one, so that a token id "
-                            f"means the same text in each; prepare {meta.get('source', 'its corpus')} with "
-                            f"data.tokenizer={first.path} in a data.dir of its own and blend that",
-                            rebuild=None)
+            raise e.with_rebuild(rebuild_command(part, tokenizer=first.path)) from None
+        twin = next((d for _, d, _, m in opened if m.get("corpus_sha256") == meta.get("corpus_sha256")), None)
+        if twin is not None:
+            raise DataError(f"data.blend: {directory}", f"holds the corpus of {twin.bin_path.parent} (the same "
+                            f"sha256): give each corpus once, with the sum of its weights", rebuild=None)
         opened.append((share, ds, tok, meta))
     return opened
 
@@ -278,4 +281,4 @@ def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
     blend = [[str(share), meta.get("corpus_sha256")] for share, _, meta in metas]
     return {**identity, "corpus_sha256": hashlib.sha256(json.dumps(blend).encode()).hexdigest(),
             "num_tokens": sum(meta.get("num_tokens") or 0 for *_, meta in metas),
-            "blend": [f"{float(share):.6g} {directory}" for share, directory, _ in metas]}
+            "blend": [f"{float(share):.12g} {directory}" for share, directory, _ in metas]}

@@ -4,6 +4,7 @@ own resume, and every refusal."""
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -19,7 +20,7 @@ from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini import checkpoint
 from megatron_mini.config import ConfigError, DataConfig
 from megatron_mini.data import DataError, Tokenizer, prepare
-from megatron_mini.dataset import BlendedDataset, check_token_ids, data_identity, load_datasets
+from megatron_mini.dataset import BlendedDataset, blend_note, check_token_ids, data_identity, load_datasets
 from megatron_mini.inference import find_tokenizer, read_checkpoint
 
 SEQ = 32
@@ -182,15 +183,18 @@ def test_a_blended_run_is_the_same_in_any_layout_and_resumes_exactly(small_data,
 
 
 def test_a_resume_with_another_mixture_is_refused(small_data, blend_dirs, tmp_path):
-    """The checkpoint's mixture, whole, against the run's: another weight, a plain data.dir, the same blend (accepted);
-    init_from is offered, since the model and tokenizer are the same."""
+    """The checkpoint's mixture, whole, against the run's: another weight, a plain data.dir, refused (init_from is
+    offered, since the model and tokenizer are the same); the same blend, its directories spelled otherwise (a trailing
+    slash, ./, an absolute path: the shares and corpora are what count), accepted."""
     cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path, steps=1, gbs=8)
     path = train_on_ranks(1, cfg)["checkpoint"]
     resume = checkpoint.Resume(path, checkpoint.read_meta(path), [])
     sha = Tokenizer(Path(blend_dirs[0]) / "tokenizer.model").sha256
-    checkpoint.check_compatible(resume, cfg, data_identity(cfg.data, sha))
+    for first in (blend_dirs[0], blend_dirs[0] + "/", os.path.relpath(blend_dirs[0])):
+        same = blend_of(small_data, (0.7, first), (0.3, blend_dirs[1]))
+        checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=same), data_identity(same, sha))
     for data, new in ((blend_of(small_data, (1, blend_dirs[0]), (1, blend_dirs[1])), f"['0.5 {blend_dirs[0]}', "),
-                      (small_data, "None")):
+                      (small_data, "data.dir")):
         with pytest.raises(ConfigError, match=re.escape(f"data.blend: ['0.7 {blend_dirs[0]}', '0.3 {blend_dirs[1]}']"
                                                         f" -> {new}")) as err:
             checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=data), data_identity(data, sha))
@@ -214,8 +218,9 @@ def test_a_blend_that_is_no_mixture_is_refused_in_one_line(small_data, blend, er
 
 
 def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_data, blend_dirs, tmp_path):
-    """Another tokenizer (prepare it with the first's: data.tokenizer), a directory that is no build (its prepare
-    command, with the first's tokenizer), a weight that rounds to no sample."""
+    """Another tokenizer (prepare it with the first's: data.tokenizer), of another vocabulary too (not: raise the
+    vocabulary), a directory that is no build (its prepare command, with the first's tokenizer), a weight that rounds
+    to no sample."""
     first, second, own = blend_dirs
     with pytest.raises(DataError, match=re.escape(f"{own}/tokenizer.model: is another tokenizer (sha256 ")) as err:
         load_datasets(blend_of(small_data, (1, first), (1, own)), SEQ, 5, small_data.vocab_size)
@@ -223,6 +228,11 @@ def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_da
     assert str(err.value).endswith(f"must share one, so that a token id means the same text in each; prepare "
                                    f"{source} with data.tokenizer={first}/tokenizer.model in a data.dir of its own "
                                    f"and blend that")
+    other = tmp_path / "v1024"
+    prepare(dataclasses.replace(small_data, dir=str(other), source=source, vocab_size=1024, tokenizer=None))
+    with pytest.raises(DataError, match=re.escape(f"{other}/tokenizer.model: is another tokenizer (sha256 ")) as err:
+        load_datasets(blend_of(small_data, (1, first), (1, other)), SEQ, 5, small_data.vocab_size)
+    assert f", 1024 tokens) than {first}/tokenizer.model" in str(err.value) and "data.dir=" not in str(err.value)
     missing = tmp_path / "nothing"
     with pytest.raises(DataError, match=re.escape(
             f"{missing}/tokenizer.model: missing; rebuild it with: python tools/prepare_data.py data.source='<corpus>' "
@@ -233,6 +243,37 @@ def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_da
         load_datasets(blend_of(small_data, (1, missing), (1, first)), SEQ, 5, small_data.vocab_size)
     with pytest.raises(ConfigError, match=r"data\.blend=.*: a weight of 1\.00e-09 of the total rounds to no sample"):
         load_datasets(blend_of(small_data, (1, first), (1e-9, second)), SEQ, 5, small_data.vocab_size)
+
+
+class Directory(Indices):
+    """Indices of `n` samples that name a directory as a GPTDataset does (indexed.bin_path)."""
+
+    def __init__(self, n: int, name: str):
+        super().__init__(n)
+        self.indexed = type("Indexed", (), {"bin_path": Path(name) / "tokens.bin"})()
+
+
+def test_the_start_up_line_names_the_directory_that_repeats_first():
+    """0.9 : 0.1 of 1000 samples each: A's are spent after about 1000 / 0.9 = 1111 samples of the blend, B's after
+    10,000; the line names A (its length times its share would name B)."""
+    blend = BlendedDataset([Directory(1000, "A"), Directory(1000, "B")], shares(9, 1))
+    assert 1000 / 0.9 - 1 <= len(blend) <= 1000 / 0.9 + 1
+    assert blend_note(blend) == (f"data.blend: 0.9 A (1,000 samples an epoch), 0.1 B (1,000 samples an epoch); "
+                                 f"{len(blend):,} samples of the blend read each once, then A repeats first")
+
+
+def test_a_corpus_is_blended_once(small_data, blend_dirs, tmp_path):
+    """The same directory through a link, or a copy of it under another name (the same corpus sha256): every sample
+    would be read twice in a row (one split, one shuffle). Both refused."""
+    first, second, _ = blend_dirs
+    (tmp_path / "link").symlink_to(second)
+    with pytest.raises(ConfigError, match=rf"data\.blend names {re.escape(second)} twice \(as {re.escape(second)} "
+                                          rf"and {re.escape(str(tmp_path / 'link'))}\)"):
+        blend_of(small_data, (1, first), (1, second), (1, tmp_path / "link")).parts()
+    shutil.copytree(second, tmp_path / "copy")
+    with pytest.raises(DataError, match=rf"data\.blend: {re.escape(str(tmp_path / 'copy'))}: holds the corpus of "
+                                        rf"{re.escape(second)} \(the same sha256\): give each corpus once"):
+        load_datasets(blend_of(small_data, (1, second), (1, tmp_path / "copy")), SEQ, 5, small_data.vocab_size)
 
 
 def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blend_dirs, tmp_path):
@@ -272,6 +313,13 @@ def test_prepare_data_checks_a_blend_and_builds_nothing(small_data, blend_dirs, 
     ok = subprocess.run(args + [f"data.blend=[0.7,{first},0.3,{second}]"], capture_output=True, text=True, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith(f"data.blend: 0.7 {first} (") and "repeats first" in ok.stdout
-    bad = subprocess.run(args + [f"data.blend=[0.7,{first},0.3,{own}]"], capture_output=True, text=True, cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is another tokenizer" in bad.stderr
+    blend = f"data.blend=[0.7,{first},0.3,{second}]"
+    for extra, error in (([f"data.blend=[0.7,{first},0.3,{own}]"], f"error: {own}/tokenizer.model: is another "
+                                                                    f"tokenizer"),
+                         ([blend, "model.seq_len=0"], "error: model.seq_len=0 must be >= 1."),
+                         ([blend, "seed=-1"], "error: seed=-1 must be in [0, 2**32)."),
+                         ([blend, f"data.source={tmp_path}"], "error: data.blend names directories already prepared, "
+                                                              "and prepare_data.py builds none with it")):
+        bad = subprocess.run(args + extra, capture_output=True, text=True, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith(error), bad.stderr
     assert list(tmp_path.iterdir()) == []

@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run)")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
+                                            "or its data.blend's first directory's)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="rerun the last seq_len tokens for every new token (slower; for comparison)")

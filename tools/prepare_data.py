@@ -31,7 +31,13 @@ def main(dict_cfg) -> None:
         check_ranges(cfg, "data.")
         if cfg.data.blend is None:
             prepare(cfg.data)
-        else:
+        elif cfg.data.source != "stdlib" or cfg.data.tokenizer:
+            fail(f"data.blend names directories already prepared, and prepare_data.py builds none with it: prepare "
+                 f"data.source={cfg.data.source} without data.blend (with data.dir=... and data.tokenizer=<a blended "
+                 f"directory>/tokenizer.model), then add that directory to the blend.", code=2)
+        else:                              # (the samples of the mixture it prints: a run's seq_len and seed)
+            check_ranges(cfg, "model.seq_len")
+            check_ranges(cfg, "seed")
             print(blend_note(load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.data.vocab_size)[0]))
     except (ConfigError, DataError) as e:
         fail(str(e), code=2)
