@@ -108,6 +108,10 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self._len
 
+    def which(self, first: int, count: int) -> np.ndarray:
+        """The dataset (its index in `datasets`) of each of blended samples [first, first + count)."""
+        return self._which[(first + np.arange(count)) % self.block]
+
     def locate(self, i: int) -> tuple:
         """(dataset, its sample index) of blended sample i."""
         q, r = divmod(int(i), self.block)

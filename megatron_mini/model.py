@@ -399,15 +399,17 @@ class Head(Layer):
     def global_name(self, local: str) -> str:
         return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
 
-    def forward(self, x, labels=None, r=None):
+    def forward(self, x, labels=None, r=None, per_sample: bool = False):
         """logits = ln_f(x + r) E^T, [s, b, V/tp] on this rank's vocabulary slice; r is the last block's
-        pending residual (or None). Returns the sum of the token losses, or, without labels, the fp32
-        logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP, padded rows dropped)."""
+        pending residual (or None). Returns the sum of the token losses (`per_sample`: each sample's, [b]), or,
+        without labels, the fp32 logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP,
+        padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
                                         self.tp_group, self.sp, fuse_wgrad=False)
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
-        return self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing).sum()
+        losses = self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing)
+        return losses.sum(0) if per_sample else losses.sum()
 
 
 class GPTChunk(nn.Module):
@@ -436,10 +438,11 @@ class GPTChunk(nn.Module):
             x, r = block(x, r, cache)
         return x, r
 
-    def forward(self, x, labels=None, cache: KVCache | None = None, sample: int | None = None):
-        """Embedding, blocks, head, those this chunk has: the head's loss (labels) or logits (no labels),
-        else the last activation. `sample`: the global index of the microbatch's first sample, which keys
-        the dropout masks in training (None: the streams run on as they are)."""
+    def forward(self, x, labels=None, cache: KVCache | None = None, sample: int | None = None,
+                per_sample: bool = False):
+        """Embedding, blocks, head, those this chunk has: the head's loss (labels; `per_sample`: each sample's)
+        or logits (no labels), else the last activation. `sample`: the global index of the microbatch's first
+        sample, which keys the dropout masks in training (None: the streams run on as they are)."""
         if self.rng is None or not self.training:
             sample = None
         if self.has_embedding:
@@ -447,7 +450,7 @@ class GPTChunk(nn.Module):
             x = self.layers[0](x, cache)
         x, r = self._blocks(x, cache, sample)     # (sample is None where the blocks are one compiled graph)
         if self.has_head:
-            return self.layers[-1](x, labels, r)
+            return self.layers[-1](x, labels, r, per_sample)
         return x if r is None else x + r
 
     def param_users(self) -> list:

@@ -67,12 +67,13 @@ class PipelineEngine:
     def train_step(self, batch: torch.Tensor, loss_scale: float, global_tokens: int, first_sample: int) -> torch.Tensor:
         """Forward and backward over the microbatches of `batch` [m, mbs, s+1], whose first sample has the
         global index `first_sample` (it keys the dropout masks); gradients land (DP-synced) in the main-grad
-        buffers. Returns the local sum of token losses (last stage)."""
+        buffers. Returns each sample's sum of token losses [m, mbs] (fp32; the last stage's, zeros elsewhere)."""
         actions, _, last_backward = self.schedules(len(batch))
         return self._run(actions, batch, loss_scale / global_tokens, first_sample, last_backward)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """The forwards of `batch` [m, mbs, s+1]: each sample's sum of token losses [m, mbs], as train_step."""
         return self._run(self.schedules(len(batch))[1], batch, None, None, set())
 
     def _run(self, actions: list, batch: torch.Tensor, grad_scale: float | None, first_sample: int | None,
@@ -80,7 +81,7 @@ class PipelineEngine:
         """`actions` over `batch`; `last_backward`: the (chunk, microbatch) backwards after which a chunk's DP
         buckets may start reducing (schedules())."""
         inputs, outputs, out_grads, in_grads = {}, {}, {}, {}
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        losses = torch.zeros(batch.shape[:2], dtype=torch.float32, device=self.device)
         # the step's tokens reach the device in one copy, and only where a chunk reads them
         if any(c.has_embedding or c.has_head for c in self.chunks):
             batch = batch.to(self.device)
@@ -91,15 +92,15 @@ class PipelineEngine:
                 continue
             start = time.perf_counter()
             with record_function(str(a)):      # (a range of its own in a profile.* trace: profiling.py)
-                self._compute(a, batch, grad_scale, first_sample, last_backward, loss_sum, inputs, outputs, out_grads,
+                self._compute(a, batch, grad_scale, first_sample, last_backward, losses, inputs, outputs, out_grads,
                               in_grads)
             self.trace.append((a, start, time.perf_counter()))
         if grad_scale is not None:
             for buf in self.buffers:
                 buf.finish_grad_sync()
-        return loss_sum
+        return losses
 
-    def _compute(self, a, batch, grad_scale, first_sample, last_backward, loss_sum, inputs, outputs, out_grads,
+    def _compute(self, a, batch, grad_scale, first_sample, last_backward, losses, inputs, outputs, out_grads,
                  in_grads) -> None:
         """A forward or backward of chunk a.chunk on microbatch a.microbatch: its input from `inputs` (or the
         tokens), its output into `outputs` (and the next local chunk's `inputs`); a backward's output gradient from
@@ -113,10 +114,10 @@ class PipelineEngine:
             else:       # training keeps the input until its backward reads .grad; evaluation is done with it
                 x = inputs[key] if grad_scale is not None else inputs.pop(key)
             sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
-            out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
+            out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample, per_sample=True)
             if chunk.has_head:
-                loss_sum += out.detach()
-                out = out * grad_scale if grad_scale is not None else out
+                losses[a.microbatch] = out.detach()
+                out = out.sum() * grad_scale if grad_scale is not None else out
             if grad_scale is not None or (pp > 1 and not chunk.has_head):    # (evaluation: only to send it)
                 outputs[key] = out
             if pp == 1 and a.chunk + 1 < vpp:           # next virtual stage is on this rank

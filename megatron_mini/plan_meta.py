@@ -239,7 +239,7 @@ class Planner:
         GradBuffers and Optimizer built on meta (recompute and the schedule change neither)."""
         model_key = (cfg.tp, cfg.pp, cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks,
                      dp, cfg.precision.dtype, pp_rank, dataclasses.astuple(cfg.model))
-        key = model_key + (cfg.zero,)
+        key = model_key + (cfg.zero, cfg.gbs)           # (the loss all-reduce carries a loss per sample)
         if key not in self._ranks:
             layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
             mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)
@@ -253,7 +253,7 @@ class Planner:
             optimizer.reduce_norm_stats(torch.zeros(2, device=META))
             for buf in buffers:
                 buf.start_param_gather()
-            reduce_loss(mesh, torch.zeros((), device=META), None, META)
+            reduce_loss(mesh, torch.zeros(cfg.num_microbatches(dp), cfg.mbs, device=META), None, META)
             with_sp = mesh.ledger.summary()
             without_sp = {k: v for k, v in with_sp.items() if k != ("tp", "all_reduce")}   # the SP-parameter sum
             self._ranks[key] = optimizer.memory_bytes(), with_sp, without_sp

@@ -62,19 +62,22 @@ def state_bytes_at_least(cfg: TrainConfig, dp: int, pp_rank: int) -> int:
     return elements * weight + elements * 4 + elements * adam // (dp if cfg.zero else 1)
 
 
-def reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor, stop: str | None, device: torch.device,
+def reduce_loss(mesh: ParallelMesh, sample_losses: torch.Tensor, stop: str | None, device: torch.device,
                 writing: bool = False, failed: bool = False) -> torch.Tensor:
-    """[the sum of every rank's token losses (the last stage's, once per DP replica), the number of ranks
-    still writing a checkpoint, the number of ranks whose write of their own failed (rank 0's metrics.jsonl:
-    Trainer.write_alone), then per reason of StopRequest.REASONS (a signal, the time limit) the number of ranks
-    that asked to stop for it (`stop`: this rank's, StopRequest.asked)]: one world all-reduce."""
-    names = StopRequest.REASONS
-    t = torch.zeros(3 + len(names), device=device)
+    """[each of the global batch's gbs samples' sum of token losses, in batch order (this DP rank's n = gbs / dp,
+    `sample_losses` [m, mbs] of the engine, the last stage's, at positions [dp_rank n, (dp_rank + 1) n) as
+    get_batch takes them), the number of ranks still writing a checkpoint, the number of ranks whose write of
+    their own failed (rank 0's metrics.jsonl: Trainer.write_alone), then per reason of StopRequest.REASONS (a
+    signal, the time limit) the number of ranks that asked to stop for it (`stop`: this rank's, StopRequest.asked)]:
+    one world all-reduce of gbs + 2 + len(REASONS) floats."""
+    names, n = StopRequest.REASONS, sample_losses.numel()
+    gbs = n * mesh.dp
+    t = torch.zeros(gbs + 2 + len(names), device=device)
     if mesh.is_last_stage and mesh.tp_rank == 0:
-        t[0] = loss_sum.float()
-    t[1] = float(writing)
-    t[2] = float(failed)
+        t[mesh.dp_rank * n:(mesh.dp_rank + 1) * n] = sample_losses.flatten().float()
+    t[gbs] = float(writing)
+    t[gbs + 1] = float(failed)
     if stop is not None:
-        t[3 + names.index(stop)] = 1.0
+        t[gbs + 2 + names.index(stop)] = 1.0
     comm.all_reduce(t, mesh.world_group)
     return t

@@ -159,6 +159,7 @@ class Trainer:
                                                                device)
         self.engine = PipelineEngine(self.chunks, self.buffers, mesh, cfg, self.dtype, device)
         self.vocab = (cfg.model.vocab_size, cfg.data)      # every batch's ids are checked against it (get_batch)
+        self.blend_names = [directory for _, directory in cfg.data.parts()]    # (a blend's losses, per directory)
         self.step, self.consumed_samples = 0, 0
         self.loss = float("nan")           # this step's mean loss (kept in its checkpoint, as the next two)
         self.evaluation_owed = False       # this step's evaluation was due but a stop came first (the resumed
@@ -169,18 +170,28 @@ class Trainer:
                                            # that differ (check_replicas)
         self.gc_frozen = False
 
-    def _global_loss(self, loss_sum: torch.Tensor, tokens: int,
-                     stop: StopRequest | None = None) -> tuple[float, dict, int]:
-        """(mean loss per token, {reason: ranks that asked to stop for it} (`stop`: this rank's StopRequest),
-        ranks still writing a checkpoint) of this step or evaluation batch of `tokens` tokens (reduce_loss);
-        RunError on every rank when a rank's write_alone failed."""
+    def _global_loss(self, sample_losses: torch.Tensor, dataset, first: int,
+                     stop: StopRequest | None = None) -> tuple[float, dict, dict, int]:
+        """(mean loss per token, {directory: (its samples' summed token losses, its samples)} of a data.blend ({}
+        without one), {reason: ranks that asked to stop for it} (`stop`: this rank's StopRequest), ranks still
+        writing a checkpoint) of this step or evaluation batch: the global batch of `dataset` from sample `first`,
+        whose samples' losses (the engine's, `sample_losses` [m, mbs] on this rank) reduce_loss gathers; RunError on
+        every rank when a rank's write_alone failed."""
         writing = self.pending is not None and self.pending.writing
-        loss, writers, failed, *counts = reduce_loss(self.mesh, loss_sum, stop and stop.asked(), self.device,
-                                                     writing, self.failure is not None).tolist()
+        t = reduce_loss(self.mesh, sample_losses, stop and stop.asked(), self.device, writing, self.failure is not None)
+        gbs = sample_losses.numel() * self.mesh.dp
+        losses, (writers, failed, *counts) = t[:gbs].double(), t[gbs:].tolist()
         if failed:
             self.stop_on_failure()
         stops = {name: int(n) for name, n in zip(StopRequest.REASONS, counts) if n}
-        return loss / tokens, stops, int(writers)
+        parts = {}
+        if isinstance(dataset, BlendedDataset):
+            which = torch.from_numpy(dataset.which(first, gbs)).to(losses.device)
+            for d, name in enumerate(self.blend_names):
+                mine = which == d
+                if mine.any():
+                    parts[name] = (losses[mine].sum().item(), int(mine.sum()))
+        return losses.sum().item() / (gbs * self.cfg.model.seq_len), parts, stops, int(writers)
 
     def write_alone(self, path: str, fn, *args) -> None:
         """fn(*args): a write of `path` that this rank does alone (rank 0's metrics.jsonl, summary.json,
@@ -228,9 +239,8 @@ class Trainer:
         scaler = self.optimizer.scaler
         scale = scaler.scale if scaler else None
         first = first_sample(self.consumed_samples, gbs, self.mesh.dp_rank, self.mesh.dp)
-        tokens = gbs * cfg.model.seq_len
-        loss_sum = self.engine.train_step(batch, scale or 1.0, tokens, first)
-        loss, stop, writing = self._global_loss(loss_sum, tokens, stop)
+        sample_losses = self.engine.train_step(batch, scale or 1.0, gbs * cfg.model.seq_len, first)
+        loss, parts, stop, writing = self._global_loss(sample_losses, self.train_data, self.consumed_samples, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
         grad_norm, skipped = self.optimizer.step(lr)
@@ -251,31 +261,38 @@ class Trainer:
             atexit.register(gc.unfreeze)
             self.gc_frozen = True
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop,
-                "writing": writing, "gbs": gbs}
+                "writing": writing, "gbs": gbs, "parts": self.mean_losses(parts)}
+
+    def mean_losses(self, parts: dict) -> dict:
+        """{directory: mean loss per token} of _global_loss's {directory: (summed token losses, samples)}."""
+        return {name: total / (samples * self.cfg.model.seq_len) for name, (total, samples) in parts.items()}
 
     @property
     def skipped_steps(self) -> int:
         """fp16 steps skipped on an overflow since the run began (resumes included; 0 without a loss scale)."""
         return self.optimizer.scaler.skipped_steps if self.optimizer.scaler else 0
 
-    def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict]:
-        """(the mean loss per token of eval_iters global batches of the validation set, {reason: ranks that asked
-        to stop for it}). The batches are of gbs samples during a rampup_batch_size too: every evaluation reads
-        the same samples. A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does:
-        when one comes before the last batch, every rank ends the evaluation after the same batch (an evaluation
-        can outlast a scheduler's grace period) and the loss is None."""
+    def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict, dict]:
+        """(the mean loss per token of eval_iters global batches of the validation set, {directory: the mean loss
+        per token of its samples among them} of a data.blend ({} without one), {reason: ranks that asked to stop for
+        it}). The batches are of gbs samples during a rampup_batch_size too: every evaluation reads the same samples.
+        A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does: when one comes
+        before the last batch, every rank ends the evaluation after the same batch (an evaluation can outlast a
+        scheduler's grace period) and the loss is None."""
         for chunk in self.chunks:
             chunk.eval()
-        total = 0.0
+        total, parts = 0.0, {}
         for i in range(self.cfg.eval_iters):
             batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank,
                               self.mesh.dp, self.vocab)
-            loss, stops, _ = self._global_loss(self.engine.eval_step(batch), self.cfg.gbs * self.cfg.model.seq_len,
-                                               stop)
+            loss, batch_parts, stops, _ = self._global_loss(self.engine.eval_step(batch), self.val_data,
+                                                            i * self.cfg.gbs, stop)
             total += loss
+            for name, (summed, samples) in batch_parts.items():
+                parts[name] = tuple(a + b for a, b in zip(parts.get(name, (0.0, 0)), (summed, samples)))
             if stops and i + 1 < self.cfg.eval_iters:
-                return None, stops
-        return total / self.cfg.eval_iters, stops
+                return None, {}, stops
+        return total / self.cfg.eval_iters, self.mean_losses(parts), stops
 
     def save(self, run_dir: str, data: dict, background: bool = False) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
@@ -452,14 +469,16 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
               note: str = "") -> dict:
     """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
     owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({reason: ranks}; {} if none)."""
-    val, stops = trainer.evaluate(stop)
+    val, parts, stops = trainer.evaluate(stop)
     trainer.evaluation_owed = val is None
     if val is None:
         log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | evaluation cut short by {_stopped_by(stops, trainer)}")
         return stops
     history["val_loss"].append((trainer.step, val))
-    trainer.write_alone(logger.metrics_path, logger.log, trainer.step, {"val_loss": val})
-    log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{note}")
+    trainer.write_alone(logger.metrics_path, logger.log, trainer.step,
+                        {"val_loss": val, **{f"val_loss/{name}": loss for name, loss in parts.items()}})
+    each = f" ({', '.join(f'{name} {loss:.4f}' for name, loss in parts.items())})" if parts else ""
+    log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{each}{note}")
     return stops
 
 
@@ -522,7 +541,8 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             now = time.time()
             consumed = trainer.consumed_samples
             r = rate((consumed - interval_consumed) * cfg.model.seq_len, now - interval_start)
-            record = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
+            record = {"loss": out["loss"], **{f"loss/{name}": loss for name, loss in out["parts"].items()},
+                      "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
             if cfg.rampup_batch_size:
                 record.update(gbs=out["gbs"], consumed_samples=consumed)
             if out["loss_scale"] is not None:

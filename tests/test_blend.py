@@ -164,13 +164,23 @@ def test_a_blends_samples_are_its_directories_own(small_data, blend_dirs):
                                          for d in (first, second))
 
 
+def metrics(run_dir) -> list:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_blended_run_is_the_same_in_any_layout_and_resumes_exactly(small_data, blend_dirs, tmp_path):
     """0.7 : 0.3 for 4 steps on one process, at pp = 2 x dp = 2, and as 2 steps then a resume to 4 at dp = 2: the same
-    losses and final weights (the blend is a function of the sample index); the start-up log names the mixture."""
+    losses and final weights (the blend is a function of the sample index), and the same losses of each directory;
+    the start-up log names the mixture."""
     cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path / "one", steps=4,
-                       gbs=8)
+                       gbs=8, log_interval=1, eval_interval=2, eval_iters=3)
     ref = train_on_ranks(1, cfg)
     assert_same_training(ref, train_on_ranks(4, dataclasses.replace(cfg, run_dir=str(tmp_path / "pp2"), pp=2)))
+    for one, pp2 in zip(metrics(cfg.run_dir), metrics(tmp_path / "pp2"), strict=True):
+        assert one.keys() == pp2.keys() and any(key.startswith(("loss/", "val_loss/")) for key in one)
+        for key in one:
+            if key.startswith(("loss/", "val_loss/")):
+                assert one[key] == pytest.approx(pp2[key], rel=1e-5), key
     half = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), steps=2))
     rest = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume="auto"))
     assert_same_training(ref, {**rest, "loss": half["loss"] + rest["loss"], "grad_norm": half["grad_norm"] +
@@ -180,6 +190,46 @@ def test_a_blended_run_is_the_same_in_any_layout_and_resumes_exactly(small_data,
     meta = checkpoint.read_meta(ref["checkpoint"])
     assert meta["data"]["blend"] == [f"0.7 {blend_dirs[0]}", f"0.3 {blend_dirs[1]}"]
     assert find_tokenizer(read_checkpoint(ref["checkpoint"])).sha256 == meta["data"]["tokenizer_sha256"]
+
+
+def test_a_blends_losses_per_directory_are_its_samples_own(small_data, blend_dirs, tmp_path):
+    """The last evaluation's loss of each directory (metrics.jsonl's val_loss/<dir>) is F.cross_entropy's mean over
+    the tokens of that directory's samples among the eval_iters x gbs validation samples (by the final checkpoint's
+    logits, on one process); the evaluation's loss is the mean over all of them; the last step's loss/<dir>, of its
+    own batch, likewise by the weights it ran with. At dp = 2 (the losses gathered from both replicas)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron_mini.inference import load_model, logits
+    first, second, _ = blend_dirs
+    cfg = small_config(blend_of(small_data, (0.6, first), (0.4, second)), tmp_path, steps=2, gbs=8, log_interval=1,
+                       eval_interval=2, eval_iters=3, save_interval=1, keep_checkpoints=3)
+    history = train_on_ranks(2, cfg)
+    train, val, _ = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+
+    def per_directory(checkpoint_path, dataset, first_sample, count):
+        model = load_model(read_checkpoint(checkpoint_path))
+        rows = torch.from_numpy(np.stack([dataset[first_sample + j] for j in range(count)]))
+        token_losses = F.cross_entropy(logits(model, rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten(),
+                                       reduction="none").view(count, -1).double()
+        which = dataset.which(first_sample, count)
+        return {name: token_losses[which == d].mean().item() for d, name in enumerate((first, second))
+                if (which == d).any()}, token_losses.mean().item()
+
+    last = metrics(cfg.run_dir)
+    evaluation = next(r for r in reversed(last) if "val_loss" in r)
+    expected, overall = per_directory(history["checkpoint"], val, 0, cfg.eval_iters * cfg.gbs)
+    assert set(expected) == {first, second}
+    for name, loss in expected.items():
+        assert evaluation[f"val_loss/{name}"] == pytest.approx(loss, rel=1e-5)
+    assert evaluation["val_loss"] == pytest.approx(overall, rel=1e-5)
+    step2 = next(r for r in last if r["step"] == 2 and "loss" in r)
+    expected, overall = per_directory(str(tmp_path / "checkpoints" / "step_000001"), train, cfg.gbs, cfg.gbs)
+    assert {key for key in step2 if key.startswith("loss/")} == {f"loss/{name}" for name in expected}
+    for name, loss in expected.items():
+        assert step2[f"loss/{name}"] == pytest.approx(loss, rel=1e-5)
+    assert step2["loss"] == pytest.approx(overall, rel=1e-5)
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert f"val loss {evaluation['val_loss']:.4f} ({first} {evaluation[f'val_loss/{first}']:.4f}, {second} " in log
 
 
 def test_a_resume_with_another_mixture_is_refused(small_data, blend_dirs, tmp_path):

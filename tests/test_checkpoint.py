@@ -538,9 +538,9 @@ def _stopped_with_slow_writes(cfg, delays, step, cause):
     if cause == "nan":
         global_loss = training.Trainer._global_loss
 
-        def diverging(self, loss_sum, tokens, stop=None):
-            loss, stops, writers = global_loss(self, loss_sum, tokens, stop)
-            return (math.nan if self.step + 1 == step else loss), stops, writers
+        def diverging(self, sample_losses, dataset, first, stop=None):
+            loss, parts, stops, writers = global_loss(self, sample_losses, dataset, first, stop)
+            return (math.nan if self.step + 1 == step else loss), parts, stops, writers
         training.Trainer._global_loss = diverging
     else:
         read, bad = dataset.GPTDataset.__getitem__, (step - 1) * cfg.gbs          # the step's first sample

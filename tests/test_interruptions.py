@@ -178,10 +178,11 @@ def _signalled_during_an_evaluation(cfg, batch):
     without it, then (loss, stop votes) of the one it cut, and how many batches this rank evaluated in it)."""
     from megatron_mini.launch import StopRequest
     trainer, flag = make_trainer(cfg), StopRequest(take_signals=False)
-    whole, votes = trainer.evaluate(flag)
+    whole, _, votes = trainer.evaluate(flag)
     assert votes == {}
     calls = _on_rank_1_after(trainer.engine, "eval_step", batch, lambda: _request(flag, "SIGTERM"))
-    return whole, trainer.evaluate(flag), calls[0]
+    cut, parts, votes = trainer.evaluate(flag)
+    return whole, (cut, votes), calls[0]
 
 
 @pytest.mark.parametrize("batch", [2, 4])

@@ -11,9 +11,12 @@ from ranks import spawn
 from harness import make_trainer, small_config
 
 F32 = 4
-# the step-end all-reduce: the logged loss, the ranks writing a checkpoint, the ranks whose own write failed,
-# a stop count per signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) and one for the time limit (exit_after_minutes)
-STEP_END = (3 + 4 + 1) * F32
+
+
+def step_end(cfg) -> int:
+    """The step-end all-reduce: each sample's loss (gbs), the ranks writing a checkpoint, the ranks whose own write
+    failed, a stop count per signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) and one for the time limit."""
+    return (cfg.gbs + 2 + 4 + 1) * F32
 
 
 def _one_step_ledger(cfg):
@@ -44,7 +47,7 @@ def test_dp2_step(small_data, tmp_path):
     ledger = _ledgers(2, cfg)[0]
     padded = cfg.model.num_params() + cfg.model.num_params() % 2   # one bucket, padded to a multiple of dp
     assert ledger == {("dp", "all_reduce"): (1, padded * F32),      # gradients, once per step
-                      ("world", "all_reduce"): (1, STEP_END)}
+                      ("world", "all_reduce"): (1, step_end(cfg))}
 
 
 def _tp_activation_bytes(cfg):
@@ -72,7 +75,7 @@ def test_tp2_step(kernels, small_data, tmp_path):
     for ledger, overlaps in spawn(2, _one_step_ledger, cfg):
         assert ledger == {("tp", "all_reduce"): (calls, nbytes),
                           ("mp", "all_reduce"): (1, 2 * F32),           # grad norm and inf/nan check
-                          ("world", "all_reduce"): (1, STEP_END)}
+                          ("world", "all_reduce"): (1, step_end(cfg))}
         assert overlaps == beside
 
 
@@ -96,7 +99,7 @@ def test_tp2_sp_step(small_data, tmp_path):
                           ("tp", "reduce_scatter"): (per_kind, per_kind * act),
                           ("tp", "all_reduce"): (2 * m + 1, 3 * m * tokens + sp_numel * F32),
                           ("mp", "all_reduce"): (1, 2 * F32),
-                          ("world", "all_reduce"): (1, STEP_END)}
+                          ("world", "all_reduce"): (1, step_end(cfg))}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -109,7 +112,7 @@ def test_pp2_step(schedule, small_data, tmp_path):
                           ("pp", "recv"): (m, m * act),
                           ("emb", "all_reduce"): (1, embedding),     # tied word-embedding gradient
                           ("mp", "all_reduce"): (1, 2 * F32),
-                          ("world", "all_reduce"): (1, STEP_END)}
+                          ("world", "all_reduce"): (1, step_end(cfg))}
 
 
 def _ledger_sizes(cfg):
