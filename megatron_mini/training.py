@@ -178,7 +178,8 @@ class Trainer:
         whose samples' losses (the engine's, `sample_losses` [m, mbs] on this rank) reduce_loss gathers; RunError on
         every rank when a rank's write_alone failed."""
         writing = self.pending is not None and self.pending.writing
-        t = reduce_loss(self.mesh, sample_losses, stop and stop.asked(), self.device, writing, self.failure is not None)
+        t = reduce_loss(self.mesh, sample_losses, stop and stop.asked(), self.device, writing,
+                        self.failure is not None).cpu()                 # (one copy: the step's only wait for it)
         gbs = sample_losses.numel() * self.mesh.dp
         losses, (writers, failed, *counts) = t[:gbs].double(), t[gbs:].tolist()
         if failed:
@@ -186,7 +187,7 @@ class Trainer:
         stops = {name: int(n) for name, n in zip(StopRequest.REASONS, counts) if n}
         parts = {}
         if isinstance(dataset, BlendedDataset):
-            which = torch.from_numpy(dataset.which(first, gbs)).to(losses.device)
+            which = torch.from_numpy(dataset.which(first, gbs))
             for d, name in enumerate(self.blend_names):
                 mine = which == d
                 if mine.any():
