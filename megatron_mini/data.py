@@ -29,6 +29,8 @@ import sysconfig
 import time
 import zlib
 from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -116,15 +118,22 @@ class Corpus:
                             f"\"{text_key}\" field per line, or a directory of such files and .txt files", rebuild=None)
 
     def __iter__(self):
-        digest = hashlib.sha256()
+        digest, changed = hashlib.sha256(), "changed while it was being prepared"
         for path in self.files:
-            for doc in _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else [_read_text(path)]:
-                if doc:
-                    _add_doc(digest, doc)
-                    yield doc
+            try:
+                docs = _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else [_read_text(path)]
+                for doc in docs:
+                    if doc:
+                        _add_doc(digest, doc)
+                        yield doc
+            except OSError as e:
+                if self.sha256 is None:
+                    raise
+                raise DataError(f"data.source={self.source}", f"{changed} ({path}: {e.strerror or e}); prepare it "
+                                f"again once it is complete", rebuild=None) from None
         if self.sha256 is not None and digest.hexdigest() != self.sha256:
-            raise DataError(f"data.source={self.source}", "changed while it was being prepared (its sha256 differs "
-                            "from the first read's); prepare it again once it is complete", rebuild=None)
+            raise DataError(f"data.source={self.source}", f"{changed} (its sha256 differs from the first read's); "
+                            f"prepare it again once it is complete", rebuild=None)
         self.sha256 = digest.hexdigest()
 
 
@@ -263,6 +272,8 @@ def tokenizer_sample(docs, sample_chars: int, seed: int) -> list[str]:
     puts them, up to the first at which they hold `sample_chars` characters. Without holding the corpus: a first pass
     keeps each chunk's length (4 bytes), the shuffle permutes their indices (4 bytes each), and a second pass keeps
     only the chunks chosen."""
+    if iter(docs) is docs:
+        raise TypeError("tokenizer_sample reads the documents twice: give a list or a Corpus, not an iterator")
     lengths = array("I", (len(c) for d in docs for c in _chunks(d)))
     order = array("I", range(len(lengths)))
     random.Random(seed).shuffle(order)           # (shuffle's draws depend on the length alone: the chunks' order)
@@ -418,9 +429,9 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
         for batch in batches():
             pending.append(submit(batch))
             if len(pending) >= 2 * num_workers:
-                yield from written(pending.popleft().get())
+                yield from written(pending.popleft().result())
         while pending:
-            yield from written(pending.popleft().get())
+            yield from written(pending.popleft().result())
 
     def written(arrays):
         for a in arrays:
@@ -430,8 +441,15 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
 
     init = (str(tokenizer.path), dtype)
     if num_workers > 1:
-        with multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, init) as pool:
-            n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: pool.apply_async(_encode_batch, (b,))), dtype)
+        # (a worker that dies, killed or failing its initializer, breaks the pool: BrokenProcessPool, not a hang)
+        pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), _init_worker, init)
+        try:
+            n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: pool.submit(_encode_batch, b)), dtype)
+        except BrokenProcessPool as e:
+            raise DataError(f"{prefix}.bin", f"an encoding process died ({e}); out of memory? try data.num_workers=1",
+                            rebuild=None) from None
+        finally:
+            pool.shutdown(cancel_futures=True)
     else:
         _init_worker(*init)
         n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(b))), dtype)
@@ -443,12 +461,12 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
 
 
 class _Done:
-    """An in-process batch's result, as an AsyncResult gives it."""
+    """An in-process batch's result, as a Future gives it."""
 
     def __init__(self, value):
         self.value = value
 
-    def get(self):
+    def result(self):
         return self.value
 
 

@@ -167,6 +167,24 @@ def test_a_corpus_that_changes_while_it_is_prepared_is_refused(prepared, tmp_pat
     with pytest.raises(DataError, match=changed):
         encode_corpus(corpus, Tokenizer(Path(prepared[0].dir) / "tokenizer.model"), out / "tokens", 1, 1)
     assert list(out.iterdir()) == []
+    (shards / "a.txt").unlink()                       # (a file gone since: the same error, naming it)
+    with pytest.raises(DataError, match=rf"{changed} \({shards / 'a.txt'}: No such file or directory\)"):
+        list(corpus)
+    with pytest.raises(TypeError, match="reads the documents twice: give a list or a Corpus, not an iterator"):
+        data.tokenizer_sample(iter(["one", "two"]), 100, 1)
+
+
+def test_an_encoding_process_that_dies_is_an_error_not_a_hang(prepared, tmp_path):
+    """A worker that cannot start (its tokenizer.model gone after the run loaded it; a killed one breaks the pool
+    alike): one DataError, and no tokens.bin (nor its temporary file)."""
+    tok_path = tmp_path / "tokenizer.model"
+    shutil.copyfile(Path(prepared[0].dir) / "tokenizer.model", tok_path)
+    tok = Tokenizer(tok_path)
+    tok_path.unlink()
+    with pytest.raises(DataError, match=r"tokens\.bin: an encoding process died \(.*\); out of memory\? try "
+                                        r"data\.num_workers=1"):
+        encode_corpus(["x = 1\n"] * 10, tok, tmp_path / "tokens", num_workers=2, num_docs=10)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_corpus_in_shards(tmp_path):
