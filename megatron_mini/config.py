@@ -113,6 +113,8 @@ class DataConfig:
     dir: str = "data/stdlib-v8192"  # where tokenizer.model, tokens.bin/.idx and meta.json live
     blend: Optional[List[str]] = None  # [weight, dir, weight, dir, ...]: train on prepared directories mixed by
                                      # weight (Megatron's --data-path; one tokenizer), data.dir unread (null: data.dir)
+    eval: Optional[List[str]] = None  # prepared directories (the run's tokenizer) also evaluated at each evaluation,
+                                     # the same samples whatever the run's seed or data: eval_loss/<dir>
     vocab_size: int = 8192
     val_fraction: float = 0.02      # fraction of documents held out for validation
     tokenizer_sample_chars: int = 12_000_000  # text fed to sentencepiece training
@@ -140,14 +142,30 @@ class DataConfig:
                 raise ConfigError(f"data.blend: the weight {w} must be > 0 (leave a directory out to read none "
                                   f"of it).")
         dirs = items[1::2]
-        for d in dirs:
-            same = [x for x in dirs if os.path.realpath(x) == os.path.realpath(d)]     # (a link to it too)
-            if not d or len(same) > 1:
-                twice = f"{d} twice" + (f" (as {' and '.join(same)})" if len(set(same)) > 1 else "")
-                raise ConfigError(f"data.blend names {twice if d else 'an empty directory'}: give each prepared "
-                                  f"directory once, with the sum of its weights.")
+        _check_dirs("data.blend", dirs, ", with the sum of its weights")
         total = sum(weights)
         return [(w / total, d) for w, d in zip(weights, dirs)]
+
+    def eval_dirs(self) -> list[str]:
+        """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice."""
+        if self.eval is None:
+            return []
+        dirs = [str(d).strip() for d in self.eval]
+        if not dirs:
+            raise ConfigError("data.eval=[] names no directory: name the prepared directories each evaluation also "
+                              "reads (null: none).")
+        _check_dirs("data.eval", dirs, "")
+        return dirs
+
+
+def _check_dirs(key: str, dirs: list, hint: str) -> None:
+    """ConfigError where `dirs` (of config key `key`) holds an empty name, or a directory twice (a link to it too)."""
+    for d in dirs:
+        same = [x for x in dirs if os.path.realpath(x) == os.path.realpath(d)]
+        if not d or len(same) > 1:
+            twice = f"{d} twice" + (f" (as {' and '.join(same)})" if len(set(same)) > 1 else "")
+            raise ConfigError(f"{key} names {twice if d else 'an empty directory'}: give each prepared directory "
+                              f"once{hint}.")
 
 
 @dataclass
@@ -416,6 +434,8 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
             raise ConfigError(f"{key} is empty: give {what}.")
     if "data.blend".startswith(section):
         cfg.data.parts()
+    if "data.eval".startswith(section):
+        cfg.data.eval_dirs()
 
 
 def check_layout_free(cfg: TrainConfig) -> None:

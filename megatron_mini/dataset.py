@@ -198,20 +198,21 @@ def _refuse_ids(rows: np.ndarray, dataset, first: int, vocab_size: int, cfg: Dat
 
 
 def part_config(cfg: DataConfig, directory) -> DataConfig:
-    """The DataConfig that builds `directory`, one the run reads: cfg itself without a blend, else a blend's directory
-    with the corpus its meta.json names (`<corpus>` where it names none; tools/prepare_data.py)."""
-    if cfg.blend is None:
+    """The DataConfig that builds `directory`, one the run reads: cfg itself for its data.dir (without a blend), else a
+    directory read by its path (a blend's, data.eval's) with the corpus its meta.json names (`<corpus>` where it names
+    none; tools/prepare_data.py)."""
+    if cfg.blend is None and Path(directory) == Path(cfg.dir):
         return cfg
     source = (read_json(Path(directory) / "meta.json") or {}).get("source")
     return dataclasses.replace(cfg, dir=str(directory), blend=None, tokenizer=None,
                                source=source if isinstance(source, str) else "<corpus>")
 
 
-def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None) -> tuple[IndexedDataset, Tokenizer,
-                                                                                         dict]:
+def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None,
+              key: str = "data.blend") -> tuple[IndexedDataset, Tokenizer, dict]:
     """(tokens, tokenizer, meta.json) of prepared directory cfg.dir (nothing is rebuilt here), checked against cfg and
-    the model's vocab_size, and for a blend's later directory, first against the `first` one's tokenizer; one DataError
-    naming the file and the command that rebuilds it."""
+    the model's vocab_size, and for a blend's later directory or an evaluation set (config `key`), first against the
+    run's tokenizer, `first`; one DataError naming the file and the command that rebuilds it."""
     out = Path(cfg.dir)
     try:
         tok = Tokenizer(out / "tokenizer.model")
@@ -220,9 +221,10 @@ def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None) 
         raise e.with_rebuild(rebuild_command(cfg)) from None
     if first and tok.sha256 != first.sha256:
         raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}, {tok.vocab_size} tokens) than "
-                        f"{first.path} ({first.sha256[:12]}): the directories of data.blend must share one, so that a "
+                        f"{first.path} ({first.sha256[:12]}): the directories of {key} must share one, so that a "
                         f"token id means the same text in each; prepare {meta.get('source', 'its corpus')} with "
-                        f"data.tokenizer={first.path} in a data.dir of its own and blend that", rebuild=None)
+                        f"data.tokenizer={first.path} in a data.dir of its own and "
+                        f"{'blend' if key == 'data.blend' else 'evaluate'} that", rebuild=None)
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size, "model.vocab_size": vocab_size}, training=True)
     return ds, tok, meta
 
@@ -271,6 +273,23 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
         return BlendedDataset(train, shares), BlendedDataset(val, shares), parts[0][2]
     except ValueError as e:
         raise ConfigError(f"data.blend={list(cfg.blend)}: {e}; raise that weight or leave its directory out.") from None
+
+
+EVAL_SEED = 0        # data.eval's samples: the same for every run (any seed), a yardstick across runs and mixtures
+
+
+def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer) -> dict:
+    """{directory: GPTDataset of all its documents, shuffled by EVAL_SEED} of data.eval's prepared directories,
+    each checked as a run's data (open_part) and encoded with the run's `tokenizer` (its ids must mean the same text);
+    one DataError naming the file otherwise."""
+    sets = {}
+    for directory in cfg.eval_dirs():
+        ds, _, _ = open_part(part_config(cfg, directory), vocab_size, tokenizer, "data.eval")
+        try:
+            sets[directory] = GPTDataset(ds, np.arange(len(ds)), seq_len, EVAL_SEED)
+        except ValueError as e:
+            raise DataError(ds.bin_path, f"{e}; data.eval needs at least one sample", rebuild=None) from None
+    return sets
 
 
 def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:

@@ -34,7 +34,8 @@ from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
-from .dataset import BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch, load_datasets
+from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
+                      load_datasets, load_eval_sets)
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
 from .profiling import StepProfiler
@@ -117,6 +118,7 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
             refused = str(e)
     try:
         datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+        datasets += (load_eval_sets(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, datasets[2]),)
         if cfg.gbs > len(datasets[0]):          # (every rank reads the whole global batch: get_batch)
             raise ConfigError(f"gbs={cfg.gbs} is more samples than the training set holds ({len(datasets[0]):,} "
                               f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens"
@@ -137,14 +139,15 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
 
 def check_resume(cfg: TrainConfig, resume: checkpoint.Resume | None, datasets: tuple, data: dict, dp: int):
     """`resume`, once it is known to be of this model and data, the global batches of a rampup_batch_size still to
-    come from it (config.check_rampup_layout), and the first batches it reads (and the validation set's) hold only
-    ids of the vocabulary."""
+    come from it (config.check_rampup_layout), and the first batches it reads (and the validation set's, and each of
+    data.eval's) hold only ids of the vocabulary."""
     if resume:
         checkpoint.check_compatible(resume, cfg, data)
     consumed = resume.meta["consumed_samples"] if resume else 0
     check_rampup_layout(cfg, dp, consumed, cfg.steps - (resume.meta["step"] if resume else 0))
     check_token_ids(datasets[0], consumed, cfg.gbs, cfg.model.vocab_size, cfg.data)   # the first batches
-    check_token_ids(datasets[1], 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
+    for evaluated in (datasets[1], *datasets[3].values()):
+        check_token_ids(evaluated, 0, cfg.gbs, cfg.model.vocab_size, cfg.data)
     return resume
 
 
@@ -153,7 +156,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, datasets, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.train_data, self.val_data, self.tokenizer = datasets
+        self.train_data, self.val_data, self.tokenizer = datasets[:3]
+        self.evals = datasets[3] if len(datasets) > 3 else {}     # data.eval's sets, {directory: GPTDataset}
         self.dtype = DTYPES[cfg.precision.dtype]
         self.chunks, self.buffers, self.optimizer = build_rank(cfg, mesh, RNGTracker(cfg.seed, mesh.tp_rank, device),
                                                                device)
@@ -274,26 +278,29 @@ class Trainer:
         return self.optimizer.scaler.skipped_steps if self.optimizer.scaler else 0
 
     def evaluate(self, stop: StopRequest | None = None) -> tuple[float | None, dict, dict]:
-        """(the mean loss per token of eval_iters global batches of the validation set, {directory: the mean loss
-        per token of its samples among them} of a data.blend ({} without one), {reason: ranks that asked to stop for
-        it}). The batches are of gbs samples during a rampup_batch_size too: every evaluation reads the same samples.
+        """(the mean loss per token of eval_iters global batches of the validation set, {"val_loss/<dir>": the mean
+        loss per token of a data.blend's directory's samples among them, "eval_loss/<dir>": that of eval_iters global
+        batches of a data.eval set} ({} without either), {reason: ranks that asked to stop for it}). The batches are
+        of gbs samples during a rampup_batch_size too: every evaluation reads the same samples.
         A stop request (`stop`: this rank's) rides each batch's loss all-reduce, as a step's does: when one comes
         before the last batch, every rank ends the evaluation after the same batch (an evaluation can outlast a
         scheduler's grace period) and the loss is None."""
         for chunk in self.chunks:
             chunk.eval()
-        total, parts = 0.0, {}
-        for i in range(self.cfg.eval_iters):
-            batch = get_batch(self.val_data, i * self.cfg.gbs, self.cfg.gbs, self.cfg.mbs, self.mesh.dp_rank,
-                              self.mesh.dp, self.vocab)
-            loss, batch_parts, stops, _ = self._global_loss(self.engine.eval_step(batch), self.val_data,
-                                                            i * self.cfg.gbs, stop)
-            total += loss
-            for name, (summed, samples) in batch_parts.items():
-                parts[name] = tuple(a + b for a, b in zip(parts.get(name, (0.0, 0)), (summed, samples)))
-            if stops and i + 1 < self.cfg.eval_iters:
+        cfg, sums, parts = self.cfg, {}, {}
+        batches = [(name, dataset, i) for name, dataset in ((None, self.val_data), *self.evals.items())
+                   for i in range(cfg.eval_iters)]
+        for n, (name, dataset, i) in enumerate(batches, 1):
+            batch = get_batch(dataset, i * cfg.gbs, cfg.gbs, cfg.mbs, self.mesh.dp_rank, self.mesh.dp, self.vocab)
+            loss, batch_parts, stops, _ = self._global_loss(self.engine.eval_step(batch), dataset, i * cfg.gbs, stop)
+            sums[name] = sums.get(name, 0.0) + loss
+            for part, (summed, samples) in batch_parts.items():
+                parts[part] = tuple(a + b for a, b in zip(parts.get(part, (0.0, 0)), (summed, samples)))
+            if stops and n < len(batches):
                 return None, {}, stops
-        return total / self.cfg.eval_iters, self.mean_losses(parts), stops
+        evals = {f"eval_loss/{name}": total / cfg.eval_iters for name, total in sums.items() if name is not None}
+        return sums[None] / cfg.eval_iters, {**{f"val_loss/{part}": loss for part, loss in
+                                                 self.mean_losses(parts).items()}, **evals}, stops
 
     def save(self, run_dir: str, data: dict, background: bool = False) -> str:
         """Checkpoint this step into run_dir/checkpoints (keeping cfg.keep_checkpoints); `data` is the
@@ -440,15 +447,16 @@ def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: Para
     return done["moved"], done["cut"], logger
 
 
-def evaluation_note(eval_iters: int, gbs: int, val_samples: int) -> str | None:
-    """A log line when one evaluation (eval_iters global batches of gbs samples) reads the validation set
-    more than once: its loss then weighs the samples read twice double."""
+def evaluation_note(eval_iters: int, gbs: int, val_samples: int, what: str = "the validation set") -> str | None:
+    """A log line when one evaluation (eval_iters global batches of gbs samples) reads the validation set (`what`:
+    a data.eval set) more than once: its loss then weighs the samples read twice double."""
     read = eval_iters * gbs
     if read <= val_samples:
         return None
     fix = (f"eval_iters={val_samples // gbs} reads each at most once" if val_samples >= gbs else
-           f"it holds less than one batch of {gbs}: raise data.val_fraction")
-    return (f"evaluation: eval_iters {eval_iters} x gbs {gbs} = {read} samples, but the validation set holds "
+           f"it holds less than one batch of {gbs}" + (": raise data.val_fraction" if what == "the validation set"
+                                                        else ""))
+    return (f"evaluation: eval_iters {eval_iters} x gbs {gbs} = {read} samples, but {what} holds "
             f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
 
 
@@ -470,16 +478,17 @@ def _evaluate(trainer: Trainer, history: dict, logger: RunLogger, log: logging.L
               note: str = "") -> dict:
     """Evaluate this step (Trainer.evaluate) and record its loss; a stop request that cuts it short leaves it
     owed (Trainer.evaluation_owed). Returns the stop votes that came during it ({reason: ranks}; {} if none)."""
-    val, parts, stops = trainer.evaluate(stop)
+    val, metrics, stops = trainer.evaluate(stop)
     trainer.evaluation_owed = val is None
     if val is None:
         log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | evaluation cut short by {_stopped_by(stops, trainer)}")
         return stops
     history["val_loss"].append((trainer.step, val))
-    trainer.write_alone(logger.metrics_path, logger.log, trainer.step,
-                        {"val_loss": val, **{f"val_loss/{name}": loss for name, loss in parts.items()}})
-    each = f" ({', '.join(f'{name} {loss:.4f}' for name, loss in parts.items())})" if parts else ""
-    log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{each}{note}")
+    trainer.write_alone(logger.metrics_path, logger.log, trainer.step, {"val_loss": val, **metrics})
+    blend = [f"{key[9:]} {loss:.4f}" for key, loss in metrics.items() if key.startswith("val_loss/")]
+    each = f" ({', '.join(blend)})" if blend else ""
+    evals = "".join(f" | eval {key[10:]} {loss:.4f}" for key, loss in metrics.items() if key.startswith("eval_loss/"))
+    log.info(f"step {trainer.step:>5}/{trainer.cfg.steps} | val loss {val:.4f}{each}{evals}{note}")
     return stops
 
 
@@ -712,9 +721,11 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
     if isinstance(trainer.train_data, BlendedDataset):
         log.info(blend_note(trainer.train_data))
-    note = evaluation_note(cfg.eval_iters, cfg.gbs, len(trainer.val_data)) if cfg.eval_interval else None
-    if note:
-        log.info(note)
+    if cfg.eval_interval:
+        for what, dataset in (("the validation set", trainer.val_data),
+                              *((f"data.eval's {name}", ds) for name, ds in trainer.evals.items())):
+            if (note := evaluation_note(cfg.eval_iters, cfg.gbs, len(dataset), what)) is not None:
+                log.info(note)
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 

@@ -1,6 +1,7 @@
-"""data.blend: prepared directories mixed by weight (Megatron's --data-path 0.7 A 0.3 B). The mixture against exact
-rational arithmetic, a blend of one directory against data.dir, a blended run against one process and against its
-own resume, and every refusal."""
+"""data.blend: prepared directories mixed by weight (Megatron's --data-path 0.7 A 0.3 B), and data.eval: prepared
+directories every evaluation also reads. The mixture against exact rational arithmetic, a blend of one directory
+against data.dir, a blended run against one process and against its own resume, each directory's losses and each
+evaluation set's against F.cross_entropy, and every refusal."""
 import dataclasses
 import json
 import math
@@ -174,12 +175,13 @@ def test_a_blended_run_is_the_same_in_any_layout_and_resumes_exactly(small_data,
     the start-up log names the mixture."""
     cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path / "one", steps=4,
                        gbs=8, log_interval=1, eval_interval=2, eval_iters=3)
+    cfg.data.eval = [blend_dirs[1]]
     ref = train_on_ranks(1, cfg)
     assert_same_training(ref, train_on_ranks(4, dataclasses.replace(cfg, run_dir=str(tmp_path / "pp2"), pp=2)))
     for one, pp2 in zip(metrics(cfg.run_dir), metrics(tmp_path / "pp2"), strict=True):
         assert one.keys() == pp2.keys() and any(key.startswith(("loss/", "val_loss/")) for key in one)
         for key in one:
-            if key.startswith(("loss/", "val_loss/")):
+            if key.startswith(("loss/", "val_loss/", "eval_loss/")):
                 assert one[key] == pytest.approx(pp2[key], rel=1e-5), key
     half = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), steps=2))
     rest = train_on_ranks(2, dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume="auto"))
@@ -250,6 +252,66 @@ def test_a_resume_with_another_mixture_is_refused(small_data, blend_dirs, tmp_pa
             checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=data), data_identity(data, sha))
         assert str(err.value).endswith(f"(init_from={resume.path} starts it from these weights).")
         assert "corpus_sha256" not in str(err.value)
+
+
+def test_an_evaluation_set_is_read_the_same_by_every_run(small_data, blend_dirs, tmp_path):
+    """data.eval=[dir, tiny] on a run of data.dir: each evaluation also gives eval_loss/<dir>, F.cross_entropy's mean
+    over eval_iters x gbs samples of all that directory's documents (by the checkpoint's logits), which are the same
+    samples for a run of another data.val_fraction (or seed); the console's val line gives it; a set smaller than an
+    evaluation reads (tiny) is noted at start-up."""
+    import torch
+    import torch.nn.functional as F
+    from megatron_mini.dataset import load_eval_sets
+    from megatron_mini.inference import load_model, logits
+    first, second, _ = blend_dirs
+    tiny = tmp_path / "tiny"
+    (tmp_path / "tiny_corpus").mkdir()
+    (tmp_path / "tiny_corpus" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 12)
+    prepare(dataclasses.replace(small_data, source=str(tmp_path / "tiny_corpus"), dir=str(tiny),
+                                tokenizer=str(Path(first) / "tokenizer.model")))
+    cfg = small_config(small_data, tmp_path / "run", steps=2, gbs=8, eval_interval=2, eval_iters=2)
+    cfg.data = dataclasses.replace(small_data, eval=[second, str(tiny)])
+    tiny = str(tiny)
+    history = train_on_ranks(2, cfg)
+    tok = Tokenizer(Path(first) / "tokenizer.model")
+    sets = load_eval_sets(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, tok)
+    other_seed = load_eval_sets(dataclasses.replace(cfg.data, val_fraction=0.5), cfg.model.seq_len,
+                                cfg.model.vocab_size, tok)
+    ds = sets[second]
+    assert ds.num_docs == json.loads(Path(second, "meta.json").read_text())["num_docs"]
+    rows = torch.from_numpy(np.stack([ds[j] for j in range(cfg.eval_iters * cfg.gbs)]))
+    assert all(np.array_equal(ds[j], other_seed[second][j]) for j in range(len(rows)))
+    model = load_model(read_checkpoint(history["checkpoint"]))
+    expected = F.cross_entropy(logits(model, rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten()).item()
+    last = [r for r in metrics(cfg.run_dir) if "val_loss" in r]
+    assert [r["step"] for r in last] == [0, 2] and all(f"eval_loss/{second}" in r for r in last)
+    assert last[-1][f"eval_loss/{second}"] == pytest.approx(expected, rel=1e-5)
+    log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    assert f"val loss {last[-1]['val_loss']:.4f} | eval {second} {last[-1][f'eval_loss/{second}']:.4f} | eval {tiny} " \
+        in log
+    note = (f"evaluation: eval_iters 2 x gbs 8 = 16 samples, but data.eval's {tiny} holds {len(sets[tiny])}, so each "
+            f"evaluation reads some of them twice or more (it holds less than one batch of 8).")
+    assert note in log
+
+
+def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data, blend_dirs, tmp_path):
+    first, second, own = blend_dirs
+    for eval_dirs, error in (([], r"data\.eval=\[\] names no directory"),
+                             ([second, second + "/"], rf"data\.eval names {re.escape(second)} twice"),
+                             ([" "], r"data\.eval names an empty directory")):
+        with pytest.raises(ConfigError, match=error):
+            dataclasses.replace(small_data, eval=eval_dirs).eval_dirs()
+    from megatron_mini.dataset import load_eval_sets
+    tok = Tokenizer(Path(first) / "tokenizer.model")
+    with pytest.raises(DataError, match=re.escape(f"{own}/tokenizer.model: is another tokenizer (sha256 ")) as err:
+        load_eval_sets(dataclasses.replace(small_data, eval=[own]), SEQ, small_data.vocab_size, tok)
+    assert str(err.value).endswith(f"the directories of data.eval must share one, so that a token id means the same "
+                                   f"text in each; prepare {json.loads(Path(own, 'meta.json').read_text())['source']} "
+                                   f"with data.tokenizer={first}/tokenizer.model in a data.dir of its own and evaluate "
+                                   f"that")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}/tokenizer.model: missing; rebuild it with: python "
+                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={tmp_path}")):
+        load_eval_sets(dataclasses.replace(small_data, eval=[str(tmp_path)]), SEQ, small_data.vocab_size, tok)
 
 
 @pytest.mark.parametrize("blend, error", [
