@@ -23,6 +23,7 @@ import platform
 import random
 import re
 import shlex
+import signal
 import struct
 import sys
 import sysconfig
@@ -38,6 +39,7 @@ import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
 from megatron_mini.files import atomic_write, existing_part, remove_empty_dirs, unwritable_dir
+from megatron_mini.launch import signal_at_parent_death, signals_held
 
 _MAGIC = b"MMINIIDX"
 _VERSION = 1
@@ -377,6 +379,8 @@ def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
             for arr in docs:
                 f.write(np.asarray(arr, dtype).tobytes())
                 sizes.append(len(arr))
+            f.flush()
+            os.fsync(f.fileno())        # (on disk before the rename: a crash then leaves the old file or the new)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -392,6 +396,14 @@ _worker: dict = {}   # this process's encoder state, set by _init_worker (in eac
 
 def _init_worker(model_path: str, dtype) -> None:
     _worker.update(sp=spm.SentencePieceProcessor(model_file=model_path), dtype=dtype)
+
+
+def _init_pool_worker(parent: int, model_path: str, dtype) -> None:
+    """A pool worker's _init_worker, which also dies with its parent (`parent`, its pid): a pool's workers outlive
+    a parent that is killed (SIGKILL), waiting forever for work."""
+    if not signal_at_parent_death(signal.SIGKILL, parent):
+        os._exit(1)
+    _init_worker(model_path, dtype)
 
 
 def _encode_batch(texts: list[str]) -> list[np.ndarray]:
@@ -442,14 +454,23 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
     init = (str(tokenizer.path), dtype)
     if num_workers > 1:
         # (a worker that dies, killed or failing its initializer, breaks the pool: BrokenProcessPool, not a hang)
-        pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), _init_worker, init)
+        pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), _init_pool_worker,
+                                   (os.getpid(), *init))
+
+        def submit(batch):
+            # A Stopped (launch.stop_on_signals) raised in the pool's bookkeeping could leave its shutdown waiting
+            # forever; and the workers it starts here inherit the signals' block: a Ctrl-C or a scheduler's SIGTERM
+            # to the process group stops this process, which ends the pool, not a worker ("a process died").
+            with signals_held():
+                return pool.submit(_encode_batch, batch)
         try:
-            n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: pool.submit(_encode_batch, b)), dtype)
+            n_docs, n_tokens = write_indexed(prefix, encoded(submit), dtype)
         except BrokenProcessPool as e:
             raise DataError(f"{prefix}.bin", f"an encoding process died ({e}); out of memory? try data.num_workers=1",
                             rebuild=None) from None
         finally:
-            pool.shutdown(cancel_futures=True)
+            with signals_held():                 # (a second signal: after the pool is ended)
+                pool.shutdown(cancel_futures=True)
     else:
         _init_worker(*init)
         n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(b))), dtype)

@@ -15,6 +15,9 @@
   `--signal=USR1@SECONDS` warning) sets a flag that the training loop shares with every rank at the end of a
   step; then all of them save and exit. A second SIGINT interrupts at once. Its deadline (exit_after_minutes,
   a job's time limit less a margin) asks the same once it has passed.
+* `stop_on_signals()`: outside training (tools/prepare_data.py), SIGTERM, SIGINT and SIGHUP raise `Stopped`, so
+  that what the command was writing is taken away as it unwinds, not left on disk by SIGTERM's default action;
+  `signals_held()` keeps them out of code that must not be cut in two.
 * `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
@@ -22,6 +25,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import io
@@ -164,13 +168,19 @@ def follow_parent() -> None:
     must outlive."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):                                  # not Linux: no parent-death signal
-        return
-    if os.getppid() != parent:         # the launcher died before the request was in place
+    if not signal_at_parent_death(signal.SIGTERM, os.getppid()):
         fail("the launcher of this worker exited before training started.", code=1, reporter=None)
+
+
+def signal_at_parent_death(signum: int, parent: int) -> bool:
+    """Ask Linux to send this process `signum` when its parent dies (PR_SET_PDEATHSIG). False when `parent` (the
+    parent's pid, read earlier) died before the request was in place: this process is an orphan already. True
+    otherwise, and where nothing can be asked (not Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)      # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):                           # not Linux: no parent-death signal
+        return True
+    return os.getppid() == parent
 
 
 class Terminated(Exception):
@@ -211,15 +221,52 @@ class StopRequest:
         self.previous = {}
 
     @classmethod
-    def taken(cls) -> list:
-        """The signals this process handles: SIGNALS, less those it was started ignoring (SIGTERM always)."""
-        return [s for s in cls.SIGNALS if s == signal.SIGTERM or signal.getsignal(s) is not signal.SIG_IGN]
+    def taken(cls, signals: tuple = SIGNALS) -> list:
+        """The signals of `signals` this process handles: those it was not started ignoring (SIGTERM always)."""
+        return [s for s in signals if s == signal.SIGTERM or signal.getsignal(s) is not signal.SIG_IGN]
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.name = self.name or signal.Signals(signum).name
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)     # what stop_on_signals takes
+
+
+class Stopped(BaseException):
+    """This process was sent SIGTERM, SIGINT or SIGHUP (`stop_on_signals`); `signum` is which. A BaseException,
+    as KeyboardInterrupt is: no `except Exception` takes it for a failure of the work in hand."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM, SIGINT and SIGHUP raise Stopped in the main thread (a signal the process was started ignoring
+    stays ignored). SIGTERM's default action ends the process where it stands, leaving what it was writing (a
+    temporary file of gigabytes, a directory it created); raised, the work unwinds, and its `except BaseException`
+    and `finally` clauses take those away. For a command line outside training: train() takes these signals itself
+    (StopRequest), to save and stop with every rank."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+    for signum in StopRequest.taken(STOPPING):
+        signal.signal(signum, stop)
+
+
+@contextlib.contextmanager
+def signals_held(signals: tuple = STOPPING):
+    """Hold `signals` (blocked: pending, not lost) within the block; one that came is taken as it ends. For code
+    that a Stopped raised by stop_on_signals must not cut in two, such as a process pool's bookkeeping as it starts
+    a worker (a pool left half-updated waits forever in its shutdown). A process started within inherits the
+    block: it never sees them, and stops as the pool is shut down."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class RunLock:

@@ -147,6 +147,53 @@ def test_refused_prepare_data_leaves_no_empty_data_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
 
 
+@pytest.mark.parametrize("signame, to", [("SIGTERM", "group"), ("SIGINT", "group"), ("SIGTERM", "parent"),
+                                         ("SIGKILL", "parent")])
+def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
+    """A build stopped while it writes tokens.bin (a scheduler's SIGTERM to the job's processes, Ctrl-C's SIGINT to
+    the terminal's, or a kill of the command alone): one line naming the signal, exit 128 + its number, the
+    partial tokens.bin removed, the tokenizer kept; the encoding processes end with it. SIGKILL cannot be answered,
+    but leaves no encoding process behind either (they waited forever for the dead parent's work)."""
+    import glob
+    import json
+    import os
+    import signal
+    import sysconfig
+    import time
+
+    from commandline import PYTHON, finish, running
+    texts = [open(p, errors="replace").read() for p in sorted(glob.glob(os.path.join(
+        sysconfig.get_paths()["stdlib"], "*.py")))[:200]]
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for _ in range(4):                                 # ~12 MB: seconds of encoding on any machine
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    out = tmp_path / "data"
+    signum = getattr(signal, signame)
+    with running([PYTHON, "tools/prepare_data.py", f"data.source={tmp_path / 'corpus.jsonl'}", f"data.dir={out}",
+                  f"data.tokenizer={small_data.dir}/tokenizer.model", "data.vocab_size=512", "data.num_workers=2"],
+                 env()) as proc:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("tokens.bin.tmp*")):       # the encoding begins: its processes are starting
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)
+            time.sleep(0.05)
+        (os.killpg if to == "group" else os.kill)(proc.pid, signum)
+        r = finish(proc)
+        for _ in range(100):                               # (the pool's processes see their parent gone)
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"processes of the build outlived it: {r}")
+    if signum == signal.SIGKILL:
+        assert r.rc == -signal.SIGKILL, r
+        return
+    assert_one_error(r, [f"stopped by {signame}: the file being written was removed"], "python", code=128 + signum,
+                     quick=False)
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer.model"], r
+
+
 # ------------------------------------------------------------------------------------------ torchrun
 
 MULTI_RANK_CASES = [

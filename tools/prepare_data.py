@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from megatron_mini.config import ConfigError, check_keys, check_ranges, register_configs
 from megatron_mini.data import DataError, prepare
 from megatron_mini.dataset import blend_note, load_datasets
-from megatron_mini.launch import HydraCommandLine, fail
+from megatron_mini.launch import HydraCommandLine, Stopped, fail, stop_on_signals
 
 register_configs()
 command_line = HydraCommandLine()
@@ -25,6 +25,7 @@ command_line = HydraCommandLine()
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dict_cfg) -> None:
     command_line.composed()
+    stop_on_signals()                      # (SIGTERM: the tokens.bin being written is removed, not left behind)
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))   # (train.py's checks of the data.* keys)
         cfg = OmegaConf.to_object(dict_cfg)
@@ -43,6 +44,9 @@ def main(dict_cfg) -> None:
         fail(str(e), code=2)
     except OSError as e:                   # checked writable before the build: a full disk, a corpus file unread
         fail(f"{e.filename or dict_cfg.data.dir}: {e.strerror or e}", code=2)
+    except Stopped as e:
+        fail(f"stopped by {e}: the file being written was removed; what was finished (a tokenizer) is kept, and "
+             f"the same command goes on from there.", code=128 + e.signum)
 
 
 if __name__ == "__main__":
