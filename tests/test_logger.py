@@ -283,6 +283,32 @@ def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
     assert csv_rows[2] == "short,metrics.jsonl,8.0,8.0,,,,,"
 
 
+def test_compare_runs_reports_the_eval_sets(tmp_path, capsys):
+    """data.eval sets (eval_loss/<dir>) get a column each (the last value a run logged, "-" in a run without the
+    set), in the order first met, in the table and the CSV, and a panel of the plot; runs without any keep the
+    plain table."""
+    web = jsonl_run(tmp_path / "web", [(1, {"loss": 5.0}), (2, {"val_loss": 4.5, "eval_loss/data/code": 6.0}),
+                                       (4, {"val_loss": 4.0, "eval_loss/data/code": 5.5})])
+    mix = jsonl_run(tmp_path / "mix", [(1, {"loss": 5.5}), (2, {"eval_loss/data/code": 5.0, "eval_loss/data/x": 7.0}),
+                                       (4, {"eval_loss/data/code": 4.25})])
+    png = tmp_path / "compare.png"
+    assert compare_runs.main([web, mix, "-o", str(png), "--smooth", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-4:] == ["final", "eval_loss/data/code", "final", "eval_loss/data/x"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["web"][-2:] == ["5.5000", "-"] and rows["mix"][-2:] == ["4.2500", "7.0000"]
+    csv_rows = (tmp_path / "compare.csv").read_text().splitlines()
+    assert csv_rows[0].endswith(",median tokens/s,final eval_loss/data/code,final eval_loss/data/x")
+    assert csv_rows[1].endswith(",5.5,") and csv_rows[2].endswith(",4.25,7.0")
+    with_panel = png.stat().st_size
+    assert compare_runs.main([web, "-o", str(png)]) == 0                  # (one run: its own set, still a panel)
+    assert capsys.readouterr().out.splitlines()[0].split()[-2:] == ["final", "eval_loss/data/code"]
+    plain = jsonl_run(tmp_path / "plain", [(1, {"loss": 5.0}), (2, {"val_loss": 4.5})])
+    assert compare_runs.main([plain, "-o", str(png)]) == 0
+    assert "eval_loss" not in capsys.readouterr().out + (tmp_path / "compare.csv").read_text()
+    assert png.stat().st_size < with_panel
+
+
 def _metrics_lines(*steps) -> str:
     return "".join(json.dumps({"step": s, "val_loss": 2.5}) + "\n" for s in steps)
 

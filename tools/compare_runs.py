@@ -7,6 +7,8 @@ A RUN is a run directory (with wandb/ and/or metrics.jsonl), a wandb run directo
 A run directory's metrics.jsonl is preferred; its wandb record files are used when there is no
 metrics.jsonl or when they hold every step of it and more. The table's "source" column says which.
 The first RUN is the reference for the "gap" columns. The table is also saved as FILE.csv.
+Runs with data.eval sets (eval_loss/<dir>: the same samples whatever a run's data mixture, seed or layout)
+get a column each, their final value, and a panel of their curves below the losses.
 """
 from __future__ import annotations
 
@@ -191,6 +193,20 @@ COLUMNS = ["run", "source", "final loss", "min loss", "final val_loss", "gap vs 
            "median tokens/s"]
 
 
+def eval_keys(runs: list[Run]) -> list[str]:
+    """The data.eval sets' metrics (eval_loss/<dir>) that any of `runs` logged, in the order first met."""
+    keys: dict[str, None] = {}
+    for run in runs:
+        for row in run.rows:
+            keys.update(dict.fromkeys(k for k in row if k.startswith("eval_loss/")))
+    return list(keys)
+
+
+def columns(runs: list[Run]) -> list[str]:
+    """The table's columns: COLUMNS, then "final eval_loss/<dir>" for each of eval_keys(runs)."""
+    return COLUMNS + [f"final {key}" for key in eval_keys(runs)]
+
+
 def smoothed_loss(run: Run, smooth: float) -> dict[int, float]:
     """The smoothed train loss at each step that logged a finite loss."""
     steps, loss = run.series("loss")
@@ -212,7 +228,7 @@ def gap(run: Run, ref: Run, smooth: float) -> tuple[float | None, int | None, st
 
 
 def table(runs: list[Run], smooth: float) -> list[dict]:
-    """One row of COLUMNS per run, plus "note": why a run with a train loss has no "gap vs ref" (else None).
+    """One row of columns(runs) per run, plus "note": why a run with a train loss has no "gap vs ref" (else None).
 
     "gap vs ref" is the smoothed loss minus the first run's at "gap step", the last step both logged.
     """
@@ -235,6 +251,7 @@ def table(runs: list[Run], smooth: float) -> list[dict]:
             "skipped steps": int(max(skipped)) if skipped else None,
             "median tokens/s": statistics.median(speed) if speed else None,
             "note": note,
+            **{f"final {key}": (run.series(key)[1] or [None])[-1] for key in eval_keys(runs)},
         })
     return rows
 
@@ -247,9 +264,9 @@ def _fmt(column: str, value) -> str:
     return {"gap vs ref": "{:+.4f}", "median tokens/s": "{:.0f}"}.get(column, "{:.4f}").format(value)
 
 
-def print_table(rows: list[dict]) -> None:
-    cells = [COLUMNS] + [[_fmt(c, row[c]) for c in COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+def print_table(rows: list[dict], names: list[str]) -> None:
+    cells = [names] + [[_fmt(c, row[c]) for c in names] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(names))]
     for line in cells:
         print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
     for row in rows:
@@ -257,22 +274,30 @@ def print_table(rows: list[dict]) -> None:
             print(f"{row['run']}: no gap vs ref: {row['note']}")
 
 
-def save_csv(rows: list[dict], path: str) -> None:
+def save_csv(rows: list[dict], names: list[str], path: str) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
-        writer.writerows({c: "" if row[c] is None else row[c] for c in COLUMNS} for row in rows)
+        writer.writerows({c: "" if row[c] is None else row[c] for c in names} for row in rows)
+
+
+_MARKERS = "osD^vP*X"
 
 
 def plot(runs: list[Run], path: str, smooth: float) -> None:
-    """Train loss (raw thin, smoothed thick), val loss (dashed, markers), loss scale on a log axis."""
+    """Train loss (raw thin, smoothed thick), val loss (dashed, markers), loss scale on a log axis; below, when
+    runs logged any, the data.eval sets' losses (a marker each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    evals = eval_keys(runs)
+    if evals:
+        fig, (ax, eval_ax) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, height_ratios=[2, 1])
+    else:
+        fig, ax = plt.subplots(figsize=(10, 6))
     scale_ax = None
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
@@ -285,7 +310,10 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
         if scale:
             scale_ax = scale_ax or ax.twinx()
             scale_ax.plot(steps, scale, color=color, ls=":", lw=1.2)
-    ax.set_xlabel("step")
+        for j, key in enumerate(evals):
+            eval_ax.plot(*run.series(key), color=color, marker=_MARKERS[j % len(_MARKERS)], ms=5)
+    if not evals:
+        ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     styles = [Line2D([], [], color="gray", lw=2, label=f"train (EMA {smooth})"),
@@ -297,6 +325,14 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
         styles.append(Line2D([], [], color="gray", ls=":", label="loss scale"))
     ax.add_artist(ax.legend(loc="upper right", title="run"))
     ax.legend(handles=styles, loc="upper center")
+    if evals:
+        eval_ax.set_xlabel("step")
+        eval_ax.set_ylabel("eval loss")
+        eval_ax.set_title("data.eval sets (the same samples in every run)", fontsize=10)
+        eval_ax.grid(alpha=0.3)
+        eval_ax.legend(handles=[Line2D([], [], color="gray", marker=_MARKERS[j % len(_MARKERS)], ms=5,
+                                       label=key[len("eval_loss/"):]) for j, key in enumerate(evals)],
+                       loc="upper right", title="set")
     fig.tight_layout()
     write_output(path, lambda path: fig.savefig(path, dpi=120))
     plt.close(fig)
@@ -326,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for run, label in zip(runs, labels or []):
         run.label = label
-    rows = table(runs, args.smooth)
-    print_table(rows)
+    rows, names = table(runs, args.smooth), columns(runs)
+    print_table(rows, names)
     plot(runs, args.output, args.smooth)
-    write_output(table_path, lambda path: save_csv(rows, path))
+    write_output(table_path, lambda path: save_csv(rows, names, path))
     print(f"wrote {args.output} and {table_path}")
     return 0
 
