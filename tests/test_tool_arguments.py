@@ -253,7 +253,7 @@ def test_a_write_that_fails_leaves_the_earlier_output_whole(tool, tmp_path, monk
     if module is compare_runs:
         monkeypatch.undo()
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr(compare_runs, "save_csv", lambda rows, path: _write_half_then_fail(path))
+        monkeypatch.setattr(compare_runs, "save_csv", lambda rows, names, path: _write_half_then_fail(path))
         assert _exit_code(module, argv("out/x.png")) == 2
         assert _one_error_line(capsys) == "error: cannot write out/x.csv: No space left on device"
         assert (tmp_path / "out" / "x.csv").read_bytes() == before["x.csv"]
