@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
+from pathlib import PurePath
 from typing import List, Optional
 
 from .errors import ConfigError, RunError  # noqa: F401  (re-exported: the errors of a config and a run)
@@ -144,7 +145,7 @@ class DataConfig:
         dirs = items[1::2]
         _check_dirs("data.blend", dirs, ", with the sum of its weights")
         total = sum(weights)
-        return [(w / total, d) for w, d in zip(weights, dirs)]
+        return [(w / total, _spelled(d)) for w, d in zip(weights, dirs)]
 
     def eval_dirs(self) -> list[str]:
         """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice."""
@@ -155,7 +156,13 @@ class DataConfig:
             raise ConfigError("data.eval=[] names no directory: name the prepared directories each evaluation also "
                               "reads (null: none).")
         _check_dirs("data.eval", dirs, "")
-        return dirs
+        return [_spelled(d) for d in dirs]
+
+
+def _spelled(directory) -> str:
+    """A directory's name as a run uses it (its metrics' keys: loss/<dir>, eval_loss/<dir>), whatever the spelling:
+    "./data/web/" is "data/web" (".." is kept: a link may stand before it)."""
+    return str(PurePath(directory))
 
 
 def _check_dirs(key: str, dirs: list, hint: str) -> None:

@@ -249,24 +249,31 @@ class Tokenizer:
         return self._sp.decode(list(ids))
 
 
-def train_tokenizer(docs, vocab_size: int, sample_chars: int, seed: int, path) -> None:
+def train_tokenizer(docs, vocab_size: int, sample_chars: int, seed: int, path, record: dict | None = None) -> None:
     """Train a byte-fallback BPE on about `sample_chars` characters of seeded-shuffled multi-line chunks
     of `docs` (tokenizer_sample): identity normalisation, whitespace kept (runs of spaces are pieces), digits split,
     "\\n" and "\\t" always in the vocabulary; id 0 = <unk>, 1 = EOS, no BOS/PAD. The same inputs give
-    the same model file on any machine (with the same sentencepiece version)."""
+    the same model file on any machine (with the same sentencepiece version). With `record`, `path`'s .json gets it
+    and the model's sha256 (what prepare's cache compares). Sentencepiece answers no signal while it trains: the
+    signals of launch.stop_on_signals are held from its start to the last write, so that one coming meanwhile stops
+    the process once the trained tokenizer is kept."""
     sample = tokenizer_sample(docs, sample_chars, seed)
     total = sum(map(len, sample))
     model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
-            required_chars="\n\t", character_coverage=0.9999, max_sentence_length=4 * _CHUNK_CHARS + 16,
-            unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=1, minloglevel=2)  # 1 thread: reproducible
-    except RuntimeError as e:
-        raise DataError(path, _tokenizer_failure(str(e), vocab_size, total), rebuild=None) from None
-    atomic_write(path, model.getvalue())
+    with signals_held():
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sample), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+                byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+                remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+                required_chars="\n\t", character_coverage=0.9999, max_sentence_length=4 * _CHUNK_CHARS + 16,
+                unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=1, minloglevel=2)  # 1 thread: reproducible
+        except RuntimeError as e:
+            raise DataError(path, _tokenizer_failure(str(e), vocab_size, total), rebuild=None) from None
+        atomic_write(path, model.getvalue())
+        if record is not None:
+            atomic_write(Path(path).with_suffix(".json"), json.dumps(
+                {**record, "sha256": hashlib.sha256(model.getvalue()).hexdigest()}, indent=1).encode())
 
 
 def tokenizer_sample(docs, sample_chars: int, seed: int) -> list[str]:
@@ -453,9 +460,11 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
 
     init = (str(tokenizer.path), dtype)
     if num_workers > 1:
-        # (a worker that dies, killed or failing its initializer, breaks the pool: BrokenProcessPool, not a hang)
-        pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), _init_pool_worker,
-                                   (os.getpid(), *init))
+        # (a worker that dies, killed or failing its initializer, breaks the pool: BrokenProcessPool, not a hang;
+        # held: the pool starts multiprocessing's resource tracker, which must not die of a SIGHUP to the group)
+        with signals_held():
+            pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), _init_pool_worker,
+                                       (os.getpid(), *init))
 
         def submit(batch):
             # A Stopped (launch.stop_on_signals) raised in the pool's bookkeeping could leave its shutdown waiting
@@ -549,9 +558,8 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
         print(f"tokenizer: cached {tok_path}")
     else:
         t = time.time()
-        train_tokenizer(docs, cfg.vocab_size, cfg.tokenizer_sample_chars, cfg.tokenizer_seed, tok_path)
+        train_tokenizer(docs, cfg.vocab_size, cfg.tokenizer_sample_chars, cfg.tokenizer_seed, tok_path, trained_on)
         tok = Tokenizer(tok_path)
-        atomic_write(out / "tokenizer.json", json.dumps({**trained_on, "sha256": tok.sha256}, indent=1).encode())
         print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
     try:
         meta = open_checked(out, tok)[1]

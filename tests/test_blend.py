@@ -329,6 +329,16 @@ def test_a_blend_that_is_no_mixture_is_refused_in_one_line(small_data, blend, er
         dataclasses.replace(small_data, blend=blend).parts()
 
 
+def test_a_directory_is_named_alike_however_it_is_spelled(small_data):
+    """parts() and eval_dirs() give each directory one name, whatever its spelling ("./A/" is "A"): the keys of its
+    metrics (loss/<dir>, val_loss/<dir>, eval_loss/<dir>) stay the same series when a resume spells it otherwise."""
+    for spelled in ("A", "./A/", "A//", " ./A "):
+        cfg = dataclasses.replace(small_data, blend=["1", spelled, "3", "/x/./B/"], eval=[spelled, "/x/B/."])
+        assert cfg.parts() == [(Fraction(1, 4), "A"), (Fraction(3, 4), "/x/B")]
+        assert cfg.eval_dirs() == ["A", "/x/B"]
+    assert dataclasses.replace(small_data, blend=["1", "a/../b"]).parts() == [(1, "a/../b")]   # (a may be a link)
+
+
 def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_data, blend_dirs, tmp_path):
     """Another tokenizer (prepare it with the first's: data.tokenizer), of another vocabulary too (not: raise the
     vocabulary), a directory that is no build (its prepare command, with the first's tokenizer), a weight that rounds

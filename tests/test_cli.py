@@ -147,13 +147,13 @@ def test_refused_prepare_data_leaves_no_empty_data_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
 
 
-@pytest.mark.parametrize("signame, to", [("SIGTERM", "group"), ("SIGINT", "group"), ("SIGTERM", "parent"),
-                                         ("SIGKILL", "parent")])
+@pytest.mark.parametrize("signame, to", [("SIGTERM", "group"), ("SIGINT", "group"), ("SIGHUP", "group"),
+                                         ("SIGTERM", "parent"), ("SIGKILL", "parent")])
 def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
-    """A build stopped while it writes tokens.bin (a scheduler's SIGTERM to the job's processes, Ctrl-C's SIGINT to
-    the terminal's, or a kill of the command alone): one line naming the signal, exit 128 + its number, the
-    partial tokens.bin removed, the tokenizer kept; the encoding processes end with it. SIGKILL cannot be answered,
-    but leaves no encoding process behind either (they waited forever for the dead parent's work)."""
+    """A build stopped while it writes tokens.bin (a scheduler's SIGTERM to the job's processes, Ctrl-C's SIGINT or
+    a closed terminal's SIGHUP to the terminal's, or a kill of the command alone): one line naming the signal, exit
+    128 + its number, the partial tokens.bin removed, the tokenizer kept; the encoding processes end with it. SIGKILL
+    cannot be answered, but leaves no encoding process behind either (they waited forever for the dead parent)."""
     import glob
     import json
     import os

@@ -187,6 +187,40 @@ def test_an_encoding_process_that_dies_is_an_error_not_a_hang(prepared, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_signal_while_the_tokenizer_trains_keeps_it(small_data, tmp_path, monkeypatch):
+    """Sentencepiece answers no signal while it trains: a SIGTERM then (sent from inside the training, so that it
+    surely comes then) stops the preparation (launch.Stopped) only once the tokenizer and its record are written,
+    and the next preparation finds them cached, not trained again."""
+    import os
+    import signal
+
+    from megatron_mini.launch import Stopped, stop_on_signals
+
+    real = spm.SentencePieceTrainer.train
+
+    def signalled_train(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    cfg = dataclasses.replace(small_data, dir=str(tmp_path / "data"), tokenizer_sample_chars=200_000)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", signalled_train)
+    try:
+        stop_on_signals()
+        with pytest.raises(Stopped, match="SIGTERM"):
+            prepare(cfg)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    monkeypatch.undo()
+    assert sorted(p.name for p in Path(cfg.dir).iterdir()) == ["tokenizer.json", "tokenizer.model"]
+    record = json.loads((Path(cfg.dir) / "tokenizer.json").read_text())
+    assert record["sha256"] == Tokenizer(Path(cfg.dir) / "tokenizer.model").sha256
+    monkeypatch.setattr(data, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    prepare(cfg)
+    assert (Path(cfg.dir) / "tokens.bin").is_file()
+
+
 def test_a_corpus_in_shards(tmp_path):
     """A directory's .txt (a document each), .jsonl and .jsonl.gz files (a document a line) below it, in the order of
     their paths; other files are left out; data.text_key names the field; a bad line of a .gz names its line."""
