@@ -278,6 +278,18 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
 EVAL_SEED = 0        # data.eval's samples: the same for every run (any seed), a yardstick across runs and mixtures
 
 
+def trained_eval_notes(cfg: DataConfig) -> list[str]:
+    """A start-up line for each data.eval set that holds a corpus the run trains on (data.dir or a blend's directory:
+    the same corpus sha256 in their meta.json, a copy too): but for the validation split, its documents are
+    training documents, so its eval_loss is no held-out yardstick."""
+    def corpus(directory):
+        return (read_json(Path(directory) / "meta.json") or {}).get("corpus_sha256")
+    trained = {corpus(d): d for _, d in cfg.parts()}
+    return [f"data.eval: {d} holds the corpus of {trained[corpus(d)]}, which this run trains on (all but its "
+            f"validation documents): its eval_loss is mostly a training loss, not a held-out one"
+            for d in cfg.eval_dirs() if corpus(d) in trained]
+
+
 def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer) -> dict:
     """{directory: GPTDataset of all its documents, shuffled by EVAL_SEED} of data.eval's prepared directories,
     each checked as a run's data (open_part) and encoded with the run's `tokenizer` (its ids must mean the same text);

@@ -35,7 +35,7 @@ from .kernels import attention_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
-                      load_datasets, load_eval_sets)
+                      load_datasets, load_eval_sets, trained_eval_notes)
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
 from .profiling import StepProfiler
@@ -726,6 +726,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                               *((f"data.eval's {name}", ds) for name, ds in trainer.evals.items())):
             if (note := evaluation_note(cfg.eval_iters, cfg.gbs, len(dataset), what)) is not None:
                 log.info(note)
+        for note in trained_eval_notes(cfg.data):
+            log.info(note)
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 

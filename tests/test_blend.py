@@ -292,6 +292,25 @@ def test_an_evaluation_set_is_read_the_same_by_every_run(small_data, blend_dirs,
     note = (f"evaluation: eval_iters 2 x gbs 8 = 16 samples, but data.eval's {tiny} holds {len(sets[tiny])}, so each "
             f"evaluation reads some of them twice or more (it holds less than one batch of 8).")
     assert note in log
+    assert "which this run trains on" not in log                      # (trained_eval_notes: none of these)
+
+
+def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp_path):
+    """data.eval naming a directory the run trains on (data.dir, a blend's directory, or a copy of either: the same
+    corpus sha256) is a start-up line for each such set, naming the directory trained on; another corpus is none."""
+    from megatron_mini.dataset import trained_eval_notes
+    first, second, _ = blend_dirs
+    shutil.copytree(first, tmp_path / "copy")
+    copy = str(tmp_path / "copy")
+
+    def note(d, trained):
+        return (f"data.eval: {d} holds the corpus of {trained}, which this run trains on (all but its validation "
+                f"documents): its eval_loss is mostly a training loss, not a held-out one")
+    plain = dataclasses.replace(small_data, eval=[second, copy, first])
+    assert trained_eval_notes(plain) == [note(copy, first), note(first, first)]
+    assert trained_eval_notes(dataclasses.replace(plain, eval=[second])) == []
+    blend = dataclasses.replace(blend_of(small_data, (1, second), (1, copy)), eval=[second, first])
+    assert trained_eval_notes(blend) == [note(second, second), note(first, copy)]
 
 
 def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data, blend_dirs, tmp_path):
