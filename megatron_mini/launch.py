@@ -233,6 +233,7 @@ class StopRequest:
 
 
 STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)     # what stop_on_signals takes
+_held = {"depth": 0, "signum": None}   # signals_held's blocks open, and the first signal stop_on_signals deferred
 
 
 class Stopped(BaseException):
@@ -251,22 +252,32 @@ def stop_on_signals() -> None:
     and `finally` clauses take those away. For a command line outside training: train() takes these signals itself
     (StopRequest), to save and stop with every rank."""
     def stop(signum, frame):
-        raise Stopped(signum)
+        if _held["depth"]:
+            _held["signum"] = _held["signum"] or signum
+        else:
+            raise Stopped(signum)
     for signum in StopRequest.taken(STOPPING):
         signal.signal(signum, stop)
 
 
 @contextlib.contextmanager
 def signals_held(signals: tuple = STOPPING):
-    """Hold `signals` (blocked: pending, not lost) within the block; one that came is taken as it ends. For code
-    that a Stopped raised by stop_on_signals must not cut in two, such as a process pool's bookkeeping as it starts
-    a worker (a pool left half-updated waits forever in its shutdown). A process started within inherits the
-    block: it never sees them, and stops as the pool is shut down."""
+    """Hold `signals` within the block; one that came raises its Stopped as the block ends. For code that a Stopped
+    raised by stop_on_signals must not cut in two, such as a process pool's bookkeeping as it starts a worker (a pool
+    left half-updated waits forever in its shutdown). Two holds: this thread blocks them (pending, not lost), so a
+    process started within inherits the block, never sees them, and stops as the pool is shut down; and the handler
+    defers a signal that came anyway (the kernel gives a signal sent to the process to any thread not blocking it,
+    and Python then runs the handler in the main thread, within the block)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    _held["depth"] += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _held["depth"] -= 1
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)     # (a pending signal's handler runs here)
+        if not _held["depth"] and _held["signum"] is not None:
+            signum, _held["signum"] = _held["signum"], None
+            raise Stopped(signum)
 
 
 class RunLock:

@@ -190,11 +190,17 @@ def test_an_encoding_process_that_dies_is_an_error_not_a_hang(prepared, tmp_path
 def test_a_signal_while_the_tokenizer_trains_keeps_it(small_data, tmp_path, monkeypatch):
     """Sentencepiece answers no signal while it trains: a SIGTERM then (sent from inside the training, so that it
     surely comes then) stops the preparation (launch.Stopped) only once the tokenizer and its record are written,
-    and the next preparation finds them cached, not trained again."""
+    and the next preparation finds them cached, not trained again. With another thread alive, as in any process
+    with a pool (or a pytest-xdist worker): the kernel may give that thread the signal, and Python then runs the
+    handler in the main thread however the main thread blocks it."""
     import os
     import signal
+    import threading
 
     from megatron_mini.launch import Stopped, stop_on_signals
+
+    done = threading.Event()
+    threading.Thread(target=done.wait, daemon=True).start()
 
     real = spm.SentencePieceTrainer.train
 
@@ -210,6 +216,7 @@ def test_a_signal_while_the_tokenizer_trains_keeps_it(small_data, tmp_path, monk
         with pytest.raises(Stopped, match="SIGTERM"):
             prepare(cfg)
     finally:
+        done.set()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     monkeypatch.undo()
