@@ -268,13 +268,15 @@ def signals_held(signals: tuple = STOPPING):
     process started within inherits the block, never sees them, and stops as the pool is shut down; and the handler
     defers a signal that came anyway (the kernel gives a signal sent to the process to any thread not blocking it,
     and Python then runs the handler in the main thread, within the block)."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    _held["depth"] += 1
+    _held["depth"] += 1             # (first: from here on the handler defers, so nothing below is cut short)
+    previous = None
     try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         yield
     finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)     # (a pending signal's handler runs here)
         _held["depth"] -= 1
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)     # (a pending signal's handler runs here)
         if not _held["depth"] and _held["signum"] is not None:
             signum, _held["signum"] = _held["signum"], None
             raise Stopped(signum)

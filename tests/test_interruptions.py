@@ -347,6 +347,45 @@ def test_each_stopping_signal_is_a_request_and_a_second_ctrl_c_interrupts():
             signal.signal(s, handler)
 
 
+def test_a_held_signal_stops_as_the_outermost_hold_ends():
+    """stop_on_signals + signals_held: a signal within a hold (nested ones too) lets the held code finish and raises
+    Stopped as the outermost hold ends, with this thread's signal mask as it was; an exception leaving a hold while
+    a signal waits gives way to the Stopped, and no signal is left over for a later hold; a signal outside any hold
+    raises at once. With a second thread alive, which the kernel may hand the signal to."""
+    import threading
+
+    from megatron_mini.launch import STOPPING, Stopped, signals_held, stop_on_signals
+    saved = {s: signal.getsignal(s) for s in STOPPING}
+    alive = threading.Event()
+    threading.Thread(target=alive.wait, daemon=True).start()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    ran = []
+    try:
+        stop_on_signals()
+        with pytest.raises(Stopped, match="SIGHUP"):
+            with signals_held():
+                with signals_held():
+                    os.kill(os.getpid(), signal.SIGHUP)
+                    _until(lambda: False, 0.1)
+                    ran.append("inner")
+                ran.append("outer")
+        assert ran == ["inner", "outer"] and signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+        with pytest.raises(Stopped, match="SIGTERM"):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise ValueError("the work failed")
+        with signals_held():
+            ran.append("clean")                           # (nothing left over from before)
+        with pytest.raises(Stopped, match="SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            _until(lambda: False)
+        assert ran[-1] == "clean" and signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    finally:
+        alive.set()
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def _handlers_around_train(cfg):
     """The handlers of StopRequest's signals before train(cfg) on this rank (its main thread), and after."""
     from megatron_mini.launch import StopRequest
