@@ -39,7 +39,7 @@ import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
 from megatron_mini.files import atomic_write, existing_part, remove_empty_dirs, unwritable_dir
-from megatron_mini.launch import signal_at_parent_death, signals_held
+from megatron_mini.launch import STOPPING, signal_at_parent_death, signals_held
 
 _MAGIC = b"MMINIIDX"
 _VERSION = 1
@@ -406,10 +406,16 @@ def _init_worker(model_path: str, dtype) -> None:
 
 
 def _init_pool_worker(parent: int, model_path: str, dtype) -> None:
-    """A pool worker's _init_worker, which also dies with its parent (`parent`, its pid): a pool's workers outlive
-    a parent that is killed (SIGKILL), waiting forever for work."""
+    """A pool worker's _init_worker. It dies with its parent (`parent`, its pid): a pool's workers outlive a parent
+    that is killed (SIGKILL), waiting forever for work. It starts with the stopping signals blocked (it was started
+    within launch.signals_held); it ignores SIGINT and SIGHUP, which a terminal's Ctrl-C or hangup sends to the
+    whole process group (the parent stops and ends the pool: a worker that died of one first would be "an encoding
+    process died" and a traceback), and takes SIGTERM again, by which a broken pool ends its other workers."""
     if not signal_at_parent_death(signal.SIGKILL, parent):
         os._exit(1)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)         # (a pending one is dropped)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)
     _init_worker(model_path, dtype)
 
 
@@ -467,9 +473,8 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
                                        (os.getpid(), *init))
 
         def submit(batch):
-            # A Stopped (launch.stop_on_signals) raised in the pool's bookkeeping could leave its shutdown waiting
-            # forever; and the workers it starts here inherit the signals' block: a Ctrl-C or a scheduler's SIGTERM
-            # to the process group stops this process, which ends the pool, not a worker ("a process died").
+            # (a Stopped, launch.stop_on_signals, raised in the pool's bookkeeping could leave its shutdown waiting
+            # forever; the workers it starts here inherit the signals' block: _init_pool_worker)
             with signals_held():
                 return pool.submit(_encode_batch, batch)
         try:

@@ -276,9 +276,11 @@ def signals_held(signals: tuple = STOPPING):
     finally:
         if previous is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)     # (a pending signal's handler runs here)
-        _held["depth"] -= 1
-        if not _held["depth"] and _held["signum"] is not None:
+        signum = None
+        if _held["depth"] == 1:     # (taken while still held: a signal from now on is deferred, or raised once out)
             signum, _held["signum"] = _held["signum"], None
+        _held["depth"] -= 1
+        if signum is not None:
             raise Stopped(signum)
 
 

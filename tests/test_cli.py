@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 
 import pytest
 
@@ -162,6 +163,8 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
     import time
 
     from commandline import PYTHON, finish, running
+    if signame == "SIGKILL" and sys.platform != "linux":
+        pytest.skip("a process dies with its parent on Linux only (PR_SET_PDEATHSIG)")
     texts = [open(p, errors="replace").read() for p in sorted(glob.glob(os.path.join(
         sysconfig.get_paths()["stdlib"], "*.py")))[:200]]
     with open(tmp_path / "corpus.jsonl", "w") as f:
@@ -189,7 +192,7 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
     if signum == signal.SIGKILL:
         assert r.rc == -signal.SIGKILL, r
         return
-    assert_one_error(r, [f"stopped by {signame}: the file being written was removed"], "python", code=128 + signum,
+    assert_one_error(r, [f"stopped by {signame}: no half-written file is left"], "python", code=128 + signum,
                      quick=False)
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer.model"], r
 

@@ -228,6 +228,41 @@ def test_a_signal_while_the_tokenizer_trains_keeps_it(small_data, tmp_path, monk
     assert (Path(cfg.dir) / "tokens.bin").is_file()
 
 
+def test_an_encoding_process_killed_midway_is_an_error_not_a_hang(prepared, tmp_path):
+    """A worker killed while the corpus is encoded (the OOM killer's SIGKILL): the pool ends its other workers with
+    SIGTERM, which they must take (they start with it blocked, launch.signals_held), then one DataError, no
+    tokens.bin. A watchdog kills the workers after 60 s, so that a hang fails instead of stalling the suite."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    tok = Tokenizer(Path(prepared[0].dir) / "tokenizer.model")
+    docs = ["def f(x):\n    return [x * i for i in range(10)]  # a line of code\n" * 50] * 4000    # ~10 MB
+    hung, done = [], threading.Event()
+
+    def kill_one_then_watch():
+        deadline = time.monotonic() + 60
+        while not multiprocessing.active_children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            hung.append(True)
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+    watch = threading.Thread(target=kill_one_then_watch, daemon=True)
+    watch.start()
+    try:
+        with pytest.raises(DataError, match=r"tokens\.bin: an encoding process died"):
+            encode_corpus(docs, tok, tmp_path / "tokens", num_workers=2, num_docs=len(docs))
+    finally:
+        done.set()
+        watch.join()
+    assert not hung and list(tmp_path.iterdir()) == []
+
+
 def test_a_corpus_in_shards(tmp_path):
     """A directory's .txt (a document each), .jsonl and .jsonl.gz files (a document a line) below it, in the order of
     their paths; other files are left out; data.text_key names the field; a bad line of a .gz names its line."""

@@ -45,8 +45,8 @@ def main(dict_cfg) -> None:
     except OSError as e:                   # checked writable before the build: a full disk, a corpus file unread
         fail(f"{e.filename or dict_cfg.data.dir}: {e.strerror or e}", code=2)
     except Stopped as e:
-        fail(f"stopped by {e}: the file being written was removed; what was finished (a tokenizer) is kept, and "
-             f"the same command goes on from there.", code=128 + e.signum)
+        fail(f"stopped by {e}: no half-written file is left; what was finished (a tokenizer) is kept, and the "
+             f"same command goes on from there.", code=128 + e.signum)
 
 
 if __name__ == "__main__":
