@@ -197,13 +197,19 @@ def _refuse_ids(rows: np.ndarray, dataset, first: int, vocab_size: int, cfg: Dat
                         rebuild_command(part_config(cfg, part.indexed.bin_path.parent)))
 
 
+def directory_meta(directory) -> dict:
+    """A prepared directory's meta.json ({} where it has none, or one that is no JSON object)."""
+    meta = read_json(Path(directory) / "meta.json")
+    return meta if isinstance(meta, dict) else {}
+
+
 def part_config(cfg: DataConfig, directory) -> DataConfig:
     """The DataConfig that builds `directory`, one the run reads: cfg itself for its data.dir (without a blend), else a
     directory read by its path (a blend's, data.eval's) with the corpus its meta.json names (`<corpus>` where it names
     none; tools/prepare_data.py)."""
     if cfg.blend is None and Path(directory) == Path(cfg.dir):
         return cfg
-    source = (read_json(Path(directory) / "meta.json") or {}).get("source")
+    source = directory_meta(directory).get("source")
     return dataclasses.replace(cfg, dir=str(directory), blend=None, tokenizer=None,
                                source=source if isinstance(source, str) else "<corpus>")
 
@@ -282,12 +288,11 @@ def trained_eval_notes(cfg: DataConfig) -> list[str]:
     """A start-up line for each data.eval set that holds a corpus the run trains on (data.dir or a blend's directory:
     the same corpus sha256 in their meta.json, a copy too): but for the validation split, its documents are
     training documents, so its eval_loss is no held-out yardstick."""
-    def corpus(directory):
-        return (read_json(Path(directory) / "meta.json") or {}).get("corpus_sha256")
-    trained = {corpus(d): d for _, d in cfg.parts()}
-    return [f"data.eval: {d} holds the corpus of {trained[corpus(d)]}, which this run trains on (all but its "
+    trained = {directory_meta(d).get("corpus_sha256"): d for _, d in cfg.parts()}
+    evals = {d: directory_meta(d).get("corpus_sha256") for d in cfg.eval_dirs()}
+    return [f"data.eval: {d} holds the corpus of {trained[sha]}, which this run trains on (all but its "
             f"validation documents): its eval_loss is mostly a training loss, not a held-out one"
-            for d in cfg.eval_dirs() if corpus(d) in trained]
+            for d, sha in evals.items() if sha in trained]
 
 
 def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer) -> dict:
@@ -308,7 +313,7 @@ def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
     """What the train/validation split and the token ids depend on, besides seed and val_fraction, recorded in each
     checkpoint (a resume must read the same data): the tokenizer, the corpus (a blend's: its shares and corpora) and
     its token count."""
-    metas = [(share, directory, read_json(Path(directory) / "meta.json") or {}) for share, directory in cfg.parts()]
+    metas = [(share, directory, directory_meta(directory)) for share, directory in cfg.parts()]
     identity = {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
                 "num_tokens": metas[0][2].get("num_tokens")}
     if len(metas) == 1:                  # (a blend of one directory reads its samples as data.dir does)

@@ -232,7 +232,7 @@ def table(runs: list[Run], smooth: float) -> list[dict]:
 
     "gap vs ref" is the smoothed loss minus the first run's at "gap step", the last step both logged.
     """
-    rows = []
+    rows, evals = [], eval_keys(runs)
     for run in runs:
         _, loss = run.series("loss")
         finite = [v for v in loss if math.isfinite(v)]
@@ -251,7 +251,7 @@ def table(runs: list[Run], smooth: float) -> list[dict]:
             "skipped steps": int(max(skipped)) if skipped else None,
             "median tokens/s": statistics.median(speed) if speed else None,
             "note": note,
-            **{f"final {key}": (run.series(key)[1] or [None])[-1] for key in eval_keys(runs)},
+            **{f"final {key}": (run.series(key)[1] or [None])[-1] for key in evals},
         })
     return rows
 
