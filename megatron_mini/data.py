@@ -38,7 +38,8 @@ import numpy as np
 import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
-from megatron_mini.files import atomic_write, existing_part, remove_empty_dirs, unwritable_dir
+from megatron_mini.files import (DirectoryLock, atomic_write, existing_part, remove_empty_dirs, remove_left_temporaries,
+                                 temporary_name, unwritable_dir)
 from megatron_mini.launch import STOPPING, signal_at_parent_death, signals_held
 
 _MAGIC = b"MMINIIDX"
@@ -379,7 +380,7 @@ def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
     Returns (documents, tokens)."""
     code = {np.dtype(v): k for k, v in _DTYPES.items()}[np.dtype(dtype)]
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
-    tmp = bin_path.with_name(f"{bin_path.name}.tmp{os.getpid()}")
+    tmp = Path(temporary_name(bin_path))
     sizes = []
     try:
         with open(tmp, "wb") as f:
@@ -528,7 +529,9 @@ def prepare(cfg: DataConfig) -> dict:
     """corpus -> tokenizer -> tokens.bin/.idx + meta.json in cfg.dir; a step whose output exists and matches
     (corpus hash, vocab size, tokenizer sha256) is skipped, and a valid build of another corpus or vocabulary
     is refused (_refuse_other_data). Returns the contents of meta.json. A data.dir that cannot be created or
-    written is refused first; a refused build leaves no empty data.dir (nor parents) that it created."""
+    written is refused first; a refused build leaves no empty data.dir (nor parents) that it created. One
+    preparation at a time builds a directory (its .lock, while it runs: another is refused); it first removes the
+    temporary files a killed one left (tokens.bin.tmp<pid>, the size of the corpus)."""
     out = Path(cfg.dir)
     if (problem := unwritable_dir(out)) is not None:
         raise DataError(f"data.dir={cfg.dir}", f"{problem}; choose another data.dir", rebuild=None)
@@ -537,7 +540,12 @@ def prepare(cfg: DataConfig) -> dict:
     existing = existing_part(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _build(cfg, out, given)
+        with DirectoryLock(out, "another preparation", "Two preparations must not build one directory at once: "
+                                                        "wait for it to finish (this command then finds its files "
+                                                        "ready)."):
+            for name, size in remove_left_temporaries(out):
+                print(f"removed {out / name} ({size:,} bytes), left by a preparation that was killed")
+            return _build(cfg, out, given)
     except BaseException:
         remove_empty_dirs(out, existing)
         raise

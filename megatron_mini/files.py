@@ -1,9 +1,16 @@
 """Files that a crash leaves whole: the old content or the new, never part of either; where files can be
 written (a directory that exists or can be created, and is writable), and the empty directories a refused
-run made taken away again."""
+run made taken away again; a directory one process at a time writes into (DirectoryLock), and the temporary
+files that a process killed outright (SIGKILL, the OOM killer) left in it."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import re
+import socket
+
+from .errors import ConfigError
 
 
 def write_target(path) -> str:
@@ -17,7 +24,7 @@ def atomic_write(path, data: bytes | str) -> None:
     collide), flush it to disk, then rename it over `path` (over the file a symbolic link leads to:
     write_target). A write that fails (a full disk) takes its temporary file away again."""
     path = write_target(path)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -63,3 +70,80 @@ def remove_empty_dirs(path, keep) -> None:
         except OSError:                                # not empty (or gone): keep it and what is above
             return
         path = os.path.dirname(path)
+
+
+def temporary_name(path) -> str:
+    """The temporary file that this process writes `path` into before it renames it into place."""
+    return f"{path}.tmp{os.getpid()}"
+
+
+_TEMPORARY = re.compile(r".+\.tmp[0-9]+")       # (temporary_name's: any process's)
+
+
+def remove_left_temporaries(directory) -> list[tuple[str, int]]:
+    """Remove the temporary files (temporary_name's) in `directory` and return [(name, bytes)] of each: what a
+    writer killed outright (SIGKILL, the OOM killer) left, which no cleanup of its own could take away. Only
+    while holding the directory's DirectoryLock, so that none of them is a live writer's."""
+    removed = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            size = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
+            removed.append((entry.name, size))
+    return removed
+
+
+class DirectoryLock:
+    """An exclusive flock on `{directory}/.lock`, whose file names its holder (host, pid), held until release() (or
+    the with block's end), which removes the file, or until the process ends: the kernel drops the lock of a
+    process that dies, so a crash leaves no stale lock (only the file, which the next holder takes over).
+    ConfigError where another process holds it ("{directory} is in use by {user} (host, pid). {advice}"), or
+    where the directory's file system takes no locks."""
+
+    def __init__(self, directory, user: str, advice: str):
+        self.path = os.path.join(directory, ".lock")
+        while True:
+            self._file = open(self.path, "a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "another process"
+                self._file.close()
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise ConfigError(f"{directory} is in use by {user} ({holder}). {advice}") from None
+                raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
+                                  f"locks, so nothing would keep {user} out of {directory}; use a directory on "
+                                  f"another file system.") from None
+            if _same_file(self._file, self.path):
+                break
+            self._file.close()          # (the holder it waited for released it and removed the file: lock anew)
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Remove the lock's file, then unlock it (one that opened the file meanwhile finds it gone: _same_file)."""
+        if not self._file.closed:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _same_file(file, path) -> bool:
+    """Whether the open `file` is still the file at `path`."""
+    try:
+        here, there = os.fstat(file.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

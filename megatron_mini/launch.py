@@ -18,7 +18,7 @@
 * `stop_on_signals()`: outside training (tools/prepare_data.py), SIGTERM, SIGINT and SIGHUP raise `Stopped`, so
   that what the command was writing is taken away as it unwinds, not left on disk by SIGTERM's default action;
   `signals_held()` keeps them out of code that must not be cut in two.
-* `RunLock`: one run per run directory (an exclusive `flock`, released by the kernel when its
+* `RunLock`: one run per run directory (files.DirectoryLock: an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
   line Hydra refuses ends with one `error:` line too.
@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import io
 import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 
 from .errors import ConfigError
-from .files import atomic_write
+from .files import DirectoryLock, atomic_write
 
 # how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
 # first and torchrun stops them; they print only if rank 0 is slower or stuck)
@@ -284,30 +282,13 @@ def signals_held(signals: tuple = STOPPING):
             raise Stopped(signum)
 
 
-class RunLock:
-    """An exclusive lock on `{run_dir}/.lock`, held for the life of the process (or until release())."""
+class RunLock(DirectoryLock):
+    """One run per run directory: a DirectoryLock on `{run_dir}/.lock`, held for the life of the process (or until
+    release())."""
 
     def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, ".lock")
-        self._file = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise ConfigError(
-                f"{run_dir} is in use by another run ({holder}). Two runs must not share a run directory: "
-                f"wait for it to finish, or choose another one with run_name=NAME (or run_dir=PATH).") from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
-        self._file.flush()
-
-    def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
+        super().__init__(run_dir, "another run", "Two runs must not share a run directory: wait for it to finish, "
+                                                 "or choose another one with run_name=NAME (or run_dir=PATH).")
 
 
 def _is_number(text: str) -> bool:

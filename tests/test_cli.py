@@ -154,7 +154,8 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
     """A build stopped while it writes tokens.bin (a scheduler's SIGTERM to the job's processes, Ctrl-C's SIGINT or
     a closed terminal's SIGHUP to the terminal's, or a kill of the command alone): one line naming the signal, exit
     128 + its number, the partial tokens.bin removed, the tokenizer kept; the encoding processes end with it. SIGKILL
-    cannot be answered, but leaves no encoding process behind either (they waited forever for the dead parent)."""
+    cannot be answered, but leaves no encoding process behind either (they waited forever for the dead parent), and
+    the next build removes the tokens.bin.tmp<pid> it left."""
     import glob
     import json
     import os
@@ -162,7 +163,7 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
     import sysconfig
     import time
 
-    from commandline import PYTHON, finish, running
+    from commandline import PYTHON, finish, running, start
     if signame == "SIGKILL" and sys.platform != "linux":
         pytest.skip("a process dies with its parent on Linux only (PR_SET_PDEATHSIG)")
     texts = [open(p, errors="replace").read() for p in sorted(glob.glob(os.path.join(
@@ -189,8 +190,14 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
             time.sleep(0.05)
         else:
             raise AssertionError(f"processes of the build outlived it: {r}")
-    if signum == signal.SIGKILL:
+    if signum == signal.SIGKILL:                           # (no cleanup: the next build's to do)
         assert r.rc == -signal.SIGKILL, r
+        left = [p.name for p in out.glob("tokens.bin.tmp*")]
+        assert left == [f"tokens.bin.tmp{proc.pid}"], r
+        again = finish(start(proc.args, env()))
+        assert again.rc == 0 and f"removed {out / left[0]} (" in again.out, again
+        assert sorted(p.name for p in out.iterdir()) == [
+            "meta.json", "tokenizer.json", "tokenizer.model", "tokens.bin", "tokens.idx"], again
         return
     assert_one_error(r, [f"stopped by {signame}: no half-written file is left"], "python", code=128 + signum,
                      quick=False)

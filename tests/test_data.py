@@ -596,6 +596,78 @@ def test_second_prepare_is_cached(prepared, capsys):
     assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
 
 
+def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, capsys):
+    """While a preparation holds data.dir's lock (here this process, by another open file), a second is refused,
+    naming the holder and changing nothing; the next one first removes the temporary files of a preparation killed
+    outright (tokens.bin.tmp<pid> as large as the corpus, an atomic write's), and leaves no .lock behind."""
+    import os
+
+    from megatron_mini.config import ConfigError
+    from megatron_mini.files import DirectoryLock
+
+    out = Path(copy_of.dir)
+    left = {"tokens.bin.tmp4242": b"\0" * 1000, "meta.json.tmp77": b"{", "notes.tmp": b"mine", "a.tmp1x": b"mine"}
+    for name, content in left.items():
+        (out / name).write_bytes(content)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with DirectoryLock(out, "a test", ""):
+        with pytest.raises(ConfigError, match=re.escape(f"{out} is in use by another preparation (host ") +
+                           f".*pid {os.getpid()}" + re.escape(r"). Two preparations must not build one directory")):
+            prepare(copy_of)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
+    capsys.readouterr()
+    prepare(copy_of)
+    printed = capsys.readouterr().out
+    assert f"removed {out / 'meta.json.tmp77'} (1 bytes)" in printed
+    assert f"removed {out / 'tokens.bin.tmp4242'} (1,000 bytes)" in printed, printed
+    assert "tokens: cached" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["a.tmp1x", "meta.json", "notes.tmp", "tokenizer.json",
+                                                     "tokenizer.model", "tokens.bin", "tokens.idx"]
+
+
+def test_a_directory_lock_taken_over_as_its_holder_releases_it(tmp_path, monkeypatch):
+    """A process that opened the lock's file just before its holder removed it and unlocked locks a file no longer
+    there: it must see that and lock the new one, or two would hold "the" lock at once."""
+    import fcntl
+
+    from megatron_mini import files
+    from megatron_mini.config import ConfigError
+
+    first = files.DirectoryLock(tmp_path, "a test", "")
+    real, locked = fcntl.flock, []
+
+    def flock_as_the_holder_leaves(f, op):
+        if f is not first._file and not locked:
+            first.release()                    # (between the second's open and its flock)
+        if f is not first._file:
+            locked.append(f)
+        return real(f, op)
+
+    monkeypatch.setattr(files.fcntl, "flock", flock_as_the_holder_leaves)
+    second = files.DirectoryLock(tmp_path, "a test", "")
+    monkeypatch.undo()
+    assert len(locked) == 2                    # (it locked twice: the removed file, then the new one)
+    with pytest.raises(ConfigError, match="is in use by a third"):
+        files.DirectoryLock(tmp_path, "a third", "")
+    second.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
+    import errno
+
+    from megatron_mini import files
+    from megatron_mini.config import ConfigError
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}/.lock cannot be locked (No locks available): its "
+                                                    f"file system takes no locks")):
+        files.DirectoryLock(tmp_path, "another run", "")
+
+
 def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):
     """The evaluation reads samples [0, eval_iters x gbs) of the validation set (as Trainer.evaluate):
     the note comes exactly when that range repeats a sample, and names the largest eval_iters that does not."""
