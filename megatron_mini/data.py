@@ -530,19 +530,18 @@ def prepare(cfg: DataConfig) -> dict:
     (corpus hash, vocab size, tokenizer sha256) is skipped, and a valid build of another corpus or vocabulary
     is refused (_refuse_other_data). Returns the contents of meta.json. A data.dir that cannot be created or
     written is refused first; a refused build leaves no empty data.dir (nor parents) that it created. One
-    preparation at a time builds a directory (its .lock, while it runs: another is refused); it first removes the
+    preparation at a time builds a directory (its .lock, while it runs: another waits for it); it first removes the
     temporary files a killed one left (tokens.bin.tmp<pid>, the size of the corpus)."""
     out = Path(cfg.dir)
     if (problem := unwritable_dir(out)) is not None:
         raise DataError(f"data.dir={cfg.dir}", f"{problem}; choose another data.dir", rebuild=None)
     given = _given_tokenizer(cfg)
-    _refuse_other_data(cfg, out, given)
     existing = existing_part(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with DirectoryLock(out, "another preparation", "Two preparations must not build one directory at once: "
-                                                        "wait for it to finish (this command then finds its files "
-                                                        "ready)."):
+        with DirectoryLock(out, "another preparation", waiting=lambda holder: print(
+                f"{out} is being prepared by another process ({holder}): waiting for it to finish", flush=True)):
+            _refuse_other_data(cfg, out, given)      # (what the other built too)
             for name, size in remove_left_temporaries(out):
                 print(f"removed {out / name} ({size:,} bytes), left by a preparation that was killed")
             return _build(cfg, out, given)

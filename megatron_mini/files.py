@@ -4,7 +4,6 @@ run made taken away again; a directory one process at a time writes into (Direct
 files that a process killed outright (SIGKILL, the OOM killer) left in it."""
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
@@ -97,24 +96,31 @@ class DirectoryLock:
     """An exclusive flock on `{directory}/.lock`, whose file names its holder (host, pid), held until release() (or
     the with block's end), which removes the file, or until the process ends: the kernel drops the lock of a
     process that dies, so a crash leaves no stale lock (only the file, which the next holder takes over).
-    ConfigError where another process holds it ("{directory} is in use by {user} (host, pid). {advice}"), or
-    where the directory's file system takes no locks."""
+    Where another process holds it: with `waiting`, waiting(its holder) is called and the lock waited for, else
+    ConfigError ("{directory} is in use by {user} (host, pid). {advice}"); ConfigError where the directory's file
+    system takes no locks."""
 
-    def __init__(self, directory, user: str, advice: str):
+    def __init__(self, directory, user: str, advice: str = "", waiting=None):
         self.path = os.path.join(directory, ".lock")
         while True:
             self._file = open(self.path, "a+")
             try:
-                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                self._file.seek(0)
-                holder = self._file.read().strip() or "another process"
+                try:
+                    fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    self._file.seek(0)
+                    holder = self._file.read().strip() or "another process"
+                    if waiting is None:
+                        raise ConfigError(f"{directory} is in use by {user} ({holder}). {advice}") from None
+                    waiting(holder)
+                    fcntl.flock(self._file, fcntl.LOCK_EX)
+            except BaseException as e:
                 self._file.close()
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise ConfigError(f"{directory} is in use by {user} ({holder}). {advice}") from None
-                raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
-                                  f"locks, so nothing would keep {user} out of {directory}; use a directory on "
-                                  f"another file system.") from None
+                if isinstance(e, OSError):
+                    raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
+                                      f"locks, so nothing would keep {user} out of {directory}; use a directory on "
+                                      f"another file system.") from None
+                raise
             if _same_file(self._file, self.path):
                 break
             self._file.close()          # (the holder it waited for released it and removed the file: lock anew)

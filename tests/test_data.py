@@ -596,13 +596,15 @@ def test_second_prepare_is_cached(prepared, capsys):
     assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
 
 
-def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, capsys):
-    """While a preparation holds data.dir's lock (here this process, by another open file), a second is refused,
-    naming the holder and changing nothing; the next one first removes the temporary files of a preparation killed
-    outright (tokens.bin.tmp<pid> as large as the corpus, an atomic write's), and leaves no .lock behind."""
+def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared, capsys):
+    """While a preparation holds data.dir's lock (here this process, by another open file), a second waits for it,
+    saying whom it waits for and changing nothing meanwhile; then it first removes the temporary files of a
+    preparation killed outright (tokens.bin.tmp<pid> as large as the corpus, an atomic write's), finds the rest
+    ready, and leaves no .lock behind."""
     import os
+    import threading
+    import time
 
-    from megatron_mini.config import ConfigError
     from megatron_mini.files import DirectoryLock
 
     out = Path(copy_of.dir)
@@ -610,19 +612,59 @@ def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, capsys):
     for name, content in left.items():
         (out / name).write_bytes(content)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with DirectoryLock(out, "a test", ""):
-        with pytest.raises(ConfigError, match=re.escape(f"{out} is in use by another preparation (host ") +
-                           f".*pid {os.getpid()}" + re.escape(r"). Two preparations must not build one directory")):
-            prepare(copy_of)
+    result, printed = [], ""
+    with DirectoryLock(out, "a test"):
+        second = threading.Thread(target=lambda: result.append(prepare(copy_of)), daemon=True)
+        second.start()
+        deadline = time.monotonic() + 30
+        while "waiting for it to finish" not in printed:
+            assert second.is_alive() and time.monotonic() < deadline, printed
+            time.sleep(0.05)
+            printed += capsys.readouterr().out
+        assert f"{out} is being prepared by another process (host " in printed and f"pid {os.getpid()})" in printed
+        time.sleep(0.3)
+        assert second.is_alive() and not result
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
-    capsys.readouterr()
-    prepare(copy_of)
-    printed = capsys.readouterr().out
+    second.join(60)
+    printed += capsys.readouterr().out
+    assert result == [prepared[1]], printed
     assert f"removed {out / 'meta.json.tmp77'} (1 bytes)" in printed
-    assert f"removed {out / 'tokens.bin.tmp4242'} (1,000 bytes)" in printed, printed
+    assert f"removed {out / 'tokens.bin.tmp4242'} (1,000 bytes)" in printed
     assert "tokens: cached" in printed
     assert sorted(p.name for p in out.iterdir()) == ["a.tmp1x", "meta.json", "notes.tmp", "tokenizer.json",
                                                      "tokenizer.model", "tokens.bin", "tokens.idx"]
+
+
+def test_a_preparation_that_waited_checks_what_the_other_built(prepared, tmp_path):
+    """A preparation of another corpus that waited for one building the same new directory refuses, once it has
+    the lock, what that one left there, as it would have refused it there before: it never builds over it."""
+    import threading
+    import time
+
+    from megatron_mini.files import DirectoryLock
+
+    cfg, _ = prepared
+    out = tmp_path / "out"
+    out.mkdir()
+    other = dataclasses.replace(cfg, dir=str(out), source="stdlib")
+    outcome = []
+
+    def second():
+        try:
+            prepare(other)
+        except DataError as e:
+            outcome.append(e)
+
+    with DirectoryLock(out, "a test"):
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        time.sleep(0.5)                     # (it waits for the lock: the directory was empty when it began)
+        for p in Path(cfg.dir).iterdir():
+            shutil.copy(p, out / p.name)    # (the first's build)
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+    thread.join(60)
+    assert outcome and f"holds the corpus {cfg.source}, but data.source=stdlib" in str(outcome[0])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_a_directory_lock_taken_over_as_its_holder_releases_it(tmp_path, monkeypatch):
@@ -633,7 +675,7 @@ def test_a_directory_lock_taken_over_as_its_holder_releases_it(tmp_path, monkeyp
     from megatron_mini import files
     from megatron_mini.config import ConfigError
 
-    first = files.DirectoryLock(tmp_path, "a test", "")
+    first = files.DirectoryLock(tmp_path, "a test")
     real, locked = fcntl.flock, []
 
     def flock_as_the_holder_leaves(f, op):
@@ -644,11 +686,11 @@ def test_a_directory_lock_taken_over_as_its_holder_releases_it(tmp_path, monkeyp
         return real(f, op)
 
     monkeypatch.setattr(files.fcntl, "flock", flock_as_the_holder_leaves)
-    second = files.DirectoryLock(tmp_path, "a test", "")
+    second = files.DirectoryLock(tmp_path, "a test")
     monkeypatch.undo()
     assert len(locked) == 2                    # (it locked twice: the removed file, then the new one)
     with pytest.raises(ConfigError, match="is in use by a third"):
-        files.DirectoryLock(tmp_path, "a third", "")
+        files.DirectoryLock(tmp_path, "a third")
     second.release()
     assert list(tmp_path.iterdir()) == []
 
@@ -665,7 +707,7 @@ def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(files.fcntl, "flock", no_locks)
     with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}/.lock cannot be locked (No locks available): its "
                                                     f"file system takes no locks")):
-        files.DirectoryLock(tmp_path, "another run", "")
+        files.DirectoryLock(tmp_path, "another run")
 
 
 def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):
