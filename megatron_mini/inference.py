@@ -126,12 +126,30 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
     return model(ids, cache=cache).transpose(0, 1)
 
 
+def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] logits -> the logits sampled from (softmax): shifted to a maximum of 0 and divided by temperature
+    (> 0), then -inf but for the top_k largest (0: all; ties with the k-th kept), then -inf but for the fewest
+    largest whose probabilities (after top_k) sum to at least top_p (nucleus sampling; 1: all; the largest is
+    always kept)."""
+    last = (last - last.max(-1, keepdim=True).values) / temperature
+    if top_k:
+        kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
+        last = last.masked_fill(last < kth, float("-inf"))
+    if top_p < 1:
+        probs, order = last.softmax(-1).sort(-1, descending=True)
+        before = probs.cumsum(-1) - probs                  # the probability of the tokens ranked above each
+        last = last.masked_fill(torch.empty_like(order, dtype=torch.bool).scatter_(-1, order, before >= top_p),
+                                float("-inf"))
+    return last
+
+
 @torch.no_grad()
 def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              num_samples: int = 1, eos_id: int | None = None, generator: torch.Generator | None = None,
-             kv_cache: bool = True, timing: dict | None = None) -> list:
+             kv_cache: bool = True, timing: dict | None = None, top_p: float = 1.0) -> list:
     """Continue the prompt `ids` num_samples times: a list of num_samples lists of at most max_new_tokens
-    new ids, each ending at its first eos_id (kept). Greedy when temperature == 0; top_k=0 keeps all.
+    new ids, each ending at its first eos_id (kept). Greedy when temperature == 0, else sampled from
+    sampling_logits (top_k=0 and top_p=1 keep all).
     `timing`, when given and max_new_tokens > 0, receives the seconds to the first new token (the prompt's
     prefill) and after it ("prefill_s", "decode_s": the device synchronised at both).
 
@@ -149,6 +167,8 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     bad = [f"{name}={value} must be >= {low}" for name, value, low in
            (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
             ("num_samples", num_samples, 1)) if not value >= low]           # (NaN is not >= anything)
+    if not 0 < top_p <= 1:
+        bad.append(f"top_p={top_p} must be in (0, 1]")
     if temperature == math.inf:
         bad.append("temperature=inf: every token would be equally likely")
     if not len(ids):
@@ -168,10 +188,7 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         if temperature < 2 / torch.finfo(last.dtype).max:
             nxt = last.argmax(-1)
         else:
-            last = (last - last.max(-1, keepdim=True).values) / temperature
-            if top_k:
-                kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
-                last = last.masked_fill(last < kth, float("-inf"))
+            last = sampling_logits(last, temperature, top_k, top_p)
             nxt = torch.multinomial(last.softmax(-1), 1, generator=generator).squeeze(-1)
         x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
         if clock is not None and step == 0:

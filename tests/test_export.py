@@ -102,6 +102,41 @@ def test_sampling_is_seeded(exported):
     assert len(first) == 2 and all(len(s) == 10 for s in first)
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 20, 0.5), (1.3, 5, 1.0),
+                                                      (1.0, 0, 1e-9), (0.8, 0, 0.999)])
+def test_sampling_keeps_the_tokens_hfs_warpers_keep(temperature, top_k, top_p):
+    """The logits sampled from (temperature, top_k, then nucleus top_p) keep the tokens that transformers' logits
+    warpers keep, in the order its generate() applies them, with the same probabilities."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    ours = inference.sampling_logits(logits, temperature, top_k, top_p)
+    ref = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    assert torch.equal(ours.isfinite(), ref.isfinite())
+    kept = ours.isfinite().sum(-1)
+    assert (kept >= 1).all() and (kept < 300).any() == (top_k > 0 or top_p < 1)
+    torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1), rtol=1e-12, atol=1e-15)
+
+
+def test_a_tiny_nucleus_samples_the_greedy_tokens(exported):
+    """top_p so small that only the most likely token is left: sampling gives greedy's tokens, whatever the seed
+    (with the KV cache and without); top_p=1 with the same seed is top_k's sampling alone."""
+    ckpt, _, tok = exported[1]
+    model = inference.load_model(ckpt)
+    greedy = inference.generate(model, [tok.eos_id], 12, temperature=0)
+    for seed, kv_cache in ((0, True), (1, False)):
+        assert inference.generate(model, [tok.eos_id], 12, temperature=1.0, top_p=1e-6, kv_cache=kv_cache,
+                                  generator=torch.Generator().manual_seed(seed)) == greedy
+
+    def sample(**top_p):
+        return inference.generate(model, [tok.eos_id], 10, temperature=1.0, top_k=20, num_samples=2,
+                                  generator=torch.Generator().manual_seed(3), **top_p)
+    assert sample() == sample(top_p=1.0) != greedy * 2
+
+
 @pytest.mark.parametrize("kv_cache", [True, False])
 def test_generate_cli(exported, kv_cache):
     """Greedy past the context window: the CLI prints what generate() gives in-process, tokens/s on stderr."""
@@ -249,6 +284,8 @@ def test_generate_refuses_bad_arguments():
     for kwargs, message in (({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
                             ({"top_k": -1, "num_samples": 0}, "top_k=-1 must be >= 0; num_samples=0 must be >= 1"),
                             ({"max_new_tokens": -2}, "max_new_tokens=-2 must be >= 0"),
+                            ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
+                            ({"top_p": float("nan")}, r"top_p=nan must be in \(0, 1\]"),
                             ({"temperature": float("nan")}, "temperature=nan must be >= 0"),
                             ({"temperature": float("inf")}, "temperature=inf"),
                             ({"ids": []}, "the prompt is empty"),

@@ -355,6 +355,9 @@ def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work
     (["--temperature", "nan"], "--temperature must be >= 0"),
     (["--temperature", "inf"], "--temperature must be finite"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1]"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),
     (["--seed", str(2 ** 64)], "--seed must be in [0, 2**64)"),            # (torch.Generator's range)
     (["--seed", "-1"], "--seed must be in [0, 2**64)"),

@@ -2,6 +2,7 @@
 
     python tools/generate.py runs/tiny-dp/checkpoints/step_000300 --prompt 'def main(' --max-new-tokens 200
     python tools/generate.py runs/tiny-dp --temperature 0      # a run directory: its latest checkpoint; greedy
+    python tools/generate.py runs/tiny-dp --top-k 0 --top-p 0.9   # nucleus sampling
 
 The model is megatron_mini's own at tp=pp=dp=1 (megatron_mini/inference.py), decoding with a KV
 cache: the prompt is prefilled once, then each new token runs one position; once the text fills the
@@ -29,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1: all")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
@@ -40,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_new_tokens", "temperature", "top_k"):
         if not getattr(args, name) >= 0:                                  # (NaN is not >= 0)
             p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
     if args.temperature == math.inf:
         p.error("--temperature must be finite")
     if args.num_samples < 1:
@@ -75,7 +80,7 @@ def main(argv=None) -> int:
     generator = torch.Generator(device).manual_seed(args.seed)
     timing = {}
     samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
-                       tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing)
+                       tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing, top_p=args.top_p)
     decoded = sum(max(len(new) - 1, 0) for new in samples)              # the tokens after the first of each sample
     rate = f"{decoded / timing['decode_s']:.1f} tokens/s" if decoded and timing["decode_s"] > 0 else "-"
     if args.max_new_tokens:
