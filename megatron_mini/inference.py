@@ -1,10 +1,12 @@
-"""Inference from a checkpoint on one process: read it, find its tokenizer, build the model, sample.
+"""Inference from a checkpoint on one process: read it, find its tokenizer, build the model, sample, evaluate.
 
 The model is megatron_mini's own, built at tp=pp=dp=1 without torch.distributed from the
 checkpoint's config, with the full tensors loaded by global name (checkpoints are layout-free).
 Its logits are the Head's (`model(ids)` without labels). Generation keeps a `KVCache`: the prompt
-is prefilled once, then each new token runs one position. tools/generate.py and tools/export_hf.py
-are the command lines over this module and megatron_mini/hf.py.
+is prefilled once, then each new token runs one position. `mean_loss` is the cross entropy of its
+predictions over a dataset's samples: the run's validation set or prepared directories read as data.eval
+reads them. tools/generate.py, tools/evaluate.py and tools/export_hf.py are the command lines over this
+module and megatron_mini/hf.py.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .data import DataError, Tokenizer
+from .dataset import data_identity, load_datasets, load_eval_sets
 from .errors import first_line
 from .model import GPTChunk, KVCache, ParallelContext, build_chunks
 
@@ -124,6 +129,43 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
     0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
     A ValueError when the positions pass the model's context (seq_len)."""
     return model(ids, cache=cache).transpose(0, 1)
+
+
+def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
+    """{name: dataset} that tools/evaluate.py reads: without `dirs` the run's validation set ("validation"; its
+    data.dir or data.blend, which must still hold the corpus and tokenizer the checkpoint records), else each
+    prepared directory of `dirs` as data.eval reads it ({dir: all its documents, shuffled by EVAL_SEED}), encoded
+    with the run's tokenizer `tok`. DataError (a ConfigError) naming what does not fit."""
+    cfg = ckpt.cfg
+    if dirs:
+        return load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)), cfg.model.seq_len,
+                              cfg.model.vocab_size, tok)
+    _, val, run_tok = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    saved, now = ckpt.meta.get("data") or {}, data_identity(cfg.data, run_tok.sha256)
+    changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens") if key in saved
+               and saved[key] != now.get(key)]
+    if changed:
+        where = f"data.blend={list(cfg.data.blend)}" if cfg.data.blend else f"data.dir={cfg.data.dir}"
+        raise DataError(where, f"is not the data {ckpt.path} was trained on (another {', '.join(changed)} than "
+                        f"it records: rebuilt since?), so its validation documents are not the run's; name "
+                        f"prepared directories to evaluate instead", rebuild=None)
+    return {"validation": val}
+
+
+@torch.no_grad()
+def mean_loss(model: GPTChunk, dataset, samples: int, batch: int) -> float:
+    """The mean cross entropy (nats per token, no label smoothing) of the model's next-token predictions over
+    samples [0, samples) of `dataset` (each [seq_len + 1] tokens: inputs [:-1], targets [1:]), run `batch` samples
+    at a time: the loss a run logs for those samples (its val_loss, eval_loss/<dir>)."""
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    for start in range(0, samples, batch):
+        rows = torch.from_numpy(np.stack([dataset[i] for i in range(start, min(start + batch, samples))]))
+        rows = rows.to(device, torch.long)
+        out = logits(model, rows[:, :-1])                                           # [b, s, V] fp32
+        total += F.cross_entropy(out.flatten(0, 1), rows[:, 1:].flatten(), reduction="none").double().sum().item()
+        tokens += rows[:, 1:].numel()
+    return total / tokens
 
 
 def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -295,6 +295,41 @@ def test_an_evaluation_set_is_read_the_same_by_every_run(small_data, blend_dirs,
     assert "which this run trains on" not in log                      # (trained_eval_notes: none of these)
 
 
+def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_path, capsys):
+    """tools/evaluate.py on one process gives the losses a tp=2 run of a blend logged at its last evaluation: the
+    validation set's (val_loss: the blend's validation samples) and a data.eval set's (eval_loss/<dir>), over the
+    same eval_iters x gbs samples by default; --samples 0 reads a set's epoch. A directory of another tokenizer, or
+    a run directory whose data was rebuilt, is one error line."""
+    import evaluate
+    from megatron_mini.inference import evaluation_sets, load_model, mean_loss
+    first, second, own = blend_dirs
+    code = own_config(small_data, second)
+    cfg = small_config(blend_of(code, (0.5, first), (0.5, second)), tmp_path / "run", steps=2, gbs=8,
+                       eval_interval=2, eval_iters=2, tp=2)
+    cfg.data.eval = [second]
+    history = train_on_ranks(2, cfg)
+    logged = next(r for r in reversed(metrics(cfg.run_dir)) if "val_loss" in r)
+    ckpt = read_checkpoint(history["checkpoint"])
+    tok = find_tokenizer(ckpt)
+    model = load_model(ckpt)
+    for name, key in (("validation", "val_loss"), (second, f"eval_loss/{second}")):
+        (dataset,) = evaluation_sets(ckpt, tok, [] if name == "validation" else [second]).values()
+        assert mean_loss(model, dataset, cfg.eval_iters * cfg.gbs, 3) == pytest.approx(logged[key], rel=1e-5)
+    assert evaluate.main([cfg.run_dir, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"validation: loss {logged['val_loss']:.4f} | perplexity ") and "| 16 samples of 32 " in out
+    assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
+    epoch = len(evaluation_sets(ckpt, tok, [second])[second])
+    assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \
+        in out
+    assert evaluate.main([cfg.run_dir, own, "--device", "cpu"]) == 2
+    assert f"error: {own}/tokenizer.model: is another tokenizer" in capsys.readouterr().err
+    ckpt.cfg.data = rebuilt = blend_of(code, (0.7, first), (0.3, second))   # (another mixture than it records)
+    with pytest.raises(DataError, match=re.escape(f"data.blend={rebuilt.blend}: is not the data {ckpt.path} was "
+                                                  f"trained on (another corpus_sha256 than it records")):
+        evaluation_sets(ckpt, tok, [])
+
+
 def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp_path):
     """data.eval naming a directory the run trains on (data.dir, a blend's directory, or a copy of either: the same
     corpus sha256) is a start-up line for each such set, naming the directory trained on; another corpus is none."""

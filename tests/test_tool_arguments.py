@@ -1,4 +1,4 @@
-"""Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, compare_runs.py,
+"""Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, evaluate.py, compare_runs.py,
 plan.py, generate.py, the benches' output options) give one line on stderr and a non-zero exit, no traceback;
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt."""
 import json
@@ -9,6 +9,7 @@ from harness import pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
 
 import compare_runs  # tools/, on pytest's pythonpath
+import evaluate
 import export_hf
 import generate
 import plan
@@ -367,6 +368,23 @@ def test_generate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypa
     assert _exit_code(generate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
     err = _one_error_line(capsys)
     assert "error: " in err and fact in err, err
+
+
+@pytest.mark.parametrize("argv, fact", [
+    (["--samples", "-1"], "--samples must be >= 0 (0: all)"),
+    (["--batch", "0"], "--batch must be >= 1"),
+])
+def test_evaluate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
+    monkeypatch.setattr(evaluate, "read_checkpoint", lambda *a, **k: pytest.fail("read before refusing"))
+    assert _exit_code(evaluate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
+    err = _one_error_line(capsys)
+    assert "error: " in err and fact in err, err
+
+
+def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert evaluate.main([str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path} is not a megatron_mini checkpoint"), err
 
 
 def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monkeypatch):

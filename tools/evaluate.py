@@ -1,0 +1,77 @@
+"""The loss and perplexity of a megatron_mini checkpoint on its validation set or on prepared directories.
+
+    python tools/evaluate.py runs/tiny-dp                         # the run's validation set: its logged val loss
+    python tools/evaluate.py runs/tiny-dp data/wiki data/code     # directories prepared with the run's tokenizer
+    python tools/evaluate.py runs/tiny-dp data/wiki --samples 0   # every sample of each
+
+One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py).
+The samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the
+figures are its logged val_loss (or, for a directory, eval_loss/<dir>, the samples of data.eval), to within
+the rounding of another layout and precision, and of label smoothing, which is not applied here. The
+directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...); a run's
+relative data.dir is read from the current directory.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from megatron_mini.config import ConfigError
+from megatron_mini.inference import (CheckpointError, evaluation_sets, find_tokenizer, load_model, mean_loss,
+                                     read_checkpoint)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
+    p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set)")
+    p.add_argument("--samples", type=int, help="samples of each (default: the run's eval_iters x gbs; 0: all)")
+    p.add_argument("--batch", type=int, help="samples per forward (default: the run's mbs)")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
+                                       "or its data.blend's first directory's)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = p.parse_args(argv)
+    if args.samples is not None and args.samples < 0:
+        p.error("--samples must be >= 0 (0: all)")
+    if args.batch is not None and args.batch < 1:
+        p.error("--batch must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    try:
+        ckpt = read_checkpoint(args.checkpoint)
+        tok = find_tokenizer(ckpt, args.tokenizer)
+        sets = evaluation_sets(ckpt, tok, args.dirs)
+        model = load_model(ckpt, device)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in ckpt.notes:
+        print(f"note: {note}", file=sys.stderr)
+    cfg = ckpt.cfg
+    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
+    if cfg.model.label_smoothing:
+        print(f"note: the run trained with model.label_smoothing={cfg.model.label_smoothing}, which its logged "
+              f"losses include; these are the plain cross entropy", file=sys.stderr)
+    for name, dataset in sets.items():
+        samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
+        start = time.perf_counter()
+        loss = mean_loss(model, dataset, samples, args.batch or cfg.mbs)
+        print(f"{name}: loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {samples:,} samples of "
+              f"{cfg.model.seq_len} tokens{' (its epoch)' if samples == len(dataset) else ''} | "
+              f"{time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
