@@ -48,6 +48,7 @@ _HEADER = struct.Struct("<8sIB3xQ")
 _DTYPES = {1: np.uint16, 2: np.int32}
 _CHUNK_CHARS = 2000          # tokenizer training "sentences" are multi-line chunks, so newlines are learned
 _BATCH_CHARS = 1 << 18       # characters per encoding task sent to a worker
+_FILES = ("tokenizer.model", "tokenizer.json", "tokens.bin", "tokens.idx", "meta.json")   # what prepare writes
 _TOKENIZER_SETTINGS = 1      # bump when the training options below change: cached tokenizers are retrained
 
 
@@ -542,7 +543,7 @@ def prepare(cfg: DataConfig) -> dict:
         with DirectoryLock(out, "another preparation", waiting=lambda holder: print(
                 f"{out} is being prepared by another process ({holder}): waiting for it to finish", flush=True)):
             _refuse_other_data(cfg, out, given)      # (what the other built too)
-            for name, size in remove_left_temporaries(out):
+            for name, size in remove_left_temporaries(out, _FILES):
                 print(f"removed {out / name} ({size:,} bytes), left by a preparation that was killed")
             return _build(cfg, out, given)
     except BaseException:

@@ -4,6 +4,7 @@ run made taken away again; a directory one process at a time writes into (Direct
 files that a process killed outright (SIGKILL, the OOM killer) left in it."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -76,16 +77,14 @@ def temporary_name(path) -> str:
     return f"{path}.tmp{os.getpid()}"
 
 
-_TEMPORARY = re.compile(r".+\.tmp[0-9]+")       # (temporary_name's: any process's)
-
-
-def remove_left_temporaries(directory) -> list[tuple[str, int]]:
-    """Remove the temporary files (temporary_name's) in `directory` and return [(name, bytes)] of each: what a
-    writer killed outright (SIGKILL, the OOM killer) left, which no cleanup of its own could take away. Only
-    while holding the directory's DirectoryLock, so that none of them is a live writer's."""
+def remove_left_temporaries(directory, names) -> list[tuple[str, int]]:
+    """Remove the temporary files (temporary_name's, any process's) of the files `names` in `directory` and return
+    [(name, bytes)] of each: what a writer killed outright (SIGKILL, the OOM killer) left, which no cleanup of its
+    own could take away. Only while holding the directory's DirectoryLock, so that none of them is a live writer's."""
+    pattern = re.compile("(" + "|".join(map(re.escape, names)) + r")\.tmp[0-9]+")
     removed = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+        if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             size = entry.stat(follow_symlinks=False).st_size
             os.unlink(entry.path)
             removed.append((entry.name, size))
@@ -103,7 +102,8 @@ class DirectoryLock:
     def __init__(self, directory, user: str, advice: str = "", waiting=None):
         self.path = os.path.join(directory, ".lock")
         while True:
-            self._file = open(self.path, "a+")
+            os.makedirs(directory, exist_ok=True)    # (the holder waited for may have removed the one it made)
+            self._file, created = _open_creating(self.path)
             try:
                 try:
                     fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -114,28 +114,34 @@ class DirectoryLock:
                         raise ConfigError(f"{directory} is in use by {user} ({holder}). {advice}") from None
                     waiting(holder)
                     fcntl.flock(self._file, fcntl.LOCK_EX)
+                same = _same_file(self._file, self.path)
             except BaseException as e:
                 self._file.close()
+                if isinstance(e, OSError) and e.errno == errno.ESTALE:
+                    continue                          # (NFS: the file was removed meanwhile: lock anew)
                 if isinstance(e, OSError):
+                    if created:                       # (nobody can hold a lock here: leave no file behind)
+                        _unlink(self.path)
                     raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
                                       f"locks, so nothing would keep {user} out of {directory}; use a directory on "
                                       f"another file system.") from None
                 raise
-            if _same_file(self._file, self.path):
+            if same:
                 break
             self._file.close()          # (the holder it waited for released it and removed the file: lock anew)
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
-        self._file.flush()
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+            self._file.flush()
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """Remove the lock's file, then unlock it (one that opened the file meanwhile finds it gone: _same_file)."""
         if not self._file.closed:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            _unlink(self.path)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
 
@@ -146,10 +152,27 @@ class DirectoryLock:
         self.release()
 
 
+def _open_creating(path):
+    """(`path` opened for reading and writing, whether this call created it)."""
+    try:
+        return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), "r+"), True
+    except FileExistsError:
+        return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+"), False
+
+
 def _same_file(file, path) -> bool:
     """Whether the open `file` is still the file at `path`."""
     try:
         here, there = os.fstat(file.fileno()), os.stat(path)
-    except FileNotFoundError:
-        return False
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -172,7 +172,8 @@ def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_
     """[n, V] logits -> the logits sampled from (softmax): shifted to a maximum of 0 and divided by temperature
     (> 0), then -inf but for the top_k largest (0: all; ties with the k-th kept), then -inf but for the fewest
     largest whose probabilities (after top_k) sum to at least top_p (nucleus sampling; 1: all; the largest is
-    always kept)."""
+    always kept), in fp32 at least (a 16-bit cumulative sum would cut the nucleus at steps of 2^-8)."""
+    last = last.to(torch.promote_types(last.dtype, torch.float32))
     last = (last - last.max(-1, keepdim=True).values) / temperature
     if top_k:
         kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]

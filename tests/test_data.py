@@ -608,7 +608,8 @@ def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared,
     from megatron_mini.files import DirectoryLock
 
     out = Path(copy_of.dir)
-    left = {"tokens.bin.tmp4242": b"\0" * 1000, "meta.json.tmp77": b"{", "notes.tmp": b"mine", "a.tmp1x": b"mine"}
+    left = {"tokens.bin.tmp4242": b"\0" * 1000, "meta.json.tmp77": b"{", "notes.tmp": b"mine", "a.tmp1x": b"mine",
+            "draft.tmp2024": b"mine", "tokens.bin.tmp1.csv": b"mine"}
     for name, content in left.items():
         (out / name).write_bytes(content)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -631,8 +632,33 @@ def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared,
     assert f"removed {out / 'meta.json.tmp77'} (1 bytes)" in printed
     assert f"removed {out / 'tokens.bin.tmp4242'} (1,000 bytes)" in printed
     assert "tokens: cached" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["a.tmp1x", "meta.json", "notes.tmp", "tokenizer.json",
-                                                     "tokenizer.model", "tokens.bin", "tokens.idx"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.tmp1x", "draft.tmp2024", "meta.json", "notes.tmp",
+                                                     "tokenizer.json", "tokenizer.model", "tokens.bin",
+                                                     "tokens.bin.tmp1.csv", "tokens.idx"]
+
+
+def test_a_preparation_waiting_for_one_that_failed_builds(prepared, tmp_path):
+    """The preparation waited for fails on a new directory, which it removes as it goes (empty but for its .lock):
+    the waiting one makes the directory again and builds."""
+    import threading
+    import time
+
+    from megatron_mini.files import DirectoryLock, remove_empty_dirs
+
+    cfg, meta = prepared
+    out = tmp_path / "new" / "out"
+    out.mkdir(parents=True)
+    result = []
+    with DirectoryLock(out, "a test"):
+        thread = threading.Thread(target=lambda: result.append(prepare(dataclasses.replace(cfg, dir=str(out)))),
+                                  daemon=True)
+        thread.start()
+        time.sleep(0.5)
+    remove_empty_dirs(out, tmp_path)                                  # (the failed one's cleanup)
+    thread.join(120)
+    assert result and result[0]["corpus_sha256"] == meta["corpus_sha256"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "tokenizer.model", "tokens.bin",
+                                                     "tokens.idx"]
 
 
 def test_a_preparation_that_waited_checks_what_the_other_built(prepared, tmp_path):
@@ -708,6 +734,28 @@ def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}/.lock cannot be locked (No locks available): its "
                                                     f"file system takes no locks")):
         files.DirectoryLock(tmp_path, "another run")
+    assert list(tmp_path.iterdir()) == []                 # (no .lock left: a refused build leaves no directory)
+    with pytest.raises(ConfigError, match="its file system takes no locks"):
+        prepare(DataConfig(source="stdlib", dir=str(tmp_path / "a" / "b")))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_lock_that_fails_once_taken_is_released(tmp_path, monkeypatch):
+    """Writing the holder's name fails (a full disk): the lock is released and its file removed, not held until the
+    file object is collected (a traceback holds it)."""
+    import errno
+
+    from megatron_mini import files
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.socket, "gethostname", full)
+    with pytest.raises(OSError, match="No space left"):
+        files.DirectoryLock(tmp_path, "a test")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    files.DirectoryLock(tmp_path, "a test", "").release()
 
 
 def test_evaluation_note_when_it_reads_the_validation_set_twice(prepared):

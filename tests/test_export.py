@@ -119,6 +119,10 @@ def test_sampling_keeps_the_tokens_hfs_warpers_keep(temperature, top_k, top_p):
     kept = ours.isfinite().sum(-1)
     assert (kept >= 1).all() and (kept < 300).any() == (top_k > 0 or top_p < 1)
     torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1), rtol=1e-12, atol=1e-15)
+    half = inference.sampling_logits(logits.bfloat16(), temperature, top_k, top_p)   # (the nucleus cut in fp32)
+    assert half.dtype == torch.float32
+    assert torch.equal(half.isfinite(), inference.sampling_logits(logits.bfloat16().float(), temperature, top_k,
+                                                                  top_p).isfinite())
 
 
 def test_a_tiny_nucleus_samples_the_greedy_tokens(exported):
