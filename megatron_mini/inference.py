@@ -132,14 +132,16 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
 
 
 def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
-    """{name: dataset} that tools/evaluate.py reads: without `dirs` the run's validation set ("validation"; its
-    data.dir or data.blend, which must still hold the corpus and tokenizer the checkpoint records), else each
-    prepared directory of `dirs` as data.eval reads it ({dir: all its documents, shuffled by EVAL_SEED}), encoded
-    with the run's tokenizer `tok`. DataError (a ConfigError) naming what does not fit."""
+    """{name: dataset} that tools/evaluate.py reads: each prepared directory of `dirs` as data.eval reads it ({dir:
+    all its documents, shuffled by EVAL_SEED}), encoded with the run's tokenizer `tok`; without `dirs`, what the
+    run's evaluations read: its validation set ("validation"; its data.dir or data.blend, which must still hold the
+    corpus and tokenizer the checkpoint records) and its data.eval sets. DataError (a ConfigError) naming what
+    does not fit."""
     cfg = ckpt.cfg
+    evals = load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)) if dirs else cfg.data, cfg.model.seq_len,
+                           cfg.model.vocab_size, tok)
     if dirs:
-        return load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)), cfg.model.seq_len,
-                              cfg.model.vocab_size, tok)
+        return evals
     _, val, run_tok = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
     saved, now = ckpt.meta.get("data") or {}, data_identity(cfg.data, run_tok.sha256)
     changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens") if key in saved
@@ -149,7 +151,7 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
         raise DataError(where, f"is not the data {ckpt.path} was trained on (another {', '.join(changed)} than "
                         f"it records: rebuilt since?), so its validation documents are not the run's; name "
                         f"prepared directories to evaluate instead", rebuild=None)
-    return {"validation": val}
+    return {"validation": val, **evals}
 
 
 @torch.no_grad()

@@ -312,12 +312,15 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     ckpt = read_checkpoint(history["checkpoint"])
     tok = find_tokenizer(ckpt)
     model = load_model(ckpt)
+    sets = evaluation_sets(ckpt, tok, [])
+    assert list(sets) == ["validation", second] and list(evaluation_sets(ckpt, tok, [second])) == [second]
     for name, key in (("validation", "val_loss"), (second, f"eval_loss/{second}")):
-        (dataset,) = evaluation_sets(ckpt, tok, [] if name == "validation" else [second]).values()
-        assert mean_loss(model, dataset, cfg.eval_iters * cfg.gbs, 3) == pytest.approx(logged[key], rel=1e-5)
+        assert mean_loss(model, sets[name], cfg.eval_iters * cfg.gbs, 3) == pytest.approx(logged[key], rel=1e-5)
     assert evaluate.main([cfg.run_dir, "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"validation: loss {logged['val_loss']:.4f} | perplexity ") and "| 16 samples of 32 " in out
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"validation: loss {logged['val_loss']:.4f} | perplexity ") and "| 16 samples of 32 " \
+        in out[0]
+    assert out[1].startswith(f"{second}: loss {logged[f'eval_loss/{second}']:.4f} | ") and len(out) == 2
     assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
     epoch = len(evaluation_sets(ckpt, tok, [second])[second])
     assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \

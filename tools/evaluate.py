@@ -1,13 +1,14 @@
 """The loss and perplexity of a megatron_mini checkpoint on its validation set or on prepared directories.
 
-    python tools/evaluate.py runs/tiny-dp                         # the run's validation set: its logged val loss
+    python tools/evaluate.py runs/tiny-dp                         # what its evaluations read: its logged losses
     python tools/evaluate.py runs/tiny-dp data/wiki data/code     # directories prepared with the run's tokenizer
     python tools/evaluate.py runs/tiny-dp data/wiki --samples 0   # every sample of each
 
 One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py).
-The samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the
-figures are its logged val_loss (or, for a directory, eval_loss/<dir>, the samples of data.eval), to within
-the rounding of another layout and precision, and of label smoothing, which is not applied here. The
+Without directories it reads what the run's evaluations read: its validation set and its data.eval sets. The
+samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the figures
+are its logged val_loss and eval_loss/<dir> (a directory is read as data.eval reads it), to within the
+rounding of another layout and precision, and of label smoothing, which is not applied here. The
 directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...); a run's
 relative data.dir is read from the current directory.
 """
@@ -28,7 +29,8 @@ from megatron_mini.inference import (CheckpointError, evaluation_sets, find_toke
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
-    p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set)")
+    p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set and "
+                                           "data.eval sets)")
     p.add_argument("--samples", type=int, help="samples of each (default: the run's eval_iters x gbs; 0: all)")
     p.add_argument("--batch", type=int, help="samples per forward (default: the run's mbs)")
     p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
