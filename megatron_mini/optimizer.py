@@ -112,6 +112,7 @@ class Optimizer:
         # per-parameter views (of master, grad, exp_avg, exp_avg_sq) for the multi-tensor kernels
         self.groups = {True: ([], [], [], []), False: ([], [], [], [])}    # keyed by "gets weight decay"
         self.norm_views, self.check_views = [], []    # counted once in the global norm / checked for inf
+        self.norm_masters = []                        # the fp32 weights of norm_views' gradients (param_norm)
         for buf in buffers:
             for bucket in buf.buckets:
                 lo, hi = buf.valid_range(bucket)
@@ -126,7 +127,11 @@ class Optimizer:
                     for group, view in zip(self.groups[not p.spec.no_weight_decay], views):
                         group.append(view)
                     replicated_copy = p.spec.tp_dim is None and mesh.tp_rank > 0
-                    (self.check_views if replicated_copy or p.spec.copy else self.norm_views).append(views[1])
+                    if replicated_copy or p.spec.copy:
+                        self.check_views.append(views[1])
+                    else:
+                        self.norm_views.append(views[1])
+                        self.norm_masters.append(views[0])
                     if p.spec.sequence_parallel:
                         r.tp_sum_segments.append((a, b, 1))
                     elif average_replicated and p.spec.tp_dim is None:
@@ -155,14 +160,17 @@ class Optimizer:
             if r.tied:
                 comm.all_reduce(r.grad, self.mesh.embedding_group)
 
-    def norm_stats(self) -> torch.Tensor:
+    def norm_stats(self, weights: bool = False) -> torch.Tensor:
         """[the whole model's sum of squared gradients, a sum that is inf/nan if any gradient element on
-        any rank is]: one all-reduce of 2 numbers (replicated copies are checked, counted once)."""
-        stats = torch.zeros(2, dtype=torch.float32, device=self._step.device)
+        any rank is (, with `weights`, the sum of squares of its fp32 weights)]: one all-reduce of 2 (3) numbers
+        (replicated copies are checked, counted once)."""
+        stats = torch.zeros(2 + weights, dtype=torch.float32, device=self._step.device)
         if self.norm_views:
             stats[0] = torch.stack(torch._foreach_norm(self.norm_views)).square().sum()
         if self.check_views:
             stats[1] = torch.stack(torch._foreach_norm(self.check_views)).sum()
+        if weights and self.norm_masters:
+            stats[2] = torch.stack(torch._foreach_norm(self.norm_masters)).square().sum()
         return self.reduce_norm_stats(stats)
 
     def reduce_norm_stats(self, stats: torch.Tensor) -> torch.Tensor:
@@ -170,11 +178,13 @@ class Optimizer:
         comm.all_reduce(stats, self.mesh.world_group if self.zero else self.mesh.mp_group)
         return stats
 
-    def global_grad_norm(self) -> float:
-        """sqrt of the sum of squares of the whole model's gradient (as it is in the buffers: still
-        loss-scaled with fp16); nan if any gradient element on any rank is inf/nan."""
-        norm_sq, check = self.norm_stats().tolist()
-        return math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(check) else float("nan")
+    def global_norms(self, weights: bool = False) -> tuple[float, float | None]:
+        """(the L2 norm of the whole model's gradient, as it is in the buffers: still loss-scaled with fp16, nan if
+        any gradient element on any rank is inf/nan; with `weights` that of its fp32 weights, else None), from
+        one all-reduce."""
+        norm_sq, check, *weights_sq = self.norm_stats(weights).tolist()
+        grad = math.sqrt(norm_sq) if math.isfinite(norm_sq) and math.isfinite(check) else float("nan")
+        return grad, math.sqrt(weights_sq[0]) if weights else None
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
@@ -187,19 +197,22 @@ class Optimizer:
 
     # -- the step
     @torch.no_grad()
-    def step(self, lr: float) -> tuple[float, bool]:
-        """Update the weights from the synced main grads; returns (grad norm, skipped). With ZeRO-1 the
-        updated weights are all-gathered over DP in the background (GradBuffer.start_param_gather)."""
+    def step(self, lr: float, weight_norm: bool = False) -> tuple[float, bool, float | None]:
+        """Update the weights from the synced main grads; returns (grad norm, skipped, with `weight_norm` the L2
+        norm of the fp32 weights the step began with (those its forward ran with: Megatron's params norm),
+        else None). With ZeRO-1 the updated weights are all-gathered over DP in the background
+        (GradBuffer.start_param_gather)."""
         self.finish_param_gather()
         self.finalize_grads()
         scale = self.scaler.scale if self.scaler else 1.0
-        norm = self.global_grad_norm() / scale
+        norm, weights = self.global_norms(weight_norm)
+        norm /= scale
         if not math.isfinite(norm):
             if self.scaler is None:
                 raise FloatingPointError("the gradient norm is not finite")
             self.scaler.update(found_inf=True)
             self.zero_grad()
-            return norm, True
+            return norm, True, weights
         if self.scaler:
             self.scaler.update(found_inf=False)
         clip = self.cfg.grad_clip / (norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
@@ -220,7 +233,7 @@ class Optimizer:
         for buf in self.buffers:
             buf.start_param_gather()
         self.zero_grad()
-        return norm, False
+        return norm, False, weights
 
     # -- what it holds, by parameter name
     def memory_bytes(self) -> dict:

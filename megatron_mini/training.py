@@ -233,7 +233,8 @@ class Trainer:
         long: a signal during it stops the run after it, not after the next); out["stop"]: {reason (a signal,
         the time limit): how many ranks asked to stop for it}, empty when none; out["writing"]: how many ranks
         were still writing the pending checkpoint (async_save); out["gbs"]: the step's global batch
-        (TrainConfig.global_batch_size)."""
+        (TrainConfig.global_batch_size); out["param_norm"]: the weights' norm at a step the log records (each
+        log_interval, the last; Optimizer.step), else None."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -248,7 +249,8 @@ class Trainer:
         loss, parts, stop, writing = self._global_loss(sample_losses, self.train_data, self.consumed_samples, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
-        grad_norm, skipped = self.optimizer.step(lr)
+        logged = (self.step + 1) % cfg.log_interval == 0 or self.step + 1 == cfg.steps
+        grad_norm, skipped, param_norm = self.optimizer.step(lr, weight_norm=logged)
         if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
             raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
                                      f"{scaler.min_scale:g} (step {self.step + 1}): "
@@ -265,7 +267,8 @@ class Trainer:
             atexit.unregister(gc.unfreeze)     # (once, however many Trainers a process builds)
             atexit.register(gc.unfreeze)
             self.gc_frozen = True
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "loss_scale": scale, "stop": stop,
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "param_norm": param_norm, "skipped": skipped,
+                "loss_scale": scale, "stop": stop,
                 "writing": writing, "gbs": gbs, "parts": self.mean_losses(parts)}
 
     def mean_losses(self, parts: dict) -> dict:
@@ -553,6 +556,8 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             r = rate((consumed - interval_consumed) * cfg.model.seq_len, now - interval_start)
             record = {"loss": out["loss"], **{f"loss/{name}": loss for name, loss in out["parts"].items()},
                       "lr": out["lr"], "grad_norm": out["grad_norm"], **r}
+            if out["param_norm"] is not None:        # (a step logged because a stop came has none)
+                record["param_norm"] = out["param_norm"]
             if cfg.rampup_batch_size:
                 record.update(gbs=out["gbs"], consumed_samples=consumed)
             if out["loss_scale"] is not None:

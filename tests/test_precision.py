@@ -217,7 +217,7 @@ def _step_with_injected_inf(cfg, poisoned_rank):
     trainer.engine.train_step(batch, trainer.optimizer.scaler.scale, cfg.gbs * cfg.model.seq_len, 0)
     if dist.get_rank() == poisoned_rank:              # an element of the (reduced) gradient this rank owns
         trainer.optimizer.ranges[0].grad[3] = float("inf")
-    _, skipped = trainer.optimizer.step(lr=1e-3)
+    _, skipped, _ = trainer.optimizer.step(lr=1e-3)
     unchanged = all(torch.equal(a, buf.params_flat) for a, buf in zip(before, trainer.buffers))
     unchanged &= all(torch.equal(m, r.master) and torch.equal(a, r.exp_avg) and torch.equal(v, r.exp_avg_sq)
                      for (m, a, v), r in zip(state, trainer.optimizer.ranges))

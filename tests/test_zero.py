@@ -1,4 +1,5 @@
 """ZeRO-1 and activation recomputation change memory, not the model being trained."""
+import math
 import os
 
 import pytest
@@ -231,3 +232,26 @@ def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
     assert torch.allclose(torch.tensor(late["loss"][6:]), torch.tensor(resumed["loss"]), rtol=1e-6, atol=0)
     for name, w in final_weights(late).items():
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("world, layout", [
+    (4, {"tp": 2, "pp": 2, "sp": True}),                       # TP slices, replicated ones, the tied embedding's copy
+    (2, {"zero": 1, "precision.dtype": "bf16"}),                              # fp32 masters sharded over DP
+], ids=["tp2-pp2-sp", "dp2-zero1-bf16"])
+def test_the_logged_param_norm_is_of_the_weights_the_step_ran_with(small_data, tmp_path, world, layout):
+    """metrics.jsonl's param_norm at a logged step (every log_interval, and the last) is the L2 norm of the whole
+    model's fp32 weights as the step began: the masters of the checkpoint before it, counted once (each TP slice,
+    each replicated or tied tensor once), from the full tensors on one process."""
+    import json
+
+    from megatron_mini.checkpoint import ShardReader, read_meta
+    cfg = small_config(small_data, tmp_path, steps=3, log_interval=2, save_interval=1, keep_checkpoints=4, **layout)
+    train_on_ranks(world, cfg)
+    logged = {r["step"]: r["param_norm"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r}
+    assert list(logged) == [2, 3]
+    for step, norm in logged.items():
+        path = str(tmp_path / "checkpoints" / f"step_{step - 1:06d}")
+        reader = ShardReader(path, read_meta(path))
+        expected = math.sqrt(sum(reader.full(name, "master").double().square().sum().item()
+                                 for name in reader.names()))
+        assert norm == pytest.approx(expected, rel=1e-6)
