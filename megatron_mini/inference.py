@@ -3,7 +3,7 @@
 The model is megatron_mini's own, built at tp=pp=dp=1 without torch.distributed from the
 checkpoint's config, with the full tensors loaded by global name (checkpoints are layout-free).
 Its logits are the Head's (`model(ids)` without labels). Generation keeps a `KVCache`: the prompt
-is prefilled once, then each new token runs one position. `mean_loss` is the cross entropy of its
+is prefilled once, then each new token runs one position. `mean_losses` is the cross entropy of its
 predictions over a dataset's samples: the run's validation set or prepared directories read as data.eval
 reads them. tools/generate.py, tools/evaluate.py and tools/export_hf.py are the command lines over this
 module and megatron_mini/hf.py.
@@ -24,7 +24,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .data import DataError, Tokenizer
-from .dataset import data_identity, load_datasets, load_eval_sets
+from .dataset import BlendedDataset, data_identity, load_datasets, load_eval_sets
 from .errors import first_line
 from .model import GPTChunk, KVCache, ParallelContext, build_chunks
 
@@ -155,19 +155,27 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
 
 
 @torch.no_grad()
-def mean_loss(model: GPTChunk, dataset, samples: int, batch: int) -> float:
+def mean_losses(model: GPTChunk, dataset, samples: int, batch: int, names: list | None = None) -> dict:
     """The mean cross entropy (nats per token, no label smoothing) of the model's next-token predictions over
     samples [0, samples) of `dataset` (each [seq_len + 1] tokens: inputs [:-1], targets [1:]), run `batch` samples
-    at a time: the loss a run logs for those samples (its val_loss, eval_loss/<dir>)."""
+    at a time: {None: over all of them} and, for a BlendedDataset, {names[d]: over those of its dataset d}. The
+    losses a run logs for those samples (val_loss and val_loss/<dir>, eval_loss/<dir>)."""
     device = next(model.parameters()).device
-    total, tokens = 0.0, 0
+    summed = []                                                                     # each sample's token losses
     for start in range(0, samples, batch):
         rows = torch.from_numpy(np.stack([dataset[i] for i in range(start, min(start + batch, samples))]))
         rows = rows.to(device, torch.long)
         out = logits(model, rows[:, :-1])                                           # [b, s, V] fp32
-        total += F.cross_entropy(out.flatten(0, 1), rows[:, 1:].flatten(), reduction="none").double().sum().item()
-        tokens += rows[:, 1:].numel()
-    return total / tokens
+        losses = F.cross_entropy(out.flatten(0, 1), rows[:, 1:].flatten(), reduction="none").double()
+        summed.append(losses.view(len(rows), -1).sum(-1).cpu())
+    summed = torch.cat(summed).numpy()
+    tokens = len(dataset[0]) - 1
+    means = {None: summed.sum() / (samples * tokens)}
+    if isinstance(dataset, BlendedDataset):
+        which = dataset.which(0, samples)
+        means.update({names[d]: summed[which == d].sum() / ((which == d).sum() * tokens)
+                      for d in range(len(dataset.datasets)) if (which == d).any()})
+    return means
 
 
 def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -301,7 +301,7 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     same eval_iters x gbs samples by default; --samples 0 reads a set's epoch. A directory of another tokenizer, or
     a run directory whose data was rebuilt, is one error line."""
     import evaluate
-    from megatron_mini.inference import evaluation_sets, load_model, mean_loss
+    from megatron_mini.inference import evaluation_sets, load_model, mean_losses
     first, second, own = blend_dirs
     code = own_config(small_data, second)
     cfg = small_config(blend_of(code, (0.5, first), (0.5, second)), tmp_path / "run", steps=2, gbs=8,
@@ -314,12 +314,16 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     model = load_model(ckpt)
     sets = evaluation_sets(ckpt, tok, [])
     assert list(sets) == ["validation", second] and list(evaluation_sets(ckpt, tok, [second])) == [second]
-    for name, key in (("validation", "val_loss"), (second, f"eval_loss/{second}")):
-        assert mean_loss(model, sets[name], cfg.eval_iters * cfg.gbs, 3) == pytest.approx(logged[key], rel=1e-5)
+    names = [first, second]
+    val = mean_losses(model, sets["validation"], cfg.eval_iters * cfg.gbs, 3, names)
+    assert val == pytest.approx({None: logged["val_loss"], **{d: logged[f"val_loss/{d}"] for d in names}}, rel=1e-5)
+    evals = mean_losses(model, sets[second], cfg.eval_iters * cfg.gbs, 5, names)
+    assert evals == pytest.approx({None: logged[f"eval_loss/{second}"]}, rel=1e-5)
     assert evaluate.main([cfg.run_dir, "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"validation: loss {logged['val_loss']:.4f} | perplexity ") and "| 16 samples of 32 " \
-        in out[0]
+    assert out[0].startswith(f"validation: loss {logged['val_loss']:.4f} ({first} {logged[f'val_loss/{first}']:.4f}, "
+                             f"{second} {logged[f'val_loss/{second}']:.4f}) | perplexity ") and \
+        "| 16 samples of 32 " in out[0]
     assert out[1].startswith(f"{second}: loss {logged[f'eval_loss/{second}']:.4f} | ") and len(out) == 2
     assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
     epoch = len(evaluation_sets(ckpt, tok, [second])[second])

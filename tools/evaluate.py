@@ -7,7 +7,8 @@
 One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py).
 Without directories it reads what the run's evaluations read: its validation set and its data.eval sets. The
 samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the figures
-are its logged val_loss and eval_loss/<dir> (a directory is read as data.eval reads it), to within the
+are its logged val_loss (a blend's: val_loss/<dir> too, in parentheses) and eval_loss/<dir> (a directory is
+read as data.eval reads it), to within the
 rounding of another layout and precision, and of label smoothing, which is not applied here. The
 directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...); a run's
 relative data.dir is read from the current directory.
@@ -22,7 +23,7 @@ import time
 import torch
 
 from megatron_mini.config import ConfigError
-from megatron_mini.inference import (CheckpointError, evaluation_sets, find_tokenizer, load_model, mean_loss,
+from megatron_mini.inference import (CheckpointError, evaluation_sets, find_tokenizer, load_model, mean_losses,
                                      read_checkpoint)
 
 
@@ -65,11 +66,14 @@ def main(argv=None) -> int:
     if cfg.model.label_smoothing:
         print(f"note: the run trained with model.label_smoothing={cfg.model.label_smoothing}, which its logged "
               f"losses include; these are the plain cross entropy", file=sys.stderr)
+    names = [directory for _, directory in cfg.data.parts()]           # (a blend's validation set's directories)
     for name, dataset in sets.items():
         samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
         start = time.perf_counter()
-        loss = mean_loss(model, dataset, samples, args.batch or cfg.mbs)
-        print(f"{name}: loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {samples:,} samples of "
+        losses = mean_losses(model, dataset, samples, args.batch or cfg.mbs, names)
+        loss = losses.pop(None)
+        parts = f" ({', '.join(f'{d} {part:.4f}' for d, part in losses.items())})" if losses else ""
+        print(f"{name}: loss {loss:.4f}{parts} | perplexity {math.exp(loss):.2f} | {samples:,} samples of "
               f"{cfg.model.seq_len} tokens{' (its epoch)' if samples == len(dataset) else ''} | "
               f"{time.perf_counter() - start:.1f} s")
     return 0
