@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -121,6 +122,27 @@ def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu") -> GPTChunk
                                       f"needs {tuple(p.shape)}")
             p.copy_(t)
     return model.eval()
+
+
+def device_for(name: str) -> torch.device:
+    """The device a tool runs on: "auto" (CUDA when there is one, else the CPU), "cpu" or "cuda" (a ValueError,
+    "cuda: this machine has no CUDA device ...", where there is none)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: this machine has no CUDA device (use --device cpu or auto)")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def open_checkpoint(path: str, tokenizer: str | None, device: torch.device) -> tuple[Checkpoint, Tokenizer, GPTChunk]:
+    """(read_checkpoint, find_tokenizer, load_model) of a checkpoint or run directory `path`, with the tokenizer
+    `tokenizer` or the run's; a CheckpointError names what does not fit. Its notes (checkpoints passed over) and
+    what it is go to stderr, as the tools print them."""
+    ckpt = read_checkpoint(path)
+    tok = find_tokenizer(ckpt, tokenizer)
+    model = load_model(ckpt, device)
+    for note in ckpt.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
+    return ckpt, tok, model
 
 
 @torch.no_grad()

@@ -364,7 +364,7 @@ def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work
     (["--seed", "-1"], "--seed must be in [0, 2**64)"),
 ])
 def test_generate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
-    monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    monkeypatch.setattr(generate, "open_checkpoint", lambda *a, **k: pytest.fail("loaded before refusing"))
     assert _exit_code(generate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
     err = _one_error_line(capsys)
     assert "error: " in err and fact in err, err
@@ -375,7 +375,7 @@ def test_generate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypa
     (["--batch", "0"], "--batch must be >= 1"),
 ])
 def test_evaluate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
-    monkeypatch.setattr(evaluate, "read_checkpoint", lambda *a, **k: pytest.fail("read before refusing"))
+    monkeypatch.setattr(evaluate, "open_checkpoint", lambda *a, **k: pytest.fail("read before refusing"))
     assert _exit_code(evaluate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
     err = _one_error_line(capsys)
     assert "error: " in err and fact in err, err

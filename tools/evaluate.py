@@ -20,11 +20,9 @@ import math
 import sys
 import time
 
-import torch
 
 from megatron_mini.config import ConfigError
-from megatron_mini.inference import (CheckpointError, evaluation_sets, find_tokenizer, load_model, mean_losses,
-                                     read_checkpoint)
+from megatron_mini.inference import CheckpointError, device_for, evaluation_sets, mean_losses, open_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,27 +40,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--samples must be >= 0 (0: all)")
     if args.batch is not None and args.batch < 1:
         p.error("--batch must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
+    try:
+        args.device = device_for(args.device)
+    except ValueError as e:
+        p.error(f"--device {e}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
     try:
-        ckpt = read_checkpoint(args.checkpoint)
-        tok = find_tokenizer(ckpt, args.tokenizer)
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device)
         sets = evaluation_sets(ckpt, tok, args.dirs)
-        model = load_model(ckpt, device)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for note in ckpt.notes:
-        print(f"note: {note}", file=sys.stderr)
     cfg = ckpt.cfg
-    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
     if cfg.model.label_smoothing:
         print(f"note: the run trained with model.label_smoothing={cfg.model.label_smoothing}, which its logged "
               f"losses include; these are the plain cross entropy", file=sys.stderr)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from megatron_mini.inference import CheckpointError, find_tokenizer, generate, load_model, read_checkpoint
+from megatron_mini.inference import CheckpointError, device_for, generate, open_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,25 +51,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--num-samples must be >= 1")
     if not 0 <= args.seed < 2 ** 64:
         p.error("--seed must be in [0, 2**64)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
+    try:
+        args.device = device_for(args.device)
+    except ValueError as e:
+        p.error(f"--device {e}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
     try:
-        ckpt = read_checkpoint(args.checkpoint)
-        tok = find_tokenizer(ckpt, args.tokenizer)
-        model = load_model(ckpt, device)
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for note in ckpt.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
     prompt = tok.encode(args.prompt) or [tok.eos_id]
     seq_len = ckpt.cfg.model.seq_len
     if len(prompt) > seq_len:
@@ -77,7 +72,7 @@ def main(argv=None) -> int:
               f"{len(prompt)} tokens are dropped (the printed text keeps them)", file=sys.stderr)
     if args.max_new_tokens:
         generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)  # warmup: the first call's one-off set-up is not timed
-    generator = torch.Generator(device).manual_seed(args.seed)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
     timing = {}
     samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
                        tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing, top_p=args.top_p)
