@@ -1,5 +1,6 @@
 """RunLogger writes metrics.jsonl and a wandb offline run; tools/compare_runs.py reads both back."""
 import json
+import math
 import os
 
 import pytest
@@ -353,3 +354,24 @@ def test_the_same_lines_superseded_twice_are_kept_twice(tmp_path):
         (tmp_path / "metrics.jsonl").write_text(_metrics_lines(5, 10))
         assert cut_metrics(str(tmp_path), 5) == 1
     assert (tmp_path / "metrics.superseded.jsonl").read_text() == _metrics_lines(10, 10)
+
+
+def test_compare_runs_draws_the_norms_in_a_panel_of_their_own(tmp_path, monkeypatch):
+    """Runs that logged grad_norm (an fp16 run's skipped steps: inf) and param_norm get a panel below the losses:
+    the gradient's norm on a log axis, the weights' on its right axis, a line per run each; runs without either get
+    none."""
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    fp16 = jsonl_run(tmp_path / "fp16", [(s, {"loss": 5.0 - s / 10, "grad_norm": math.inf if s == 2 else 1.0 + s,
+                                              "param_norm": 40.0 + s}) for s in range(1, 6)])
+    bf16 = jsonl_run(tmp_path / "bf16", [(s, {"loss": 5.0 - s / 9, "grad_norm": 2.0 + s}) for s in range(1, 6)])
+    plain = jsonl_run(tmp_path / "plain", [(1, {"loss": 5.0}), (2, {"val_loss": 4.5})])
+    assert compare_runs.main([fp16, bf16, "-o", str(tmp_path / "a.png"), "--smooth", "0"]) == 0
+    assert compare_runs.main([plain, "-o", str(tmp_path / "b.png")]) == 0
+    with_norms, without = figures
+    assert len(without.axes) == 1                                       # (the losses alone)
+    losses, grads, weights = with_norms.axes
+    assert grads.get_yscale() == "log" and grads.get_ylabel() == "grad norm (EMA 0.0)"
+    assert [list(line.get_ydata()) for line in grads.get_lines()] == [[2.0, 4.0, 5.0, 6.0], [3.0, 4.0, 5.0, 6.0, 7.0]]
+    assert [list(line.get_ydata()) for line in weights.get_lines()] == [[41.0, 42.0, 43.0, 44.0, 45.0]]

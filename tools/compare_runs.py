@@ -1,4 +1,5 @@
-"""Compare training runs (e.g. fp16 vs bf16): loss curves and the fp16 loss scale in one PNG, plus a table.
+"""Compare training runs (e.g. fp16 vs bf16): loss curves, the fp16 loss scale and the gradient's and weights'
+norms in one PNG, plus a table.
 
     python tools/compare_runs.py runs/tiny-bf16 runs/tiny-fp16 -o compare.png [--smooth 0.9] [--labels bf16,fp16]
 
@@ -284,9 +285,13 @@ def save_csv(rows: list[dict], names: list[str], path: str) -> None:
 _MARKERS = "osD^vP*X"
 
 
+NORMS = ("grad_norm", "param_norm")    # the norms panel's: solid on a log axis, dashed on its right axis
+
+
 def plot(runs: list[Run], path: str, smooth: float) -> None:
     """Train loss (raw thin, smoothed thick), val loss (dashed, markers), loss scale on a log axis; below, when
-    runs logged any, the data.eval sets' losses (a marker each)."""
+    runs logged any, the data.eval sets' losses (a marker each), then the gradient's norm (smoothed, log axis) and
+    the weights' (dashed, right axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,10 +299,14 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
     from matplotlib.lines import Line2D
 
     evals = eval_keys(runs)
-    if evals:
-        fig, (ax, eval_ax) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, height_ratios=[2, 1])
-    else:
-        fig, ax = plt.subplots(figsize=(10, 6))
+    norms = [key for key in NORMS if any(run.series(key)[0] for run in runs)]
+    heights = [2] + [1] * bool(evals) + [1] * bool(norms)
+    fig, axes = plt.subplots(len(heights), 1, figsize=(10, 6 + 3 * (len(heights) - 1)), sharex=True,
+                             height_ratios=heights, squeeze=False)
+    ax, *below = axes[:, 0]
+    eval_ax = below.pop(0) if evals else None
+    norm_ax = below.pop(0) if norms else None
+    weight_ax = norm_ax.twinx() if "param_norm" in norms else None
     scale_ax = None
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
@@ -312,8 +321,14 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
             scale_ax.plot(steps, scale, color=color, ls=":", lw=1.2)
         for j, key in enumerate(evals):
             eval_ax.plot(*run.series(key), color=color, marker=_MARKERS[j % len(_MARKERS)], ms=5)
-    if not evals:
-        ax.set_xlabel("step")
+        if norm_ax is not None:
+            steps, grad = run.series("grad_norm")
+            finite = [(s, g) for s, g in zip(steps, grad) if math.isfinite(g)]    # (fp16's skipped steps: inf)
+            if finite:
+                norm_ax.plot([s for s, _ in finite], ema([g for _, g in finite], smooth), color=color, lw=1.5)
+        if weight_ax is not None and run.series("param_norm")[0]:
+            weight_ax.plot(*run.series("param_norm"), color=color, ls="--", lw=1.2)
+    axes[-1, 0].set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     styles = [Line2D([], [], color="gray", lw=2, label=f"train (EMA {smooth})"),
@@ -326,13 +341,18 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
     ax.add_artist(ax.legend(loc="upper right", title="run"))
     ax.legend(handles=styles, loc="upper center")
     if evals:
-        eval_ax.set_xlabel("step")
         eval_ax.set_ylabel("eval loss")
         eval_ax.set_title("data.eval sets (the same samples in every run)", fontsize=10)
         eval_ax.grid(alpha=0.3)
         eval_ax.legend(handles=[Line2D([], [], color="gray", marker=_MARKERS[j % len(_MARKERS)], ms=5,
                                        label=key[len("eval_loss/"):]) for j, key in enumerate(evals)],
                        loc="upper right", title="set")
+    if norm_ax is not None:
+        norm_ax.set_yscale("log")
+        norm_ax.set_ylabel(f"grad norm (EMA {smooth})")
+        norm_ax.grid(alpha=0.3)
+        if weight_ax is not None:
+            weight_ax.set_ylabel("param norm (dashed)")
     fig.tight_layout()
     write_output(path, lambda path: fig.savefig(path, dpi=120))
     plt.close(fig)
