@@ -22,12 +22,12 @@ as the weight (12 bytes per parameter in fp32).
 
 Saving: every rank writes its files into `step_N.tmp/`, hashing them as it writes; rank 0 writes meta.json with the
 hashes and the index (gathered onto it as text), renames the directory to `step_N/`, then rewrites `latest`
-(tmp + rename) and removes all but the newest `keep` checkpoints. A failure on any rank (a full disk, no
-permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays on the
-last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind `latest`.
-With async_save the files are written by a thread of each rank while training goes on from the host copies
-(`Save`), and the agreement and publication wait for the first step at whose end no rank is still writing (a
-count in the step's loss all-reduce), as Megatron's async save finalizes.
+(tmp + rename) and removes all but the newest `keep` checkpoints and the milestones. A failure on any rank (a full
+disk, no permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays
+on the last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind
+`latest`. With async_save the files are written by a thread of each rank while training goes on from the host
+copies (`Save`), and the agreement and publication wait for the first step at whose end no rank is still writing
+(a count in the step's loss all-reduce), as Megatron's async save finalizes.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
@@ -390,8 +390,9 @@ class Save:
     agrees on the outcome, and rank 0 publishes it."""
 
     def __init__(self, path: str, progress: dict, buffers: list, optimizer, mesh, config: dict, data: dict,
-                 keep: int, background: bool = False):
-        """`progress`: the run's counters, into meta.json ({step, consumed_samples, loss, evaluation_owed})."""
+                 keep: int, background: bool = False, milestones: int = 0):
+        """`progress`: the run's counters, into meta.json ({step, consumed_samples, loss, evaluation_owed}); the
+        newest `keep` checkpoints are kept, and those of the multiples of `milestones` (> 0)."""
         self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
         self.tmp = path + ".tmp"
         self.last_good = _read_latest(os.path.dirname(path)) or "none"
@@ -399,6 +400,7 @@ class Save:
                      "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
                      "config": config, "data": data, "optimizer": optimizer.counters()}
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
+        self.milestones = milestones
         self._check(failure_of(self._make_dir) if mesh.rank == 0 else None,
                     "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
         self.failure = failure_of(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
@@ -479,7 +481,9 @@ class Save:
         root = os.path.dirname(self.path)
         atomic_write(os.path.join(root, "latest"), os.path.basename(self.path))
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        for old in checkpoints_of(os.path.dirname(root))[self.keep:] + stale:
+        pruned = [old for old in checkpoints_of(os.path.dirname(root))[self.keep:]
+                  if not (self.milestones and read_step(old) % self.milestones == 0)]
+        for old in pruned + stale:
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -265,6 +265,8 @@ class TrainConfig:
     memory_plan: bool = True         # rank 0 prints the layout planner's memory per rank next to the run's
     save_interval: int = 0           # 0: only at the end
     keep_checkpoints: int = 2        # the newest N complete checkpoints are kept
+    keep_checkpoint_interval: int = 0  # and those of every Nth step (milestones, a multiple of save_interval),
+                                     # never pruned (0: none)
     replica_check_interval: int = 0  # also compare the weights ranks hold in common every N steps (replicas.py;
                                      # 0: only before each save, which always does)
     async_save: bool = False         # interval saves write their files in a thread while training goes on
@@ -349,6 +351,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,
     "save_interval": (_GE0[0], ">= 0 (0: save at the end only)"), "keep_checkpoints": _GE1,
+    "keep_checkpoint_interval": (_GE0[0], ">= 0 (0: only the newest keep_checkpoints are kept)"),
     "replica_check_interval": (_GE0[0], ">= 0 (0: before each save only)"),
     "exit_after_minutes": (_GE0[0], ">= 0 (0: no time limit)"),
     "timeout_s": (lambda v: 1 <= v <= 10**8, "in [1, 10**8] seconds"),
@@ -462,6 +465,11 @@ def check_layout_free(cfg: TrainConfig) -> None:
     if cfg.init_from and cfg.resume not in ("auto", "never"):
         raise ConfigError(f"init_from={cfg.init_from} starts a new run from a checkpoint's weights, and "
                           f"resume={cfg.resume} continues the run of another: give one of them.")
+    keep, save = cfg.keep_checkpoint_interval, cfg.save_interval
+    if keep and (not save or keep % save):
+        saved = f"the multiples of save_interval={save}" if save else "the last only (save_interval=0)"
+        raise ConfigError(f"keep_checkpoint_interval={keep} keeps the checkpoints of its multiples, but the steps "
+                          f"saved are {saved}: make it a multiple of save_interval (> 0).")
     o = cfg.optimizer
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "

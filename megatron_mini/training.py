@@ -317,7 +317,8 @@ class Trainer:
         progress = {"step": self.step, "consumed_samples": self.consumed_samples, "loss": self.loss,
                     "evaluation_owed": self.evaluation_owed}
         self.pending = checkpoint.Save(path, progress, self.buffers, self.optimizer, self.mesh,
-                                       dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints, background)
+                                       dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints, background,
+                                       self.cfg.keep_checkpoint_interval)
         return path if background else self.finish_save()
 
     def finish_save(self) -> str | None:

@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run continues exactly, and checkpoints load into other layouts."""
 import math
 import os
+import re
 
 import pytest
 
@@ -737,3 +738,24 @@ def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         files.atomic_write(path, "step_000004")
     assert os.listdir(tmp_path) == ["latest"] and path.read_text() == "step_000002"
+
+
+def test_milestone_checkpoints_are_never_pruned(small_data, tmp_path):
+    """keep_checkpoint_interval=3 beside keep_checkpoints=2 and save_interval=1: the newest two and every third
+    step's are kept, through a resume too, and resume=auto takes the newest; an interval that is no multiple of
+    save_interval (none of its steps would be saved) is refused before anything starts."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+    cfg = small_config(small_data, tmp_path, steps=7, save_interval=1, keep_checkpoints=2, keep_checkpoint_interval=3)
+    train_on_ranks(1, cfg)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003", "step_000006", "step_000007"]
+    cfg.steps, cfg.resume = 8, "auto"
+    assert len(train_on_ranks(1, cfg)["loss"]) == 1                          # (from step 7)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003", "step_000006", "step_000007",
+                                                            "step_000008"]
+    for save, fact in ((2, "the steps saved are the multiples of save_interval=2"),
+                       (0, "the steps saved are the last only (save_interval=0)")):
+        with pytest.raises(ConfigError, match=re.escape(f"keep_checkpoint_interval=3 keeps the checkpoints of its "
+                                                        f"multiples, but {fact}: make it a multiple of save_interval")):
+            validate(TrainConfig(save_interval=save, keep_checkpoint_interval=3), 1)
+    with pytest.raises(ConfigError, match=re.escape("keep_checkpoint_interval=-1 must be >= 0")):
+        validate(TrainConfig(keep_checkpoint_interval=-1), 1)
