@@ -157,6 +157,14 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def _is_milestone(path: str) -> bool:
+    """Whether the checkpoint `path` was saved as a milestone (keep_checkpoint_interval), never to be pruned."""
+    try:
+        return read_meta(path).get("milestone") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def verify(path: str, share: tuple = (0, 1)) -> dict:
     """meta.json of the checkpoint `path`, once every file it lists exists and, of those, files
     share[0], share[0] + share[1], ... (sorted by name) have their recorded sha256: rank r of a job of n
@@ -392,15 +400,17 @@ class Save:
     def __init__(self, path: str, progress: dict, buffers: list, optimizer, mesh, config: dict, data: dict,
                  keep: int, background: bool = False, milestones: int = 0):
         """`progress`: the run's counters, into meta.json ({step, consumed_samples, loss, evaluation_owed}); the
-        newest `keep` checkpoints are kept, and those of the multiples of `milestones` (> 0)."""
+        newest `keep` checkpoints are kept, and milestones: this one is when its step is a multiple of `milestones`
+        (> 0), which meta.json records, so that a run resumed with another keep_checkpoint_interval keeps it too."""
         self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
         self.tmp = path + ".tmp"
         self.last_good = _read_latest(os.path.dirname(path)) or "none"
         self.meta = {"format": FORMAT, **progress,
                      "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
                      "config": config, "data": data, "optimizer": optimizer.counters()}
+        if milestones and progress["step"] % milestones == 0:
+            self.meta["milestone"] = True
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
-        self.milestones = milestones
         self._check(failure_of(self._make_dir) if mesh.rank == 0 else None,
                     "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
         self.failure = failure_of(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
@@ -481,8 +491,7 @@ class Save:
         root = os.path.dirname(self.path)
         atomic_write(os.path.join(root, "latest"), os.path.basename(self.path))
         stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        pruned = [old for old in checkpoints_of(os.path.dirname(root))[self.keep:]
-                  if not (self.milestones and read_step(old) % self.milestones == 0)]
+        pruned = [old for old in checkpoints_of(os.path.dirname(root))[self.keep:] if not _is_milestone(old)]
         for old in pruned + stale:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -153,19 +153,42 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
     return model(ids, cache=cache).transpose(0, 1)
 
 
-def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
-    """{name: dataset} that tools/evaluate.py reads: each prepared directory of `dirs` as data.eval reads it ({dir:
-    all its documents, shuffled by EVAL_SEED}), encoded with the run's tokenizer `tok`; without `dirs`, what the
-    run's evaluations read: its validation set ("validation"; its data.dir or data.blend, which must still hold the
-    corpus and tokenizer the checkpoint records) and its data.eval sets. DataError (a ConfigError) naming what
-    does not fit."""
-    cfg = ckpt.cfg
-    evals = load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)) if dirs else cfg.data, cfg.model.seq_len,
-                           cfg.model.vocab_size, tok)
+def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> tuple[dict, list]:
+    """({name: dataset}, notes) that tools/evaluate.py reads: each prepared directory of `dirs` as data.eval reads it
+    ({dir: all its documents, shuffled by EVAL_SEED}), encoded with the run's tokenizer `tok`; without `dirs`, what
+    the run's evaluations read: its validation set ("validation"; its data.dir or data.blend, which must still hold
+    the corpus and tokenizer the checkpoint records) and its data.eval sets, each opened on its own (a relative
+    path from the current directory, else the repository root, as find_tokenizer reads the tokenizer): one that
+    cannot be is a note, and a DataError (a ConfigError) only when none can. With `dirs`, a DataError naming the
+    first that does not fit."""
+    cfg, seq_len, vocab_size = ckpt.cfg, ckpt.cfg.model.seq_len, ckpt.cfg.model.vocab_size
     if dirs:
-        return evals
-    _, val, run_tok = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
-    saved, now = ckpt.meta.get("data") or {}, data_identity(cfg.data, run_tok.sha256)
+        return load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)), seq_len, vocab_size, tok), []
+    data = dataclasses.replace(cfg.data, dir=_located(cfg.data.dir), blend=cfg.data.blend and [
+        _located(v) if i % 2 else v for i, v in enumerate(cfg.data.blend)], eval=cfg.data.eval and [
+        _located(d) for d in cfg.data.eval])
+    sets, failures = {}, []
+    try:
+        sets["validation"] = _validation_set(ckpt, data)
+    except DataError as e:
+        failures.append(e)
+    for name, located in zip(cfg.data.eval_dirs(), data.eval_dirs()):
+        try:
+            (sets[name],) = load_eval_sets(dataclasses.replace(data, eval=[located]), seq_len, vocab_size,
+                                           tok).values()
+        except DataError as e:
+            failures.append(e)
+    if not sets:
+        raise failures[0]
+    return sets, [f"not evaluated: {e}" for e in failures]
+
+
+def _validation_set(ckpt: Checkpoint, data) -> object:
+    """The run's validation set, read from `data` (its DataConfig, paths located), which must hold the corpus and
+    tokenizer the checkpoint records."""
+    cfg = ckpt.cfg
+    _, val, run_tok = load_datasets(data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    saved, now = ckpt.meta.get("data") or {}, data_identity(data, run_tok.sha256)
     changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens") if key in saved
                and saved[key] != now.get(key)]
     if changed:
@@ -173,7 +196,15 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> dict:
         raise DataError(where, f"is not the data {ckpt.path} was trained on (another {', '.join(changed)} than "
                         f"it records: rebuilt since?), so its validation documents are not the run's; name "
                         f"prepared directories to evaluate instead", rebuild=None)
-    return {"validation": val, **evals}
+    return val
+
+
+def _located(path: str) -> str:
+    """A run's data path as the tools read it: relative ones from the current directory, else from the repository
+    root (where the run was most likely launched)."""
+    if os.path.isabs(path) or os.path.exists(path) or not os.path.exists(os.path.join(REPO, path)):
+        return path
+    return os.path.join(REPO, path)
 
 
 @torch.no_grad()

@@ -170,7 +170,7 @@ class Optimizer:
         if self.check_views:
             stats[1] = torch.stack(torch._foreach_norm(self.check_views)).sum()
         if weights and self.norm_masters:
-            stats[2] = torch.stack(torch._foreach_norm(self.norm_masters)).square().sum()
+            stats[2] = torch.stack(torch._foreach_norm(self.norm_masters, 2, dtype=torch.float64)).square().sum()
         return self.reduce_norm_stats(stats)
 
     def reduce_norm_stats(self, stats: torch.Tensor) -> torch.Tensor:

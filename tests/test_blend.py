@@ -295,12 +295,14 @@ def test_an_evaluation_set_is_read_the_same_by_every_run(small_data, blend_dirs,
     assert "which this run trains on" not in log                      # (trained_eval_notes: none of these)
 
 
-def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_path, capsys):
+def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_path, capsys, monkeypatch):
     """tools/evaluate.py on one process gives the losses a tp=2 run of a blend logged at its last evaluation: the
     validation set's (val_loss: the blend's validation samples) and a data.eval set's (eval_loss/<dir>), over the
-    same eval_iters x gbs samples by default; --samples 0 reads a set's epoch. A directory of another tokenizer, or
-    a run directory whose data was rebuilt, is one error line."""
+    same eval_iters x gbs samples by default; --samples 0 reads a set's epoch. The run's relative paths are found
+    from the repository root too; a data.eval set removed since is a note. A directory of another tokenizer, or a
+    run directory whose data was rebuilt, is one error line."""
     import evaluate
+    from megatron_mini import inference
     from megatron_mini.inference import evaluation_sets, load_model, mean_losses
     first, second, own = blend_dirs
     code = own_config(small_data, second)
@@ -312,8 +314,9 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     ckpt = read_checkpoint(history["checkpoint"])
     tok = find_tokenizer(ckpt)
     model = load_model(ckpt)
-    sets = evaluation_sets(ckpt, tok, [])
-    assert list(sets) == ["validation", second] and list(evaluation_sets(ckpt, tok, [second])) == [second]
+    sets, notes = evaluation_sets(ckpt, tok, [])
+    assert list(sets) == ["validation", second] and not notes
+    assert list(evaluation_sets(ckpt, tok, [second])[0]) == [second]
     names = [first, second]
     val = mean_losses(model, sets["validation"], cfg.eval_iters * cfg.gbs, 3, names)
     assert val == pytest.approx({None: logged["val_loss"], **{d: logged[f"val_loss/{d}"] for d in names}}, rel=1e-5)
@@ -326,11 +329,24 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
         "| 16 samples of 32 " in out[0]
     assert out[1].startswith(f"{second}: loss {logged[f'eval_loss/{second}']:.4f} | ") and len(out) == 2
     assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
-    epoch = len(evaluation_sets(ckpt, tok, [second])[second])
+    epoch = len(evaluation_sets(ckpt, tok, [second])[0][second])
     assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \
         in out
     assert evaluate.main([cfg.run_dir, own, "--device", "cpu"]) == 2
     assert f"error: {own}/tokenizer.model: is another tokenizer" in capsys.readouterr().err
+    root = os.path.commonpath([first, second])             # (a run launched there, read from elsewhere: its
+    monkeypatch.setattr(inference, "REPO", root)           # relative paths are found as its tokenizer is)
+    monkeypatch.chdir(tmp_path)
+    trained = ckpt.cfg.data
+    ckpt.cfg.data = blend_of(dataclasses.replace(code, eval=[os.path.relpath(second, root)]),
+                             (0.5, os.path.relpath(first, root)), (0.5, os.path.relpath(second, root)))
+    relative, notes = evaluation_sets(ckpt, tok, [])
+    assert list(relative) == ["validation", os.path.relpath(second, root)] and not notes
+    assert mean_losses(model, relative["validation"], cfg.eval_iters * cfg.gbs, 3, names)[None] == val[None]
+    ckpt.cfg.data = dataclasses.replace(trained, eval=[second, str(tmp_path / "gone")])   # (a set removed since)
+    sets, notes = evaluation_sets(ckpt, tok, [])
+    assert list(sets) == ["validation", second]
+    assert len(notes) == 1 and notes[0].startswith(f"not evaluated: {tmp_path}/gone/tokenizer.model: missing")
     ckpt.cfg.data = rebuilt = blend_of(code, (0.7, first), (0.3, second))   # (another mixture than it records)
     with pytest.raises(DataError, match=re.escape(f"data.blend={rebuilt.blend}: is not the data {ckpt.path} was "
                                                   f"trained on (another corpus_sha256 than it records")):

@@ -742,8 +742,9 @@ def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
 
 def test_milestone_checkpoints_are_never_pruned(small_data, tmp_path):
     """keep_checkpoint_interval=3 beside keep_checkpoints=2 and save_interval=1: the newest two and every third
-    step's are kept, through a resume too, and resume=auto takes the newest; an interval that is no multiple of
-    save_interval (none of its steps would be saved) is refused before anything starts."""
+    step's are kept, through a resume too, and resume=auto takes the newest; a resume without the interval keeps the
+    milestones saved before (meta.json says which); an interval that is no multiple of save_interval (none of its
+    steps would be saved) is refused before anything starts."""
     from megatron_mini.config import ConfigError, TrainConfig, validate
     cfg = small_config(small_data, tmp_path, steps=7, save_interval=1, keep_checkpoints=2, keep_checkpoint_interval=3)
     train_on_ranks(1, cfg)
@@ -752,6 +753,10 @@ def test_milestone_checkpoints_are_never_pruned(small_data, tmp_path):
     assert len(train_on_ranks(1, cfg)["loss"]) == 1                          # (from step 7)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003", "step_000006", "step_000007",
                                                             "step_000008"]
+    cfg.steps, cfg.keep_checkpoint_interval = 10, 0
+    train_on_ranks(1, cfg)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003", "step_000006", "step_000009",
+                                                            "step_000010"]
     for save, fact in ((2, "the steps saved are the multiples of save_interval=2"),
                        (0, "the steps saved are the last only (save_interval=0)")):
         with pytest.raises(ConfigError, match=re.escape(f"keep_checkpoint_interval=3 keeps the checkpoints of its "

@@ -10,8 +10,9 @@ samples are the run's own: by default the eval_iters x gbs that each of its eval
 are its logged val_loss (a blend's: val_loss/<dir> too, in parentheses) and eval_loss/<dir> (a directory is
 read as data.eval reads it), to within the
 rounding of another layout and precision, and of label smoothing, which is not applied here. The
-directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...); a run's
-relative data.dir is read from the current directory.
+directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...). A run's
+relative data paths are read from the current directory, else the repository root; a set of the run's that
+cannot be read (a data.eval directory gone) is a note, the others are evaluated.
 """
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device)
-        sets = evaluation_sets(ckpt, tok, args.dirs)
+        sets, notes = evaluation_sets(ckpt, tok, args.dirs)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     cfg = ckpt.cfg
     if cfg.model.label_smoothing:
         print(f"note: the run trained with model.label_smoothing={cfg.model.label_smoothing}, which its logged "
