@@ -21,30 +21,24 @@ import math
 import sys
 import time
 
-
+from checkpoint_args import add_checkpoint_arguments, chosen_device
 from megatron_mini.config import ConfigError
-from megatron_mini.inference import CheckpointError, device_for, evaluation_sets, mean_losses, open_checkpoint
+from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
+    add_checkpoint_arguments(p)
     p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set and "
                                            "data.eval sets)")
     p.add_argument("--samples", type=int, help="samples of each (default: the run's eval_iters x gbs; 0: all)")
     p.add_argument("--batch", type=int, help="samples per forward (default: the run's mbs)")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
-                                       "or its data.blend's first directory's)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = p.parse_args(argv)
     if args.samples is not None and args.samples < 0:
         p.error("--samples must be >= 0 (0: all)")
     if args.batch is not None and args.batch < 1:
         p.error("--batch must be >= 1")
-    try:
-        args.device = device_for(args.device)
-    except ValueError as e:
-        p.error(f"--device {e}")
+    args.device = chosen_device(p, args)
     return args
 
 

@@ -13,16 +13,15 @@ import argparse
 import os
 import sys
 
+from checkpoint_args import add_checkpoint_arguments
 from megatron_mini.hf import export
 from megatron_mini.inference import CheckpointError
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
+    add_checkpoint_arguments(p, device=False)
     p.add_argument("out_dir", help="the Hugging Face model directory to write")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
-                                            "or its data.blend's first directory's)")
     args = p.parse_args(argv)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)

@@ -20,12 +20,13 @@ import sys
 
 import torch
 
-from megatron_mini.inference import CheckpointError, device_for, generate, open_checkpoint
+from checkpoint_args import add_checkpoint_arguments, chosen_device
+from megatron_mini.inference import CheckpointError, generate, open_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
+    add_checkpoint_arguments(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -34,9 +35,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1: all")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
-                                            "or its data.blend's first directory's)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="rerun the last seq_len tokens for every new token (slower; for comparison)")
     args = p.parse_args(argv)
@@ -51,10 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--num-samples must be >= 1")
     if not 0 <= args.seed < 2 ** 64:
         p.error("--seed must be in [0, 2**64)")
-    try:
-        args.device = device_for(args.device)
-    except ValueError as e:
-        p.error(f"--device {e}")
+    args.device = chosen_device(p, args)
     return args
 
 

@@ -1,0 +1,26 @@
+"""What the tools that read a checkpoint share (generate.py, evaluate.py, export_hf.py): the arguments naming the
+checkpoint, its tokenizer and the device, and the device they choose."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_mini.inference import device_for
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) -> None:
+    """CHECKPOINT (first positional), --tokenizer and, with `device`, --device."""
+    p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
+                                       "or its data.blend's first directory's)")
+    if device:
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """--device as a torch.device (auto: CUDA when there is one); a parser error for cuda on a machine without."""
+    try:
+        return device_for(args.device)
+    except ValueError as e:
+        p.error(f"--device {e}")
