@@ -345,12 +345,21 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
     if mixture:
         diffs.append("data.blend: " + " -> ".join(str(b or "data.dir") for b in blends))
     for key, new in data.items():          # (a key the checkpoint lacks, or this version does not know: not compared)
-        if key in saved and saved[key] != new and key not in ("blend", *mixture):
+        if key in saved and saved[key] != new and key not in ("blend", "eval", *mixture):
             diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")
     if diffs:
         weights = f" (init_from={resume.path} starts it from these weights)" if startable else ""
         raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
                           f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name{weights}.")
+
+
+def evaluation_changes(meta: dict, data: dict) -> list:
+    """Notes on the data.eval sets (dataset.data_identity's "eval") of a resume that hold another corpus than the
+    checkpoint's run evaluated, whose eval_loss/<dir> then changes meaning at the resume."""
+    saved, now = (meta.get("data") or {}).get("eval") or {}, data.get("eval") or {}
+    return [f"data.eval: {d} holds another corpus (sha256 {str(sha)[:12]}) than the one evaluated up to step "
+            f"{meta['step']} ({str(saved[d])[:12]}): its eval_loss/{d} from here on is not comparable with before"
+            for d, sha in now.items() if d in saved and saved[d] != sha]
 
 
 # ----------------------------------------------------------------------------- saving

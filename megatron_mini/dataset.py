@@ -312,10 +312,12 @@ def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: To
 def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
     """What the train/validation split and the token ids depend on, besides seed and val_fraction, recorded in each
     checkpoint (a resume must read the same data): the tokenizer, the corpus (a blend's: its shares and corpora) and
-    its token count."""
+    its token count; and {data.eval's directory: its corpus sha256}, which a resume may change."""
     metas = [(share, directory, directory_meta(directory)) for share, directory in cfg.parts()]
     identity = {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
                 "num_tokens": metas[0][2].get("num_tokens")}
+    if cfg.eval:                         # (a resume may change these: checkpoint.evaluation_changes notes it)
+        identity["eval"] = {d: directory_meta(d).get("corpus_sha256") for d in cfg.eval_dirs()}
     if len(metas) == 1:                  # (a blend of one directory reads its samples as data.dir does)
         return identity
     blend = [[str(share), meta.get("corpus_sha256")] for share, _, meta in metas]

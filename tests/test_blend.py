@@ -353,6 +353,29 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
         evaluation_sets(ckpt, tok, [])
 
 
+def test_a_resume_notes_an_evaluation_set_that_changed_corpus(small_data, blend_dirs, tmp_path):
+    """A data.eval directory rebuilt from another corpus between a save and its resume: the resumed run goes on (the
+    sets may change) and its log says that the set's eval_loss changes meaning there; the same corpus says nothing."""
+    first, second, _ = blend_dirs
+    ev = tmp_path / "ev"
+    shutil.copytree(second, ev)
+    cfg = small_config(small_data, tmp_path / "run", steps=2, gbs=8, eval_interval=2, eval_iters=1)
+    cfg.data = dataclasses.replace(small_data, eval=[str(ev)])
+    train_on_ranks(1, cfg)
+    log = tmp_path / "run" / "logs" / "rank0000.log"
+    cfg.steps, cfg.resume = 3, "auto"
+    train_on_ranks(1, cfg)
+    assert "resume: data.eval" not in log.read_text()
+    shutil.rmtree(ev)
+    shutil.copytree(first, ev)                               # (rebuilt from another corpus, the same tokenizer)
+    cfg.steps = 4
+    train_on_ranks(1, cfg)
+    sha = json.loads((ev / "meta.json").read_text())["corpus_sha256"]
+    was = json.loads(Path(second, "meta.json").read_text())["corpus_sha256"]
+    assert (f"resume: data.eval: {ev} holds another corpus (sha256 {sha[:12]}) than the one evaluated up to step 3 "
+            f"({was[:12]}): its eval_loss/{ev} from here on is not comparable with before") in log.read_text()
+
+
 def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp_path):
     """data.eval naming a directory the run trains on (data.dir, a blend's directory, or a copy of either: the same
     corpus sha256) is a start-up line for each such set, naming the directory trained on; another corpus is none."""
