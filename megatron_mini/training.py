@@ -545,9 +545,11 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
     first_consumed = interval_consumed = trainer.consumed_samples
     last_consumed = cfg.consumed_after(first_consumed, cfg.steps - trainer.step)    # (at the last step: the ETA)
     start_time = interval_start = time.time()
+    warm = None                     # (time, samples) after this start's first step: the ETA's rate leaves it out
     while trainer.step < cfg.steps:
         with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
+        warm = warm or (time.time(), trainer.consumed_samples)
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
         step = trainer.step
@@ -564,7 +566,10 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
             if out["loss_scale"] is not None:
                 record.update(loss_scale=out["loss_scale"], skipped_steps=trainer.skipped_steps)
             trainer.write_alone(logger.metrics_path, logger.log, step, record)
-            eta = (now - start_time) / (consumed - first_consumed) * (last_consumed - consumed)
+            # the time per sample since the first step (which compiles, autotunes, warms the allocator up:
+            # a minute on a GPU), or of the first step while it is the only one
+            since, base = warm if consumed > warm[1] else (start_time, first_consumed)
+            eta = (now - since) / (consumed - base) * (last_consumed - consumed)
             log.info(step_line(step, cfg, out, r, rate, now - start_time, eta, trainer.skipped_steps))
             interval_start, interval_consumed = now, consumed
         paused = time.time()

@@ -44,8 +44,9 @@ def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
     return spawn(world_size, _train, cfg, init_group=False)[0]
 
 
-def train_on_a_fake_clock(cfg: TrainConfig) -> dict:
-    """train(cfg) on this spawned rank, on a clock where a training step takes 1 s and an evaluation or a save 100 s."""
+def train_on_a_fake_clock(cfg: TrainConfig, first_step: float = 1.0) -> dict:
+    """train(cfg) on this spawned rank, on a clock where a training step takes 1 s (the first `first_step`: a GPU's
+    compilation and autotuning) and an evaluation or a save 100 s."""
     import time
     import types
     from megatron_mini import training
@@ -59,6 +60,13 @@ def train_on_a_fake_clock(cfg: TrainConfig) -> dict:
     training.time = types.SimpleNamespace(**{**vars(time), "time": lambda: clock[0]})
     for name, seconds in (("train_step", 1.0), ("evaluate", 100.0), ("save", 100.0)):
         setattr(training.Trainer, name, taking(seconds, getattr(training.Trainer, name)))
+    step, steps = training.Trainer.train_step, []
+
+    def first_slower(self, *args, **kwargs):
+        clock[0] += (first_step - 1.0) * (not steps)
+        steps.append(1)
+        return step(self, *args, **kwargs)
+    training.Trainer.train_step = first_slower
     return training.train(cfg)
 
 

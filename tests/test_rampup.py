@@ -118,18 +118,21 @@ def test_a_ramped_run_resumes_in_another_layout(small_data, ramped, tmp_path):
 
 
 def test_step_lines_count_each_steps_tokens(small_data, tmp_path):
-    """On a clock where a step takes 1 s: each step's tokens/s is its own batch's tokens, and the ETA after step k is
-    the time per sample so far times the samples still to train."""
+    """On a clock where a step takes 1 s but the first 60 s (a GPU's compilation): each step's tokens/s is its own
+    batch's tokens, and the ETA after step k > 1 is the time per sample since the first step times the samples still
+    to train (after the first step alone, that step's)."""
     from megatron_mini.logger import format_duration
     from ranks import spawn
 
     cfg = _ramped(small_data, tmp_path, log_interval=1)
-    spawn(1, train_on_a_fake_clock, cfg, init_group=False)
+    spawn(1, train_on_a_fake_clock, cfg, 60.0, init_group=False)
     rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    assert rates == [size * cfg.model.seq_len / 1.0 for size in RAMP_SIZES]
+    assert rates == [size * cfg.model.seq_len / (60.0 if k == 0 else 1.0) for k, size in enumerate(RAMP_SIZES)]
     etas = re.findall(r"\| ETA (\S+)", (tmp_path / "logs" / "rank0000.log").read_text())
-    done = [sum(RAMP_SIZES[:k]) for k in range(1, 9)]
-    assert etas == [format_duration(k / d * (sum(RAMP_SIZES) - d)) for k, d in enumerate(done, 1)]
+    done, total = [sum(RAMP_SIZES[:k]) for k in range(1, 9)], sum(RAMP_SIZES)
+    first = done[0]
+    assert etas == [format_duration(60.0 / first * (total - first))] + [
+        format_duration((k - 1) / (d - first) * (total - d)) for k, d in enumerate(done[1:], 2)]
 
 
 def test_a_ramp_trains_the_same_model_on_every_layout(small_data, tmp_path):
