@@ -281,6 +281,10 @@ class TrainConfig:
     dist_backend: Backend = Backend.auto  # auto: nccl on CUDA unless ranks share a GPU, else gloo
     timeout_s: int = 300             # how long any collective may wait (a stalled peer ends the job)
 
+    def logs(self, step: int) -> bool:
+        """Whether the step line and metrics.jsonl record `step` (a step a stop comes in is recorded too)."""
+        return step % self.log_interval == 0 or step == self.steps
+
     def num_microbatches(self, dp: int) -> int:
         """Microbatches per DP rank of a full global batch (gbs: after any rampup_batch_size)."""
         return self.gbs // (self.mbs * dp)

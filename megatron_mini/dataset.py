@@ -284,12 +284,17 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
 EVAL_SEED = 0        # data.eval's samples: the same for every run (any seed), a yardstick across runs and mixtures
 
 
+def eval_corpora(cfg: DataConfig) -> dict:
+    """{data.eval's directory: the corpus sha256 its meta.json records (None without one)}."""
+    return {d: directory_meta(d).get("corpus_sha256") for d in cfg.eval_dirs()}
+
+
 def trained_eval_notes(cfg: DataConfig) -> list[str]:
     """A start-up line for each data.eval set that holds a corpus the run trains on (data.dir or a blend's directory:
     the same corpus sha256 in their meta.json, a copy too): but for the validation split, its documents are
     training documents, so its eval_loss is no held-out yardstick."""
     trained = {directory_meta(d).get("corpus_sha256"): d for _, d in cfg.parts()}
-    evals = {d: directory_meta(d).get("corpus_sha256") for d in cfg.eval_dirs()}
+    evals = eval_corpora(cfg)
     return [f"data.eval: {d} holds the corpus of {trained[sha]}, which this run trains on (all but its "
             f"validation documents): its eval_loss is mostly a training loss, not a held-out one"
             for d, sha in evals.items() if sha in trained]
@@ -317,7 +322,7 @@ def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
     identity = {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
                 "num_tokens": metas[0][2].get("num_tokens")}
     if cfg.eval:                         # (a resume may change these: checkpoint.evaluation_changes notes it)
-        identity["eval"] = {d: directory_meta(d).get("corpus_sha256") for d in cfg.eval_dirs()}
+        identity["eval"] = eval_corpora(cfg)
     if len(metas) == 1:                  # (a blend of one directory reads its samples as data.dir does)
         return identity
     blend = [[str(share), meta.get("corpus_sha256")] for share, _, meta in metas]

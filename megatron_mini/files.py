@@ -105,26 +105,19 @@ class DirectoryLock:
             os.makedirs(directory, exist_ok=True)    # (the holder waited for may have removed the one it made)
             self._file, created = _open_creating(self.path)
             try:
-                try:
-                    fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    self._file.seek(0)
-                    holder = self._file.read().strip() or "another process"
-                    if waiting is None:
-                        raise ConfigError(f"{directory} is in use by {user} ({holder}). {advice}") from None
-                    waiting(holder)
-                    fcntl.flock(self._file, fcntl.LOCK_EX)
+                self._lock(f"{directory} is in use by {user}", advice, waiting)
                 same = _same_file(self._file, self.path)
-            except BaseException as e:
+            except OSError as e:
                 self._file.close()
-                if isinstance(e, OSError) and e.errno == errno.ESTALE:
+                if e.errno == errno.ESTALE:
                     continue                          # (NFS: the file was removed meanwhile: lock anew)
-                if isinstance(e, OSError):
-                    if created:                       # (nobody can hold a lock here: leave no file behind)
-                        _unlink(self.path)
-                    raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
-                                      f"locks, so nothing would keep {user} out of {directory}; use a directory on "
-                                      f"another file system.") from None
+                if created:                           # (nobody can hold a lock here: leave no file behind)
+                    _unlink(self.path)
+                raise ConfigError(f"{self.path} cannot be locked ({e.strerror or e}): its file system takes no "
+                                  f"locks, so nothing would keep {user} out of {directory}; use a directory on "
+                                  f"another file system.") from None
+            except BaseException:
+                self._file.close()
                 raise
             if same:
                 break
@@ -137,6 +130,19 @@ class DirectoryLock:
         except BaseException:
             self.release()
             raise
+
+    def _lock(self, in_use: str, advice: str, waiting) -> None:
+        """flock the open file at once; where another process holds it, waiting(its holder) and wait for it, or
+        without `waiting` a ConfigError ("{in_use} (its holder). {advice}")."""
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            if waiting is None:
+                raise ConfigError(f"{in_use} ({holder}). {advice}") from None
+            waiting(holder)
+            fcntl.flock(self._file, fcntl.LOCK_EX)
 
     def release(self) -> None:
         """Remove the lock's file, then unlock it (one that opened the file meanwhile finds it gone: _same_file)."""

@@ -79,12 +79,7 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     first directory's; absolute, or relative to the current directory or the repository root). It must be the file
     the checkpoint was trained with (its sha256, recorded in meta.json's "data"): the same ids are other tokens in
     another one."""
-    if path:
-        candidates = [path]
-    else:
-        data_dir = ckpt.cfg.data.parts()[0][1]
-        roots = [""] if os.path.isabs(data_dir) else [os.getcwd(), REPO]
-        candidates = list(dict.fromkeys(os.path.join(r, data_dir, "tokenizer.model") for r in roots))
+    candidates = [path] if path else _candidates(os.path.join(ckpt.cfg.data.parts()[0][1], "tokenizer.model"))
     found = next((c for c in candidates if os.path.isfile(c)), None)
     if found is None:
         raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")
@@ -199,12 +194,15 @@ def _validation_set(ckpt: Checkpoint, data) -> object:
     return val
 
 
+def _candidates(path: str) -> list:
+    """Where the tools look for a run's data path, in order: the path itself where absolute, else from the current
+    directory, then from the repository root (where the run was most likely launched)."""
+    return [path] if os.path.isabs(path) else list(dict.fromkeys(os.path.join(r, path) for r in (os.getcwd(), REPO)))
+
+
 def _located(path: str) -> str:
-    """A run's data path as the tools read it: relative ones from the current directory, else from the repository
-    root (where the run was most likely launched)."""
-    if os.path.isabs(path) or os.path.exists(path) or not os.path.exists(os.path.join(REPO, path)):
-        return path
-    return os.path.join(REPO, path)
+    """A run's data path as the tools read it: the first of _candidates that exists (else the path as it is)."""
+    return next((c for c in _candidates(path) if os.path.exists(c)), path)
 
 
 @torch.no_grad()

@@ -233,8 +233,8 @@ class Trainer:
         long: a signal during it stops the run after it, not after the next); out["stop"]: {reason (a signal,
         the time limit): how many ranks asked to stop for it}, empty when none; out["writing"]: how many ranks
         were still writing the pending checkpoint (async_save); out["gbs"]: the step's global batch
-        (TrainConfig.global_batch_size); out["param_norm"]: the weights' norm at a step the log records (each
-        log_interval, the last; Optimizer.step), else None."""
+        (TrainConfig.global_batch_size); out["param_norm"]: the weights' norm at a step the log records
+        (TrainConfig.logs; Optimizer.step), else None."""
         cfg = self.cfg
         for chunk in self.chunks:
             chunk.train()
@@ -249,8 +249,7 @@ class Trainer:
         loss, parts, stop, writing = self._global_loss(sample_losses, self.train_data, self.consumed_samples, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
-        logged = (self.step + 1) % cfg.log_interval == 0 or self.step + 1 == cfg.steps
-        grad_norm, skipped, param_norm = self.optimizer.step(lr, weight_norm=logged)
+        grad_norm, skipped, param_norm = self.optimizer.step(lr, weight_norm=cfg.logs(self.step + 1))
         if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
             raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
                                      f"{scaler.min_scale:g} (step {self.step + 1}): "
@@ -553,7 +552,7 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
         step = trainer.step
-        if step % cfg.log_interval == 0 or step == cfg.steps or out["stop"]:
+        if cfg.logs(step) or out["stop"]:
             now = time.time()
             consumed = trainer.consumed_samples
             r = rate((consumed - interval_consumed) * cfg.model.seq_len, now - interval_start)

@@ -351,32 +351,23 @@ def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, fact", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--temperature", "nan"], "--temperature must be >= 0"),
-    (["--temperature", "inf"], "--temperature must be finite"),
-    (["--top-k", "-1"], "--top-k must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--top-p", "nan"], "--top-p must be in (0, 1]"),
-    (["--num-samples", "0"], "--num-samples must be >= 1"),
-    (["--seed", str(2 ** 64)], "--seed must be in [0, 2**64)"),            # (torch.Generator's range)
-    (["--seed", "-1"], "--seed must be in [0, 2**64)"),
-])
-def test_generate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
-    monkeypatch.setattr(generate, "open_checkpoint", lambda *a, **k: pytest.fail("loaded before refusing"))
-    assert _exit_code(generate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
-    err = _one_error_line(capsys)
-    assert "error: " in err and fact in err, err
-
-
-@pytest.mark.parametrize("argv, fact", [
-    (["--samples", "-1"], "--samples must be >= 0 (0: all)"),
-    (["--batch", "0"], "--batch must be >= 1"),
-])
-def test_evaluate_bad_arguments_are_one_line_before_loading(argv, fact, monkeypatch, capsys):
-    monkeypatch.setattr(evaluate, "open_checkpoint", lambda *a, **k: pytest.fail("read before refusing"))
-    assert _exit_code(evaluate, ["some/checkpoint", "--device", "cpu", *argv]) == 2
+@pytest.mark.parametrize("tool, argv, fact", [
+    (generate, ["--temperature", "-1"], "--temperature must be >= 0"),
+    (generate, ["--temperature", "nan"], "--temperature must be >= 0"),
+    (generate, ["--temperature", "inf"], "--temperature must be finite"),
+    (generate, ["--top-k", "-1"], "--top-k must be >= 0"),
+    (generate, ["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (generate, ["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (generate, ["--top-p", "nan"], "--top-p must be in (0, 1]"),
+    (generate, ["--num-samples", "0"], "--num-samples must be >= 1"),
+    (generate, ["--seed", str(2 ** 64)], "--seed must be in [0, 2**64)"),            # (torch.Generator's range)
+    (generate, ["--seed", "-1"], "--seed must be in [0, 2**64)"),
+    (evaluate, ["--samples", "-1"], "--samples must be >= 0 (0: all)"),
+    (evaluate, ["--batch", "0"], "--batch must be >= 1"),
+], ids=lambda v: v.__name__ if hasattr(v, "__name__") else None)
+def test_checkpoint_tools_bad_arguments_are_one_line_before_loading(tool, argv, fact, monkeypatch, capsys):
+    monkeypatch.setattr(tool, "open_checkpoint", lambda *a, **k: pytest.fail("loaded before refusing"))
+    assert _exit_code(tool, ["some/checkpoint", "--device", "cpu", *argv]) == 2
     err = _one_error_line(capsys)
     assert "error: " in err and fact in err, err
 
