@@ -147,6 +147,20 @@ class DataConfig:
         total = sum(weights)
         return [(w / total, _spelled(d)) for w, d in zip(weights, dirs)]
 
+    def check_blend_alone(self) -> None:
+        """ConfigError where a data.blend stands beside the keys of a corpus to prepare (data.source, data.text_key,
+        data.tokenizer): a blend trains on directories already prepared, and would leave them unread."""
+        if self.blend is None:
+            return
+        unread = [f"data.{k}={getattr(self, k)}" for k in ("source", "text_key", "tokenizer")
+                  if getattr(self, k) != getattr(DataConfig, k)]
+        if unread:
+            command = [u for u in unread if not u.startswith("data.tokenizer=")] + [
+                "data.dir=DIR", f"data.tokenizer={PurePath(self.parts()[0][1], 'tokenizer.model')}"]
+            raise ConfigError(f"data.blend mixes directories already prepared, and reads no corpus: "
+                              f"{' and '.join(unread)} would be unread. Prepare that corpus on its own first "
+                              f"(tools/prepare_data.py {' '.join(command)}), then add DIR to the blend.")
+
     def eval_dirs(self) -> list[str]:
         """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice."""
         if self.eval is None:
@@ -448,6 +462,7 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
             raise ConfigError(f"{key} is empty: give {what}.")
     if "data.blend".startswith(section):
         cfg.data.parts()
+        cfg.data.check_blend_alone()
     if "data.eval".startswith(section):
         cfg.data.eval_dirs()
 

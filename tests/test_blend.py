@@ -19,7 +19,7 @@ import pytest
 
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini import checkpoint
-from megatron_mini.config import ConfigError, DataConfig
+from megatron_mini.config import ConfigError, DataConfig, check_ranges
 from megatron_mini.data import DataError, Tokenizer, prepare
 from megatron_mini.dataset import BlendedDataset, blend_note, check_token_ids, data_identity, load_datasets
 from megatron_mini.inference import find_tokenizer, read_checkpoint
@@ -124,7 +124,10 @@ def blend_dirs(small_data, tmp_path_factory):
 
 
 def blend_of(small_data, *pairs) -> DataConfig:
-    return dataclasses.replace(small_data, blend=[str(x) for pair in pairs for x in pair])
+    """small_data's settings with a blend of (weight, directory) `pairs`, and no corpus to prepare (refused beside one:
+    data.source, data.text_key and data.tokenizer as DataConfig leaves them)."""
+    return dataclasses.replace(small_data, source=DataConfig.source, text_key=DataConfig.text_key,
+                               tokenizer=DataConfig.tokenizer, blend=[str(x) for pair in pairs for x in pair])
 
 
 def own_config(small_data, directory) -> DataConfig:
@@ -429,6 +432,28 @@ def test_a_blend_that_is_no_mixture_is_refused_in_one_line(small_data, blend, er
         dataclasses.replace(small_data, blend=blend).parts()
 
 
+@pytest.mark.parametrize("keys, command", [
+    ({"source": "c.jsonl"}, "data.source=c.jsonl"),
+    ({"text_key": "content"}, "data.text_key=content"),
+    ({"tokenizer": "t.model"}, ""),
+    ({"source": "c.jsonl", "text_key": "content"}, "data.source=c.jsonl data.text_key=content"),
+], ids=["source", "text_key", "tokenizer", "two"])
+def test_a_corpus_to_prepare_beside_a_blend_is_refused(small_data, keys, command):
+    """A blend reads directories already prepared: data.source, data.text_key or data.tokenizer beside it would be
+    silently unread (train.py trained on the blend alone), so the check train.py and prepare_data.py share refuses
+    them, naming the command that prepares the corpus with the blend's tokenizer; without a blend they pass."""
+    cfg = small_config(blend_of(small_data, (1, "data/web/"), (1, "data/code")), "run")
+    check_ranges(cfg, "data.")
+    with pytest.raises(ConfigError) as err:
+        check_ranges(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **keys)), "data.")
+    unread = " and ".join(f"data.{k}={v}" for k, v in keys.items())
+    assert str(err.value) == (f"data.blend mixes directories already prepared, and reads no corpus: {unread} would be "
+                              f"unread. Prepare that corpus on its own first (tools/prepare_data.py {command}"
+                              f"{' ' * bool(command)}data.dir=DIR data.tokenizer=data/web/tokenizer.model), then add "
+                              f"DIR to the blend.")
+    check_ranges(dataclasses.replace(cfg, data=dataclasses.replace(small_data, **keys)), "data.")
+
+
 def test_a_directory_is_named_alike_however_it_is_spelled(small_data):
     """parts() and eval_dirs() give each directory one name, whatever its spelling ("./A/" is "A"): the keys of its
     metrics (loss/<dir>, val_loss/<dir>, eval_loss/<dir>) stay the same series when a resume spells it otherwise."""
@@ -540,8 +565,9 @@ def test_prepare_data_checks_a_blend_and_builds_nothing(small_data, blend_dirs, 
                                                                     f"tokenizer"),
                          ([blend, "model.seq_len=0"], "error: model.seq_len=0 must be >= 1."),
                          ([blend, "seed=-1"], "error: seed=-1 must be in [0, 2**32)."),
-                         ([blend, f"data.source={tmp_path}"], "error: data.blend names directories already prepared, "
-                                                              "and prepare_data.py builds none with it")):
+                         ([blend, f"data.source={tmp_path}"], "error: data.blend mixes directories already "
+                                                              f"prepared, and reads no corpus: data.source={tmp_path} "
+                                                              f"would be unread.")):
         bad = subprocess.run(args + extra, capture_output=True, text=True, cwd=tmp_path)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith(error), bad.stderr
     assert list(tmp_path.iterdir()) == []

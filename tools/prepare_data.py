@@ -8,7 +8,8 @@
 
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare). With data.blend, builds nothing: each of its
-directories must already be prepared (with one tokenizer: data.tokenizer), and the mixture is printed.
+directories must already be prepared (with one tokenizer: data.tokenizer), and the mixture is printed;
+data.source, data.text_key and data.tokenizer beside it are refused (check_ranges), as train.py refuses them.
 """
 import hydra
 from omegaconf import OmegaConf
@@ -32,10 +33,6 @@ def main(dict_cfg) -> None:
         check_ranges(cfg, "data.")
         if cfg.data.blend is None:
             prepare(cfg.data)
-        elif cfg.data.source != "stdlib" or cfg.data.tokenizer:
-            fail(f"data.blend names directories already prepared, and prepare_data.py builds none with it: prepare "
-                 f"data.source={cfg.data.source} without data.blend (with data.dir=... and data.tokenizer=<a blended "
-                 f"directory>/tokenizer.model), then add that directory to the blend.", code=2)
         else:                              # (the samples of the mixture it prints: a run's seq_len and seed)
             check_ranges(cfg, "model.seq_len")
             check_ranges(cfg, "seed")
