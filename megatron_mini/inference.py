@@ -98,12 +98,14 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     return tok
 
 
-def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu") -> GPTChunk:
-    """megatron_mini's model at tp=pp=dp=1 (torch kernels, fp32, eval mode) with the checkpoint's weights."""
+def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPTChunk:
+    """megatron_mini's model at tp=pp=dp=1 (torch kernels, eval mode) with the checkpoint's weights in `dtype`
+    (bf16, fp16: half the memory; LayerNorm statistics and the logits stay fp32). Built uninitialised on the CPU,
+    given the checkpoint's fp32 weights there, cast, then moved: `device` holds the model in `dtype` alone."""
     device = torch.device(device)
     m = ckpt.cfg.model
     (model,) = build_chunks(m, ParallelContext.one_device(device, ckpt.cfg.seed), [(0, m.num_layers + 2)],
-                            ckpt.cfg.seed, device)
+                            None, torch.device("cpu"))
     params = dict(model.named_global_parameters())
     missing, unexpected = sorted(params.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - params.keys())
     if missing or unexpected:
@@ -116,7 +118,7 @@ def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu") -> GPTChunk
                 raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(t.shape)}, the config's model "
                                       f"needs {tuple(p.shape)}")
             p.copy_(t)
-    return model.eval()
+    return model.to(dtype).to(device).eval()     # (in place, parameter by parameter: the tied embedding stays one)
 
 
 def device_for(name: str) -> torch.device:
@@ -127,16 +129,18 @@ def device_for(name: str) -> torch.device:
     return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def open_checkpoint(path: str, tokenizer: str | None, device: torch.device) -> tuple[Checkpoint, Tokenizer, GPTChunk]:
+def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> tuple[Checkpoint, Tokenizer, GPTChunk]:
     """(read_checkpoint, find_tokenizer, load_model) of a checkpoint or run directory `path`, with the tokenizer
     `tokenizer` or the run's; a CheckpointError names what does not fit. Its notes (checkpoints passed over) and
     what it is go to stderr, as the tools print them."""
     ckpt = read_checkpoint(path)
     tok = find_tokenizer(ckpt, tokenizer)
-    model = load_model(ckpt, device)
+    model = load_model(ckpt, device, dtype)
     for note in ckpt.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device}", file=sys.stderr)
+    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device} in {str(dtype).removeprefix('torch.')}",
+          file=sys.stderr)
     return ckpt, tok, model
 
 

@@ -469,12 +469,13 @@ class GPTChunk(nn.Module):
                     yield layer.global_name(local), p
 
 
-def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed: int,
+def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed: int | None,
                  device: torch.device) -> list:
     """Build this rank's model chunks. `stage_layers[c]` = (first, last+1) indices into the
     layer list [Embedding, Block_1..L, Head] for local chunk c. Parameters are initialised to
     this rank's slice of their full, layout-independent value (of (seed, global name) alone);
-    on the meta device (memory planning) they are left uninitialised."""
+    on the meta device (memory planning), or with seed None (weights a checkpoint gives next), they are left
+    uninitialised."""
     L = m.num_layers
     embedding = None
     chunks = []
@@ -490,7 +491,7 @@ def build_chunks(m: ModelConfig, ctx: ParallelContext, stage_layers: list, seed:
             else:
                 layers.append(Block(i - 1, m, ctx, device))
         chunks.append(GPTChunk(layers, ctx.rng if m.dropout else None, ctx.compile_chunks(m.dropout)))
-    if torch.device(device).type != "meta":
+    if torch.device(device).type != "meta" and seed is not None:
         initialize(chunks, ctx.tp_group, seed)
     return chunks
 

@@ -1,5 +1,5 @@
 """What the tools that read a checkpoint share (generate.py, evaluate.py, export_hf.py): the arguments naming the
-checkpoint, its tokenizer and the device, and the device they choose."""
+checkpoint, its tokenizer, the device and the dtype, and the device they choose."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +7,19 @@ import argparse
 import torch
 
 from megatron_mini.inference import device_for
+from megatron_mini.rank import DTYPES
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) -> None:
-    """CHECKPOINT (first positional), --tokenizer and, with `device`, --device."""
+    """CHECKPOINT (first positional), --tokenizer and, with `device`, --device and --dtype (a key of DTYPES)."""
     p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
     p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
                                        "or its data.blend's first directory's)")
     if device:
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                       help="the weights' and activations' type (bf16, fp16: half the memory and faster on a GPU; "
+                            "LayerNorm statistics and the logits stay fp32)")
 
 
 def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:

@@ -4,7 +4,8 @@
     python tools/evaluate.py runs/tiny-dp data/wiki data/code     # directories prepared with the run's tokenizer
     python tools/evaluate.py runs/tiny-dp data/wiki --samples 0   # every sample of each
 
-One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py).
+One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py;
+--dtype bf16 or fp16: half the memory, to within that type's rounding).
 Without directories it reads what the run's evaluations read: its validation set and its data.eval sets. The
 samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the figures
 are its logged val_loss (a blend's: val_loss/<dir> too, in parentheses) and eval_loss/<dir> (a directory is
@@ -24,6 +25,7 @@ import time
 from checkpoint_args import add_checkpoint_arguments, chosen_device
 from megatron_mini.config import ConfigError
 from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint
+from megatron_mini.rank import DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device)
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, DTYPES[args.dtype])
         sets, notes = evaluation_sets(ckpt, tok, args.dirs)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

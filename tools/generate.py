@@ -3,6 +3,7 @@
     python tools/generate.py runs/tiny-dp/checkpoints/step_000300 --prompt 'def main(' --max-new-tokens 200
     python tools/generate.py runs/tiny-dp --temperature 0      # a run directory: its latest checkpoint; greedy
     python tools/generate.py runs/tiny-dp --top-k 0 --top-p 0.9   # nucleus sampling
+    python tools/generate.py runs/gpt2-medium --dtype bf16        # the weights in bf16: half the memory
 
 The model is megatron_mini's own at tp=pp=dp=1 (megatron_mini/inference.py), decoding with a KV
 cache: the prompt is prefilled once, then each new token runs one position; once the text fills the
@@ -22,6 +23,7 @@ import torch
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device
 from megatron_mini.inference import CheckpointError, generate, open_checkpoint
+from megatron_mini.rank import DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device)
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, DTYPES[args.dtype])
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
