@@ -299,6 +299,17 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def missing_option(text: str) -> str | None:
+    """Hydra's report of a config group given a name it has no file for (model=nope), on one line, as one short
+    line: the names it has; None for any other report."""
+    found = re.search(r"Could not find '([^'/]+)/([^']*)' Available options in '[^']+': (.*?)(?: Config search path|$)",
+                      text)
+    if not found:
+        return None
+    group, name, names = found.groups()
+    return f"{group}={name}: conf/{group} has no {name}.yaml; {group} is one of {', '.join(names.split())}"
+
+
 class HydraCommandLine:
     """Runs a `@hydra.main` entry point so that a command line Hydra refuses (a wrong type, a value outside
     a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
@@ -320,13 +331,19 @@ class HydraCommandLine:
                 self.real.write(self.held.getvalue())
 
     def error(self) -> str:
-        """Hydra's refusal as one line; an unknown key as config.unknown_key says it (Hydra's advice, `+key=`,
-        would only be refused next: no such key is read)."""
+        """Hydra's refusal as one line; an unknown key as config.unknown_key says it, and a group of another
+        command's config as foreign_group does (Hydra's advice, `+key=`, would only be refused next: no such key is
+        read); a name a group has no file for with the names it has (missing_option)."""
         from .config import unknown_key
+        foreign = self.foreign_group()
+        if foreign:
+            return foreign
         lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() not in ("", self.HINT)]
         if any(line.startswith(self.TRACEBACK) for line in lines):
             return self.crash(lines[-1])
         text = " ".join(lines)
+        if missing_option(text):
+            return missing_option(text)
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
             return self.group_misuse() or str(unknown_key(key.group(1)))
@@ -350,6 +367,28 @@ class HydraCommandLine:
             if value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)):
                 return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
         return None
+
+    def foreign_group(self) -> str | None:
+        """A config group of another command's config given to this one (cluster=, tools/plan.py's, to train.py),
+        which Hydra refuses with advice that fails next (`+cluster=`): one line naming whose it is and this
+        command's own groups; None where no argument names one."""
+        own = self.groups("config")
+        for arg in self.argv:
+            key, equals, _ = arg.partition("=")
+            group = key.lstrip("+~")
+            if equals and group not in own and os.path.isdir(os.path.join(self.conf, group)):
+                users = [f"conf/{n}" for n in sorted(os.listdir(self.conf))
+                         if n.endswith(".yaml") and group in self.groups(n[:-len(".yaml")])]
+                return (f"{arg}: {group} is a config group of {' and '.join(users) or 'no command'}, not of this "
+                        f"command (conf/config.yaml), whose groups are {', '.join(sorted(own))}")
+        return None
+
+    def groups(self, config_name: str) -> set:
+        """The config groups that conf/<config_name>.yaml's defaults list chooses from."""
+        from omegaconf import OmegaConf
+        defaults = OmegaConf.to_container(OmegaConf.load(os.path.join(self.conf, f"{config_name}.yaml")))["defaults"]
+        return {key for entry in defaults if isinstance(entry, dict) for key in entry
+                if os.path.isdir(os.path.join(self.conf, key))}
 
     def run(self, main) -> None:
         self.argv = sys.argv[1:]

@@ -69,8 +69,13 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("model=[1,2]", ["model=[1,2]: model is a config group, which takes one name (bloom-176b, ", ", tiny)"]),
     ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
     ("optimizer={a:1}", ["optimizer={a:1}: optimizer is a config group, which takes one name (adamw)"]),
+    ("model=nope", ["model=nope: conf/model has no nope.yaml; model is one of bloom-176b, gpt2-large, ",
+                    ", gpt3-6.7b, tiny"]),
+    ("cluster=h100-80gb", ["cluster=h100-80gb: cluster is a config group of conf/plan.yaml, not of this command "
+                           "(conf/config.yaml), whose groups are data, layout, model, optimizer, precision"]),
+    ("+cluster=h100-80gb", ["+cluster=h100-80gb: cluster is a config group of conf/plan.yaml, not of this command"]),
 ], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type",
-        "group-list", "group-number", "group-mapping"])
+        "group-list", "group-number", "group-mapping", "no-such-name", "plans-group", "plans-group-appended"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
     names the key meant, not Hydra's advice to append it with +key=, which would be refused next."""
@@ -79,6 +84,19 @@ def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     assert_one_error(r, facts, "python")
     assert "HYDRA_FULL_ERROR" not in r.all and "To append" not in r.all, r
     assert not run_dir.exists(), r                    # it failed before the run started
+
+
+def test_help_says_where_the_examples_and_keys_are():
+    """--help (Hydra's): what the command takes and where its examples and keys are explained, its groups, the
+    composed config, and that the cluster group it lists is tools/plan.py's; exit 0, nothing else said."""
+    r = python_train(["--help"])
+    assert r.rc == 0 and r.err == "", r
+    assert r.out.startswith('train.py (megatron_mini): key=value overrides of the config below, and group=name '
+                            'choices.\nIts examples: the docstring of train.py; every key: README.md, "Configuration".'
+                            '\n\n== Configuration groups ==\n'), r.out
+    assert "\nprecision: bf16, fp16, fp32\n" in r.out and "\n  hidden_size: 128\n" in r.out, r.out
+    assert r.out.rstrip().endswith("The cluster group is tools/plan.py's (conf/plan.yaml), not this command's. --cfg "
+                                   "job prints the\nconfig a command line composes, without running it."), r.out
 
 
 def test_a_traceback_hydra_prints_becomes_its_last_line():

@@ -214,6 +214,9 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert main(args + ["cluster.gpu=a100"]) == 2                  # not a GPU of hardware.GPUS
     assert main(args + ["cluster.gpus_per_nod=8"]) == 2
     assert "did you mean cluster.gpus_per_node" in capsys.readouterr().err
+    assert main(args + ["cluster=b200"]) == 2                      # a name conf/cluster has no file for
+    assert capsys.readouterr().err == ("error: cluster=b200: conf/cluster has no b200.yaml; cluster is one of "
+                                       "a100-80gb, h100-80gb, jean-zay-a100\n")
 
 
 # ----------------------------------------------------------------------------- train.py's start-up report
