@@ -303,21 +303,29 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
     return Resume(cfg.resume, meta, [], superseded=later)
 
 
-def model_changes(meta: dict, cfg: TrainConfig) -> list:
-    """'model.KEY: old -> new' for each of MODEL_KEYS in which cfg's model differs from the checkpoint's."""
+def model_changes(meta: dict, cfg: TrainConfig, keys: tuple = MODEL_KEYS) -> list:
+    """'model.KEY: old -> new' for each of `keys` in which cfg's model differs from the checkpoint's."""
     old = meta["config"]["model"]
-    return [f"model.{key}: {old[key]} -> {getattr(cfg.model, key)}" for key in MODEL_KEYS
+    return [f"model.{key}: {old[key]} -> {getattr(cfg.model, key)}" for key in keys
             if old[key] != getattr(cfg.model, key)]
+
+
+POSITIONS = "embedding.position_embeddings"     # [seq_len, h]: init_from's shorter seq_len reads its first rows
 
 
 def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
     """cfg.init_from as a checkpoint (passing `check`) of this run's model, trained with this run's tokenizer
-    (`tokenizer_sha256`: a token id must mean the same text); one ConfigError naming what differs."""
+    (`tokenizer_sha256`: a token id must mean the same text); one ConfigError naming what differs. A shorter
+    model.seq_len is this model: the first rows of its learned position embeddings (nanoGPT's crop_block_size);
+    a longer one is not (positions past the checkpoint's have no trained embedding)."""
     meta = check(cfg.init_from)
-    diffs = model_changes(meta, cfg)
+    was = meta["config"]["model"]["seq_len"]
+    diffs = model_changes(meta, cfg, tuple(k for k in MODEL_KEYS if k != "seq_len" or cfg.model.seq_len > was))
     if diffs:
-        raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}. "
-                          f"Set these back (init_from starts from its weights).")
+        longer = (f" (its learned position embeddings end at {was}: a seq_len up to {was} starts from their first "
+                  f"rows)" if cfg.model.seq_len > was else "")
+        raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}"
+                          f"{longer}. Set these back (init_from starts from its weights).")
     saved = meta.get("data", {}).get("tokenizer_sha256")
     if saved and saved != tokenizer_sha256:
         raise ConfigError(f"init_from={cfg.init_from} was trained with another tokenizer (sha256 {saved[:12]}; this "
@@ -516,9 +524,10 @@ class ShardReader:
     """The tensors of a checkpoint by global name, in any layout, from its files (opened as they are needed,
     memory-mapped). `key`: "weight", or one of the optimizer's "master", "exp_avg", "exp_avg_sq"."""
 
-    def __init__(self, path: str, meta: dict):
-        """CheckpointError if meta.json's index is malformed or leaves any value in no file."""
-        self.path, self._files = path, {}
+    def __init__(self, path: str, meta: dict, rows: dict | None = None):
+        """CheckpointError if meta.json's index is malformed or leaves any value in no file. `rows` {name: n}: read
+        only the first n rows of those replicated tensors (init_from's shorter seq_len: POSITIONS)."""
+        self.path, self._files, self.rows = path, {}, rows or {}
         self.weights, self.pieces = {}, {}      # {name: {tp rank: file}}, {name: {tp rank: [(lo, hi, file)]}}
         try:
             self.tp = meta["layout"]["tp"]
@@ -569,15 +578,18 @@ class ShardReader:
         return self._files[file]
 
     def saved(self, name: str, key: str, tp_rank: int) -> torch.Tensor:
-        """`name`'s `key` as TP rank `tp_rank` of the saving layout held it (rank 0 for a replicated one)."""
+        """`name`'s `key` as TP rank `tp_rank` of the saving layout held it (rank 0 for a replicated one), its
+        first `rows` rows where they are asked for."""
         shape = self._local_shape(name)
         if key == "weight":
-            return self._file(self.weights[name][tp_rank])[name].view(shape)
-        states = [self._file(file)[name] for _, _, file in self.pieces[name][tp_rank]]
-        if key == "master" and "master" not in states[0]:     # fp32 weights, their own master
-            return self.saved(name, "weight", tp_rank).float()
-        flats = [state[key] for state in states]
-        return (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
+            t = self._file(self.weights[name][tp_rank])[name].view(shape)
+        else:
+            states = [self._file(file)[name] for _, _, file in self.pieces[name][tp_rank]]
+            if key == "master" and "master" not in states[0]:     # fp32 weights, their own master
+                return self.saved(name, "weight", tp_rank).float()
+            flats = [state[key] for state in states]
+            t = (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
+        return t[:self.rows[name]] if name in self.rows else t
 
     def full(self, name: str, key: str = "weight") -> torch.Tensor:
         """The full (tp=1) value."""
@@ -599,15 +611,17 @@ def load_model_tensors(path: str) -> dict:
     return {name: reader.full(name).float() for name in reader.names()}
 
 
-def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool = False) -> dict:
+def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool = False,
+         seq_len: int | None = None) -> dict:
     """Restore weights and optimizer state (any layout); returns meta. (The dropout streams are keyed by
     sample and layer, rng.py: there is no RNG state to restore.) `weights_only` (init_from): the weights and
-    their fp32 masters, the optimizer otherwise as new. Tensors that do not fit this model (a name missing,
+    their fp32 masters, the optimizer otherwise as new; with `seq_len`, the first seq_len rows of the position
+    embeddings (check_init: no more than the checkpoint's). Tensors that do not fit this model (a name missing,
     another shape: a checkpoint of another model or of older code) are one CheckpointError on every rank,
     whichever ranks found it."""
     failure, meta = None, read_meta(path)
     try:
-        reader = ShardReader(path, meta)
+        reader = ShardReader(path, meta, {POSITIONS: seq_len} if weights_only and seq_len else None)
         for buf in buffers:
             buf.load_weights(reader)
         optimizer.load_state_dict(reader, None if weights_only else meta["optimizer"])

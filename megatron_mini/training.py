@@ -329,9 +329,10 @@ class Trainer:
         return self.last_checkpoint
 
     def init_weights(self, path: str) -> None:
-        """This run's weights and fp32 masters from the checkpoint `path` (any layout: init_from); the optimizer,
-        the step count and the data start anew."""
-        checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device, weights_only=True)
+        """This run's weights and fp32 masters from the checkpoint `path` (any layout: init_from; of a seq_len no
+        shorter: the first rows of its position embeddings); the optimizer, the step count and the data start anew."""
+        checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device, weights_only=True,
+                        seq_len=self.cfg.model.seq_len)
 
     def load(self, path: str) -> None:
         meta = checkpoint.load(path, self.buffers, self.optimizer, self.mesh, self.device)
@@ -721,8 +722,11 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     elif run.init:
+        was = run.init.meta["config"]["model"]["seq_len"]
+        cropped = (f"; model.seq_len {was} -> {cfg.model.seq_len}: the first {cfg.model.seq_len} rows of its "
+                   f"position embeddings" if cfg.model.seq_len < was else "")
         log.info(f"init_from: the weights of {run.init.path} (step {run.init.meta['step']} of the run that saved it); "
-                 f"the optimizer, the step count and the data start anew")
+                 f"the optimizer, the step count and the data start anew{cropped}")
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")

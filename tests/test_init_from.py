@@ -46,6 +46,32 @@ def test_a_run_starts_from_a_checkpoints_masters_with_a_new_optimizer(small_data
            "and the data start anew" in log
 
 
+def test_a_shorter_sequence_starts_from_the_first_position_embeddings(small_data, source, tmp_path):
+    """model.seq_len 32 -> 16 (nanoGPT's crop_block_size), in another layout (tp = 2 at dp = 2, ZeRO-1: the masters
+    read in pieces), lr 0: the run ends with the source's fp32 masters, but for the position embeddings, of which it
+    has the first 16 rows (Adam's moments too are the new run's, of that shape); the log says so. A longer seq_len
+    is refused: its positions past 32 would have no trained embedding."""
+    cfg = small_config(small_data, tmp_path, steps=1, gbs=8, tp=2, zero=1, init_from=source,
+                       **{"model.seq_len": 16, "optimizer.lr": 0.0, "optimizer.min_lr": 0.0})
+    history = train_on_ranks(4, cfg)
+    src = ShardReader(source, checkpoint.read_meta(source))
+    new = ShardReader(history["checkpoint"], checkpoint.read_meta(history["checkpoint"]))
+    assert src.names() == new.names() and "embedding.position_embeddings" in src.names()
+    for name in src.names():
+        master = src.full(name, "master")
+        if name == "embedding.position_embeddings":
+            assert master.shape == (32, 64) and new.full(name, "exp_avg").shape == (16, 64)
+            master = master[:16]
+        assert torch.equal(new.full(name), master), name
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert "the data start anew; model.seq_len 32 -> 16: the first 16 rows of its position embeddings" in log
+    longer = small_config(small_data, tmp_path, init_from=source, **{"model.seq_len": 64})
+    with pytest.raises(ConfigError, match=rf"init_from={source} holds another model than this run asks for: "
+                                          r"model\.seq_len: 32 -> 64 \(its learned position embeddings end at 32: a "
+                                          r"seq_len up to 32 starts from their first rows\)\. Set these back"):
+        checkpoint.check_init(longer, Tokenizer(f"{small_data.dir}/tokenizer.model").sha256)
+
+
 def test_a_run_that_resumes_ignores_init_from(small_data, source, tmp_path):
     """init_from starts a run: a start that finds the run's own checkpoint resumes it, wherever init_from points."""
     first = train_on_ranks(1, small_config(small_data, tmp_path, steps=2, gbs=8, init_from=source))
