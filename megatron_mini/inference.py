@@ -237,17 +237,20 @@ def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_
     """[n, V] logits -> the logits sampled from (softmax): shifted to a maximum of 0 and divided by temperature
     (> 0), then -inf but for the top_k largest (0: all; ties with the k-th kept), then -inf but for the fewest
     largest whose probabilities (after top_k) sum to at least top_p (nucleus sampling; 1: all; the largest is
-    always kept), in fp32 at least (a 16-bit cumulative sum would cut the nucleus at steps of 2^-8)."""
+    always kept; ties with the least likely of them kept, as top_k keeps ties with the k-th: tokens of one
+    probability are all in or all out, whatever order a sort gives them), in fp32 at least (a 16-bit cumulative
+    sum would cut the nucleus at steps of 2^-8)."""
     last = last.to(torch.promote_types(last.dtype, torch.float32))
     last = (last - last.max(-1, keepdim=True).values) / temperature
     if top_k:
         kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
         last = last.masked_fill(last < kth, float("-inf"))
     if top_p < 1:
-        probs, order = last.softmax(-1).sort(-1, descending=True)
-        before = probs.cumsum(-1) - probs                  # the probability of the tokens ranked above each
-        last = last.masked_fill(torch.empty_like(order, dtype=torch.bool).scatter_(-1, order, before >= top_p),
-                                float("-inf"))
+        probs = last.softmax(-1)
+        ranked = probs.sort(-1, descending=True).values
+        before = ranked.cumsum(-1) - ranked                # the probability of the tokens ranked above each
+        needed = ranked.masked_fill(before >= top_p, float("inf")).amin(-1, keepdim=True)   # the least likely one
+        last = last.masked_fill(probs < needed, float("-inf"))
     return last
 
 

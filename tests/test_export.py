@@ -156,6 +156,21 @@ def test_sampling_keeps_the_tokens_hfs_warpers_keep(temperature, top_k, top_p):
                                                                   top_p).isfinite())
 
 
+@pytest.mark.parametrize("top_p, kept", [(0.25, 1), (0.31, 4), (0.69, 4), (0.89, 4), (0.91, 5), (0.96, 6)])
+def test_a_nucleus_keeps_tied_tokens_together(top_p, kept):
+    """Probabilities 0.3, 0.2, 0.2, 0.2, 0.05, 0.05 - 1e-9 (and tokens of none) in another order in each row: a
+    nucleus that needs one or two 0.2 keeps all three (which ones a sort ranks first is arbitrary: transformers
+    keeps those), as top_k keeps ties with its k-th; the same tokens in every row."""
+    p = torch.tensor([0.3, 0.2, 0.2, 0.2, 0.05, 0.05 - 1e-9, 0.0, 0.0], dtype=torch.float64)
+    orders = [torch.randperm(len(p), generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+    logits = torch.stack([p[order].log() for order in orders])
+    ours = inference.sampling_logits(logits, 1.0, 0, top_p).isfinite()
+    expected = p >= sorted(p.tolist(), reverse=True)[kept - 1]         # the `kept` most likely (ties included)
+    assert expected.sum() == kept
+    for row, order in zip(ours, orders):
+        assert torch.equal(row, expected[order]), (row, expected[order])
+
+
 def test_a_tiny_nucleus_samples_the_greedy_tokens(exported):
     """top_p so small that only the most likely token is left: sampling gives greedy's tokens, whatever the seed
     (with the KV cache and without); top_p=1 with the same seed is top_k's sampling alone."""
