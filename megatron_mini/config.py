@@ -154,12 +154,16 @@ class DataConfig:
             return
         unread = [f"data.{k}={getattr(self, k)}" for k in ("source", "text_key", "tokenizer")
                   if getattr(self, k) != getattr(DataConfig, k)]
-        if unread:
-            command = [u for u in unread if not u.startswith("data.tokenizer=")] + [
-                "data.dir=DIR", f"data.tokenizer={PurePath(self.parts()[0][1], 'tokenizer.model')}"]
+        corpus = [u for u in unread if not u.startswith("data.tokenizer=")]
+        if corpus:
+            tokenizer = PurePath(self.parts()[0][1], "tokenizer.model")
             raise ConfigError(f"data.blend mixes directories already prepared, and reads no corpus: "
                               f"{' and '.join(unread)} would be unread. Prepare that corpus on its own first "
-                              f"(tools/prepare_data.py {' '.join(command)}), then add DIR to the blend.")
+                              f"(tools/prepare_data.py {' '.join(corpus)} data.dir=DIR data.tokenizer={tokenizer}), "
+                              f"then add DIR to the blend.")
+        if unread:
+            raise ConfigError(f"data.blend mixes directories already prepared, each with the tokenizer it was encoded "
+                              f"with (one for all): {unread[0]} would be unread; leave it out.")
 
     def eval_dirs(self) -> list[str]:
         """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice."""

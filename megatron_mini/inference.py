@@ -28,6 +28,7 @@ from .data import DataError, Tokenizer
 from .dataset import BlendedDataset, data_identity, load_datasets, load_eval_sets
 from .errors import first_line
 from .model import GPTChunk, KVCache, ParallelContext, build_chunks
+from .rank import DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,13 +100,16 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
 
 
 def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPTChunk:
-    """megatron_mini's model at tp=pp=dp=1 (torch kernels, eval mode) with the checkpoint's weights in `dtype`
-    (bf16, fp16: half the memory; LayerNorm statistics and the logits stay fp32). Built uninitialised on the CPU,
-    given the checkpoint's fp32 weights there, cast, then moved: `device` holds the model in `dtype` alone."""
+    """megatron_mini's model at tp=pp=dp=1 (torch kernels, eval mode) with the checkpoint's weights rounded to
+    `dtype` (bf16, fp16: half the memory; the matmuls in it, LayerNorm statistics in fp32, the logits returned as
+    fp32). Built uninitialised on the CPU in `dtype`, given the checkpoint's weights there, then moved: `device`
+    holds the model in `dtype` alone. A CheckpointError for a weight that is not finite in `dtype` (an fp16 one
+    past 65504)."""
     device = torch.device(device)
     m = ckpt.cfg.model
     (model,) = build_chunks(m, ParallelContext.one_device(device, ckpt.cfg.seed), [(0, m.num_layers + 2)],
                             None, torch.device("cpu"))
+    model.to(dtype)              # (of untouched memory: no fp32 copy of the model is ever written)
     params = dict(model.named_global_parameters())
     missing, unexpected = sorted(params.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - params.keys())
     if missing or unexpected:
@@ -118,7 +122,17 @@ def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torc
                 raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(t.shape)}, the config's model "
                                       f"needs {tuple(p.shape)}")
             p.copy_(t)
-    return model.to(dtype).to(device).eval()     # (in place, parameter by parameter: the tied embedding stays one)
+            if not p.isfinite().all():
+                kind = dtype_name(dtype)
+                why = "the checkpoint holds inf or nan" if not t.isfinite().all() else \
+                    f"it passes {kind}'s largest value, {torch.finfo(dtype).max:.6g}: load it in bf16 or fp32"
+                raise CheckpointError(f"{ckpt.path}: {name} is not finite in {kind} ({why})")
+    return model.to(device).eval()     # (in place, parameter by parameter: the tied embedding stays one)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"fp32", "bf16" or "fp16", as precision.dtype and the tools' --dtype spell it."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 def device_for(name: str) -> torch.device:
@@ -139,8 +153,7 @@ def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
     model = load_model(ckpt, device, dtype)
     for note in ckpt.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device} in {str(dtype).removeprefix('torch.')}",
-          file=sys.stderr)
+    print(f"{ckpt.path} (step {ckpt.meta['step']}) on {device} in {dtype_name(dtype)}", file=sys.stderr)
     return ckpt, tok, model
 
 
@@ -149,7 +162,13 @@ def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> 
     """ids [b, s] -> the Head's fp32 logits [b, s, vocab_size] over the real vocabulary: of positions
     0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
     A ValueError when the positions pass the model's context (seq_len)."""
-    return model(ids, cache=cache).transpose(0, 1)
+    out = model(ids, cache=cache).transpose(0, 1)
+    if not out.isfinite().all():
+        dtype = next(model.parameters()).dtype
+        raise FloatingPointError(f"the model's logits are not finite in {dtype_name(dtype)}"
+                                 + (": an activation passed its largest value; load it in bf16 or fp32"
+                                    if dtype == torch.float16 else ""))
+    return out
 
 
 def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> tuple[dict, list]:

@@ -299,15 +299,17 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def missing_option(text: str) -> str | None:
-    """Hydra's report of a config group given a name it has no file for (model=nope), on one line, as one short
-    line: the names it has; None for any other report."""
-    found = re.search(r"Could not find '([^'/]+)/([^']*)' Available options in '[^']+': (.*?)(?: Config search path|$)",
-                      text)
+def missing_option(text: str, primary: str) -> str | None:
+    """Hydra's report (on one line) of a config group given a name it has no file for (model=nope), as one short
+    line with the names it has, and the config that chose it where that is not the command's own, `primary`
+    (a group's default in another of its files); None for any other report."""
+    found = re.search(r"(?:In '([^']+)': )?Could not find '([^'/]+)/([^']*)' Available options in '[^']+': (.*?)"
+                      r"(?: Config search path|$)", text)
     if not found:
         return None
-    group, name, names = found.groups()
-    return f"{group}={name}: conf/{group} has no {name}.yaml; {group} is one of {', '.join(names.split())}"
+    chooser, group, name, names = found.groups()
+    where = f" (chosen in {chooser})" if chooser and chooser != primary else ""
+    return f"{group}={name}{where}: {group} has no option {name}; its options are {', '.join(names.split())}"
 
 
 class HydraCommandLine:
@@ -319,10 +321,11 @@ class HydraCommandLine:
     TRACEBACK = "Traceback (most recent call last)"
     CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
-    def __init__(self, conf: str = CONF):
+    def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None):
         self.conf = conf                       # the config directory: its subdirectories are the config groups
+        self.config_name = config_name         # the command's own config, conf/<config_name>.yaml
         self.real = self.held = None
-        self.argv = []
+        self.argv = argv or []
 
     def composed(self, replay: bool = True) -> None:
         if self.held is not None and sys.stderr is self.held:
@@ -331,64 +334,58 @@ class HydraCommandLine:
                 self.real.write(self.held.getvalue())
 
     def error(self) -> str:
-        """Hydra's refusal as one line; an unknown key as config.unknown_key says it, and a group of another
-        command's config as foreign_group does (Hydra's advice, `+key=`, would only be refused next: no such key is
-        read); a name a group has no file for with the names it has (missing_option)."""
+        """Hydra's refusal as one line: what refusal() finds in the command line; a name a group has no file
+        for, with the names it has (missing_option); an unknown key as config.unknown_key says it (Hydra's advice,
+        `+key=`, would only be refused next: no such key is read); where Hydra failed inside itself (it printed a
+        traceback of its own frames, which say nothing to a user), the exception, its last line."""
         from .config import unknown_key
-        foreign = self.foreign_group()
-        if foreign:
-            return foreign
+        refused = self.refusal()
+        if refused:
+            return refused
         lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() not in ("", self.HINT)]
         if any(line.startswith(self.TRACEBACK) for line in lines):
-            return self.crash(lines[-1])
+            return f"Hydra could not start with this command line: {lines[-1]}"
         text = " ".join(lines)
-        if missing_option(text):
-            return missing_option(text)
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
-            return self.group_misuse() or str(unknown_key(key.group(1)))
-        return text.split(" full_key:")[0] or "the configuration could not be composed"   # (OmegaConf's trailer)
+            return str(unknown_key(key.group(1)))
+        return missing_option(text, self.config_name) or text.split(" full_key:")[0] or \
+            "the configuration could not be composed"   # (OmegaConf's trailer)
 
-    def crash(self, exception: str) -> str:
-        """Hydra failed inside itself (it printed a traceback of its own frames, which say nothing to a user):
-        the command line's fault where it is known (group_misuse), else the exception, its last line."""
-        return self.group_misuse() or f"Hydra could not start with this command line: {exception}"
-
-    def group_misuse(self) -> str | None:
-        """A config group given what cannot be the name of a config file (model=[1,2], model={a:1}, model=1),
-        which Hydra does not check: one line naming the group's names in conf/; None when every group got a
-        name (one from another config dir, --config-dir, too)."""
+    def refusal(self) -> str | None:
+        """What Hydra refuses in the command line, or fails on inside itself, said in one line: a config group
+        given what cannot be the name of a config file (model=[1,2], model={a:1}, model=1, model=), which Hydra
+        does not check, with the group's names in conf/; a config group of another command's config given to this
+        one (cluster=, cluster.gpus=: tools/plan.py's, to train.py), with whose it is and this command's groups.
+        None where neither is (a group of another config dir, --config-dir, is no fault)."""
+        own = self.groups(self.config_name)
         for arg in self.argv:
             key, equals, value = arg.partition("=")
-            group, value = key.lstrip("+~"), value.strip()
+            key, value = key.lstrip("+~"), value.strip()
+            group = key.split(".")[0]
             if not equals or not group or not os.path.isdir(os.path.join(self.conf, group)):
                 continue
-            names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
-            if value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)):
-                return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
-        return None
-
-    def foreign_group(self) -> str | None:
-        """A config group of another command's config given to this one (cluster=, tools/plan.py's, to train.py),
-        which Hydra refuses with advice that fails next (`+cluster=`): one line naming whose it is and this
-        command's own groups; None where no argument names one."""
-        own = self.groups("config")
-        for arg in self.argv:
-            key, equals, _ = arg.partition("=")
-            group = key.lstrip("+~")
-            if equals and group not in own and os.path.isdir(os.path.join(self.conf, group)):
+            if group not in own:
                 users = [f"conf/{n}" for n in sorted(os.listdir(self.conf))
                          if n.endswith(".yaml") and group in self.groups(n[:-len(".yaml")])]
                 return (f"{arg}: {group} is a config group of {' and '.join(users) or 'no command'}, not of this "
-                        f"command (conf/config.yaml), whose groups are {', '.join(sorted(own))}")
+                        f"command (conf/{self.config_name}.yaml), whose groups are {', '.join(sorted(own))}")
+            names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
+            if key == group and value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)):
+                return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
         return None
 
     def groups(self, config_name: str) -> set:
-        """The config groups that conf/<config_name>.yaml's defaults list chooses from."""
+        """The config groups that conf/<config_name>.yaml's defaults list chooses from (none where it has no
+        such list, or cannot be read)."""
         from omegaconf import OmegaConf
-        defaults = OmegaConf.to_container(OmegaConf.load(os.path.join(self.conf, f"{config_name}.yaml")))["defaults"]
-        return {key for entry in defaults if isinstance(entry, dict) for key in entry
-                if os.path.isdir(os.path.join(self.conf, key))}
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(os.path.join(self.conf, f"{config_name}.yaml")))
+        except Exception:    # noqa: BLE001 - a user's file that is no config: it chooses no group
+            return set()
+        defaults = loaded.get("defaults") if isinstance(loaded, dict) else None
+        return {key for entry in defaults or () if isinstance(entry, dict) for key in entry
+                if os.path.isdir(os.path.join(self.conf, str(key)))}
 
     def run(self, main) -> None:
         self.argv = sys.argv[1:]

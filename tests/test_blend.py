@@ -435,9 +435,9 @@ def test_a_blend_that_is_no_mixture_is_refused_in_one_line(small_data, blend, er
 @pytest.mark.parametrize("keys, command", [
     ({"source": "c.jsonl"}, "data.source=c.jsonl"),
     ({"text_key": "content"}, "data.text_key=content"),
-    ({"tokenizer": "t.model"}, ""),
     ({"source": "c.jsonl", "text_key": "content"}, "data.source=c.jsonl data.text_key=content"),
-], ids=["source", "text_key", "tokenizer", "two"])
+    ({"source": "c.jsonl", "tokenizer": "t.model"}, "data.source=c.jsonl"),
+], ids=["source", "text_key", "two", "with-tokenizer"])
 def test_a_corpus_to_prepare_beside_a_blend_is_refused(small_data, keys, command):
     """A blend reads directories already prepared: data.source, data.text_key or data.tokenizer beside it would be
     silently unread (train.py trained on the blend alone), so the check train.py and prepare_data.py share refuses
@@ -448,10 +448,19 @@ def test_a_corpus_to_prepare_beside_a_blend_is_refused(small_data, keys, command
         check_ranges(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **keys)), "data.")
     unread = " and ".join(f"data.{k}={v}" for k, v in keys.items())
     assert str(err.value) == (f"data.blend mixes directories already prepared, and reads no corpus: {unread} would be "
-                              f"unread. Prepare that corpus on its own first (tools/prepare_data.py {command}"
-                              f"{' ' * bool(command)}data.dir=DIR data.tokenizer=data/web/tokenizer.model), then add "
-                              f"DIR to the blend.")
+                              f"unread. Prepare that corpus on its own first (tools/prepare_data.py {command} "
+                              f"data.dir=DIR data.tokenizer=data/web/tokenizer.model), then add DIR to the blend.")
     check_ranges(dataclasses.replace(cfg, data=dataclasses.replace(small_data, **keys)), "data.")
+
+
+def test_a_tokenizer_beside_a_blend_is_refused(small_data):
+    """data.tokenizer alone beside a blend names no corpus to prepare: its directories' own tokenizer is the one a
+    blend reads, so the refusal says to leave it out (not a command that would prepare the default corpus)."""
+    cfg = small_config(blend_of(small_data, (1, "data/web/"), (1, "data/code")), "run")
+    with pytest.raises(ConfigError) as err:
+        check_ranges(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="t.model")), "data.")
+    assert str(err.value) == ("data.blend mixes directories already prepared, each with the tokenizer it was encoded "
+                              "with (one for all): data.tokenizer=t.model would be unread; leave it out.")
 
 
 def test_a_directory_is_named_alike_however_it_is_spelled(small_data):

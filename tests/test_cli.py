@@ -69,13 +69,17 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("model=[1,2]", ["model=[1,2]: model is a config group, which takes one name (bloom-176b, ", ", tiny)"]),
     ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
     ("optimizer={a:1}", ["optimizer={a:1}: optimizer is a config group, which takes one name (adamw)"]),
-    ("model=nope", ["model=nope: conf/model has no nope.yaml; model is one of bloom-176b, gpt2-large, ",
+    ("model=", ["model=: model is a config group, which takes one name (bloom-176b, "]),
+    ("model=nope", ["model=nope: model has no option nope; its options are bloom-176b, gpt2-large, ",
                     ", gpt3-6.7b, tiny"]),
     ("cluster=h100-80gb", ["cluster=h100-80gb: cluster is a config group of conf/plan.yaml, not of this command "
                            "(conf/config.yaml), whose groups are data, layout, model, optimizer, precision"]),
     ("+cluster=h100-80gb", ["+cluster=h100-80gb: cluster is a config group of conf/plan.yaml, not of this command"]),
+    ("cluster.gpus=8", ["cluster.gpus=8: cluster is a config group of conf/plan.yaml, not of this command"]),
+    ("data.blend=[1,x]", ["data.blend mixes directories already prepared, and reads no corpus: data.source="]),
 ], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type",
-        "group-list", "group-number", "group-mapping", "no-such-name", "plans-group", "plans-group-appended"])
+        "group-list", "group-number", "group-mapping", "group-empty", "no-such-name", "plans-group",
+        "plans-group-appended", "plans-group-key", "source-beside-a-blend"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
     names the key meant, not Hydra's advice to append it with +key=, which would be refused next."""
@@ -117,13 +121,43 @@ def test_a_traceback_hydra_prints_becomes_its_last_line():
 
 
 def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_path):
-    """model=mine from --config-dir is a name, not a misuse of the group: the line names the real fault."""
+    """model=mine from --config-dir is a name, not a misuse of the group: the line names the real fault. A name
+    no directory has lists the names of both; a group of the user's own is named as such; a name that a file of
+    --config-dir chose is named with that file."""
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "mine.yaml").write_text(
         "name: mine\nnum_layers: 2\nhidden_size: 32\nnum_heads: 2\nseq_len: 16\nvocab_size: ${data.vocab_size}\n")
-    r = python_train(["--config-dir", str(tmp_path / "conf"), *model_args(small_data, tmp_path / "run"),
-                      "model=mine", "nope=1"])
-    assert_one_error(r, ["Unknown config key nope"], "python")
+    (tmp_path / "conf" / "data").mkdir()
+    (tmp_path / "conf" / "data" / "mixed.yaml").write_text("defaults:\n  - /precision: bf17\n")
+    (tmp_path / "conf" / "mine").mkdir()
+    (tmp_path / "conf" / "mine" / "a.yaml").write_text("x: 1\n")
+    args = ["--config-dir", str(tmp_path / "conf"), *model_args(small_data, tmp_path / "run")]
+    for extra, facts in ((["model=mine", "nope=1"], ["Unknown config key nope"]),
+                         (["model=nope"], ["model=nope: model has no option nope; its options are bloom-176b, ",
+                                           ", gpt3-6.7b, mine, tiny"]),
+                         (["+mine=b"], ["error: mine=b: mine has no option b; its options are a"]),
+                         (["data=mixed"], ["precision=bf17 (chosen in data/mixed): precision has no option bf17; "
+                                           "its options are bf16, fp16, fp32"])):
+        assert_one_error(python_train(args + extra), facts, "python")
+
+
+def test_a_config_without_a_defaults_list_is_no_command_with_groups(tmp_path):
+    """HydraCommandLine.refusal reads the defaults list of every conf/*.yaml to say whose a group is: a file with
+    none (a user's notes, a plain list) or one that is no YAML chooses no group, and is no fault of the command."""
+    from megatron_mini.launch import HydraCommandLine
+    conf = tmp_path / "conf"
+    for group in ("cluster", "model"):
+        (conf / group).mkdir(parents=True)
+        (conf / group / "a.yaml").write_text("x: 1\n")
+    (conf / "config.yaml").write_text("defaults:\n  - model: a\n  - _self_\n")
+    (conf / "plan.yaml").write_text("defaults:\n  - model: a\n  - cluster: a\n")
+    (conf / "notes.yaml").write_text("steps: 5\n")
+    (conf / "list.yaml").write_text("- 1\n- 2\n")
+    (conf / "broken.yaml").write_text("a: [\n")
+    refusal = HydraCommandLine(str(conf), argv=["model=a", "cluster=a"]).refusal()
+    assert refusal == "cluster=a: cluster is a config group of conf/plan.yaml, not of this command " \
+                      "(conf/config.yaml), whose groups are model"
+    assert HydraCommandLine(str(conf), "plan", argv=["model=a", "cluster=a"]).refusal() is None
 
 
 @pytest.mark.parametrize("override, facts", [

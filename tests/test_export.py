@@ -1,6 +1,7 @@
 """megatron_mini.inference / megatron_mini.hf and their command lines (tools/generate.py, tools/export_hf.py):
 a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's logits (fp32,
 max abs diff <= 1e-5) and greedy continuations; the KV cache gives the full forward's logits and tokens."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -117,7 +118,54 @@ def test_a_model_loaded_in_half_precision(exported, dtype, name, epsilon, monkey
                           "--device", "cpu", "--dtype", name]) == 0
     out, err = capsys.readouterr()
     new = inference.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id)[0]
-    assert out == tok.decode(prompt + new) + "\n" and f"on cpu in {str(dtype)[6:]}" in err, (out, err)
+    assert out == tok.decode(prompt + new) + "\n" and f"on cpu in {name}" in err, (out, err)
+
+
+def test_what_fp16_cannot_hold_is_one_line(exported, monkeypatch, capsys):
+    """A weight past fp16's largest value (65504) is a CheckpointError naming it (bf16 holds it); a checkpoint's
+    nan is named as its own; fp16 weights whose activations pass 65504 (fc2 x 1e6: weights up to about 22,000, the
+    residual stream further) give logits that are not finite, a FloatingPointError: generate.py and evaluate.py
+    print one line and exit 2 where they crashed in sampling or printed a nan loss, and fp32 is finite."""
+    import evaluate
+    ckpt, _, _ = exported[1]
+
+    def scaled(factor):
+        return dataclasses.replace(ckpt, tensors={k: (v * factor if k.endswith("fc2.weight") else v)
+                                                  for k, v in ckpt.tensors.items()})
+
+    with pytest.raises(inference.CheckpointError, match=r": blocks\.\d+\.mlp\.fc2\.weight is not finite in fp16 "
+                                                        r"\(it passes fp16's largest value, 65504: load it in bf16 or "
+                                                        r"fp32\)"):
+        inference.load_model(scaled(1e7), dtype=torch.float16)
+    inference.load_model(scaled(1e7), dtype=torch.bfloat16)
+    with pytest.raises(inference.CheckpointError, match=r"is not finite in bf16 \(the checkpoint holds inf or nan\)"):
+        inference.load_model(scaled(float("nan")), dtype=torch.bfloat16)
+    overflowing = scaled(1e6)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert inference.logits(inference.load_model(overflowing), ids).isfinite().all()
+    with pytest.raises(FloatingPointError, match="the model's logits are not finite in fp16: an activation passed its "
+                                                 "largest value; load it in bf16 or fp32"):
+        inference.logits(inference.load_model(overflowing, dtype=torch.float16), ids)
+    monkeypatch.setattr(inference, "read_checkpoint", lambda path: overflowing)
+    for tool, args in ((generate, ["--max-new-tokens", "3"]), (evaluate, [])):
+        assert tool.main([ckpt.path, "--device", "cpu", "--dtype", "fp16", *args]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines()[-1].startswith("error: ") and \
+            err.splitlines()[-1].endswith("the model's logits are not finite in fp16: an activation passed its largest "
+                                          "value; load it in bf16 or fp32"), (out, err)
+
+
+def test_evaluate_in_half_precision(exported, capsys):
+    """evaluate.py --dtype bf16: the loss of the model in bf16, within bf16's rounding of fp32's."""
+    import evaluate
+    ckpt, _, _ = exported[1]
+    losses = {}
+    for name in ("fp32", "bf16"):
+        assert evaluate.main([ckpt.path, "--device", "cpu", "--dtype", name]) == 0
+        out, err = capsys.readouterr()
+        assert f"on cpu in {name}" in err
+        losses[name] = float(out.split("validation: loss ")[1].split()[0])
+    assert 0 < abs(losses["bf16"] - losses["fp32"]) <= 4 * 2 ** -8 * losses["fp32"], losses
 
 
 def test_sampling_is_seeded(exported):

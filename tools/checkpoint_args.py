@@ -1,5 +1,5 @@
 """What the tools that read a checkpoint share (generate.py, evaluate.py, export_hf.py): the arguments naming the
-checkpoint, its tokenizer, the device and the dtype, and the device they choose."""
+checkpoint, its tokenizer, the device and the dtype, and the device and dtype they choose."""
 from __future__ import annotations
 
 import argparse
@@ -18,8 +18,8 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) ->
     if device:
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
-                       help="the weights' and activations' type (bf16, fp16: half the memory and faster on a GPU; "
-                            "LayerNorm statistics and the logits stay fp32)")
+                       help="the weights' and matmuls' type (bf16, fp16: half the memory and faster on a GPU; "
+                            "LayerNorm statistics in fp32)")
 
 
 def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -28,3 +28,8 @@ def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch
         return device_for(args.device)
     except ValueError as e:
         p.error(f"--device {e}")
+
+
+def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
+    """--dtype as a torch.dtype."""
+    return DTYPES[args.dtype]

@@ -5,7 +5,8 @@
     python tools/evaluate.py runs/tiny-dp data/wiki --samples 0   # every sample of each
 
 One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py;
---dtype bf16 or fp16: half the memory, to within that type's rounding).
+--dtype bf16 or fp16: half the memory, to within that type's rounding; logits that are not finite, an fp16
+activation past its range, are an error).
 Without directories it reads what the run's evaluations read: its validation set and its data.eval sets. The
 samples are the run's own: by default the eval_iters x gbs that each of its evaluations reads, so the figures
 are its logged val_loss (a blend's: val_loss/<dir> too, in parentheses) and eval_loss/<dir> (a directory is
@@ -22,10 +23,9 @@ import math
 import sys
 import time
 
-from checkpoint_args import add_checkpoint_arguments, chosen_device
+from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
 from megatron_mini.config import ConfigError
 from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint
-from megatron_mini.rank import DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, DTYPES[args.dtype])
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))
         sets, notes = evaluation_sets(ckpt, tok, args.dirs)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -62,7 +62,11 @@ def main(argv=None) -> int:
     for name, dataset in sets.items():
         samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
         start = time.perf_counter()
-        losses = mean_losses(model, dataset, samples, args.batch or cfg.mbs, names)
+        try:
+            losses = mean_losses(model, dataset, samples, args.batch or cfg.mbs, names)
+        except FloatingPointError as e:                    # (logits beyond fp16's range)
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 2
         loss = losses.pop(None)
         parts = f" ({', '.join(f'{d} {part:.4f}' for d, part in losses.items())})" if losses else ""
         print(f"{name}: loss {loss:.4f}{parts} | perplexity {math.exp(loss):.2f} | {samples:,} samples of "

@@ -21,9 +21,8 @@ import sys
 
 import torch
 
-from checkpoint_args import add_checkpoint_arguments, chosen_device
+from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
 from megatron_mini.inference import CheckpointError, generate, open_checkpoint
-from megatron_mini.rank import DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, DTYPES[args.dtype])
+        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,12 +66,16 @@ def main(argv=None) -> int:
     if len(prompt) > seq_len:
         print(f"note: the model's context is {seq_len} tokens: the first {len(prompt) - seq_len} of the prompt's "
               f"{len(prompt)} tokens are dropped (the printed text keeps them)", file=sys.stderr)
-    if args.max_new_tokens:
-        generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)  # warmup: the first call's one-off set-up is not timed
     generator = torch.Generator(args.device).manual_seed(args.seed)
     timing = {}
-    samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
-                       tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing, top_p=args.top_p)
+    try:
+        if args.max_new_tokens:      # warmup: the first call's one-off set-up is not timed
+            generate(model, prompt, 1, 0.0, kv_cache=args.kv_cache)
+        samples = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples,
+                           tok.eos_id, generator, kv_cache=args.kv_cache, timing=timing, top_p=args.top_p)
+    except FloatingPointError as e:                        # (logits beyond fp16's range)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     decoded = sum(max(len(new) - 1, 0) for new in samples)              # the tokens after the first of each sample
     rate = f"{decoded / timing['decode_s']:.1f} tokens/s" if decoded and timing["decode_s"] > 0 else "-"
     if args.max_new_tokens:

@@ -34,7 +34,7 @@ from bench.report import at_least, text_table
 from plotting import CREATED, refuse_unwritable, write_output
 from megatron_mini.config import ConfigError, check_keys, check_layout_free, validate
 from megatron_mini.hardware import GPUS
-from megatron_mini.launch import missing_option
+from megatron_mini.launch import HydraCommandLine, missing_option
 from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in_node, model_bytes, plan,
                                    register_configs)
 
@@ -46,8 +46,12 @@ LAYOUT_KEYS = ("tp", "pp", "vpp", "sp", "zero", "recompute", "embedding_stage", 
 
 
 def load_config(overrides: list) -> PlanConfig:
-    """conf/plan.yaml with the command line; a key or value Hydra refuses becomes one ConfigError."""
+    """conf/plan.yaml with the command line; a key or value Hydra refuses becomes one ConfigError (as train.py
+    says it: launch.HydraCommandLine)."""
     register_configs()
+    refused = HydraCommandLine(config_name="plan", argv=overrides).refusal()
+    if refused:
+        raise ConfigError(refused)
     try:
         with initialize_config_dir(config_dir=CONF, version_base=None):
             composed = compose(config_name="plan", overrides=overrides)
@@ -57,7 +61,7 @@ def load_config(overrides: list) -> PlanConfig:
         if key and "not in" in str(cause):             # an unknown key: check_keys names the close ones
             check_keys(functools.reduce(lambda inner, part: {part: inner}, reversed(key.split(".")), None), PlanConfig)
         text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
-        text = missing_option(text) or text.split(" full_key:")[0].split(" Config search path:")[0]
+        text = missing_option(text, "plan") or text.split(" full_key:")[0].split(" Config search path:")[0]
         raise ConfigError((f"{key}: " if key else "") + text) from None
     check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
     cfg = OmegaConf.to_object(composed)

@@ -8,7 +8,8 @@
 
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare). With data.blend, builds nothing: each of its
-directories must already be prepared (with one tokenizer: data.tokenizer), and the mixture is printed;
+directories must already be prepared, all with one tokenizer (each after the first with data.tokenizer=<the
+first's>/tokenizer.model), and the mixture is printed;
 data.source, data.text_key and data.tokenizer beside it are refused (check_ranges), as train.py refuses them.
 """
 import hydra
