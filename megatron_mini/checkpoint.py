@@ -303,29 +303,41 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
     return Resume(cfg.resume, meta, [], superseded=later)
 
 
-def model_changes(meta: dict, cfg: TrainConfig, keys: tuple = MODEL_KEYS) -> list:
-    """'model.KEY: old -> new' for each of `keys` in which cfg's model differs from the checkpoint's."""
+def model_changes(meta: dict, cfg: TrainConfig) -> list:
+    """'model.KEY: old -> new' for each of MODEL_KEYS in which cfg's model differs from the checkpoint's."""
     old = meta["config"]["model"]
-    return [f"model.{key}: {old[key]} -> {getattr(cfg.model, key)}" for key in keys
+    return [f"model.{key}: {old[key]} -> {getattr(cfg.model, key)}" for key in MODEL_KEYS
             if old[key] != getattr(cfg.model, key)]
 
 
 POSITIONS = "embedding.position_embeddings"     # [seq_len, h]: init_from's shorter seq_len reads its first rows
 
 
+def init_changes(meta: dict, cfg: TrainConfig) -> tuple[list, list]:
+    """(the model_changes that init_from cannot start from, notes on those it can): a shorter model.seq_len is this
+    model, the first rows of its learned position embeddings (nanoGPT's crop_block_size); a longer one is not
+    (positions past the checkpoint's have no trained embedding)."""
+    was, now = meta["config"]["model"]["seq_len"], cfg.model.seq_len
+    changes = []
+    for change in model_changes(meta, cfg):
+        if change.startswith("model.seq_len:"):
+            if now < was:
+                continue
+            change += f" (its learned position embeddings end at {was}: a seq_len up to {was} starts from their " \
+                      f"first rows)"
+        changes.append(change)
+    return changes, [f"model.seq_len {was} -> {now}: the first {now} rows of its position embeddings"] * (now < was)
+
+
 def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
-    """cfg.init_from as a checkpoint (passing `check`) of this run's model, trained with this run's tokenizer
-    (`tokenizer_sha256`: a token id must mean the same text); one ConfigError naming what differs. A shorter
-    model.seq_len is this model: the first rows of its learned position embeddings (nanoGPT's crop_block_size);
-    a longer one is not (positions past the checkpoint's have no trained embedding)."""
+    """cfg.init_from as a checkpoint (passing `check`) of this run's model (init_changes: its notes are the
+    Resume's), trained with this run's tokenizer (`tokenizer_sha256`: a token id must mean the same text); one
+    ConfigError naming what differs."""
     meta = check(cfg.init_from)
-    was = meta["config"]["model"]["seq_len"]
-    diffs = model_changes(meta, cfg, tuple(k for k in MODEL_KEYS if k != "seq_len" or cfg.model.seq_len > was))
+    diffs, notes = init_changes(meta, cfg)
     if diffs:
-        longer = (f" (its learned position embeddings end at {was}: a seq_len up to {was} starts from their first "
-                  f"rows)" if cfg.model.seq_len > was else "")
-        raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}"
-                          f"{longer}. Set these back (init_from starts from its weights).")
+        raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}. "
+                          f"Set these back (init_from starts from its weights).")
     saved = meta.get("data", {}).get("tokenizer_sha256")
     if saved and saved != tokenizer_sha256:
         raise ConfigError(f"init_from={cfg.init_from} was trained with another tokenizer (sha256 {saved[:12]}; this "
@@ -333,7 +345,7 @@ def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
                           f"{tokenizer_sha256[:12]}), so its token ids mean other "
                           f"text: prepare this run's corpus with data.tokenizer=<its run's data.dir>/tokenizer.model, "
                           f"or start from the seed's weights.")
-    return Resume(cfg.init_from, meta, [])
+    return Resume(cfg.init_from, meta, notes)
 
 
 def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
@@ -346,7 +358,8 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
         if was != new:
             diffs.append(f"{key}: {was} -> {new} (it draws the train/validation split)")
     saved = resume.meta.get("data", {})
-    startable = not diffs and saved.get("tokenizer_sha256") in (None, data.get("tokenizer_sha256"))   # (check_init)
+    startable = not init_changes(resume.meta, cfg)[0] and saved.get("tokenizer_sha256") in (
+        None, data.get("tokenizer_sha256"))                              # (check_init: another seed and data may be)
     blends = (saved.get("blend"), data.get("blend"))      # (how a blend's shares and directories read; none: data.dir)
     mixture = ("corpus_sha256", "num_tokens") if any(blends) and saved.get("corpus_sha256") != \
         data.get("corpus_sha256") else ()           # (its shares and corpora: a directory's spelling may change)

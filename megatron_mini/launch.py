@@ -299,16 +299,17 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def missing_option(text: str, primary: str) -> str | None:
+def missing_option(text: str, argv: list) -> str | None:
     """Hydra's report (on one line) of a config group given a name it has no file for (model=nope), as one short
-    line with the names it has, and the config that chose it where that is not the command's own, `primary`
-    (a group's default in another of its files); None for any other report."""
+    line with the names it has, and the config file that chose it where the command line `argv` did not (a
+    default); None for any other report."""
     found = re.search(r"(?:In '([^']+)': )?Could not find '([^'/]+)/([^']*)' Available options in '[^']+': (.*?)"
                       r"(?: Config search path|$)", text)
     if not found:
         return None
     chooser, group, name, names = found.groups()
-    where = f" (chosen in {chooser})" if chooser and chooser != primary else ""
+    typed = f"{group}={name}" in (arg.lstrip("+~").replace(" ", "") for arg in argv)
+    where = f" (chosen in {chooser})" if chooser and not typed else ""
     return f"{group}={name}{where}: {group} has no option {name}; its options are {', '.join(names.split())}"
 
 
@@ -321,9 +322,10 @@ class HydraCommandLine:
     TRACEBACK = "Traceback (most recent call last)"
     CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
-    def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None):
+    def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None, schema=None):
         self.conf = conf                       # the config directory: its subdirectories are the config groups
         self.config_name = config_name         # the command's own config, conf/<config_name>.yaml
+        self.schema = schema                   # its dataclass (TrainConfig where None): the keys it has
         self.real = self.held = None
         self.argv = argv or []
 
@@ -334,45 +336,65 @@ class HydraCommandLine:
                 self.real.write(self.held.getvalue())
 
     def error(self) -> str:
-        """Hydra's refusal as one line: what refusal() finds in the command line; a name a group has no file
-        for, with the names it has (missing_option); an unknown key as config.unknown_key says it (Hydra's advice,
-        `+key=`, would only be refused next: no such key is read); where Hydra failed inside itself (it printed a
-        traceback of its own frames, which say nothing to a user), the exception, its last line."""
+        """What Hydra printed as it refused the command line (held), as one line (explain)."""
+        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() not in ("", self.HINT)]
+        if any(line.startswith(self.TRACEBACK) for line in lines):
+            return self.explain(lines[-1], crashed=True)
+        return self.explain(" ".join(lines))
+
+    def explain(self, text: str, crashed: bool = False) -> str:
+        """Hydra's report `text` (its lines joined; `crashed`: the exception ending a traceback of its own frames,
+        which say nothing to a user) as one line: what refusal() finds in the command line; an unknown key as
+        config.unknown_key says it (Hydra's advice, `+key=`, would only be refused next: no such key is read); a
+        name a group has no file for, with the names it has (missing_option); else its text, without OmegaConf's
+        trailer and Hydra's search path."""
         from .config import unknown_key
         refused = self.refusal()
         if refused:
             return refused
-        lines = [line.strip() for line in self.held.getvalue().splitlines() if line.strip() not in ("", self.HINT)]
-        if any(line.startswith(self.TRACEBACK) for line in lines):
-            return f"Hydra could not start with this command line: {lines[-1]}"
-        text = " ".join(lines)
+        if crashed:
+            return f"Hydra could not start with this command line: {text}"
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
-            return str(unknown_key(key.group(1)))
-        return missing_option(text, self.config_name) or text.split(" full_key:")[0] or \
-            "the configuration could not be composed"   # (OmegaConf's trailer)
+            return str(unknown_key(key.group(1), self.schema))
+        return missing_option(text, self.argv) or text.split(" full_key:")[0].split(" Config search path:")[0] \
+            or "the configuration could not be composed"
 
     def refusal(self) -> str | None:
         """What Hydra refuses in the command line, or fails on inside itself, said in one line: a config group
-        given what cannot be the name of a config file (model=[1,2], model={a:1}, model=1, model=), which Hydra
-        does not check, with the group's names in conf/; a config group of another command's config given to this
-        one (cluster=, cluster.gpus=: tools/plan.py's, to train.py), with whose it is and this command's groups.
-        None where neither is (a group of another config dir, --config-dir, is no fault)."""
-        own = self.groups(self.config_name)
+        given what cannot be the name of a config file (model=[1,2], model={a:1}, model=1, model=true, model=),
+        which Hydra does not check (nor does it take a number as a name), with the group's names in conf/; a
+        config group of another command's config given to this one (cluster=, cluster.gpus=: tools/plan.py's, to
+        train.py), with whose it is and this command's groups (unless --config-name chose another config). None
+        where neither is."""
+        chosen = self.option("--config-name", "-cn")
+        own = self.groups(self.config_name) if chosen in (None, self.config_name, f"{self.config_name}.yaml") else None
         for arg in self.argv:
             key, equals, value = arg.partition("=")
             key, value = key.lstrip("+~"), value.strip()
             group = key.split(".")[0]
             if not equals or not group or not os.path.isdir(os.path.join(self.conf, group)):
                 continue
-            if group not in own:
+            if own is not None and group not in own:
                 users = [f"conf/{n}" for n in sorted(os.listdir(self.conf))
                          if n.endswith(".yaml") and group in self.groups(n[:-len(".yaml")])]
                 return (f"{arg}: {group} is a config group of {' and '.join(users) or 'no command'}, not of this "
                         f"command (conf/{self.config_name}.yaml), whose groups are {', '.join(sorted(own))}")
             names = sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(self.conf, group)) if n.endswith(".yaml"))
-            if key == group and value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)):
+            if key == group and value not in names and (not re.fullmatch(r"[\w.\-/]+", value) or _is_number(value)
+                                                        or value.lower() in ("true", "false", "null")):
                 return f"{arg}: {group} is a config group, which takes one name ({', '.join(names)})"
+        return None
+
+    def option(self, *names: str) -> str | None:
+        """The value of Hydra's own option `names` (--config-name, -cn) in the command line: `--name value` or
+        `--name=value`; None where it is not given."""
+        for i, arg in enumerate(self.argv):
+            for name in names:
+                if arg == name and i + 1 < len(self.argv):
+                    return self.argv[i + 1]
+                if arg.startswith(f"{name}="):
+                    return arg[len(name) + 1:]
         return None
 
     def groups(self, config_name: str) -> set:

@@ -722,11 +722,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")
     elif run.init:
-        was = run.init.meta["config"]["model"]["seq_len"]
-        cropped = (f"; model.seq_len {was} -> {cfg.model.seq_len}: the first {cfg.model.seq_len} rows of its "
-                   f"position embeddings" if cfg.model.seq_len < was else "")
         log.info(f"init_from: the weights of {run.init.path} (step {run.init.meta['step']} of the run that saved it); "
-                 f"the optimizer, the step count and the data start anew{cropped}")
+                 f"the optimizer, the step count and the data start anew{''.join(f'; {n}' for n in run.init.notes)}")
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")

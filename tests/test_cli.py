@@ -70,6 +70,7 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("precision=1", ["precision=1: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
     ("optimizer={a:1}", ["optimizer={a:1}: optimizer is a config group, which takes one name (adamw)"]),
     ("model=", ["model=: model is a config group, which takes one name (bloom-176b, "]),
+    ("precision=NULL", ["precision=NULL: precision is a config group, which takes one name (bf16, fp16, fp32)"]),
     ("model=nope", ["model=nope: model has no option nope; its options are bloom-176b, gpt2-large, ",
                     ", gpt3-6.7b, tiny"]),
     ("cluster=h100-80gb", ["cluster=h100-80gb: cluster is a config group of conf/plan.yaml, not of this command "
@@ -78,7 +79,7 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     ("cluster.gpus=8", ["cluster.gpus=8: cluster is a config group of conf/plan.yaml, not of this command"]),
     ("data.blend=[1,x]", ["data.blend mixes directories already prepared, and reads no corpus: data.source="]),
 ], ids=["fp8", "unknown-key", "appended-unknown-key", "leaf-key", "appended-leaf-key", "typo", "wrong-type",
-        "group-list", "group-number", "group-mapping", "group-empty", "no-such-name", "plans-group",
+        "group-list", "group-number", "group-mapping", "group-empty", "group-null", "no-such-name", "plans-group",
         "plans-group-appended", "plans-group-key", "source-beside-a-blend"])
 def test_hydra_rejects_at_startup(small_data, tmp_path, override, facts):
     """Hydra's refusals come out as our one line too (its text, without its stack-trace hint); an unknown key
@@ -123,22 +124,29 @@ def test_a_traceback_hydra_prints_becomes_its_last_line():
 def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_path):
     """model=mine from --config-dir is a name, not a misuse of the group: the line names the real fault. A name
     no directory has lists the names of both; a group of the user's own is named as such; a name that a file of
-    --config-dir chose is named with that file."""
+    --config-dir chose is named with that file, one the command line chose is not (--config-name: its config's
+    groups are not conf/config.yaml's)."""
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "mine.yaml").write_text(
         "name: mine\nnum_layers: 2\nhidden_size: 32\nnum_heads: 2\nseq_len: 16\nvocab_size: ${data.vocab_size}\n")
     (tmp_path / "conf" / "data").mkdir()
     (tmp_path / "conf" / "data" / "mixed.yaml").write_text("defaults:\n  - /precision: bf17\n")
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - base_config\n  - model: tiny\n  - data: stdlib\n"
+                                                 "  - optimizer: adamw\n  - precision: fp32\n  - _self_\n")
     (tmp_path / "conf" / "mine").mkdir()
     (tmp_path / "conf" / "mine" / "a.yaml").write_text("x: 1\n")
-    args = ["--config-dir", str(tmp_path / "conf"), *model_args(small_data, tmp_path / "run")]
-    for extra, facts in ((["model=mine", "nope=1"], ["Unknown config key nope"]),
-                         (["model=nope"], ["model=nope: model has no option nope; its options are bloom-176b, ",
-                                           ", gpt3-6.7b, mine, tiny"]),
-                         (["+mine=b"], ["error: mine=b: mine has no option b; its options are a"]),
-                         (["data=mixed"], ["precision=bf17 (chosen in data/mixed): precision has no option bf17; "
-                                           "its options are bf16, fp16, fp32"])):
-        assert_one_error(python_train(args + extra), facts, "python")
+    conf = ["--config-dir", str(tmp_path / "conf")]
+    for options, extra, facts in (
+            (conf, ["model=mine", "nope=1"], ["Unknown config key nope"]),
+            (conf, ["model=nope"], ["model=nope: model has no option nope; its options are bloom-176b, ",
+                                    ", gpt3-6.7b, mine, tiny"]),
+            (conf, ["+mine=b"], ["error: mine=b: mine has no option b; its options are a"]),
+            (conf, ["data=mixed"], ["precision=bf17 (chosen in data/mixed): precision has no option bf17; its "
+                                    "options are bf16, fp16, fp32"]),
+            (conf + ["--config-name", "mine"], ["model=nope"], ["error: model=nope: model has no option nope"]),
+            (conf + ["--config-name=mine"], ["model=gpt2-small", "nope=1"], ["Unknown config key nope"])):
+        r = python_train([*options, *model_args(small_data, tmp_path / "run"), *extra])
+        assert_one_error(r, facts, "python")
 
 
 def test_a_config_without_a_defaults_list_is_no_command_with_groups(tmp_path):

@@ -1,5 +1,6 @@
 """init_from: a new run that starts from a checkpoint's weights (any layout, precision, seed or data encoded with
 its tokenizer), with the optimizer, the step count and the data as new; a run that resumes ignores it."""
+import dataclasses
 import json
 import shutil
 
@@ -65,11 +66,20 @@ def test_a_shorter_sequence_starts_from_the_first_position_embeddings(small_data
         assert torch.equal(new.full(name), master), name
     log = (tmp_path / "logs" / "rank0000.log").read_text()
     assert "the data start anew; model.seq_len 32 -> 16: the first 16 rows of its position embeddings" in log
-    longer = small_config(small_data, tmp_path, init_from=source, **{"model.seq_len": 64})
+    tokenizer = Tokenizer(f"{small_data.dir}/tokenizer.model").sha256
+    longer = small_config(small_data, tmp_path, init_from=source, **{"model.seq_len": 64, "model.ffn_mult": 2})
     with pytest.raises(ConfigError, match=rf"init_from={source} holds another model than this run asks for: "
                                           r"model\.seq_len: 32 -> 64 \(its learned position embeddings end at 32: a "
-                                          r"seq_len up to 32 starts from their first rows\)\. Set these back"):
-        checkpoint.check_init(longer, Tokenizer(f"{small_data.dir}/tokenizer.model").sha256)
+                                          r"seq_len up to 32 starts from their first rows\); model\.ffn_mult: 4 -> 2\. "
+                                          r"Set these back"):
+        checkpoint.check_init(longer, tokenizer)
+    own = dataclasses.replace(cfg, resume="auto", init_from=None, model=dataclasses.replace(cfg.model, seq_len=8))
+    resume = checkpoint.find_resume(own)            # (a resume is no init_from: its seq_len stays, the hint says how)
+    data = {"tokenizer_sha256": tokenizer}
+    with pytest.raises(ConfigError, match=rf"model\.seq_len: 16 -> 8\. Set these back, or start a new run under "
+                                          rf"another run_name \(init_from={resume.path} starts it from these "
+                                          rf"weights\)"):
+        checkpoint.check_compatible(resume, own, data)
 
 
 def test_a_run_that_resumes_ignores_init_from(small_data, source, tmp_path):

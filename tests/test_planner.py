@@ -217,6 +217,8 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert main(args + ["cluster=b200"]) == 2                      # a name conf/cluster has no file for
     assert capsys.readouterr().err == ("error: cluster=b200: cluster has no option b200; its options are "
                                        "a100-80gb, h100-80gb, jean-zay-a100\n")
+    assert main(args + ["model=true"]) == 2                        # (Hydra failed inside itself: a ValueError)
+    assert capsys.readouterr().err.startswith("error: model=true: model is a config group, which takes one name (")
     assert main(args + ["cluster=[1,2]"]) == 2                     # (Hydra failed inside itself: a TypeError)
     assert capsys.readouterr().err == ("error: cluster=[1,2]: cluster is a config group, which takes one name "
                                        "(a100-80gb, h100-80gb, jean-zay-a100)\n")

@@ -21,7 +21,6 @@ START = time.time()                               # the imports included in the 
 import argparse
 import csv
 import dataclasses
-import functools
 import os
 import sys
 
@@ -34,7 +33,8 @@ from bench.report import at_least, text_table
 from plotting import CREATED, refuse_unwritable, write_output
 from megatron_mini.config import ConfigError, check_keys, check_layout_free, validate
 from megatron_mini.hardware import GPUS
-from megatron_mini.launch import HydraCommandLine, missing_option
+from megatron_mini.errors import first_line
+from megatron_mini.launch import HydraCommandLine
 from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in_node, model_bytes, plan,
                                    register_configs)
 
@@ -49,20 +49,16 @@ def load_config(overrides: list) -> PlanConfig:
     """conf/plan.yaml with the command line; a key or value Hydra refuses becomes one ConfigError (as train.py
     says it: launch.HydraCommandLine)."""
     register_configs()
-    refused = HydraCommandLine(config_name="plan", argv=overrides).refusal()
-    if refused:
-        raise ConfigError(refused)
+    command_line = HydraCommandLine(config_name="plan", argv=overrides, schema=PlanConfig)
     try:
         with initialize_config_dir(config_dir=CONF, version_base=None):
             composed = compose(config_name="plan", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        cause = e.__cause__ or e
-        key = getattr(cause, "full_key", None)
-        if key and "not in" in str(cause):             # an unknown key: check_keys names the close ones
-            check_keys(functools.reduce(lambda inner, part: {part: inner}, reversed(key.split(".")), None), PlanConfig)
-        text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
-        text = missing_option(text, "plan") or text.split(" full_key:")[0].split(" Config search path:")[0]
-        raise ConfigError((f"{key}: " if key else "") + text) from None
+    except (HydraException, OmegaConfBaseException) as e:     # (what Hydra prints: the exception and its cause)
+        text = " ".join(line.strip() for part in (e, e.__cause__) if part for line in str(part).splitlines()
+                        if line.strip())
+        raise ConfigError(command_line.explain(text)) from None
+    except Exception as e:                                    # noqa: BLE001 - Hydra failed inside itself
+        raise ConfigError(command_line.explain(f"{type(e).__name__}: {first_line(e)}", crashed=True)) from None
     check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
     cfg = OmegaConf.to_object(composed)
     cfg.cluster.check()
