@@ -121,6 +121,23 @@ def test_a_model_loaded_in_half_precision(exported, dtype, name, epsilon, monkey
     assert out == tok.decode(prompt + new) + "\n" and f"on cpu in {name}" in err, (out, err)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_loaded_onto_a_gpu_in_bf16(exported):
+    """load_model(device="cuda", dtype=bf16): built and cast on the CPU, then moved parameter by parameter, the tied
+    embedding one tensor on the GPU, each weight the checkpoint's rounded; the logits within 4 eps of bf16 of
+    the fp32 model's on the CPU."""
+    ckpt, _, _ = exported[2]
+    model = inference.load_model(ckpt, "cuda", torch.bfloat16)
+    assert model.layers[0].word_embeddings.weight is model.layers[-1].word_embeddings
+    for name, p in model.named_global_parameters():
+        assert p.is_cuda and torch.equal(p.cpu(), ckpt.tensors[name].to(torch.bfloat16)), name
+    ids = torch.randint(0, ckpt.cfg.model.vocab_size, (3, ckpt.cfg.model.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    full = inference.logits(inference.load_model(ckpt), ids)
+    gpu = inference.logits(model, ids.cuda()).cpu()
+    assert (gpu - full).abs().max().item() <= 4 * 2 ** -8 * full.abs().max().item()
+
+
 def test_what_fp16_cannot_hold_is_one_line(exported, monkeypatch, capsys):
     """A weight past fp16's largest value (65504) is a CheckpointError naming it (bf16 holds it); a checkpoint's
     nan is named as its own; fp16 weights whose activations pass 65504 (fc2 x 1e6: weights up to about 22,000, the
