@@ -285,6 +285,19 @@ def newest(run_dir: str, check=verify) -> Resume | None:
     return None
 
 
+def chosen(path: str, check=verify) -> Resume:
+    """The checkpoint directory `path` (its meta passing `check`), or a run directory's newest intact checkpoint
+    (newest: its notes say what it passed over); CheckpointError for neither."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
+        found = newest(path, check)
+        if found is None:
+            raise CheckpointError(f"{path} is not a checkpoint (no meta.json) nor a run directory with checkpoints; "
+                                  f"give a checkpoint directory such as runs/NAME/checkpoints/step_000100, or a run "
+                                  f"directory (its newest intact checkpoint)")
+        return found
+    return Resume(path, check(path), [])
+
+
 # ----------------------------------------------------------------------------- resuming
 def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
     """What this run continues from, by cfg.resume: auto (the run's newest checkpoint that passes `check`,
@@ -330,10 +343,11 @@ def init_changes(meta: dict, cfg: TrainConfig) -> tuple[list, list]:
 
 
 def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
-    """cfg.init_from as a checkpoint (passing `check`) of this run's model (init_changes: its notes are the
-    Resume's), trained with this run's tokenizer (`tokenizer_sha256`: a token id must mean the same text); one
-    ConfigError naming what differs."""
-    meta = check(cfg.init_from)
+    """cfg.init_from as a checkpoint (passing `check`; a run directory's newest: chosen) of this run's model
+    (init_changes: its notes are the Resume's), trained with this run's tokenizer (`tokenizer_sha256`: a token id
+    must mean the same text); one ConfigError naming what differs."""
+    found = chosen(cfg.init_from, check)
+    meta = found.meta
     diffs, notes = init_changes(meta, cfg)
     if diffs:
         raise ConfigError(f"init_from={cfg.init_from} holds another model than this run asks for: {'; '.join(diffs)}. "
@@ -345,7 +359,7 @@ def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
                           f"{tokenizer_sha256[:12]}), so its token ids mean other "
                           f"text: prepare this run's corpus with data.tokenizer=<its run's data.dir>/tokenizer.model, "
                           f"or start from the seed's weights.")
-    return Resume(cfg.init_from, meta, notes)
+    return Resume(found.path, meta, found.notes + notes)
 
 
 def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:

@@ -220,6 +220,10 @@ def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None,
     the model's vocab_size, and for a blend's later directory or an evaluation set (config `key`), first against the
     run's tokenizer, `first`; one DataError naming the file and the command that rebuilds it."""
     out = Path(cfg.dir)
+    if not out.is_dir():                 # (a mistyped path, or data never prepared: no "rebuild"; the run's tokenizer)
+        command = rebuild_command(cfg, **({"tokenizer": first.path} if first else {}))
+        raise DataError(out, f"no such directory (a mistyped path, or data not prepared there yet); prepare it with: "
+                        f"{command}", rebuild=None)
     try:
         tok = Tokenizer(out / "tokenizer.model")
         ds, meta = open_checked(out, tok)
@@ -227,7 +231,8 @@ def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None,
         raise e.with_rebuild(rebuild_command(cfg)) from None
     if first and tok.sha256 != first.sha256:
         raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}, {tok.vocab_size} tokens) than "
-                        f"{first.path} ({first.sha256[:12]}): the directories of {key} must share one, so that a "
+                        f"{first.path} ({first.sha256[:12]}): "
+                        f"{f'the directories of {key}' if key.startswith('data.') else key} must share one, so that a "
                         f"token id means the same text in each; prepare {meta.get('source', 'its corpus')} with "
                         f"data.tokenizer={first.path} in a data.dir of its own and "
                         f"{'blend' if key == 'data.blend' else 'evaluate'} that", rebuild=None)
@@ -300,13 +305,14 @@ def trained_eval_notes(cfg: DataConfig) -> list[str]:
             for d, sha in evals.items() if sha in trained]
 
 
-def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer) -> dict:
+def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer,
+                   key: str = "data.eval") -> dict:
     """{directory: GPTDataset of all its documents, shuffled by EVAL_SEED} of data.eval's prepared directories,
     each checked as a run's data (open_part) and encoded with the run's `tokenizer` (its ids must mean the same text);
-    one DataError naming the file otherwise."""
+    one DataError naming the file otherwise (and them as `key` does: data.eval, or a tool's own)."""
     sets = {}
     for directory in cfg.eval_dirs():
-        ds, _, _ = open_part(part_config(cfg, directory), vocab_size, tokenizer, "data.eval")
+        ds, _, _ = open_part(part_config(cfg, directory), vocab_size, tokenizer, key)
         try:
             sets[directory] = GPTDataset(ds, np.arange(len(ds)), seq_len, EVAL_SEED)
         except ValueError as e:

@@ -58,16 +58,8 @@ def config_from_dict(d: dict, cls=TrainConfig):
 def read_checkpoint(path: str) -> Checkpoint:
     """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
     file) and read into memory (CPU)."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
-        found = checkpoint.newest(path)
-        if found is None:
-            raise CheckpointError(f"{path} is not a megatron_mini checkpoint (no meta.json) nor a run directory with "
-                                  f"checkpoints; pass a checkpoint directory such as "
-                                  f"runs/NAME/checkpoints/step_000100, "
-                                  f"or a run directory")
-        path, meta, notes = found.path, found.meta, found.notes
-    else:
-        meta, notes = checkpoint.verify(path), []
+    found = checkpoint.chosen(path)
+    path, meta, notes = found.path, found.meta, found.notes
     try:
         cfg = config_from_dict(meta["config"])
     except (ValueError, KeyError, TypeError) as e:
@@ -181,7 +173,8 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> tuple[dict,
     first that does not fit."""
     cfg, seq_len, vocab_size = ckpt.cfg, ckpt.cfg.model.seq_len, ckpt.cfg.model.vocab_size
     if dirs:
-        return load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)), seq_len, vocab_size, tok), []
+        return load_eval_sets(dataclasses.replace(cfg.data, eval=list(dirs)), seq_len, vocab_size, tok,
+                              "the directories evaluate.py reads and the run's"), []
     data = dataclasses.replace(cfg.data, dir=_located(cfg.data.dir), blend=cfg.data.blend and [
         _located(v) if i % 2 else v for i, v in enumerate(cfg.data.blend)], eval=cfg.data.eval and [
         _located(d) for d in cfg.data.eval])

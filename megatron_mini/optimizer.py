@@ -331,6 +331,16 @@ def _decays(o: OptimizerConfig) -> bool:
     return o.decay_style != "constant" and o.min_lr != o.lr
 
 
+def warmup_note(o: OptimizerConfig, steps: int) -> str | None:
+    """A start-up line where the warmup lasts the whole run (warmup_steps >= steps: a short fine-tune with the
+    default warmup): its lr rises to its last step, and what follows the warmup (a decay) never comes."""
+    if o.warmup_steps < steps or not o.lr:
+        return None
+    return (f"note: optimizer.warmup_steps={o.warmup_steps} >= steps={steps}: the lr warms up over the whole run, "
+            f"from {learning_rate(0, o, steps):.2e} to {learning_rate(steps - 1, o, steps):.2e} at its last step "
+            f"(lower optimizer.warmup_steps for the {o.decay_style} schedule after the warmup)")
+
+
 def schedule_note(saved: dict, cfg: TrainConfig, update: int, updates: int) -> str | None:
     """A resume's log line when one of the `updates` this run may apply (the first: `update`, 0-based) takes
     another lr than in the run that saved the checkpoint (`saved`: its config): the first such update, counted

@@ -44,7 +44,7 @@ from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
 from .model import compiles, select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
-from .optimizer import learning_rate, schedule_note
+from .optimizer import learning_rate, schedule_note, warmup_note
 from .rng import RNGTracker
 
 
@@ -751,8 +751,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + stop.deadline - time.monotonic()))
         log.info(f"exit_after_minutes={cfg.exit_after_minutes:g}: every rank saves and stops after the first step "
                  f"past {at} on any of them")
-    if (note := rampup_note(cfg, trainer.step, trainer.consumed_samples)) is not None:
-        log.info(note)
+    for note in (rampup_note(cfg, trainer.step, trainer.consumed_samples), warmup_note(cfg.optimizer, cfg.steps)):
+        if note is not None:
+            log.info(note)
     first_step, first_consumed, start_time = trainer.step, trainer.consumed_samples, time.time()
     try:
         stopped_by = _evaluate_first(trainer, history, logger, log, stop) or \

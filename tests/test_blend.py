@@ -336,7 +336,9 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \
         in out
     assert evaluate.main([cfg.run_dir, own, "--device", "cpu"]) == 2
-    assert f"error: {own}/tokenizer.model: is another tokenizer" in capsys.readouterr().err
+    err = capsys.readouterr().err                      # (its arguments, not data.eval, must share the run's)
+    assert f"error: {own}/tokenizer.model: is another tokenizer" in err and "): the directories evaluate.py reads " \
+        "and the run's must share one, so that a token id means the same text in each; prepare " in err, err
     root = os.path.commonpath([first, second])             # (a run launched there, read from elsewhere: its
     monkeypatch.setattr(inference, "REPO", root)           # relative paths are found as its tokenizer is)
     monkeypatch.chdir(tmp_path)
@@ -349,7 +351,7 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     ckpt.cfg.data = dataclasses.replace(trained, eval=[second, str(tmp_path / "gone")])   # (a set removed since)
     sets, notes = evaluation_sets(ckpt, tok, [])
     assert list(sets) == ["validation", second]
-    assert len(notes) == 1 and notes[0].startswith(f"not evaluated: {tmp_path}/gone/tokenizer.model: missing")
+    assert len(notes) == 1 and notes[0].startswith(f"not evaluated: {tmp_path}/gone: no such directory")
     ckpt.cfg.data = rebuilt = blend_of(code, (0.7, first), (0.3, second))   # (another mixture than it records)
     with pytest.raises(DataError, match=re.escape(f"data.blend={rebuilt.blend}: is not the data {ckpt.path} was "
                                                   f"trained on (another corpus_sha256 than it records")):
@@ -490,13 +492,21 @@ def test_directories_that_cannot_be_blended_are_refused_with_what_to_do(small_da
         load_datasets(blend_of(small_data, (1, first), (1, other)), SEQ, 5, small_data.vocab_size)
     assert f", 1024 tokens) than {first}/tokenizer.model" in str(err.value) and "data.dir=" not in str(err.value)
     missing = tmp_path / "nothing"
+    never = f"{missing}: no such directory (a mistyped path, or data not prepared there yet); prepare it with: python "
     with pytest.raises(DataError, match=re.escape(
-            f"{missing}/tokenizer.model: missing; rebuild it with: python tools/prepare_data.py data.source='<corpus>' "
-            f"data.dir={missing} data.vocab_size={small_data.vocab_size} data.tokenizer={first}/tokenizer.model")):
+            f"{never}tools/prepare_data.py data.source='<corpus>' data.dir={missing} data.vocab_size="
+            f"{small_data.vocab_size} data.tokenizer={first}/tokenizer.model")):       # (the run's tokenizer)
         load_datasets(blend_of(small_data, (1, first), (1, missing)), SEQ, 5, small_data.vocab_size)
-    with pytest.raises(DataError, match=re.escape(f"{missing}/tokenizer.model: missing; rebuild it with: python "
-                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={missing} ")):
+    with pytest.raises(DataError, match=re.escape(f"{never}tools/prepare_data.py data.source='<corpus>' "
+                                                  f"data.dir={missing} data.vocab_size={small_data.vocab_size}")) \
+            as err:
         load_datasets(blend_of(small_data, (1, missing), (1, first)), SEQ, 5, small_data.vocab_size)
+    assert "data.tokenizer=" not in str(err.value)                                     # (the first: its own)
+    missing.mkdir()                                     # (there, but empty: rebuilt with the first's tokenizer)
+    with pytest.raises(DataError, match=re.escape(f"{missing}/tokenizer.model: missing; rebuild it with: python "
+                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={missing} "
+                                                  f"data.vocab_size={small_data.vocab_size} data.tokenizer={first}/")):
+        load_datasets(blend_of(small_data, (1, first), (1, missing)), SEQ, 5, small_data.vocab_size)
     with pytest.raises(ConfigError, match=r"data\.blend=.*: a weight of 1\.00e-09 of the total rounds to no sample"):
         load_datasets(blend_of(small_data, (1, first), (1e-9, second)), SEQ, 5, small_data.vocab_size)
 

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from commandline import (QUICK_S, assert_one_error, assert_torchrun_report, env, model_args, python_train,
+from commandline import (QUICK_S, REPO, assert_one_error, assert_torchrun_report, env, model_args, python_train,
                          torchrun_train)
 
 SLOW_START_S = 4       # how late the slowed ranks start (a sleeper is killed by torchrun when a peer fails)
@@ -38,7 +38,8 @@ def _slow(hooks, which: str) -> dict:
 def test_layout_needs_48_processes(small_data, tmp_path):
     r = python_train([*model_args(small_data, tmp_path / "run"), "tp=4", "pp=12"])
     assert_one_error(r, ["48 processes", "tp=4 x pp=12 x dp=1", "this run has 1",
-                            "torchrun --nproc_per_node=48 train.py tp=4 pp=12"], "python")
+                            "Launch the same arguments on 48 processes: torchrun --nproc_per_node=48 train.py <the "
+                            "same arguments> (on several nodes, --nnodes times --nproc_per_node = 48)."], "python")
 
 
 def test_rejected_config_leaves_run_dir_alone(small_data, tmp_path):
@@ -52,8 +53,9 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     missing = tmp_path / "no-data-here"
     args = model_args(small_data, tmp_path / "run") + [f"data.dir={missing}"]
     r = python_train(args)
-    assert_one_error(r, [str(missing / "tokenizer.model") + ": missing;", "tools/prepare_data.py",
-                            f"data.dir={missing}", "data.vocab_size=512"], "python")
+    assert_one_error(r, [f"{missing}: no such directory (a mistyped path, or data not prepared there yet); prepare "
+                         f"it with: python tools/prepare_data.py", f"data.dir={missing}", "data.vocab_size=512"],
+                     "python")
     assert not missing.exists()                       # nothing was built behind the user's back
 
 
@@ -97,8 +99,9 @@ def test_help_says_where_the_examples_and_keys_are():
     r = python_train(["--help"])
     assert r.rc == 0 and r.err == "", r
     assert r.out.startswith('train.py (megatron_mini): key=value overrides of the config below, and group=name '
-                            'choices.\nIts examples: the docstring of train.py; every key: README.md, "Configuration".'
+                            'choices.\nIts examples: the docstring of train.py; every key: README.md, "Config keys".'
                             '\n\n== Configuration groups ==\n'), r.out
+    assert "\n## Config keys\n" in (REPO / "README.md").read_text()        # (the section it names)
     assert "\nprecision: bf16, fp16, fp32\n" in r.out and "\n  hidden_size: 128\n" in r.out, r.out
     assert r.out.rstrip().endswith("The cluster group is tools/plan.py's (conf/plan.yaml), not this command's. --cfg "
                                    "job prints the\nconfig a command line composes, without running it."), r.out

@@ -2,6 +2,7 @@
 its tokenizer), with the optimizer, the step count and the data as new; a run that resumes ignores it."""
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -110,6 +111,8 @@ def test_what_init_from_cannot_start_from_is_refused(small_data, source, tmp_pat
     with pytest.raises(ConfigError, match="is not a checkpoint"):
         checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(tmp_path)), tokenizer)
     assert checkpoint.check_init(small_config(small_data, tmp_path, init_from=source), tokenizer).path == source
+    run_dir = os.path.dirname(os.path.dirname(source))               # (a run directory: its newest checkpoint)
+    assert checkpoint.check_init(small_config(small_data, tmp_path, init_from=run_dir), tokenizer).path == source
     corrupt = tmp_path / "corrupt"
     shutil.copytree(source, corrupt)
     weights = sorted(corrupt.glob("model_*.pt"))[0]

@@ -252,6 +252,16 @@ def jsonl_run(run_dir, entries) -> str:
     return str(run_dir)
 
 
+def test_a_logged_value_weighs_as_the_steps_since_the_last_one():
+    """ema with steps: a value 5 steps after the last decays the average as 5 steps of it would (a curve logged
+    every 5th step is drawn as the every-step one, where the loss is flat between), to rounding; without steps,
+    as one step; a value that is not finite is skipped (its step too)."""
+    s, a, b = 0.9, 3.0, 1.0
+    assert compare_runs.ema([a, b], s, [0, 5])[-1] == pytest.approx(compare_runs.ema([a] + [b] * 5, s)[-1], rel=1e-12)
+    assert compare_runs.ema([a, b], s)[-1] == pytest.approx((s * (1 - s) * a + (1 - s) * b) / (1 - s * s), rel=1e-12)
+    assert compare_runs.ema([a, math.nan, b], s, [0, 1, 5]) == [a, a, compare_runs.ema([a, b], s, [0, 5])[-1]]
+
+
 def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
     died = jsonl_run(tmp_path / "died", [(0, {"val_loss": 9.0})])     # died after the step-0 eval
     short = jsonl_run(tmp_path / "short", [(1, {"loss": 9.0}), (2, {"loss": 8.0})])
@@ -274,6 +284,13 @@ def test_compare_runs_gap_at_last_common_step(tmp_path, capsys):
                              "logged a train loss").split()
     rows, _ = table(long, short)
     assert rows["short"][5:7] == ["-0.5000", "2"]
+
+    # the same losses logged at every step and at every 5th: no gap (each smoothed over the steps both logged)
+    every = jsonl_run(tmp_path / "every", [(s, {"loss": 10 - s ** 0.5}) for s in range(1, 21)])
+    fifth = jsonl_run(tmp_path / "fifth", [(s, {"loss": 10 - s ** 0.5}) for s in range(5, 21, 5)])
+    assert compare_runs.main([fifth, every, "-o", png]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert rows["every"][5:7] == ["+0.0000", "20"]
 
     rows, out = table(died, short, long)
     assert rows["died"][5:7] == rows["short"][5:7] == rows["long"][5:7] == ["-", "-"]

@@ -92,6 +92,19 @@ def test_learning_rate_schedule():
     assert [learning_rate(u, o, 8) for u in (0, 7)] == pytest.approx([1.0, 0.1])
 
 
+def test_a_warmup_as_long_as_the_run_is_noted():
+    """warmup_steps >= steps (a short fine-tune with the default warmup): a start-up note with the first and last
+    lr (learning_rate's: lr/w and lr * steps/w) and the fix; a shorter warmup, or lr 0, none."""
+    from megatron_mini.config import OptimizerConfig
+    from megatron_mini.optimizer import warmup_note
+    o = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=20)
+    assert warmup_note(o, 6) == ("note: optimizer.warmup_steps=20 >= steps=6: the lr warms up over the whole run, "
+                                 "from 1.50e-04 to 9.00e-04 at its last step (lower optimizer.warmup_steps for the "
+                                 "cosine schedule after the warmup)")
+    assert "from 1.50e-04 to 3.00e-03 at its last step" in warmup_note(o, 20)
+    assert warmup_note(o, 21) is None and warmup_note(OptimizerConfig(lr=0.0, warmup_steps=20), 6) is None
+
+
 def test_a_resume_that_moves_the_lr_schedule_says_so():
     """A resume one of whose updates gets another lr than in the run that saved it (steps raised under a decay
     that ends at the last step; an optimizer.* changed) names the first such update (counted from 1), what

@@ -375,7 +375,8 @@ def test_checkpoint_tools_bad_arguments_are_one_line_before_loading(tool, argv, 
 def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert evaluate.main([str(tmp_path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path} is not a megatron_mini checkpoint"), err
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path} is not a checkpoint (no meta.json) nor a "
+                                                 f"run directory with checkpoints"), err
 
 
 def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monkeypatch):

@@ -180,12 +180,16 @@ def _read_online(path: str) -> Run:
     return Run(run.name, merge_history(entries), "wandb api")
 
 
-def ema(values: list[float], smooth: float) -> list[float]:
-    """Debiased exponential moving average (as TensorBoard draws it); non-finite values are skipped."""
-    out, avg, weight = [], 0.0, 0.0
-    for v in values:
+def ema(values: list[float], smooth: float, steps: list[int] | None = None) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard draws it); non-finite values are skipped. With `steps`
+    (each value's step), a value d steps after the last one kept decays the average by smooth**d, as the d steps
+    between them would: runs logged at another log_interval draw alike."""
+    out, avg, weight, last = [], 0.0, 0.0, None
+    for i, v in enumerate(values):
         if math.isfinite(v):
-            avg, weight = smooth * avg + (1 - smooth) * v, smooth * weight + (1 - smooth)
+            decay = smooth ** (steps[i] - last if steps and last is not None else 1)
+            avg, weight = decay * avg + (1 - decay) * v, decay * weight + (1 - decay)
+            last = steps[i] if steps else None
         out.append(avg / weight if weight else math.nan)
     return out
 
@@ -208,19 +212,19 @@ def columns(runs: list[Run]) -> list[str]:
     return COLUMNS + [f"final {key}" for key in eval_keys(runs)]
 
 
-def smoothed_loss(run: Run, smooth: float) -> dict[int, float]:
-    """The smoothed train loss at each step that logged a finite loss."""
-    steps, loss = run.series("loss")
-    return {s: v for s, v, raw in zip(steps, ema(loss, smooth), loss) if math.isfinite(raw)}
+def finite_loss(run: Run) -> dict[int, float]:
+    """The train loss at each step that logged a finite one."""
+    return {s: v for s, v in zip(*run.series("loss")) if math.isfinite(v)}
 
 
 def gap(run: Run, ref: Run, smooth: float) -> tuple[float | None, int | None, str | None]:
-    """(smoothed loss of `run` minus `ref`'s, the step, why there is none) at the last step both logged a loss."""
-    own, theirs = smoothed_loss(run, smooth), smoothed_loss(ref, smooth)
-    common = own.keys() & theirs.keys()
+    """(smoothed loss of `run` minus `ref`'s, the step, why there is none) at the last step both logged a loss,
+    each smoothed over the steps both logged (the same run logged at two log_intervals: no gap)."""
+    own, theirs = finite_loss(run), finite_loss(ref)
+    common = sorted(own.keys() & theirs.keys())
     if common:
-        step = max(common)
-        return own[step] - theirs[step], step, None
+        mine, other = (ema([losses[s] for s in common], smooth, common)[-1] for losses in (own, theirs))
+        return mine - other, common[-1], None
     if not own:
         return None, None, None
     if not theirs:
@@ -312,7 +316,7 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
         color = f"C{i % 10}"
         steps, loss = run.series("loss")
         ax.plot(steps, loss, color=color, lw=0.8, alpha=0.3)
-        ax.plot(steps, ema(loss, smooth), color=color, lw=2, label=run.label)
+        ax.plot(steps, ema(loss, smooth, steps), color=color, lw=2, label=run.label)
         steps, val = run.series("val_loss")
         ax.plot(steps, val, color=color, ls="--", marker="o", ms=4)
         steps, scale = run.series("loss_scale")
@@ -325,7 +329,8 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
             steps, grad = run.series("grad_norm")
             finite = [(s, g) for s, g in zip(steps, grad) if math.isfinite(g)]    # (fp16's skipped steps: inf)
             if finite:
-                norm_ax.plot([s for s, _ in finite], ema([g for _, g in finite], smooth), color=color, lw=1.5)
+                norm_ax.plot([s for s, _ in finite], ema([g for _, g in finite], smooth, [s for s, _ in finite]),
+                             color=color, lw=1.5)
         if weight_ax is not None and run.series("param_norm")[0]:
             weight_ax.plot(*run.series("param_norm"), color=color, ls="--", lw=1.2)
     axes[-1, 0].set_xlabel("step")

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     decoded = sum(max(len(new) - 1, 0) for new in samples)              # the tokens after the first of each sample
     rate = f"{decoded / timing['decode_s']:.1f} tokens/s" if decoded and timing["decode_s"] > 0 else "-"
     if args.max_new_tokens:
-        print(f"prefill of {min(len(prompt), seq_len)} tokens x {args.num_samples}: {timing['prefill_s']:.3f} s; "
+        fed = min(len(prompt), seq_len)
+        print(f"prefill of {fed} token{'s' * (fed != 1)} x {args.num_samples}: {timing['prefill_s']:.3f} s; "
               f"then {decoded} tokens in {timing['decode_s']:.2f} s: {rate} "
               f"({'KV cache' if args.kv_cache else 'no KV cache'})", file=sys.stderr)
     for i, new in enumerate(samples):

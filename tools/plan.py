@@ -161,8 +161,10 @@ def torchrun(e: Estimate, overrides: list) -> str:
     name = lambda o: o.split("=")[0].lstrip("+~")                                       # noqa: E731
     keys = [o for o in overrides if name(o) not in LAYOUT_KEYS + ("layout",) and not name(o).startswith("cluster")]
     layout = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k in LAYOUT_KEYS for v in [getattr(e.cfg, k)]]
-    return (f"torchrun --nnodes={nodes} --nproc_per_node={min(c.gpus, c.gpus_per_node)} --rdzv-backend=c10d "
-            f"--rdzv-endpoint=$MASTER_ADDR:29500 train.py {' '.join(keys + layout)}")
+    per_node = f"--nproc_per_node={min(c.gpus, c.gpus_per_node)}"
+    launch = f"--standalone {per_node}" if nodes == 1 else \
+        f"--nnodes={nodes} {per_node} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"   # (one node: no address)
+    return f"torchrun {launch} train.py {' '.join(keys + layout)}"
 
 
 def write_csv(path: str, p: Plan) -> None:
