@@ -589,8 +589,8 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
         raise ConfigError(
             f"The layout tp={cfg.tp} x pp={cfg.pp} needs at least {model_parallel} processes "
             f"(tp={cfg.tp} x pp={cfg.pp} x dp=1), but this run has {world_size}. "
-            f"Launch the same arguments on {model_parallel} processes: torchrun --nproc_per_node={model_parallel} "
-            f"train.py <the same arguments> (on several nodes, --nnodes times --nproc_per_node = {model_parallel})."
+            f"Launch it with the same arguments: torchrun --nproc_per_node={model_parallel} train.py <the same "
+            f"arguments> (on several nodes, --nnodes times --nproc_per_node = {model_parallel})."
         )
     if world_size % model_parallel:
         raise ConfigError(
