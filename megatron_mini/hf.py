@@ -14,11 +14,12 @@ import os
 import shutil
 import tempfile
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .files import existing_part, remove_empty_dirs
-from .inference import Checkpoint, CheckpointError, find_tokenizer, read_checkpoint
+from .inference import Checkpoint, CheckpointError, dtype_name, find_tokenizer, read_checkpoint
 
 
 def block_names(h: int, f: int) -> list:
@@ -39,9 +40,10 @@ def block_names(h: int, f: int) -> list:
     ]
 
 
-def hf_state_dict(ckpt: Checkpoint) -> dict:
-    """{GPT-2 name: contiguous fp32 tensor} from the checkpoint's {global name: full tensor}.
-    wte is [vocab_size, h] (padding rows dropped), Conv1D weights [in, out]."""
+def hf_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict:
+    """{GPT-2 name: contiguous tensor in `dtype`} from the checkpoint's {global name: full fp32 tensor}.
+    wte is [vocab_size, h] (padding rows dropped), Conv1D weights [in, out]. A CheckpointError for a weight that
+    is not finite in `dtype` (an fp16 one past 65504)."""
     m = ckpt.cfg.model
     h = m.hidden_size
     names = [("transformer.wte.weight", "embedding.word_embeddings.weight", (m.padded_vocab_size, h), False),
@@ -61,14 +63,18 @@ def hf_state_dict(ckpt: Checkpoint) -> dict:
         t = ckpt.tensors[mm]
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{ckpt.path}: {mm} has shape {tuple(t.shape)}, the config needs {shape}")
-        t = t.float()
+        t = t.to(dtype)
+        if not t.isfinite().all():
+            raise CheckpointError(f"{ckpt.path}: {mm} is not finite in {dtype_name(dtype)} (it passes its largest "
+                                  f"value, or the checkpoint holds inf or nan): export it in bf16 or fp32")
         out[hf] = (t.t() if transpose else t).contiguous()
     out["transformer.wte.weight"] = out["transformer.wte.weight"][:m.vocab_size].contiguous()
     return out
 
 
-def hf_config(ckpt: Checkpoint, eos_id: int) -> dict:
-    """config.json of GPT2LMHeadModel; the "megatron_mini" field records the padding and the source."""
+def hf_config(ckpt: Checkpoint, eos_id: int, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json of GPT2LMHeadModel (its weights in `dtype`); the "megatron_mini" field records the padding and
+    the source."""
     m = ckpt.cfg.model
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -90,7 +96,7 @@ def hf_config(ckpt: Checkpoint, eos_id: int) -> dict:
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
         "use_cache": True,
-        "dtype": "float32",
+        "dtype": str(dtype).removeprefix("torch."),
         "megatron_mini": {
             "padded_vocab_size": m.padded_vocab_size,
             "checkpoint": os.path.abspath(ckpt.path),
@@ -125,15 +131,17 @@ document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenize
 """
 
 
-def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Checkpoint:
-    """Write the GPT-2 directory `out_dir` from a checkpoint (or a run's latest); returns the checkpoint read
+def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
+           dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Write the GPT-2 directory `out_dir` (its weights in `dtype`) from a checkpoint (or a run's latest); returns
+    the checkpoint read
     (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over). The files
     are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
     export that fails (a full disk) leaves the files already there as they were, and no directory it created;
     its failure to write is an OSError (safetensors' own error too)."""
     ckpt = read_checkpoint(checkpoint)
     tok = find_tokenizer(ckpt, tokenizer)
-    tensors = hf_state_dict(ckpt)
+    tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
     existing = existing_part(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -144,7 +152,7 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> Check
         except SafetensorError as e:     # (a full disk: "I/O error: No space left on device (os error 28)")
             raise OSError(f"model.safetensors: {e}") from None
         with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(hf_config(ckpt, tok.eos_id), f, indent=2)
+            json.dump(hf_config(ckpt, tok.eos_id, dtype), f, indent=2)
         shutil.copyfile(tok.path, os.path.join(staging, "tokenizer.model"))
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,

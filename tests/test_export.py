@@ -2,6 +2,7 @@
 a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's logits (fp32,
 max abs diff <= 1e-5) and greedy continuations; the KV cache gives the full forward's logits and tokens."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -183,6 +184,33 @@ def test_evaluate_in_half_precision(exported, capsys):
         assert f"on cpu in {name}" in err
         losses[name] = float(out.split("validation: loss ")[1].split()[0])
     assert 0 < abs(losses["bf16"] - losses["fp32"]) <= 4 * 2 ** -8 * losses["fp32"], losses
+
+
+def test_export_in_half_precision(exported, tmp_path):
+    """export_hf.py --dtype bf16: model.safetensors holds the fp32 export's tensors rounded to bf16 (half the bytes),
+    config.json says so, and transformers loads it: its logits within 4 bf16 eps of the fp32 export's. fp16 refuses
+    a weight past its range, naming it."""
+    from safetensors.torch import load_file
+    from megatron_mini.hf import hf_state_dict
+    ckpt, hf, _ = exported[1]
+    out = tmp_path / "bf16"
+    assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
+    saved, full = load_file(out / "model.safetensors"), hf_state_dict(ckpt)
+    assert saved.keys() == full.keys()
+    for name, t in saved.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, full[name].to(torch.bfloat16)), name
+    assert (out / "model.safetensors").stat().st_size < 0.6 * sum(t.numel() * 4 for t in full.values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    half = transformers.GPT2LMHeadModel.from_pretrained(out, local_files_only=True).eval()
+    ids = torch.randint(0, ckpt.cfg.model.vocab_size, (2, ckpt.cfg.model.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference, logits = hf(ids).logits, half(ids).logits.float()
+    assert (logits - reference).abs().max().item() <= 4 * 2 ** -8 * reference.abs().max().item()
+    huge = dataclasses.replace(ckpt, tensors={k: v * 1e7 if k.endswith("fc2.weight") else v
+                                              for k, v in ckpt.tensors.items()})
+    with pytest.raises(inference.CheckpointError, match=r"blocks\.0\.mlp\.fc2\.weight is not finite in fp16"):
+        hf_state_dict(huge, torch.float16)
 
 
 def test_sampling_is_seeded(exported):

@@ -3,9 +3,10 @@
     python tools/export_hf.py runs/tiny-dp/checkpoints/step_000300 hf/tiny-dp
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/tiny-dp')"
 
-OUT_DIR gets config.json, model.safetensors (fp32), tokenizer.model (the run's sentencepiece
-model: not GPT-2's BPE) and a README.md on loading them. A checkpoint of any layout (tp, pp, vpp,
-dp, ZeRO) exports the same way; the name map and the conversion are in megatron_mini/hf.py.
+OUT_DIR gets config.json, model.safetensors (fp32; --dtype bf16 or fp16: half the size), tokenizer.model
+(the run's sentencepiece model: not GPT-2's BPE) and a README.md on loading them. A checkpoint of any
+layout (tp, pp, vpp, dp, ZeRO) exports the same way; the name map and the conversion are in
+megatron_mini/hf.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 import os
 import sys
 
-from checkpoint_args import add_checkpoint_arguments
+from checkpoint_args import add_checkpoint_arguments, chosen_dtype
 from megatron_mini.hf import export
 from megatron_mini.inference import CheckpointError
 
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
     try:
-        ckpt = export(args.checkpoint, args.out_dir, args.tokenizer)
+        ckpt = export(args.checkpoint, args.out_dir, args.tokenizer, chosen_dtype(args))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
