@@ -101,32 +101,38 @@ JSONL = (".jsonl", ".jsonl.gz")          # a document per line, as {"<text_key>"
 class Corpus:
     """The documents of data.source in a fixed order, empty ones dropped, read from its files again on each pass
     (never all in memory: a corpus may be larger than it): "stdlib" (the interpreter's standard library, one document
-    per .py file, site-/dist-packages excluded), a .jsonl (or .jsonl.gz) file with a `text_key` string per line, or a
-    directory of such files and of .txt files (one document each), every one below it in the order of their paths
-    (a corpus in shards). A source that is none of these is a DataError here. Once read_corpus has described it
-    (sha256), each pass checks that it reads the same documents again: a corpus that changed in between (a file
-    written during prepare) is a DataError at the pass's end, before anything built from it is kept."""
+    per .py file, site-/dist-packages excluded), a .jsonl (or .jsonl.gz) file with a `text_key` string per line, a
+    .txt file (one document), or a directory of such files, every one below it in the order of their paths (a
+    corpus in shards; `ignored`: its other files). A source that is none of these is a DataError here. Once
+    read_corpus has described it (sha256), each pass checks that it reads the same documents again: a corpus that
+    changed in between (a file written during prepare) is a DataError at the pass's end, before anything built from
+    it is kept. `empty`: the empty documents the last pass left out."""
 
     def __init__(self, source: str, text_key: str = "text"):
         self.source, self.text_key, self.none, self.sha256 = source, text_key, "no non-empty documents", None
+        self.ignored, self.empty = [], 0
         if source == "stdlib":
             self.files = [Path(p) for p in _stdlib_files()]
         elif Path(source).is_dir():
-            self.files = sorted(p for p in Path(source).rglob("*") if p.name.endswith((".txt", *JSONL)) and p.is_file())
+            found = sorted(p for p in Path(source).rglob("*") if p.is_file())
+            self.files = [p for p in found if p.name.endswith((".txt", *JSONL))]
+            self.ignored = [p for p in found if p not in self.files]
             self.none += "" if self.files else " (it holds no .txt, .jsonl or .jsonl.gz file)"
-        elif Path(source).is_file() and source.endswith(JSONL):
+        elif Path(source).is_file() and source.endswith((".txt", *JSONL)):
             self.files = [Path(source)]
         else:
-            what = "is a file but not a .jsonl or .jsonl.gz file" if Path(source).is_file() else "not found"
+            what = "is a file but not a .txt, .jsonl or .jsonl.gz file" if Path(source).is_file() else "not found"
             raise DataError(f"data.source={source}", f"{what}; use 'stdlib', a .jsonl (or .jsonl.gz) file with a "
-                            f"\"{text_key}\" field per line, or a directory of such files and .txt files", rebuild=None)
+                            f"\"{text_key}\" field per line, a .txt file, or a directory of such files", rebuild=None)
 
     def __iter__(self):
         digest, changed = hashlib.sha256(), "changed while it was being prepared"
+        self.empty = 0
         for path in self.files:
             try:
                 docs = _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else [_read_text(path)]
                 for doc in docs:
+                    self.empty += not doc
                     if doc:
                         _add_doc(digest, doc)
                         yield doc
@@ -555,8 +561,12 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     """prepare()'s work in the directory `out`, which exists (`given`: data.tokenizer's)."""
     t0 = time.time()
     docs, info = read_corpus(cfg.source, cfg.text_key)
+    left_out = [f"{docs.empty:,} empty document{'s' * (docs.empty != 1)}"] * bool(docs.empty) + [
+        f"{len(docs.ignored):,} file{'s' * (len(docs.ignored) != 1)} neither .txt nor .jsonl(.gz) "
+        f"({', '.join(sorted({p.suffix or p.name for p in docs.ignored})[:5])})"] * bool(docs.ignored)
+    python = f"python {info['python']}, " if cfg.source == "stdlib" else ""        # (the corpus it reads)
     print(f"corpus: {info['num_docs']:,} documents, {info['num_chars']:,} characters from {info['source']} "
-          f"(python {info['python']}, sha256 {info['corpus_sha256'][:12]})")
+          f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
     tok_path = out / "tokenizer.model"
     trained_on = {"vocab_size": cfg.vocab_size, "sample_chars": cfg.tokenizer_sample_chars,
                   "seed": cfg.tokenizer_seed, "corpus_sha256": info["corpus_sha256"], "settings": _TOKENIZER_SETTINGS}

@@ -105,10 +105,12 @@ def test_stdlib_and_jsonl_sources(tmp_path):
         with pytest.raises(DataError, match=f"data.source={bad}: "):
             read_corpus(str(bad))
     (tmp_path / "one.txt").write_text("a document")
-    with pytest.raises(DataError, match=r"one\.txt: is a file but not a \.jsonl or \.jsonl\.gz file; use 'stdlib', "
-                                        r"a \.jsonl \(or \.jsonl\.gz\) file with a \"text\" field per line, or a "
-                                        r"directory"):
-        read_corpus(str(tmp_path / "one.txt"))
+    assert list(read_corpus(str(tmp_path / "one.txt"))[0]) == ["a document"]        # (a .txt file: one document)
+    (tmp_path / "one.md").write_text("a document")
+    with pytest.raises(DataError, match=r"one\.md: is a file but not a \.txt, \.jsonl or \.jsonl\.gz file; use "
+                                        r"'stdlib', a \.jsonl \(or \.jsonl\.gz\) file with a \"text\" field per line, "
+                                        r"a \.txt file, or a directory of such files"):
+        read_corpus(str(tmp_path / "one.md"))
 
 
 @pytest.mark.parametrize("sample_chars", [1, 50_000, 400_000, 10 ** 9])
@@ -497,6 +499,16 @@ def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
     prepare(other)
     assert "tokens: cached" in capsys.readouterr().out
     assert f"data.tokenizer={given.path}" in rebuild_command(other)
+    shards = tmp_path / "shards"                       # (what a directory's preparation leaves out, it says)
+    shards.mkdir()
+    (shards / "c.jsonl").write_text(path.read_text() + '{"text": ""}\n')
+    (shards / "empty.txt").write_text("")
+    (shards / "notes.md").write_text("not a document")
+    (shards / "LICENSE").write_text("not a document")
+    prepare(dataclasses.replace(other, source=str(shards), dir=str(tmp_path / "sharded")))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("corpus: "))
+    assert line.startswith(f"corpus: 2 documents, {sum(map(len, texts))} characters from {shards} (sha256 ") and \
+        line.endswith("; left out: 2 empty documents, 2 files neither .txt nor .jsonl(.gz) (.md, LICENSE)"), line
     with pytest.raises(DataError, match=rf"data\.tokenizer={given.path}: has {VOCAB} tokens, but data\.vocab_size=256; "
                                         rf"set data\.vocab_size={VOCAB}"):
         prepare(dataclasses.replace(other, vocab_size=256, dir=str(tmp_path / "out256")))
