@@ -110,13 +110,12 @@ class Corpus:
 
     def __init__(self, source: str, text_key: str = "text"):
         self.source, self.text_key, self.none, self.sha256 = source, text_key, "no non-empty documents", None
-        self.ignored, self.empty = [], 0
+        self.files, self.ignored, self.empty = [], [], 0
         if source == "stdlib":
             self.files = [Path(p) for p in _stdlib_files()]
         elif Path(source).is_dir():
-            found = sorted(p for p in Path(source).rglob("*") if p.is_file())
-            self.files = [p for p in found if p.name.endswith((".txt", *JSONL))]
-            self.ignored = [p for p in found if p not in self.files]
+            for p in sorted(p for p in Path(source).rglob("*") if p.is_file()):     # (one pass: shards are many)
+                (self.files if p.name.endswith((".txt", *JSONL)) else self.ignored).append(p)
             self.none += "" if self.files else " (it holds no .txt, .jsonl or .jsonl.gz file)"
         elif Path(source).is_file() and source.endswith((".txt", *JSONL)):
             self.files = [Path(source)]

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .files import existing_part, remove_empty_dirs
-from .inference import Checkpoint, CheckpointError, dtype_name, find_tokenizer, read_checkpoint
+from .inference import Checkpoint, CheckpointError, check_finite, find_tokenizer, read_checkpoint
 
 
 def block_names(h: int, f: int) -> list:
@@ -63,11 +63,9 @@ def hf_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict:
         t = ckpt.tensors[mm]
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{ckpt.path}: {mm} has shape {tuple(t.shape)}, the config needs {shape}")
-        t = t.to(dtype)
-        if not t.isfinite().all():
-            raise CheckpointError(f"{ckpt.path}: {mm} is not finite in {dtype_name(dtype)} (it passes its largest "
-                                  f"value, or the checkpoint holds inf or nan): export it in bf16 or fp32")
-        out[hf] = (t.t() if transpose else t).contiguous()
+        cast = t.to(dtype)
+        check_finite(cast, t, f"{ckpt.path}: {mm}", "export")
+        out[hf] = (cast.t() if transpose else cast).contiguous()
     out["transformer.wte.weight"] = out["transformer.wte.weight"][:m.vocab_size].contiguous()
     return out
 

@@ -114,12 +114,18 @@ def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torc
                 raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(t.shape)}, the config's model "
                                       f"needs {tuple(p.shape)}")
             p.copy_(t)
-            if not p.isfinite().all():
-                kind = dtype_name(dtype)
-                why = "the checkpoint holds inf or nan" if not t.isfinite().all() else \
-                    f"it passes {kind}'s largest value, {torch.finfo(dtype).max:.6g}: load it in bf16 or fp32"
-                raise CheckpointError(f"{ckpt.path}: {name} is not finite in {kind} ({why})")
+            check_finite(p, t, f"{ckpt.path}: {name}", "load")
     return model.to(device).eval()     # (in place, parameter by parameter: the tied embedding stays one)
+
+
+def check_finite(cast: torch.Tensor, source: torch.Tensor, what: str, verb: str) -> None:
+    """A CheckpointError naming `what` where `cast`, the checkpoint's tensor `source` rounded to a 16-bit type (an
+    fp16 one past 65504), is not finite: the `verb` (load, export) to use instead."""
+    if not cast.isfinite().all():
+        kind = dtype_name(cast.dtype)
+        why = "the checkpoint holds inf or nan" if not source.isfinite().all() else \
+            f"it passes {kind}'s largest value, {torch.finfo(cast.dtype).max:.6g}: {verb} it in bf16 or fp32"
+        raise CheckpointError(f"{what} is not finite in {kind} ({why})")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -153,13 +159,12 @@ def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
 def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     """ids [b, s] -> the Head's fp32 logits [b, s, vocab_size] over the real vocabulary: of positions
     0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
-    A ValueError when the positions pass the model's context (seq_len)."""
+    A ValueError when the positions pass the model's context (seq_len); a FloatingPointError for an fp16 model's
+    logits that are not finite (an activation past its range: its weights are finite, load_model)."""
     out = model(ids, cache=cache).transpose(0, 1)
-    if not out.isfinite().all():
-        dtype = next(model.parameters()).dtype
-        raise FloatingPointError(f"the model's logits are not finite in {dtype_name(dtype)}"
-                                 + (": an activation passed its largest value; load it in bf16 or fp32"
-                                    if dtype == torch.float16 else ""))
+    if next(model.parameters()).dtype == torch.float16 and not out.isfinite().all():   # (a sync: fp16's alone)
+        raise FloatingPointError("the model's logits are not finite in fp16: an activation passed its largest value; "
+                                 "load it in bf16 or fp32")
     return out
 
 
