@@ -301,7 +301,10 @@ def chosen(path: str, check=verify) -> Resume:
 # ----------------------------------------------------------------------------- resuming
 def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
     """What this run continues from, by cfg.resume: auto (the run's newest checkpoint that passes `check`,
-    or none), never (a fresh run, in a run directory without checkpoints), or a checkpoint PATH."""
+    or none), never (a fresh run, in a run directory without checkpoints), or a PATH (checkpoint.chosen: a
+    checkpoint directory, or a run directory's newest intact checkpoint). The run directory's own checkpoints
+    newer than it are superseded (a rollback); the corrupt ones passed over are set aside only there (another
+    run's directory is read, never changed)."""
     if cfg.resume == "never":
         existing = checkpoints_of(cfg.run_dir)
         if existing:
@@ -311,9 +314,11 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
         return None
     if cfg.resume == "auto":
         return newest(cfg.run_dir, check)
-    meta = check(cfg.resume)
-    later = tuple(p for p in checkpoints_of(cfg.run_dir) if read_step(p) > meta["step"])
-    return Resume(cfg.resume, meta, [], superseded=later)
+    found = chosen(cfg.resume, check)
+    own = {os.path.realpath(p): p for p in checkpoints_of(cfg.run_dir)}
+    skipped = tuple(own[os.path.realpath(p)] for p in found.skipped if os.path.realpath(p) in own)
+    later = tuple(p for p in own.values() if read_step(p) > found.meta["step"] and p not in skipped)
+    return Resume(found.path, found.meta, found.notes, skipped, superseded=later)
 
 
 def model_changes(meta: dict, cfg: TrainConfig) -> list:

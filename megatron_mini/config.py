@@ -291,7 +291,7 @@ class TrainConfig:
     exit_after_minutes: float = 0    # save and stop at the end of the first step (or evaluation batch) past
                                      # this many minutes since the start (a job's time limit less a step, a
                                      # save and the start-up; 0: none)
-    resume: str = "auto"             # auto | never | PATH to a checkpoint directory
+    resume: str = "auto"             # auto | never | PATH: a checkpoint directory, or a run directory (its newest)
     init_from: Optional[str] = None  # a checkpoint whose weights start a new run (any layout; the optimizer, step
                                      # and data start anew: fine-tuning, another corpus); a run that resumes its
                                      # own checkpoints ignores it
@@ -481,7 +481,8 @@ def check_layout_free(cfg: TrainConfig) -> None:
                           f"part); to put a run elsewhere, set run_dir=PATH.")
     if not str(cfg.resume).strip():
         raise ConfigError("resume is empty: use resume=auto (continue this run directory's run, if any), "
-                          "resume=never or resume=PATH of a checkpoint directory.")
+                          "resume=never or resume=PATH (a checkpoint directory, or a run directory: its newest intact "
+                          "checkpoint).")
     if cfg.init_from is not None and not str(cfg.init_from).strip():
         raise ConfigError("init_from is empty: give the checkpoint directory whose weights start this run "
                           "(null: the seed's initial weights).")

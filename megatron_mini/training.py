@@ -464,6 +464,14 @@ def evaluation_note(eval_iters: int, gbs: int, val_samples: int, what: str = "th
             f"{val_samples}, so each evaluation reads some of them twice or more ({fix}).")
 
 
+def sp_note(cfg: TrainConfig) -> str | None:
+    """The start-up line of sp=true at tp=1, which has nothing to split (Megatron turns it off with a warning)."""
+    if not cfg.sp or cfg.tp > 1:
+        return None
+    return ("note: sp=true at tp=1 splits nothing: sequence parallelism divides the LayerNorm and dropout tokens "
+            "[s, b, h] of a tensor-parallel group among its tp ranks (s/tp each), and tp=1 is one rank")
+
+
 def rampup_note(cfg: TrainConfig, step: int, consumed_samples: int) -> str | None:
     """The start-up line of a rampup_batch_size run that is still ramping after `step`: the global batch it starts
     with, and the step from which it is gbs (TrainConfig.global_batch_size); None without a ramp, or past it."""
@@ -629,8 +637,12 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
     evals = history["val_loss"]
-    val_text = (f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})" if evals
-                else "val loss not evaluated")
+    if not evals:
+        val_text = "val loss not evaluated"
+    elif len(evals) == 1:               # (a resumed start's one evaluation: no comparison with itself)
+        val_text = f"val loss {evals[0][1]:.4f} (step {evals[0][0]})"
+    else:
+        val_text = f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})"
     log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
@@ -751,7 +763,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + stop.deadline - time.monotonic()))
         log.info(f"exit_after_minutes={cfg.exit_after_minutes:g}: every rank saves and stops after the first step "
                  f"past {at} on any of them")
-    for note in (rampup_note(cfg, trainer.step, trainer.consumed_samples), warmup_note(cfg.optimizer, cfg.steps)):
+    for note in (sp_note(cfg), rampup_note(cfg, trainer.step, trainer.consumed_samples),
+                 warmup_note(cfg.optimizer, cfg.steps)):
         if note is not None:
             log.info(note)
     first_step, first_consumed, start_time = trainer.step, trainer.consumed_samples, time.time()

@@ -27,6 +27,33 @@ def test_resume_continues_exactly(world, layout, uninterrupted, small_data, tmp_
         assert abs(a - b) <= 1e-5 * abs(a), (history["loss"][5:], resumed["loss"])
 
 
+def test_resume_from_another_runs_directory_takes_its_newest_intact_checkpoint(uninterrupted, small_data, tmp_path):
+    """resume=PATH of a run directory (as init_from takes): its newest checkpoint that verifies, step 5 when step
+    10's weights are damaged, continued exactly into this run's directory; the other run's files stay as they were
+    (its damaged checkpoint is not renamed: only the run's own directory is tidied, as resume=auto does there).
+    The done line names the start's one evaluation by its step, not as a comparison with itself."""
+    import shutil
+    cfg, history = uninterrupted
+    other = tmp_path / "other"
+    shutil.copytree(cfg.run_dir, other)
+    step10 = other / "checkpoints" / "step_000010"
+    shard = next(p for p in sorted(step10.iterdir()) if p.suffix != ".json")
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    listing = sorted(os.listdir(other / "checkpoints"))
+    resumed = train_on_ranks(1, small_config(small_data, tmp_path / "fork", steps=10, resume=str(other),
+                                             eval_interval=10))
+    assert len(resumed["loss"]) == 5 and len(resumed["val_loss"]) == 1
+    for a, b in zip(history["loss"][5:], resumed["loss"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (history["loss"][5:], resumed["loss"])
+    assert sorted(os.listdir(other / "checkpoints")) == listing
+    log = (tmp_path / "fork" / "logs" / "rank0000.log").read_text()
+    assert "skipped " + str(step10) in log
+    assert f"| val loss {resumed['val_loss'][0][1]:.4f} (step 10) |" in log     # (its one evaluation: no "from")
+    again = train_on_ranks(1, small_config(small_data, other, steps=10, resume=str(other)))   # (its own: resume=auto)
+    assert again["loss"] == resumed["loss"]
+    assert sorted(os.listdir(other / "checkpoints")) == ["latest", "step_000005", "step_000010", "step_000010.corrupt"]
+
+
 def test_resume_with_dropout_continues_exactly(small_data, tmp_path):
     """With dropout the resumed run draws the masks the uninterrupted one drew: they are keyed by sample and
     layer (rng.py), so nothing of the RNG is in the checkpoint, and a resume into another layout (pp=2 from

@@ -80,3 +80,12 @@ def test_dropout_trains_the_same_model_on_every_layout_but_tp(layout, small_data
     assert dropout_reference["loss"] != references(8)["loss"]
     cfg = small_config(small_data, tmp_path, gbs=GBS, **{"model.dropout": 0.1}, **overrides)
     assert_same_training(dropout_reference, train_on_ranks(world, cfg))
+
+
+def test_sp_at_tp1_trains_the_one_device_model_and_says_it_splits_nothing(small_data, dropout_reference, tmp_path):
+    """sp=true at tp=1 (Megatron turns it off with a warning): the same model as sp=false, dropout's masks
+    included, and a start-up note that there is nothing to split."""
+    cfg = small_config(small_data, tmp_path, gbs=GBS, sp=True, **{"model.dropout": 0.1})
+    assert_same_training(dropout_reference, train_on_ranks(1, cfg))
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert log.count("note: sp=true at tp=1 splits nothing") == 1

@@ -156,6 +156,23 @@ def test_compare_runs_plot_and_table(tmp_path, capsys):
     assert err.count("\n") == 1 and "no such run directory" in err
 
 
+def test_compare_runs_tells_runs_of_one_name_apart(tmp_path, capsys):
+    """Two run directories of one name (runs/a/tiny, runs/b/tiny) are labelled by their paths as given, and one
+    given twice by number: before, both rows and curves were "tiny"."""
+    for parent, offset in (("a", 0.0), ("b", 0.25)):
+        logger = RunLogger(str(tmp_path / parent / "tiny"), WandbConfig(mode="disabled"), {}, enabled=True)
+        fake_training(logger, offset=offset)
+        logger.finish()
+    png = tmp_path / "compare.png"
+    a, b = str(tmp_path / "a" / "tiny"), str(tmp_path / "b" / "tiny") + "/"
+    assert compare_runs.main([a, b, "-o", str(png)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in rows if "metrics.jsonl" in line] == [a, b.rstrip("/")]
+    assert compare_runs.main([a, a, "-o", str(png)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "metrics.jsonl" in line]
+    assert len(rows) == 2 and rows[0].startswith(f"{a} (1) ") and rows[1].startswith(f"{a} (2) ")
+
+
 def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, capsys):
     import wandb
 

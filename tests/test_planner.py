@@ -208,7 +208,15 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
     assert out_png.stat().st_size > 10_000
     assert main(args + ["--top", "1"]) == 0
-    assert capsys.readouterr().out.count(": rank ") == 1                  # the one layout listed, explained once
+    printed = capsys.readouterr().out
+    assert printed.count(": rank ") == 1                                  # the one layout listed, explained once
+    # a small model's figures in its own units and digits (they were "0.00B parameters", a step of "0.00" s)
+    from megatron_mini.config import ModelConfig
+    assert printed.startswith(f"tiny: {ModelConfig().num_params() / 1e6:.2f}M parameters;")
+    best = min((r for r in rows if r["fits"] == "True"), key=lambda r: float(r["step_s"]))
+    row = printed.split("\n1 ")[1].split("\n")[0].split()
+    step = row[[c.startswith("dp=") for c in row].index(True) + 2]       # (row 1's "step s", after dp and memory)
+    assert 0 < float(best["step_s"]) < 0.01 and float(step) == float(f"{float(best['step_s']):.2g}")
     assert main(args + ["--layout", "tp=3"]) == 2
     assert "tp x pp = 3 x 1" in capsys.readouterr().err
     assert main(args + ["cluster.gpu=a100"]) == 2                  # not a GPU of hardware.GPUS

@@ -162,6 +162,15 @@ def read_run(spec: str) -> Run:
     raise RunError(f"{spec}: no logged history (neither wandb run data nor a non-empty metrics.jsonl)")
 
 
+def distinct_labels(runs: list[Run], specs: list[str]) -> list[str]:
+    """The runs' labels, where two coincide (runs/a/tiny and runs/b/tiny; one wandb name) each of those the RUN as
+    given, and the same RUN given twice numbered: a legend and table whose rows can be told apart."""
+    labels = [run.label for run in runs]
+    labels = [os.path.normpath(spec) if labels.count(label) > 1 else label for label, spec in zip(labels, specs)]
+    return [f"{label} ({labels[:i].count(label) + 1})" if labels.count(label) > 1 else label
+            for i, label in enumerate(labels)]
+
+
 def _steps(run: Run) -> set[int]:
     return {row["step"] for row in run.rows}
 
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)
         return 2
-    for run, label in zip(runs, labels or []):
+    for run, label in zip(runs, labels or distinct_labels(runs, args.runs)):
         run.label = label
     rows, names = table(runs, args.smooth), columns(runs)
     print_table(rows, names)

@@ -95,13 +95,20 @@ def parse_layout(text: str, base: PlanConfig) -> PlanConfig:
     return cfg
 
 
+def fig(x: float, places: int = 2) -> str:
+    """x to `places` decimals, or to 2 significant digits where those decimals would show it as 0 (a small model's
+    seconds and GiB: 0.0021, not 0.00)."""
+    text = f"{x:.{places}f}"
+    return f"{x:.2g}" if x and not text.strip("-0.") else text
+
+
 def gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f}"
+    return fig(nbytes / GiB, 1)
 
 
 def summary_row(i: int, e: Estimate) -> list:
-    return [i, e.layout_args(), f"dp={e.dp}", gib(e.memory_gib * GiB), f"{e.step_s:.2f}", f"{e.tokens_per_s:,.0f}",
-            f"{100 * e.mfu:.0f}%"] + [f"{e.times[t]:.2f}" for t in TERMS]
+    return [i, e.layout_args(), f"dp={e.dp}", gib(e.memory_gib * GiB), fig(e.step_s), f"{e.tokens_per_s:,.0f}",
+            f"{100 * e.mfu:.0f}%"] + [fig(e.times[t]) for t in TERMS]
 
 
 def explain(e: Estimate, rank: int | None) -> str:
@@ -118,8 +125,8 @@ def explain(e: Estimate, rank: int | None) -> str:
         traffic.setdefault(group, []).append(f"{op} {calls} x = {gib(nbytes)} GiB")
     lines += ["", f"communication per step of pp rank {worst.pp_rank} (as comm.py's ledger counts it):"]
     lines += [f"  {group:>5}: " + ", ".join(ops) for group, ops in traffic.items()]
-    lines += ["", f"bubble {100 * e.bubble:.1f}% of the busy time; step {e.step_s:.2f} s = "
-              + " + ".join(f"{t} {e.times[t]:.2f}" for t in TERMS)]
+    lines += ["", f"bubble {fig(100 * e.bubble, 1)}% of the busy time; step {fig(e.step_s)} s = "
+              + " + ".join(f"{t} {fig(e.times[t])}" for t in TERMS)]
     return "\n".join(lines)
 
 
@@ -175,9 +182,9 @@ def write_csv(path: str, p: Plan) -> None:
                     *(f"{k}_gib" for k in MEMORY)])
         for e in p.estimates:
             worst = e.worst
-            w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.3f}", f"{e.step_s:.4f}",
-                        f"{e.tokens_per_s:.1f}", f"{e.bubble:.5f}", *(f"{e.times[t]:.4f}" for t in TERMS),
-                        *(f"{worst.memory[k] / GiB:.3f}" for k in MEMORY)])
+            w.writerow([e.layout_args(), e.dp, e.fits, f"{e.memory_gib:.6g}", f"{e.step_s:.6g}",   # (any model's scale)
+                        f"{e.tokens_per_s:.1f}", f"{e.bubble:.6g}", *(f"{e.times[t]:.6g}" for t in TERMS),
+                        *(f"{worst.memory[k] / GiB:.6g}" for k in MEMORY)])
 
 
 def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
@@ -225,11 +232,17 @@ def main(argv=None) -> int:
     p = plan(base)
     c = base.cluster
     sizes = model_bytes(base, p.planner)
-    print(f"{base.model.name}: {base.model.num_params() / 1e9:.2f}B parameters; gbs {base.gbs} x {base.model.seq_len} "
+    n = base.model.num_params()
+    print(f"{base.model.name}: {n / 1e9:.2f}B" if n >= 1e9 else f"{base.model.name}: {n / 1e6:.2f}M", end="")
+    print(f" parameters; gbs {base.gbs} x {base.model.seq_len} "
           f"tokens, mbs {base.mbs}, {base.precision.dtype}; {c.gpus} x {GPUS[c.gpu].name} ({c.gpus_per_node} per node, "
           f"{c.intra_node_gbps:g} / {c.inter_node_gbps:g} GB/s inside / between nodes, efficiency {c.efficiency:g})")
-    print(f"checkpoint: {sizes['weights'] / GiB:,.1f} GiB of {base.precision.dtype} weights; with the fp32 master "
-          f"weights and Adam state {(sizes['weights'] + sizes['optimizer']) / 2**40:.2f} TiB")
+    state = sizes['weights'] + sizes['optimizer']
+    print(f"checkpoint: {sizes['weights'] / GiB:,.1f} GiB" if sizes['weights'] >= GiB else
+          f"checkpoint: {sizes['weights'] / 2**20:,.1f} MiB", end="")
+    print(f" of {base.precision.dtype} weights; with the fp32 master weights and Adam state "
+          + (f"{state / 2**40:.2f} TiB" if state >= 2**40 else f"{state / GiB:,.2f} GiB" if state >= GiB
+             else f"{state / 2**20:,.1f} MiB"))
     print(f"{len(p.estimates)} valid layouts, {len(p.fitting)} fit in {p.base.cluster.capacity_gib:.0f} GiB; "
           f"{sum(p.refused.values())} refused: " + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
     if p.fitting:
