@@ -651,8 +651,9 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
     embeddings (check_init: no more than the checkpoint's). Tensors that do not fit this model (a name missing,
     another shape: a checkpoint of another model or of older code) are one CheckpointError on every rank,
     whichever ranks found it."""
-    failure, meta = None, read_meta(path)
+    failure = meta = None
     try:
+        meta = read_meta(path)
         reader = ShardReader(path, meta, {POSITIONS: seq_len} if weights_only and seq_len else None)
         for buf in buffers:
             buf.load_weights(reader)
@@ -661,6 +662,9 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
         raise
     except CheckpointError as e:
         failure = str(e)
+    except OSError as e:       # (verified, then gone: another run's checkpoint that its keep_checkpoints pruned)
+        failure = (f"{path} could not be read after it was verified ({first_line(e)}): removed or changed since, as "
+                   f"a running job prunes its old checkpoints; start again to take what is there now.")
     except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
         failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
                    f"older code; resume from another checkpoint, or start a new run under another run_name.")

@@ -717,8 +717,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                       f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
-    if run.init:                       # its files' sha256 too, before they are read
-        checkpoint.agree_verify(mesh, run.device)(run.init.path)
+    if run.init:                       # its files' sha256 too, before they are read; an older one if need be
+        run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)

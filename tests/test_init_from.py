@@ -130,6 +130,50 @@ def test_what_init_from_cannot_start_from_is_refused(small_data, source, tmp_pat
         validate(TrainConfig(init_from=source, resume=source), 1)
 
 
+def _init_from_a_checkpoint_pruned_after_its_check(cfg):
+    """train(cfg) on this rank, the chosen init_from checkpoint removed (rank 0) after every rank verified it, as the
+    run that writes it prunes it; the error's type and message."""
+    import torch.distributed as dist
+
+    from megatron_mini import training
+    original = training.Trainer.init_weights
+
+    def pruned(self, path):
+        if dist.get_rank() == 0:
+            shutil.rmtree(path)
+        dist.barrier()
+        original(self, path)
+    training.Trainer.init_weights = pruned
+    with pytest.raises(Exception) as caught:
+        training.train(cfg)
+    return type(caught.value).__name__, str(caught.value)
+
+
+def test_init_from_a_run_directory_takes_its_newest_intact_checkpoint(small_data, tmp_path):
+    """init_from=<run directory> whose newest checkpoint is damaged starts from the one before (as resume=auto
+    does; the other run's files are left as they are), and one removed after it was chosen and verified (a running
+    job's keep_checkpoints) is one line on every rank, not a traceback."""
+    from ranks import spawn
+    run = tmp_path / "pretrain"
+    train_on_ranks(1, small_config(small_data, run, steps=4, save_interval=2, keep_checkpoints=2))
+    weights = sorted((run / "checkpoints" / "step_000004").glob("model_*.pt"))[0]
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    listing = sorted(os.listdir(run / "checkpoints"))
+    train_on_ranks(2, small_config(small_data, tmp_path / "tune", steps=1, init_from=str(run)))
+    log = (tmp_path / "tune" / "logs" / "rank0000.log").read_text()
+    assert f"init_from: the weights of {run / 'checkpoints' / 'step_000002'} (step 2 " in log
+    assert f"skipped {run / 'checkpoints' / 'step_000004'}: {weights} does not match its sha256" in log
+    assert sorted(os.listdir(run / "checkpoints")) == listing
+    errors = spawn(2, _init_from_a_checkpoint_pruned_after_its_check,
+                   small_config(small_data, tmp_path / "pruned", steps=1, timeout_s=30, init_from=str(run)),
+                   init_group=False, timeout=120)
+    gone = run / "checkpoints" / "step_000002"
+    assert [kind for kind, _ in errors] == ["CheckpointError"] * 2 and errors[0] == errors[1], errors
+    assert errors[0][1].startswith(f"{gone} could not be read after it was verified (FileNotFoundError: "), errors
+
+
 def test_an_fp16_run_starts_with_its_own_loss_scale(small_data, tmp_path):
     """From an fp16 checkpoint whose scale grew (growth every step), an fp16 run starts from its own initial scale."""
     fp16 = {"precision.dtype": "fp16", "precision.loss_scale_growth_interval": 1}
