@@ -87,10 +87,10 @@ def run_id(run_dir: str, name: str) -> str:
 
 
 def _plain(value):
-    """A tensor / numpy scalar / number as a plain int or float (strings pass through)."""
+    """A tensor / numpy scalar / number as a plain int or float (strings and None pass through)."""
     if hasattr(value, "item"):
         value = value.item()
-    return value if isinstance(value, (int, str)) else float(value)
+    return value if value is None or isinstance(value, (int, str)) else float(value)
 
 
 def cut_metrics(run_dir: str, step: int, evaluates_it: bool = False) -> int:

@@ -622,8 +622,9 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     upload may take longer than a collective's timeout_s) and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(samples_run * cfg.model.seq_len, elapsed)
-    summary = {"final_loss": trainer.loss,          # (a resumed run that trained no step: its checkpoint's)
-               "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else float("nan"),
+    loss = trainer.loss if math.isfinite(trainer.loss) else None    # (null, not NaN: summary.json is strict JSON)
+    summary = {"final_loss": loss,                  # (a resumed run that trained no step: its checkpoint's)
+               "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else None,
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
@@ -643,7 +644,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
         val_text = f"val loss {evals[0][1]:.4f} (step {evals[0][0]})"
     else:
         val_text = f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})"
-    log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | final train loss {summary['final_loss']:.4f} | "
+    trained = f"final train loss {loss:.4f}" if loss is not None else "no train loss"
+    log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
     last_ckpt = trainer.last_checkpoint

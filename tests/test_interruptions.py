@@ -236,6 +236,10 @@ def test_a_stop_saves_before_the_evaluation_and_the_resumed_run_evaluates_first(
         assert f"continue with resume=auto (which evaluates step {step} first)" in log
     else:
         assert not saved.parent.exists() and "before step 1: nothing trained since the start" in log
+        text = (tmp_path / "stopped" / "summary.json").read_text()      # strict JSON: null for what it lacks, not NaN
+        strict = json.loads(text, parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
+        assert strict["final_loss"] is None and strict["final_val_loss"] is None and summary["final_loss"] is None
+        assert "| no train loss | val loss not evaluated |" in log
     assert (f"step     {step}/6 | evaluation cut short by SIGTERM (to 1 of 2 ranks)" in log) == (where == "eval_step")
     resumed = train_on_ranks(2, cfg)
     assert resumed["summary"]["steps"] == 6 and "stopped_by" not in resumed["summary"]
