@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_mini.config import TrainConfig, check_keys, register_configs, validate
+from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, validate
 from megatron_mini.errors import CommError, ConfigError, RunError
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
 
@@ -30,6 +30,7 @@ def main(dict_cfg: DictConfig) -> None:
     command_line.composed()
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
+        check_booleans(command_line.argv)
         try:
             cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
         except OmegaConfBaseException as e:          # an interpolation that does not resolve: ${nope}, ${oc.env:X}

@@ -420,6 +420,29 @@ def config_keys(schema=None, prefix: str = "") -> list:
     return keys
 
 
+def boolean_keys(schema=None, prefix: str = "") -> set:
+    """The dotted keys of `schema` (TrainConfig by default) that hold a bool."""
+    keys = set()
+    for f in dataclasses.fields(schema or TrainConfig):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            keys |= boolean_keys(type(default), f"{prefix}{f.name}.")
+        elif f.type in (bool, "bool"):
+            keys.add(prefix + f.name)
+    return keys
+
+
+def check_booleans(argv: list, schema=None) -> None:
+    """Refuse a command line's bool key given anything but true or false: OmegaConf takes any integer as a bool
+    (sp=2, an sp degree meant, is sp=true; async_save=0 is false), which Hydra's typed config does not refuse."""
+    keys = boolean_keys(schema)
+    for arg in argv:
+        key, equals, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if equals and key in keys and value.strip().lower() not in ("true", "false"):
+            raise ConfigError(f"{arg}: {key} is true or false")
+
+
 def unknown_key(key: str, schema=None) -> ConfigError:
     """The refusal of dotted `key`, naming the key meant where one is close: `lr` -> optimizer.lr,
     `optimizer.lrr` -> optimizer.lr, `tpp` -> tp (keys of `schema`, TrainConfig by default)."""

@@ -102,6 +102,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     weights, optim = "model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt"        # the files of a 1-rank checkpoint
     truncated = ckpt_copy("truncated", lambda p: (p / weights).write_bytes((p / weights).read_bytes()[:999]))
     flipped = ckpt_copy("flipped", lambda p: _corrupt(p / optim))
+    broken_run = tmp / "broken_run"                     # a run directory whose one checkpoint is corrupt
+    ckpt_copy(Path("broken_run") / "checkpoints" / "step_000003", lambda p: _corrupt(p / optim))
     bad_meta = ckpt_copy("bad_meta", lambda p: (p / "meta.json").write_text("{not json"))
     no_optim = ckpt_copy("no_optim", lambda p: (p / optim).unlink())
     no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
@@ -147,7 +149,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "
                                                      f"vocabulary of 512", "rebuild it with:"]),
         ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
-        ("resume-run-dir", 1, [f"resume={trained.run_dir}"], [f"{trained.run_dir} is not a checkpoint"]),
+        ("resume-run-dir", 1, [f"resume={broken_run}"],
+         [f"{broken_run} has checkpoints but none is complete and intact (skipped {broken_run}/checkpoints/"
+          f"step_000003: {broken_run}/checkpoints/step_000003/{optim} does not match its sha256"]),
+        ("bool-given-a-number", 1, ["sp=2"], ["sp=2: sp is true or false"]),
         ("resume-truncated", 1, [f"resume={truncated}"], [f"{truncated}/{weights} does not match its sha256"]),
         ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/{optim} does not match its sha256"]),
         ("resume-bad-meta", 1, [f"resume={bad_meta}"], [f"{bad_meta}/meta.json is unreadable"]),
@@ -218,7 +223,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo"
                "loss-scale-inf", "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
-               "token-ids", "resume-empty-dir", "resume-run-dir",
+               "token-ids", "resume-empty-dir", "resume-run-dir", "bool-given-a-number",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor", "resume-garbled-optimizer",
                "seed-huge", "gbs-past-the-data", "rampup-two-values", "rampup-start-per-rank", "init-from-other-model",

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from bench.report import at_least, text_table
 from plotting import CREATED, refuse_unwritable, write_output
-from megatron_mini.config import ConfigError, check_keys, check_layout_free, validate
+from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.errors import first_line
 from megatron_mini.launch import HydraCommandLine
@@ -60,6 +60,7 @@ def load_config(overrides: list) -> PlanConfig:
     except Exception as e:                                    # noqa: BLE001 - Hydra failed inside itself
         raise ConfigError(command_line.explain(f"{type(e).__name__}: {first_line(e)}", crashed=True)) from None
     check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
+    check_booleans(overrides, PlanConfig)
     cfg = OmegaConf.to_object(composed)
     cfg.cluster.check()
     check_layout_free(cfg)             # a value no layout can fix is one error, not a refusal of every layout
