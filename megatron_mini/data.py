@@ -129,7 +129,8 @@ class Corpus:
         self.empty = 0
         for path in self.files:
             try:
-                docs = _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else [_read_text(path)]
+                docs = _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else \
+                    [_read_text(path, strict=self.source != "stdlib")]
                 for doc in docs:
                     self.empty += not doc
                     if doc:
@@ -176,9 +177,23 @@ def _stdlib_files() -> list[str]:
     return sorted(files)
 
 
-def _read_text(path) -> str:
+def _read_text(path, strict: bool = True) -> str:
+    """A .txt file's text (a leading byte-order mark dropped): UTF-8, or a DataError naming the line and byte where
+    it is not (a latin-1 file read as UTF-8 would be trained on as U+FFFD where each such byte was); the stdlib's
+    files, not `strict`, as they always were read: such bytes replaced (a few of its test files are in other
+    encodings), a byte-order mark kept (the corpus, and its sha256, stay what they were)."""
     with open(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+        raw = f.read()
+    if not strict:
+        return raw.decode("utf-8", errors="replace")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1)
+        raise DataError(f"{path}:{line}", f"not valid UTF-8 (byte {column + 1} of the line: "
+                        f"{raw[e.start:e.start + 1]!r}); convert it first (iconv -f latin1 -t utf-8)",
+                        None) from None
 
 
 def _read_jsonl(path: Path, text_key: str):

@@ -326,6 +326,20 @@ def test_jsonl_encoding_errors_name_the_line(tmp_path):
         read_corpus(str(path))
 
 
+def test_a_txt_file_that_is_not_utf8_names_its_line(tmp_path):
+    """A .txt source is UTF-8 (a byte-order mark may open it, and is no text); one that is not, a latin-1 file, is
+    refused with its line and byte, as a .jsonl line is: it was read with each such byte replaced by U+FFFD, and
+    trained on so without a word."""
+    path = tmp_path / "corpus" / "a.txt"
+    path.parent.mkdir()
+    path.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9\n")
+    assert list(read_corpus(str(path))[0]) == ["caf\u00e9\n"]
+    path.write_bytes(b"ok\ncaf\xe9 au lait\n")
+    for source in (path, path.parent):              # (the file, or a directory of .txt files)
+        with pytest.raises(DataError, match=r"a\.txt:2: not valid UTF-8 \(byte 4 of the line: b'\\xe9'\); convert "):
+            read_corpus(str(source))
+
+
 def test_prepare_refuses_a_data_dir_it_cannot_write_before_reading(tmp_path, monkeypatch):
     """A data.dir that is a file, under one, or in a read-only directory is one DataError naming data.dir, before
     the corpus is read (it was an OSError traceback); a refusal after data.dir was created leaves no empty
