@@ -155,7 +155,8 @@ def read_corpus(source: str, text_key: str = "text") -> tuple[Corpus, dict]:
         num_docs, num_chars = num_docs + 1, num_chars + len(doc)
     if not num_docs:
         raise DataError(f"data.source={source}", corpus.none, rebuild=None)
-    return corpus, {"source": source_id(source), "python": platform.python_version(),
+    jsonl = {"text_key": text_key} if any(p.name.endswith(JSONL) for p in corpus.files) else {}   # (what it read)
+    return corpus, {"source": source_id(source), **jsonl, "python": platform.python_version(),
                     "corpus_sha256": corpus.sha256, "num_docs": num_docs, "num_chars": num_chars}
 
 
@@ -644,21 +645,26 @@ def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
 def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> None:
     """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
     another Python's standard library, a broken or partial build), never over a valid build of another
-    corpus or vocabulary: runs and their checkpoints may read it (data.dir's default names only the vocabulary);
-    nor, over a valid build, another tokenizer than data.tokenizer's (`given`), or a trained one over a given one
-    (the build's token ids then mean what another data's checkpoints were trained on)."""
+    corpus, text_key or vocabulary (check_holds): runs and their checkpoints may read it (data.dir's default names
+    only the vocabulary); nor, over a valid build, another tokenizer than data.tokenizer's (`given`), a trained one
+    over a given one, or one trained with other tokenizer_* settings (the build's token ids then mean what another
+    data's checkpoints were trained on)."""
     try:
         tok = Tokenizer(out / "tokenizer.model")
         meta = open_checked(out, tok)[1]
     except DataError:
         return
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False)
-    recorded = (read_json(out / "tokenizer.json") or {}).get("given")
+    record = read_json(out / "tokenizer.json") or {}
+    recorded = record.get("given")
     remove = f"(to rebuild {cfg.dir} itself, remove it first)"
-    if given and given.sha256 != tok.sha256:
-        raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer="
-                        f"{cfg.tokenizer} ({given.sha256[:12]}), in a valid build that runs may read; prepare this "
-                        f"corpus with it in another data.dir {remove}", rebuild=None)
+    own = not given and record.get("sha256") == tok.sha256              # (its record: a tokenizer trained here)
+    settings = {f"tokenizer_{k}": record[k] for k in ("sample_chars", "seed") if k in record and own}
+    if any(getattr(cfg, key) != was for key, was in settings.items()):     # (retraining it: other token ids)
+        asked = {key: getattr(cfg, key) for key in settings}
+        what = "a tokenizer trained with " + ", ".join(f"data.{k}={v}" for k, v in asked.items())
+        raise DataError(tok.path, f"was trained with {', '.join(f'data.{k}={v}' for k, v in settings.items())}, in a "
+                        f"valid build that runs may read; {new_dir_hint(cfg, what, **asked)} {remove}", rebuild=None)
     if recorded and not given:
         raise DataError(tok.path, f"is a copy of {recorded} (data.tokenizer), in a valid build that runs may read; "
                         f"give data.tokenizer={recorded} to prepare it again, or train a tokenizer of its own in "
@@ -666,10 +672,11 @@ def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> N
 
 
 def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool) -> None:
-    """A valid directory (its tokenizer and meta.json) must hold cfg.source's corpus and a vocabulary of each
-    of vocab_sizes ({key: size}). Else one DataError that leaves it as it is, names the command that builds
-    the asked-for data beside it, and how else to go on: train on what it holds (`training`), or remove it
-    to rebuild it in place (prepare)."""
+    """A valid directory (its tokenizer and meta.json) must hold cfg.source's corpus (of its JSON lines, the
+    data.text_key field), a vocabulary of each of vocab_sizes ({key: size}) and data.tokenizer's tokenizer where
+    one is given (train.py reads the directory's own). Else one DataError that leaves it as it is, names the
+    command that builds the asked-for data beside it, and how else to go on: train on what it holds (`training`),
+    or remove it to rebuild it in place (prepare)."""
     def refuse(path, problem: str, keys: str, hint: str):
         other = f"set {keys} to train on it, or: " if training else ""
         remove = "" if training else f" (to rebuild {cfg.dir} itself, remove it first)"
@@ -679,11 +686,22 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
     if held != source_id(cfg.source):
         refuse(Path(cfg.dir) / "meta.json", f"holds the corpus {held}, but data.source={cfg.source}",
                f"data.source={held}", new_dir_hint(cfg, f"data.source={cfg.source}"))
+    key = meta.get("text_key")            # (recorded where the corpus has JSON lines)
+    if key is not None and key != cfg.text_key:
+        refuse(Path(cfg.dir) / "meta.json", f"holds the \"{key}\" field of its JSON lines, but data.text_key="
+               f"{cfg.text_key}", f"data.text_key={key}",
+               new_dir_hint(cfg, f"their \"{cfg.text_key}\" field", text_key=cfg.text_key))
     for key, want in vocab_sizes.items():
         if tok.vocab_size != want:
             refuse(tok.path, f"has {tok.vocab_size} tokens, but {key}={want}",
                    f"data.vocab_size and model.vocab_size to {tok.vocab_size}",
                    new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
+    given = _given_tokenizer(cfg)
+    if given and given.sha256 != tok.sha256:
+        refuse(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer={cfg.tokenizer} "
+               f"({given.sha256[:12]})" + ("" if training else ", in a valid build that runs may read"),
+               "data.tokenizer to it (or leave it out)",
+               f"prepare this corpus with data.tokenizer={cfg.tokenizer} in another data.dir")
 
 
 def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:

@@ -205,13 +205,15 @@ def directory_meta(directory) -> dict:
 
 def part_config(cfg: DataConfig, directory) -> DataConfig:
     """The DataConfig that builds `directory`, one the run reads: cfg itself for its data.dir (without a blend), else a
-    directory read by its path (a blend's, data.eval's) with the corpus its meta.json names (`<corpus>` where it names
-    none; tools/prepare_data.py)."""
+    directory read by its path (a blend's, data.eval's) with the corpus (and text_key) its meta.json names (`<corpus>`
+    where it names none; tools/prepare_data.py)."""
     if cfg.blend is None and Path(directory) == Path(cfg.dir):
         return cfg
-    source = directory_meta(directory).get("source")
+    meta = directory_meta(directory)
+    source, text_key = meta.get("source"), meta.get("text_key")
     return dataclasses.replace(cfg, dir=str(directory), blend=None, tokenizer=None,
-                               source=source if isinstance(source, str) else "<corpus>")
+                               source=source if isinstance(source, str) else "<corpus>",
+                               text_key=text_key if isinstance(text_key, str) else cfg.text_key)
 
 
 def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None,

@@ -20,7 +20,7 @@ from megatron_mini import data
 from megatron_mini.config import DataConfig
 from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus,
                                 train_tokenizer)
-from megatron_mini.dataset import get_batch, load_datasets, rebuild_command, split_documents
+from megatron_mini.dataset import get_batch, load_datasets, load_eval_sets, rebuild_command, split_documents
 from megatron_mini.training import evaluation_note
 
 VOCAB, SEQ = 512, 32
@@ -556,6 +556,54 @@ def test_a_given_tokenizer_is_never_swapped_in_a_valid_build(prepared, small_dat
         (tmp_path / name / "tokenizer.model").write_bytes(damaged)
         prepare(dataclasses.replace(out, dir=str(tmp_path / name)))
         assert Tokenizer(tmp_path / name / "tokenizer.model").sha256 == given.sha256
+
+
+def test_a_valid_build_is_never_retrained_with_other_tokenizer_settings(copy_of):
+    """prepare with another data.tokenizer_seed or tokenizer_sample_chars over a valid build is refused, as another
+    vocabulary is: it retrained the tokenizer and re-encoded the tokens without a word, so the runs of the build
+    could no longer find the tokenizer their checkpoints were trained with. The same settings prepare it again."""
+    before = Tokenizer(Path(copy_of.dir) / "tokenizer.model").sha256
+    for change in ({"tokenizer_seed": 7}, {"tokenizer_sample_chars": 200_000}):
+        key, value = next(iter(change.items()))
+        with pytest.raises(DataError, match=rf"tokenizer\.model: was trained with data\.tokenizer_sample_chars="
+                                            rf"{copy_of.tokenizer_sample_chars}, data\.tokenizer_seed="
+                                            rf"{copy_of.tokenizer_seed}, in a valid build that runs may read; "
+                                            rf".* build it in its own directory with: .*data\.{key}={value}.* "
+                                            rf"\(to rebuild {copy_of.dir} itself, remove it first\)$"):
+            prepare(dataclasses.replace(copy_of, **change))
+        assert Tokenizer(Path(copy_of.dir) / "tokenizer.model").sha256 == before
+    prepare(copy_of)
+    assert Tokenizer(Path(copy_of.dir) / "tokenizer.model").sha256 == before
+
+
+def test_a_jsonl_builds_text_key_and_a_given_tokenizer_are_checked_by_training_too(prepared, small_data, tmp_path):
+    """A build of JSON lines records its text_key: prepare with another refuses to re-encode the build, and a run
+    that asks for another field is refused (as another data.source is); a run given data.tokenizer checks that it
+    is the directory's (it read the directory's own without a word, whatever data.tokenizer named)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text, "title": text[:40]}) + "\n" for text in read_corpus(
+        prepared[0].source)[0]))
+    cfg = DataConfig(source=str(corpus), dir=str(tmp_path / "out"), vocab_size=VOCAB, num_workers=1)
+    assert prepare(cfg)["text_key"] == "text"
+    titles = dataclasses.replace(cfg, text_key="title")
+    with pytest.raises(DataError, match=r"meta\.json: holds the \"text\" field of its JSON lines, but data\.text_key="
+                                        r"title; .* data\.text_key=title .*remove it first\)$"):
+        prepare(titles)
+    with pytest.raises(DataError, match=r"meta\.json: holds the \"text\" field .* but data\.text_key=title; set "
+                                        r"data\.text_key=text to train on it, or: "):
+        load_datasets(titles, SEQ, seed=3, vocab_size=VOCAB)
+    other = Tokenizer(Path(small_data.dir) / "tokenizer.model")
+    with pytest.raises(DataError, match=r"tokenizer\.model: is another tokenizer \(sha256 .*\) than data\.tokenizer="
+                                        rf"{other.path} \({other.sha256[:12]}\); set data\.tokenizer to it \(or leave "
+                                        r"it out\) to train on it, or: prepare this corpus with data\.tokenizer="):
+        load_datasets(dataclasses.replace(cfg, tokenizer=str(other.path)), SEQ, seed=3, vocab_size=VOCAB)
+    with pytest.raises(DataError, match=rf"^data\.tokenizer={tmp_path / 'no.model'}: missing$"):
+        load_datasets(dataclasses.replace(cfg, tokenizer=str(tmp_path / "no.model")), SEQ, seed=3, vocab_size=VOCAB)
+    own = str(tmp_path / "out" / "tokenizer.model")
+    assert len(load_datasets(dataclasses.replace(cfg, tokenizer=own), SEQ, seed=3, vocab_size=VOCAB)[0]) > 0
+    prepare(dataclasses.replace(titles, dir=str(tmp_path / "titles"), tokenizer=own))   # (a set read by its own key)
+    sets = load_eval_sets(dataclasses.replace(cfg, eval=[str(tmp_path / "titles")]), SEQ, VOCAB, Tokenizer(own))
+    assert len(sets[str(tmp_path / "titles")]) > 0
 
 
 def test_rebuild_command_names_the_directory_the_run_reads():
