@@ -19,6 +19,37 @@ from .config import ConfigError, DataConfig
 from .data import DataError, IndexedDataset, Tokenizer, check_holds, open_checked, read_json, rebuild_command
 
 
+class ShortSplit(ValueError):
+    """A train/validation split one of whose sets (`which`) holds less than one sample."""
+
+    def __init__(self, which: str, problem: str):
+        super().__init__(f"the {which} set: {problem}")
+        self.which = which
+
+
+def split(indexed: IndexedDataset, val_fraction: float, seq_len: int, seed: int) -> tuple:
+    """(train, validation) GPTDatasets of `indexed`: by documents (split_documents), or where it holds one document
+    (a .txt file; nanoGPT's split of shakespeare.txt), by tokens: its first 1 - val_fraction for training, the rest
+    for validation. ShortSplit where either holds less than one sample."""
+    n = indexed.num_tokens
+    if len(indexed) > 1:
+        ids = split_documents(len(indexed), val_fraction, seed)
+        spans = (None, None)
+    else:
+        cut = round((1 - val_fraction) * n)
+        ids, spans = ([0], [0]), ((0, cut), (cut, n))
+    parts = []
+    for which, doc_ids, span, s in zip(("training", "validation"), ids, spans, (seed, seed + 1)):
+        try:
+            parts.append(GPTDataset(indexed, doc_ids, seq_len, s, span))
+        except ValueError as e:
+            problem = str(e) if span is None else (f"one document of {n:,} tokens, split by tokens, gives it "
+                                                   f"{span[1] - span[0]:,}, fewer than one sample of seq_len + 1 = "
+                                                   f"{seq_len + 1}")
+            raise ShortSplit(which, problem) from None
+    return tuple(parts)
+
+
 def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) sorted document ids: round(val_fraction * num_docs) documents (at least 1, at most all
     but one) drawn by seed go to validation."""
@@ -36,13 +67,18 @@ class GPTDataset:
     len() = samples per epoch; dataset[i] for any i >= 0 is sample perm_e[i % len] of epoch e = i // len,
     where perm_e is a permutation seeded by (seed, e). Returns np.int64 [seq_len + 1]."""
 
-    def __init__(self, indexed: IndexedDataset, doc_ids, seq_len: int, seed: int):
+    def __init__(self, indexed: IndexedDataset, doc_ids, seq_len: int, seed: int, span: tuple | None = None):
+        """`span` (start, stop): tokens [start, stop) of tokens.bin instead of whole documents (a corpus of one
+        document's train/validation split: split_tokens), doc_ids then the document that holds them."""
         ids = np.asarray(doc_ids, np.int64)
-        # runs of consecutive documents are contiguous in tokens.bin: each run is one segment
-        first = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
-        last = np.concatenate([first[1:] - 1, [len(ids) - 1]])
-        self._seg_start = indexed.offsets[ids[first]]
-        seg_len = indexed.offsets[ids[last]] + indexed.sizes[ids[last]] - self._seg_start
+        if span is None:
+            # runs of consecutive documents are contiguous in tokens.bin: each run is one segment
+            first = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
+            last = np.concatenate([first[1:] - 1, [len(ids) - 1]])
+            self._seg_start = indexed.offsets[ids[first]]
+            seg_len = indexed.offsets[ids[last]] + indexed.sizes[ids[last]] - self._seg_start
+        else:
+            self._seg_start, seg_len = np.array([span[0]], np.int64), np.array([span[1] - span[0]], np.int64)
         self._seg_cum = np.concatenate([[0], np.cumsum(seg_len)])
         self.indexed, self.seq_len, self.seed = indexed, seq_len, seed
         self.num_docs, self.num_tokens = len(ids), int(self._seg_cum[-1])
@@ -273,12 +309,12 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
     parts = open_parts(cfg, vocab_size)
     for _, ds, _, _ in parts:
         try:
-            train_ids, val_ids = split_documents(len(ds), cfg.val_fraction, seed)
-            train.append(GPTDataset(ds, train_ids, seq_len, seed))
-            val.append(GPTDataset(ds, val_ids, seq_len, seed + 1))
-        except ValueError as e:
-            raise DataError(ds.bin_path, f"{e}; use a larger corpus, a larger data.val_fraction or a shorter "
-                            f"sequence", rebuild=None) from None
+            for part, into in zip(split(ds, cfg.val_fraction, seq_len, seed), (train, val)):
+                into.append(part)
+        except ShortSplit as e:
+            fix = "larger" if e.which == "validation" else "smaller"
+            raise DataError(ds.bin_path, f"{e}; use a larger corpus, a {fix} data.val_fraction or a shorter sequence "
+                            f"(model.seq_len)", rebuild=None) from None
     if cfg.blend is None:
         return train[0], val[0], parts[0][2]
     shares = [share for share, *_ in parts]

@@ -606,6 +606,35 @@ def test_a_jsonl_builds_text_key_and_a_given_tokenizer_are_checked_by_training_t
     assert len(sets[str(tmp_path / "titles")]) > 0
 
 
+def test_a_corpus_of_one_document_is_split_by_tokens(prepared, tmp_path):
+    """A single .txt file is one document, which validation cannot hold out whole: its first 1 - val_fraction of
+    tokens train and the rest validate (nanoGPT's split of shakespeare.txt); it could be prepared but never trained
+    on, at any val_fraction. A set too short for one sample names which, and the val_fraction that helps it."""
+    text = "".join(Path(p).read_text() for p in sorted(Path(prepared[0].source).glob("*.txt"))[:10])
+    (tmp_path / "one.txt").write_text(text)
+    cfg = DataConfig(source=str(tmp_path / "one.txt"), dir=str(tmp_path / "out"), vocab_size=VOCAB,
+                     val_fraction=0.1, tokenizer=str(Path(prepared[0].dir) / "tokenizer.model"), num_workers=1)
+    assert prepare(cfg)["num_docs"] == 1
+    train, val, _ = load_datasets(cfg, SEQ, seed=3, vocab_size=VOCAB)
+    tokens = IndexedDataset(tmp_path / "out" / "tokens").doc(0)
+    cut = round(0.9 * len(tokens))
+    assert (train.num_tokens, val.num_tokens) == (cut, len(tokens) - cut)
+    assert len(train) == (cut - 1) // SEQ and len(val) == (len(tokens) - cut - 1) // SEQ
+    def windows(start, stop):                      # (each sample once an epoch, in some order)
+        return {tuple(tokens[k:k + SEQ + 1]) for k in range(start, stop - SEQ, SEQ)}
+    assert {tuple(train[i]) for i in range(len(train))} == windows(0, cut)
+    assert {tuple(val[i]) for i in range(len(val))} == windows(cut, len(tokens))
+    long = len(tokens) // 5                        # (more than the last tenth, less than the first nine)
+    with pytest.raises(DataError, match=rf"the validation set: one document of {len(tokens):,} tokens, split by "
+                                        rf"tokens, gives it {len(tokens) - cut:,}, fewer than one sample of seq_len "
+                                        rf"\+ 1 = {long + 1}; use a larger corpus, a larger data\.val_fraction"):
+        load_datasets(cfg, long, seed=3, vocab_size=VOCAB)
+    with pytest.raises(DataError, match=r"the training set: 36 documents hold .* fewer than one sample of seq_len \+ 1 "
+                                        r"= 1000001; use a larger corpus, a smaller data\.val_fraction or a shorter "
+                                        r"sequence \(model\.seq_len\)$"):
+        load_datasets(prepared[0], 1_000_000, seed=3, vocab_size=VOCAB)
+
+
 def test_rebuild_command_names_the_directory_the_run_reads():
     """The built-in data.dir is named too: prepare_data.py's own default depends on data.vocab_size."""
     assert rebuild_command(DataConfig()) == "make data"
