@@ -165,15 +165,16 @@ class DataConfig:
             raise ConfigError(f"data.blend mixes directories already prepared, each with the tokenizer it was encoded "
                               f"with (one for all): {unread[0]} would be unread; leave it out.")
 
-    def eval_dirs(self) -> list[str]:
-        """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice."""
+    def eval_dirs(self, key: str = "data.eval") -> list[str]:
+        """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice
+        (by `key`: data.eval, or a tool's argument that gave them)."""
         if self.eval is None:
             return []
         dirs = [str(d).strip() for d in self.eval]
         if not dirs:
             raise ConfigError("data.eval=[] names no directory: name the prepared directories each evaluation also "
                               "reads (null: none).")
-        _check_dirs("data.eval", dirs, "")
+        _check_dirs(key, dirs, "")
         return [_spelled(d) for d in dirs]
 
 

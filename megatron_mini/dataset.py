@@ -265,8 +265,10 @@ def open_part(cfg: DataConfig, vocab_size: int, first: Tokenizer | None = None,
     try:
         tok = Tokenizer(out / "tokenizer.model")
         ds, meta = open_checked(out, tok)
-    except DataError as e:           # missing or broken: rebuilding this very directory repairs it
-        raise e.with_rebuild(rebuild_command(cfg)) from None
+    except DataError as e:           # missing or broken: rebuilding this very directory repairs it; one that holds
+        # no build yet, a blend's or data.eval's, is prepared with the run's tokenizer
+        given = {"tokenizer": first.path} if first and not (out / "meta.json").is_file() else {}
+        raise e.with_rebuild(rebuild_command(cfg, **given)) from None
     if first and tok.sha256 != first.sha256:
         raise DataError(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}, {tok.vocab_size} tokens) than "
                         f"{first.path} ({first.sha256[:12]}): "
@@ -285,12 +287,7 @@ def open_parts(cfg: DataConfig, vocab_size: int) -> list:
     for share, directory in cfg.parts():
         part = part_config(cfg, directory)
         first = opened[0][2] if opened else None
-        try:
-            ds, tok, meta = open_part(part, vocab_size, first)
-        except DataError as e:           # a blend's directory that is no build: prepare it with the others' tokenizer
-            if not first or Path(e.what).parent != Path(directory) or (Path(directory) / "meta.json").is_file():
-                raise
-            raise e.with_rebuild(rebuild_command(part, tokenizer=first.path)) from None
+        ds, tok, meta = open_part(part, vocab_size, first)
         twin = next((d for _, d, _, m in opened if m.get("corpus_sha256") == meta.get("corpus_sha256")), None)
         if twin is not None:
             raise DataError(f"data.blend: {directory}", f"holds the corpus of {twin.bin_path.parent} (the same "

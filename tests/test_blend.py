@@ -339,6 +339,9 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     err = capsys.readouterr().err                      # (its arguments, not data.eval, must share the run's)
     assert f"error: {own}/tokenizer.model: is another tokenizer" in err and "): the directories evaluate.py reads " \
         "and the run's must share one, so that a token id means the same text in each; prepare " in err, err
+    assert evaluate.main([cfg.run_dir, second, second + "/", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.endswith(f"\nerror: evaluate.py's DIRS names {second} twice (as {second} and "
+                                            f"{second}/): give each prepared directory once.\n")   # (not data.eval)
     root = os.path.commonpath([first, second])             # (a run launched there, read from elsewhere: its
     monkeypatch.setattr(inference, "REPO", root)           # relative paths are found as its tokenizer is)
     monkeypatch.chdir(tmp_path)
@@ -415,7 +418,8 @@ def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data,
                                    f"with data.tokenizer={first}/tokenizer.model in a data.dir of its own and evaluate "
                                    f"that")
     with pytest.raises(DataError, match=re.escape(f"{tmp_path}/tokenizer.model: missing; rebuild it with: python "
-                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={tmp_path}")):
+                                                  f"tools/prepare_data.py data.source='<corpus>' data.dir={tmp_path} "
+                                                  f"data.vocab_size={small_data.vocab_size} data.tokenizer={tok.path}")):
         load_eval_sets(dataclasses.replace(small_data, eval=[str(tmp_path)]), SEQ, small_data.vocab_size, tok)
 
 
