@@ -259,7 +259,8 @@ def read_step(path: str) -> int:
     return int(STEP_DIR.search(path).group(1))
 
 
-def newest(run_dir: str, check=verify) -> Resume | None:
+def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (resume=PATH), or start a new run under "
+                                                     "another run_name.") -> Resume | None:
     """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify), whatever
     `latest` says, with notes on what was skipped; None when the run has no checkpoint; CheckpointError
     when it has some but none is good, OlderFormatError at the first of an older format (not skipped: the
@@ -281,7 +282,7 @@ def newest(run_dir: str, check=verify) -> Resume | None:
         return Resume(path, meta, notes, tuple(skipped))
     if candidates:
         raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
-                              f"Resume from one by hand (resume=PATH), or start a new run under another run_name.")
+                              f"{advice}")
     return None
 
 
@@ -289,7 +290,7 @@ def chosen(path: str, check=verify) -> Resume:
     """The checkpoint directory `path` (its meta passing `check`), or a run directory's newest intact checkpoint
     (newest: its notes say what it passed over); CheckpointError for neither."""
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
-        found = newest(path, check)
+        found = newest(path, check, "Give another checkpoint, or run directory.")   # (a tool's, or another run's)
         if found is None:
             raise CheckpointError(f"{path} is not a checkpoint (no meta.json) nor a run directory with checkpoints; "
                                   f"give a checkpoint directory such as runs/NAME/checkpoints/step_000100, or a run "

@@ -253,6 +253,9 @@ class Tokenizer:
 
     def __init__(self, path):
         self.path = Path(path)
+        if self.path.is_dir():
+            inside = " (give its tokenizer.model)" if (self.path / "tokenizer.model").is_file() else ""
+            raise DataError(self.path, f"is a directory, not a sentencepiece model file{inside}")
         if not self.path.is_file():
             raise DataError(self.path, "missing")
         data = self.path.read_bytes()
@@ -334,6 +337,9 @@ def _tokenizer_failure(message: str, vocab_size: int, chars: int) -> str:
         return (f"data.vocab_size={vocab_size} is too large for this corpus ({chars:,} characters sampled): "
                 f"its tokenizer can learn at most {large[1]} tokens; "
                 f"set data.vocab_size <= {large[1]} or use a larger corpus")
+    if vocab_size < 258:             # (sentencepiece fails placing EOS: "insert_id(trainer_spec_.eos_id() ...")
+        return (f"data.vocab_size={vocab_size} is too small: a tokenizer needs 256 byte tokens, <unk> and EOS, and "
+                f"one for each character it keeps; set data.vocab_size >= 258 (and more for this corpus)")
     return f"could not train a {vocab_size}-token tokenizer on {chars:,} characters ({message})"
 
 

@@ -754,6 +754,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                 log.info(note)
         for note in trained_eval_notes(cfg.data):
             log.info(note)
+    elif cfg.data.eval:
+        log.info(f"note: eval_interval=0 evaluates nothing, so data.eval's {', '.join(cfg.data.eval_dirs())} "
+                 f"(checked) are never read: set eval_interval to evaluate them")
     memory = MemoryReport(trainer, log, cfg.memory_plan)
     memory.start()
 

@@ -384,6 +384,17 @@ def test_a_resume_notes_an_evaluation_set_that_changed_corpus(small_data, blend_
             f"({was[:12]}): its eval_loss/{ev} from here on is not comparable with before") in log.read_text()
 
 
+def test_an_evaluation_set_a_run_never_evaluates_is_noted(small_data, blend_dirs, tmp_path):
+    """data.eval at eval_interval=0: its directories are checked (a bad one refused), then never read, which the
+    start-up log says (it said nothing)."""
+    _, second, _ = blend_dirs
+    cfg = small_config(small_data, tmp_path, steps=1, gbs=8, eval_interval=0, **{"data.eval": [second]})
+    assert train_on_ranks(1, cfg)["val_loss"] == []
+    log = (tmp_path / "logs" / "rank0000.log").read_text()
+    assert log.count(f"note: eval_interval=0 evaluates nothing, so data.eval's {second} (checked) are never read") \
+        == 1
+
+
 def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp_path):
     """data.eval naming a directory the run trains on (data.dir, a blend's directory, or a copy of either: the same
     corpus sha256) is a start-up line for each such set, naming the directory trained on; another corpus is none."""
@@ -419,7 +430,8 @@ def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data,
                                    f"that")
     with pytest.raises(DataError, match=re.escape(f"{tmp_path}/tokenizer.model: missing; rebuild it with: python "
                                                   f"tools/prepare_data.py data.source='<corpus>' data.dir={tmp_path} "
-                                                  f"data.vocab_size={small_data.vocab_size} data.tokenizer={tok.path}")):
+                                                  f"data.vocab_size={small_data.vocab_size} "
+                                                  f"data.tokenizer={tok.path}")):
         load_eval_sets(dataclasses.replace(small_data, eval=[str(tmp_path)]), SEQ, small_data.vocab_size, tok)
 
 

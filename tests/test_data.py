@@ -373,6 +373,9 @@ def test_tokenizer_vocabulary_out_of_range_says_which_sizes_work(tmp_path):
         train_tokenizer(docs, 200, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
     with pytest.raises(DataError, match=r"data\.vocab_size=20000 is too large .* at most (\d+) tokens") as large:
         train_tokenizer(docs, 20000, sample_chars=100_000, seed=1, path=tmp_path / "t.model")
+    with pytest.raises(DataError, match=r"data\.vocab_size=1 is too small: a tokenizer needs 256 byte tokens, <unk> "
+                                        r"and EOS, .* set data\.vocab_size >= 258 \(and more for this corpus\)$"):
+        train_tokenizer(docs, 1, sample_chars=100_000, seed=1, path=tmp_path / "t.model")   # (sentencepiece's: EOS)
     lo = int(re.search(r"at least (\d+)", str(small.value))[1])
     hi = int(re.search(r"at most (\d+)", str(large.value))[1])
     assert 256 + 2 < lo <= hi < 20000
@@ -527,7 +530,10 @@ def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
                                         rf"set data\.vocab_size={VOCAB}"):
         prepare(dataclasses.replace(other, vocab_size=256, dir=str(tmp_path / "out256")))
     (tmp_path / "bad.model").write_bytes(b"not a model")
-    for bad, problem in (("nowhere.model", "missing"), ("bad.model", "not a valid sentencepiece model")):
+    (tmp_path / "adir").mkdir()                                          # (a prepared directory, say)
+    shutil.copyfile(given.path, tmp_path / "adir" / "tokenizer.model")
+    for bad, problem in (("nowhere.model", "missing"), ("bad.model", "not a valid sentencepiece model"),
+                         ("adir", r"is a directory, not a sentencepiece model file \(give its tokenizer\.model\)")):
         with pytest.raises(DataError, match=rf"^data\.tokenizer={tmp_path / bad}: {problem}$"):   # (no rebuild hint)
             prepare(dataclasses.replace(other, tokenizer=str(tmp_path / bad), source=str(tmp_path / "no-corpus")))
 

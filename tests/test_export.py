@@ -332,20 +332,29 @@ def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, ca
 def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monkeypatch, capsys):
     """The files are staged inside the output directory and moved into place at the end: an export that fails
     half-way (here at the tokenizer's copy, after the weights) leaves an earlier export whole and no staging
-    directory."""
+    directory. A directory of other files (no config.json) is refused before anything is written into it."""
     from megatron_mini import hf
     ckpt, _, _ = exported[1]
     out = tmp_path / "hf"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"the earlier export")
+    (out / "config.json").write_text("{}")
 
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(hf.shutil, "copyfile", fail)
     assert export_hf.main([ckpt.path, str(out)]) == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == b"the earlier export"
+    monkeypatch.undo()
+    data = tmp_path / "data"                       # (files, no config.json: a data directory, not an export)
+    data.mkdir()
+    (data / "tokenizer.model").write_bytes(b"a run's tokenizer")
+    assert export_hf.main([ckpt.path, str(data)]) == 2
+    assert capsys.readouterr().err == (f"error: {data} holds files but no config.json, so it is no model directory "
+                                       f"whose export this would replace: export into a new or empty directory\n")
+    assert [p.name for p in data.iterdir()] == ["tokenizer.model"]
 
 
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):

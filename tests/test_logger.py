@@ -171,6 +171,10 @@ def test_compare_runs_tells_runs_of_one_name_apart(tmp_path, capsys):
     assert compare_runs.main([a, a, "-o", str(png)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "metrics.jsonl" in line]
     assert len(rows) == 2 and rows[0].startswith(f"{a} (1) ") and rows[1].startswith(f"{a} (2) ")
+    for labels in (",", "x,x", "x, "):                  # (--labels of its own that cannot tell them apart)
+        with pytest.raises(SystemExit) as caught:
+            compare_runs.main([a, b, "-o", str(png), "--labels", labels])
+        assert caught.value.code == 2 and "each run needs a label of its own" in capsys.readouterr().err
 
 
 def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, capsys):

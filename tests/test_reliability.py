@@ -151,7 +151,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
         ("resume-run-dir", 1, [f"resume={broken_run}"],
          [f"{broken_run} has checkpoints but none is complete and intact (skipped {broken_run}/checkpoints/"
-          f"step_000003: {broken_run}/checkpoints/step_000003/{optim} does not match its sha256"]),
+          f"step_000003: {broken_run}/checkpoints/step_000003/{optim} does not match its sha256",
+          "Give another checkpoint, or run directory."]),
         ("bool-given-a-number", 1, ["sp=2"], ["sp=2: sp is true or false"]),
         ("resume-truncated", 1, [f"resume={truncated}"], [f"{truncated}/{weights} does not match its sha256"]),
         ("resume-flipped-byte", 1, [f"resume={flipped}"], [f"{flipped}/{optim} does not match its sha256"]),

@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.runs):
         parser.error(f"--labels has {len(labels)} labels for {len(args.runs)} runs")
+    if labels is not None and (not all(label.strip() for label in labels) or len(set(labels)) < len(labels)):
+        parser.error(f"--labels {args.labels}: each run needs a label of its own (one empty, or one given twice, "
+                     f"leaves the legend and table unable to tell them apart)")
     if not 0 <= args.smooth < 1:
         parser.error(f"--smooth {args.smooth} must be in [0, 1)")
     table_path = os.path.splitext(args.output)[0] + ".csv"

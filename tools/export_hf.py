@@ -27,6 +27,11 @@ def main(argv=None) -> int:
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and \
+            not os.path.isfile(os.path.join(args.out_dir, "config.json")):     # (a data directory, say)
+        print(f"error: {args.out_dir} holds files but no config.json, so it is no model directory whose export "
+              f"this would replace: export into a new or empty directory", file=sys.stderr)
+        return 2
     try:
         ckpt = export(args.checkpoint, args.out_dir, args.tokenizer, chosen_dtype(args))
     except CheckpointError as e:
