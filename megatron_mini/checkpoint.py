@@ -394,13 +394,19 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
                           f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name{weights}.")
 
 
-def evaluation_changes(meta: dict, data: dict) -> list:
-    """Notes on the data.eval sets (dataset.data_identity's "eval") of a resume that hold another corpus than the
-    checkpoint's run evaluated, whose eval_loss/<dir> then changes meaning at the resume."""
+def evaluation_changes(meta: dict, data: dict, cfg: TrainConfig) -> list:
+    """Notes on what a resume evaluates otherwise than the checkpoint's run, whose losses then change meaning at
+    the resume: another number of samples (eval_iters x gbs: each evaluation reads the first that many of each set),
+    and data.eval sets (dataset.data_identity's "eval") that hold another corpus."""
     saved, now = (meta.get("data") or {}).get("eval") or {}, data.get("eval") or {}
-    return [f"data.eval: {d} holds another corpus (sha256 {str(sha)[:12]}) than the one evaluated up to step "
-            f"{meta['step']} ({str(saved[d])[:12]}): its eval_loss/{d} from here on is not comparable with before"
-            for d, sha in now.items() if d in saved and saved[d] != sha]
+    was = meta["config"].get("eval_iters", cfg.eval_iters) * meta["config"].get("gbs", cfg.gbs)
+    read = cfg.eval_iters * cfg.gbs
+    samples = [f"evaluation: eval_iters x gbs = {cfg.eval_iters} x {cfg.gbs} = {read} samples of each set, "
+               f"{was} up to step {meta['step']}: its val_loss (and eval_loss) from here on is the mean of another "
+               f"sample, not comparable with before"] if cfg.eval_interval and was != read else []
+    return samples + [f"data.eval: {d} holds another corpus (sha256 {str(sha)[:12]}) than the one evaluated up to "
+                      f"step {meta['step']} ({str(saved[d])[:12]}): its eval_loss/{d} from here on is not comparable "
+                      f"with before" for d, sha in now.items() if d in saved and saved[d] != sha]
 
 
 # ----------------------------------------------------------------------------- saving

@@ -363,7 +363,8 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
 
 def test_a_resume_notes_an_evaluation_set_that_changed_corpus(small_data, blend_dirs, tmp_path):
     """A data.eval directory rebuilt from another corpus between a save and its resume: the resumed run goes on (the
-    sets may change) and its log says that the set's eval_loss changes meaning there; the same corpus says nothing."""
+    sets may change) and its log says that the set's eval_loss changes meaning there; the same corpus says nothing.
+    So does a resume that evaluates another number of samples (eval_iters x gbs), and not one that reads the same."""
     first, second, _ = blend_dirs
     ev = tmp_path / "ev"
     shutil.copytree(second, ev)
@@ -382,6 +383,14 @@ def test_a_resume_notes_an_evaluation_set_that_changed_corpus(small_data, blend_
     was = json.loads(Path(second, "meta.json").read_text())["corpus_sha256"]
     assert (f"resume: data.eval: {ev} holds another corpus (sha256 {sha[:12]}) than the one evaluated up to step 3 "
             f"({was[:12]}): its eval_loss/{ev} from here on is not comparable with before") in log.read_text()
+    assert "resume: evaluation:" not in log.read_text()
+    cfg.steps, cfg.eval_iters, cfg.gbs = 5, 2, 4                  # (another gbs, the same samples: no note)
+    train_on_ranks(1, cfg)
+    assert "resume: evaluation:" not in log.read_text()
+    cfg.steps, cfg.eval_iters = 6, 3                              # (more of them: the val_loss of another sample)
+    train_on_ranks(1, cfg)
+    assert log.read_text().count("resume: evaluation: eval_iters x gbs = 3 x 4 = 12 samples of each set, 8 up to "
+                                 "step 5: its val_loss (and eval_loss) from here on is the mean of another sample") == 1
 
 
 def test_an_evaluation_set_a_run_never_evaluates_is_noted(small_data, blend_dirs, tmp_path):
