@@ -425,6 +425,15 @@ def gather_text(text: str, group, device, to_first: bool = False) -> list | None
     return [r.tobytes().rstrip(b"\0").decode(errors="replace") for r in rows.cpu().numpy()]
 
 
+def agree_on_choice(path: str, mesh, device) -> None:
+    """CheckpointError on every rank where the ranks chose different checkpoints: each lists a run directory on its
+    own, and one that a running job writes (init_from, resume=PATH of another run's) may change between them."""
+    chosen = sorted(set(gather_text(path, mesh.world_group, device)))
+    if len(chosen) > 1:
+        raise CheckpointError(f"the ranks chose different checkpoints ({', '.join(chosen)}): the run directory "
+                              f"changed while they read it (a job still saving into it?); start again.")
+
+
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
     """(rank, message) of the first rank whose `failure` is not None, the same on every rank; None when
     no rank failed."""
@@ -670,8 +679,8 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
     except CheckpointError as e:
         failure = str(e)
     except OSError as e:       # (verified, then gone: another run's checkpoint that its keep_checkpoints pruned)
-        failure = (f"{path} could not be read after it was verified ({first_line(e)}): removed or changed since, as "
-                   f"a running job prunes its old checkpoints; start again to take what is there now.")
+        failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job still "
+                   f"running may have been pruned since: start again to take what is there now.")
     except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
         failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
                    f"older code; resume from another checkpoint, or start a new run under another run_name.")

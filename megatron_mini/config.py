@@ -428,7 +428,7 @@ def boolean_keys(schema=None, prefix: str = "") -> set:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
             keys |= boolean_keys(type(default), f"{prefix}{f.name}.")
-        elif f.type in (bool, "bool"):
+        elif f.type in (bool, "bool", "Optional[bool]"):
             keys.add(prefix + f.name)
     return keys
 
@@ -440,7 +440,8 @@ def check_booleans(argv: list, schema=None) -> None:
     for arg in argv:
         key, equals, value = arg.partition("=")
         key = key.lstrip("+~")
-        if equals and key in keys and value.strip().lower() not in ("true", "false"):
+        text = value.strip().strip("'\"").lower()          # (Hydra's quoted 'true' is true; ${...}: resolved later)
+        if equals and key in keys and text not in ("true", "false", "null") and not text.startswith("${"):
             raise ConfigError(f"{arg}: {key} is true or false")
 
 

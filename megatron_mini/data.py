@@ -179,16 +179,16 @@ def _stdlib_files() -> list[str]:
 
 
 def _read_text(path, strict: bool = True) -> str:
-    """A .txt file's text (a leading byte-order mark dropped): UTF-8, or a DataError naming the line and byte where
-    it is not (a latin-1 file read as UTF-8 would be trained on as U+FFFD where each such byte was); the stdlib's
-    files, not `strict`, as they always were read: such bytes replaced (a few of its test files are in other
-    encodings), a byte-order mark kept (the corpus, and its sha256, stay what they were)."""
+    """A .txt file's text: UTF-8 (a byte-order mark kept, as it always was: a corpus's sha256 stays what it was), or
+    a DataError naming the line and byte where it is not (a latin-1 file read as UTF-8 would be trained on as U+FFFD
+    where each such byte was); the stdlib's files, not `strict`, with such bytes replaced (a few of its test files
+    are in other encodings)."""
     with open(path, "rb") as f:
         raw = f.read()
     if not strict:
         return raw.decode("utf-8", errors="replace")
     try:
-        return raw.decode("utf-8-sig")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1)
@@ -669,8 +669,10 @@ def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> N
     if any(getattr(cfg, key) != was for key, was in settings.items()):     # (retraining it: other token ids)
         asked = {key: getattr(cfg, key) for key in settings}
         what = "a tokenizer trained with " + ", ".join(f"data.{k}={v}" for k, v in asked.items())
-        raise DataError(tok.path, f"was trained with {', '.join(f'data.{k}={v}' for k, v in settings.items())}, in a "
-                        f"valid build that runs may read; {new_dir_hint(cfg, what, **asked)} {remove}", rebuild=None)
+        was = " ".join(f"data.{k}={v}" for k, v in settings.items())
+        raise DataError(tok.path, f"was trained with {was.replace(' ', ', ')}, in a valid build that runs may read; "
+                        f"give {was} to prepare it again, or: {new_dir_hint(cfg, what, **asked)} {remove}",
+                        rebuild=None)
     if recorded and not given:
         raise DataError(tok.path, f"is a copy of {recorded} (data.tokenizer), in a valid build that runs may read; "
                         f"give data.tokenizer={recorded} to prepare it again, or train a tokenizer of its own in "
@@ -680,7 +682,8 @@ def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> N
 def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool) -> None:
     """A valid directory (its tokenizer and meta.json) must hold cfg.source's corpus (of its JSON lines, the
     data.text_key field), a vocabulary of each of vocab_sizes ({key: size}) and data.tokenizer's tokenizer where
-    one is given (train.py reads the directory's own). Else one DataError that leaves it as it is, names the
+    one is given (train.py reads the directory's own: it may stand for a given file since removed, which its
+    tokenizer.json records). Else one DataError that leaves it as it is, names the
     command that builds the asked-for data beside it, and how else to go on: train on what it holds (`training`),
     or remove it to rebuild it in place (prepare)."""
     def refuse(path, problem: str, keys: str, hint: str):
@@ -702,7 +705,9 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
             refuse(tok.path, f"has {tok.vocab_size} tokens, but {key}={want}",
                    f"data.vocab_size and model.vocab_size to {tok.vocab_size}",
                    new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
-    given = _given_tokenizer(cfg)
+    record = read_json(Path(cfg.dir) / "tokenizer.json") or {}
+    copied = record.get("given") == os.path.realpath(cfg.tokenizer or "") and record.get("sha256") == tok.sha256
+    given = None if training and copied and not Path(cfg.tokenizer).exists() else _given_tokenizer(cfg)   # (its copy)
     if given and given.sha256 != tok.sha256:
         refuse(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer={cfg.tokenizer} "
                f"({given.sha256[:12]})" + ("" if training else ", in a valid build that runs may read"),

@@ -69,7 +69,7 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, doc_ids, seq_len: int, seed: int, span: tuple | None = None):
         """`span` (start, stop): tokens [start, stop) of tokens.bin instead of whole documents (a corpus of one
-        document's train/validation split: split_tokens), doc_ids then the document that holds them."""
+        document's train/validation split: split), doc_ids then the document that holds them."""
         ids = np.asarray(doc_ids, np.int64)
         if span is None:
             # runs of consecutive documents are contiguous in tokens.bin: each run is one segment
@@ -336,7 +336,7 @@ def trained_eval_notes(cfg: DataConfig) -> list[str]:
     trained = {directory_meta(d).get("corpus_sha256"): d for _, d in cfg.parts()}
     evals = eval_corpora(cfg)
     return [f"data.eval: {d} holds the corpus of {trained[sha]}, which this run trains on (all but its "
-            f"validation documents): its eval_loss is mostly a training loss, not a held-out one"
+            f"validation part): its eval_loss is mostly a training loss, not a held-out one"
             for d, sha in evals.items() if sha in trained]
 
 

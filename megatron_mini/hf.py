@@ -129,6 +129,9 @@ document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenize
 """
 
 
+STAGING = ".export-"     # the prefix of the directory an export writes its files in, inside out_dir, before moving them
+
+
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
            dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Write the GPT-2 directory `out_dir` (its weights in `dtype`) from a checkpoint (or a run's latest); returns
@@ -143,7 +146,7 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     m = ckpt.cfg.model
     existing = existing_part(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
+    staging = tempfile.mkdtemp(prefix=STAGING, dir=out_dir)
     try:
         try:
             save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
@@ -158,8 +161,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
                                   out=os.path.abspath(out_dir), eos=tok.eos_id))
         # safetensors creates its file 0600 whatever the umask: give it the mode the other files got
         os.chmod(os.path.join(staging, "model.safetensors"), os.stat(os.path.join(staging, "config.json")).st_mode)
-        for name in os.listdir(staging):
-            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+        for name in sorted(os.listdir(staging), key=lambda n: n != "config.json"):   # (config.json first: a kill
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))      # between leaves a model dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)

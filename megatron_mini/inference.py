@@ -181,7 +181,7 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> tuple[dict,
         given = dataclasses.replace(cfg.data, eval=list(dirs))
         given.eval_dirs("evaluate.py's DIRS")                   # (a directory twice: named as the user gave it)
         return load_eval_sets(given, seq_len, vocab_size, tok, "the directories evaluate.py reads and the run's"), []
-    data = dataclasses.replace(cfg.data, dir=_located(cfg.data.dir), blend=cfg.data.blend and [
+    data = dataclasses.replace(cfg.data, tokenizer=None, dir=_located(cfg.data.dir), blend=cfg.data.blend and [
         _located(v) if i % 2 else v for i, v in enumerate(cfg.data.blend)], eval=cfg.data.eval and [
         _located(d) for d in cfg.data.eval])
     sets, failures = {}, []

@@ -622,9 +622,9 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     upload may take longer than a collective's timeout_s) and the closing lines of the console."""
     cfg = trainer.cfg
     r = rate(samples_run * cfg.model.seq_len, elapsed)
-    loss = trainer.loss if math.isfinite(trainer.loss) else None    # (null, not NaN: summary.json is strict JSON)
-    summary = {"final_loss": loss,                  # (a resumed run that trained no step: its checkpoint's)
-               "final_val_loss": history["val_loss"][-1][1] if history["val_loss"] else None,
+    val = history["val_loss"][-1][1] if history["val_loss"] else None
+    summary = {"final_loss": _finite(trainer.loss),     # (a resumed run that trained no step: its checkpoint's)
+               "final_val_loss": _finite(val),
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
@@ -644,7 +644,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
         val_text = f"val loss {evals[0][1]:.4f} (step {evals[0][0]})"
     else:
         val_text = f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})"
-    trained = f"final train loss {loss:.4f}" if loss is not None else "no train loss"
+    trained = "no train loss" if math.isnan(trainer.loss) else f"final train loss {trainer.loss:.4f}"
     log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
@@ -655,6 +655,11 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
              + (f"  (upload with: wandb sync {logger.wandb_path})"
                 if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
+
+
+def _finite(x: float | None) -> float | None:
+    """x, or None (summary.json's null: strict JSON has no NaN nor Infinity) for no loss or one that is not finite."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -708,6 +713,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         raise ConfigError(refused[1])
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
+        checkpoint.agree_on_choice(found.path, mesh, run.device)
         if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
             check_resume(cfg, found, run.datasets, run.data, run.dp)
         run.resume = found
@@ -721,6 +727,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             return {**history, "checkpoint": run.resume.path}
     if run.init:                       # its files' sha256 too, before they are read; an older one if need be
         run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
+        checkpoint.agree_on_choice(run.init.path, mesh, run.device)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)

@@ -21,7 +21,8 @@ def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:
     # would refuse more ranks than GPUs); a test that wants the GPU asks for device="auto".
     # memory_plan=False: the planner's start-up report (seconds on rank 0) is tested on its own (test_planner)
     # compile=False: eager wherever it runs (unset compiles on CUDA); the compile tests ask for it
-    cfg = TrainConfig(model=model, data=data, optimizer=optimizer,
+    # a copy of `data`: a "data.KEY" override must not change the session's DataConfig other tests share
+    cfg = TrainConfig(model=model, data=dataclasses.replace(data), optimizer=optimizer,
                       wandb=WandbConfig(mode="disabled"), mbs=2, gbs=16, steps=20, run_dir=str(run_dir),
                       log_interval=1000, eval_interval=0, resume="never", device="cpu", memory_plan=False,
                       compile=False)

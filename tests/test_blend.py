@@ -397,7 +397,8 @@ def test_an_evaluation_set_a_run_never_evaluates_is_noted(small_data, blend_dirs
     """data.eval at eval_interval=0: its directories are checked (a bad one refused), then never read, which the
     start-up log says (it said nothing)."""
     _, second, _ = blend_dirs
-    cfg = small_config(small_data, tmp_path, steps=1, gbs=8, eval_interval=0, **{"data.eval": [second]})
+    cfg = small_config(small_data, tmp_path, steps=1, gbs=8, eval_interval=0)
+    cfg.data = dataclasses.replace(small_data, eval=[second])      # (not small_data itself: other tests share it)
     assert train_on_ranks(1, cfg)["val_loss"] == []
     log = (tmp_path / "logs" / "rank0000.log").read_text()
     assert log.count(f"note: eval_interval=0 evaluates nothing, so data.eval's {second} (checked) are never read") \
@@ -414,7 +415,7 @@ def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp
 
     def note(d, trained):
         return (f"data.eval: {d} holds the corpus of {trained}, which this run trains on (all but its validation "
-                f"documents): its eval_loss is mostly a training loss, not a held-out one")
+                f"part): its eval_loss is mostly a training loss, not a held-out one")
     plain = dataclasses.replace(small_data, eval=[second, copy, first])
     assert trained_eval_notes(plain) == [note(copy, first), note(first, first)]
     assert trained_eval_notes(dataclasses.replace(plain, eval=[second])) == []

@@ -383,3 +383,18 @@ def test_ranks_that_resolve_the_config_differently_stop(small_data, tmp_path):
     assert_one_error(r, ["rank 1 resolved the config differently from rank 0",
                          f"(run_dir: rank 0 {run}0, rank 1 {run}1)", "give the value itself"], "torchrun")
     assert not (tmp_path / "r0" / "checkpoints").exists() and not (tmp_path / "r1" / "checkpoints").exists()
+
+
+def test_a_bool_key_takes_true_or_false_alone():
+    """OmegaConf takes any integer as a bool (sp=2, an sp degree meant, was sp=true; compile=2 too, an
+    Optional[bool]); the forms Hydra means as true or false pass: any case, quoted, null where None is allowed, an
+    interpolation (resolved later); prefixes are read past."""
+    from megatron_mini.config import ConfigError, check_booleans
+    from megatron_mini.planner import PlanConfig
+    for schema in (None, PlanConfig):
+        check_booleans(["sp=True", "++sp=false", "~sp", "async_save='true'", "compile=null", "sp=${oc.env:X,false}",
+                        "tp=2", "model=tiny"], schema)
+        for bad in ("sp=2", "+async_save=-1", "compile=2", "precision.tf32=yes", "sp="):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(bad)}: {bad.lstrip('+').split('=')[0]} is true or "
+                                                  r"false$"):
+                check_booleans([bad], schema)

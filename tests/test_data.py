@@ -327,13 +327,13 @@ def test_jsonl_encoding_errors_name_the_line(tmp_path):
 
 
 def test_a_txt_file_that_is_not_utf8_names_its_line(tmp_path):
-    """A .txt source is UTF-8 (a byte-order mark may open it, and is no text); one that is not, a latin-1 file, is
-    refused with its line and byte, as a .jsonl line is: it was read with each such byte replaced by U+FFFD, and
-    trained on so without a word."""
+    """A .txt source is UTF-8 (a byte-order mark may open it, read as it always was); one that is not, a latin-1
+    file, is refused with its line and byte, as a .jsonl line is: it was read with each such byte replaced by
+    U+FFFD, and trained on so without a word."""
     path = tmp_path / "corpus" / "a.txt"
     path.parent.mkdir()
     path.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9\n")
-    assert list(read_corpus(str(path))[0]) == ["caf\u00e9\n"]
+    assert list(read_corpus(str(path))[0]) == ["\ufeffcaf\u00e9\n"]   # (the mark kept: the corpus's sha256 as before)
     path.write_bytes(b"ok\ncaf\xe9 au lait\n")
     for source in (path, path.parent):              # (the file, or a directory of .txt files)
         with pytest.raises(DataError, match=r"a\.txt:2: not valid UTF-8 \(byte 4 of the line: b'\\xe9'\); convert "):
@@ -585,7 +585,8 @@ def test_a_valid_build_is_never_retrained_with_other_tokenizer_settings(copy_of)
 def test_a_jsonl_builds_text_key_and_a_given_tokenizer_are_checked_by_training_too(prepared, small_data, tmp_path):
     """A build of JSON lines records its text_key: prepare with another refuses to re-encode the build, and a run
     that asks for another field is refused (as another data.source is); a run given data.tokenizer checks that it
-    is the directory's (it read the directory's own without a word, whatever data.tokenizer named)."""
+    is the directory's (it read the directory's own without a word, whatever data.tokenizer named), or the file
+    the directory's copy was made from, removed since."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": text, "title": text[:40]}) + "\n" for text in read_corpus(
         prepared[0].source)[0]))
@@ -607,6 +608,15 @@ def test_a_jsonl_builds_text_key_and_a_given_tokenizer_are_checked_by_training_t
         load_datasets(dataclasses.replace(cfg, tokenizer=str(tmp_path / "no.model")), SEQ, seed=3, vocab_size=VOCAB)
     own = str(tmp_path / "out" / "tokenizer.model")
     assert len(load_datasets(dataclasses.replace(cfg, tokenizer=own), SEQ, seed=3, vocab_size=VOCAB)[0]) > 0
+    gone = tmp_path / "gone" / "tokenizer.model"   # (a given tokenizer removed since: the build's copy stands for it)
+    gone.parent.mkdir()
+    shutil.copyfile(own, gone)
+    copied = dataclasses.replace(cfg, dir=str(tmp_path / "copied"), tokenizer=str(gone))
+    prepare(copied)
+    shutil.rmtree(gone.parent)
+    assert len(load_datasets(copied, SEQ, seed=3, vocab_size=VOCAB)[0]) > 0
+    with pytest.raises(DataError, match=rf"^data\.tokenizer={tmp_path / 'no.model'}: missing$"):
+        load_datasets(dataclasses.replace(copied, tokenizer=str(tmp_path / "no.model")), SEQ, seed=3, vocab_size=VOCAB)
     prepare(dataclasses.replace(titles, dir=str(tmp_path / "titles"), tokenizer=own))   # (a set read by its own key)
     sets = load_eval_sets(dataclasses.replace(cfg, eval=[str(tmp_path / "titles")]), SEQ, VOCAB, Tokenizer(own))
     assert len(sets[str(tmp_path / "titles")]) > 0

@@ -355,6 +355,9 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     assert capsys.readouterr().err == (f"error: {data} holds files but no config.json, so it is no model directory "
                                        f"whose export this would replace: export into a new or empty directory\n")
     assert [p.name for p in data.iterdir()] == ["tokenizer.model"]
+    killed = tmp_path / "killed"                   # (an export killed before it moved its files: redone)
+    (killed / ".export-x1y2").mkdir(parents=True)
+    assert export_hf.main([ckpt.path, str(killed)]) == 0 and (killed / "config.json").is_file()
 
 
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):

@@ -149,10 +149,23 @@ def _init_from_a_checkpoint_pruned_after_its_check(cfg):
     return type(caught.value).__name__, str(caught.value)
 
 
+def _init_from_a_listing_that_changed(cfg):
+    """train(cfg) on this rank, rank 1 listing the init_from run directory as it was before its newest checkpoint
+    was published (a job still saving into it); the error's type and message."""
+    from megatron_mini import checkpoint as ckpt, training
+    listed = ckpt.checkpoints_of
+    if int(os.environ["RANK"]) == 1:
+        ckpt.checkpoints_of = lambda run_dir: [p for p in listed(run_dir) if ckpt.read_step(p) <= 2]
+    with pytest.raises(Exception) as caught:
+        training.train(cfg)
+    return type(caught.value).__name__, str(caught.value)
+
+
 def test_init_from_a_run_directory_takes_its_newest_intact_checkpoint(small_data, tmp_path):
     """init_from=<run directory> whose newest checkpoint is damaged starts from the one before (as resume=auto
     does; the other run's files are left as they are), and one removed after it was chosen and verified (a running
-    job's keep_checkpoints) is one line on every rank, not a traceback."""
+    job's keep_checkpoints) is one line on every rank, not a traceback, as are ranks that listed it at different
+    moments (a job still saving into it), which chose different checkpoints."""
     from ranks import spawn
     run = tmp_path / "pretrain"
     train_on_ranks(1, small_config(small_data, run, steps=4, save_interval=2, keep_checkpoints=2))
@@ -172,6 +185,14 @@ def test_init_from_a_run_directory_takes_its_newest_intact_checkpoint(small_data
     gone = run / "checkpoints" / "step_000002"
     assert [kind for kind, _ in errors] == ["CheckpointError"] * 2 and errors[0] == errors[1], errors
     assert errors[0][1].startswith(f"{gone} could not be read after it was verified (FileNotFoundError: "), errors
+    train_on_ranks(1, small_config(small_data, tmp_path / "again", steps=4, save_interval=2, keep_checkpoints=2))
+    again = tmp_path / "again" / "checkpoints"
+    errors = spawn(2, _init_from_a_listing_that_changed,
+                   small_config(small_data, tmp_path / "changed", steps=1, timeout_s=30, init_from=str(again.parent)),
+                   init_group=False, timeout=120)
+    assert errors == [("CheckpointError", f"the ranks chose different checkpoints ({again / 'step_000002'}, "
+                                          f"{again / 'step_000004'}): the run directory changed while they read it "
+                                          f"(a job still saving into it?); start again.")] * 2, errors
 
 
 def test_an_fp16_run_starts_with_its_own_loss_scale(small_data, tmp_path):

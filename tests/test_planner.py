@@ -217,7 +217,7 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     row = printed.split("\n1 ")[1].split("\n")[0].split()
     step = row[[c.startswith("dp=") for c in row].index(True) + 2]       # (row 1's "step s", after dp and memory)
     assert 0 < float(best["step_s"]) < 0.01 and float(step) == float(f"{float(best['step_s']):.2g}")
-    assert main(["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=2", "tp=2", "zero=1", "--top", "1"]) == 0
+    assert main(["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=2", "++tp=2", "zero=1", "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("note: tp=2 zero=1: plan.py ranks every layout, whatever the command "
                                               "line gives its layout keys; --layout tp=2,zero=1 explains that one\n")
     assert main(args + ["--layout", "tp=3"]) == 2

@@ -15,7 +15,7 @@ import os
 import sys
 
 from checkpoint_args import add_checkpoint_arguments, chosen_dtype
-from megatron_mini.hf import export
+from megatron_mini.hf import STAGING, export
 from megatron_mini.inference import CheckpointError
 
 
@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
-    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and \
-            not os.path.isfile(os.path.join(args.out_dir, "config.json")):     # (a data directory, say)
+    held = [n for n in os.listdir(args.out_dir) if not n.startswith(STAGING)] if os.path.isdir(args.out_dir) else []
+    if held and "config.json" not in held:       # (a data directory, say; an export killed half-way may be redone)
         print(f"error: {args.out_dir} holds files but no config.json, so it is no model directory whose export "
               f"this would replace: export into a new or empty directory", file=sys.stderr)
         return 2

@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    given = [arg for arg in args.overrides if arg.partition("=")[0].lstrip("+~") in LAYOUT_KEYS]
+    given = [arg.lstrip("+~") for arg in args.overrides if arg.partition("=")[0].lstrip("+~") in LAYOUT_KEYS]
     if given:                          # (every layout is ranked: a layout key of the command line chooses none)
         print(f"note: {' '.join(given)}: plan.py ranks every layout, whatever the command line gives its layout keys; "
               f"--layout {','.join(given)} explains that one")
