@@ -705,9 +705,11 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
             refuse(tok.path, f"has {tok.vocab_size} tokens, but {key}={want}",
                    f"data.vocab_size and model.vocab_size to {tok.vocab_size}",
                    new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
+    if not cfg.tokenizer:
+        return
     record = read_json(Path(cfg.dir) / "tokenizer.json") or {}
-    copied = record.get("given") == os.path.realpath(cfg.tokenizer or "") and record.get("sha256") == tok.sha256
-    given = None if training and copied and not Path(cfg.tokenizer).exists() else _given_tokenizer(cfg)   # (its copy)
+    copy = record.get("given") == os.path.realpath(cfg.tokenizer) and record.get("sha256") == tok.sha256
+    given = None if training and copy and not Path(cfg.tokenizer).exists() else _given_tokenizer(cfg)  # (the copy's)
     if given and given.sha256 != tok.sha256:
         refuse(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer={cfg.tokenizer} "
                f"({given.sha256[:12]})" + ("" if training else ", in a valid build that runs may read"),
