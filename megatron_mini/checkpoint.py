@@ -8,6 +8,8 @@ reads them back.
                                      parameter's TP slice that this rank's optimizer holds (Optimizer.saved_state:
                                      DP rank 0's whole state, or with ZeRO-1 every rank's own shard); the fp32
                                      master only beside 16-bit weights (fp32 weights are their own master)
+        tokenizer.model              the run's tokenizer (written by rank 0), which the tools read: a checkpoint
+                                     keeps its own, whatever becomes of the data directory
         meta.json                    step, consumed_samples, the step's loss, whether its evaluation is owed (a
                                      stop came first), layout, config, data identity, the optimizer's
                                      counters, the sha256 of every file, and the index: each tensor's full
@@ -59,6 +61,7 @@ from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
+TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint written since 2026-12-06
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
               "ffn_mult", "ln_eps")
@@ -150,6 +153,15 @@ def _save_file(obj, path: str) -> str:
         f.flush()
         os.fsync(f.fileno())
     return writer.digest.hexdigest()
+
+
+def _write_bytes(data: bytes, path: str) -> str:
+    """`data` to `path`, flushed to disk; returns its sha256."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
 def read_meta(path: str) -> dict:
@@ -463,10 +475,12 @@ class Save:
     agrees on the outcome, and rank 0 publishes it."""
 
     def __init__(self, path: str, progress: dict, buffers: list, optimizer, mesh, config: dict, data: dict,
-                 keep: int, background: bool = False, milestones: int = 0):
+                 keep: int, background: bool = False, milestones: int = 0, tokenizer: bytes | None = None):
         """`progress`: the run's counters, into meta.json ({step, consumed_samples, loss, evaluation_owed}); the
         newest `keep` checkpoints are kept, and milestones: this one is when its step is a multiple of `milestones`
-        (> 0), which meta.json records, so that a run resumed with another keep_checkpoint_interval keeps it too."""
+        (> 0), which meta.json records, so that a run resumed with another keep_checkpoint_interval keeps it too.
+        `tokenizer`: the run's tokenizer.model (its bytes), which rank 0 writes beside the weights (TOKENIZER): the
+        checkpoint's tools read it whatever became of the data directory, and a copied checkpoint carries it."""
         self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
         self.tmp = path + ".tmp"
         self.last_good = _read_latest(os.path.dirname(path)) or "none"
@@ -476,6 +490,7 @@ class Save:
         if milestones and progress["step"] % milestones == 0:
             self.meta["milestone"] = True
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
+        self.tokenizer = tokenizer
         self._check(failure_of(self._make_dir) if mesh.rank == 0 else None,
                     "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
         self.failure = failure_of(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
@@ -506,6 +521,8 @@ class Save:
                                 "ranges": {n: r for n, (r, _) in state.items()}}
         self.tensors = {name: [list(full_shape(p, mesh.tp)), p.spec.tp_dim, p.spec.tp_groups]
                         for buf in buffers for p, name in buf.names.items() if name in weights}
+        if mesh.rank == 0 and self.tokenizer is not None:
+            self.files[TOKENIZER] = self.tokenizer
 
     def _write(self) -> None:
         """The files, hashed as they are written (no collective: it may run in a thread); the host copies are
@@ -516,7 +533,8 @@ class Save:
     def _write_files(self) -> None:
         while self.files:
             name = next(iter(self.files))
-            self.digests[name] = _save_file(self.files.pop(name), os.path.join(self.tmp, name))
+            obj, path = self.files.pop(name), os.path.join(self.tmp, name)
+            self.digests[name] = _write_bytes(obj, path) if isinstance(obj, bytes) else _save_file(obj, path)
 
     @property
     def writing(self) -> bool:

@@ -249,7 +249,8 @@ def _lines(path: Path):
 
 class Tokenizer:
     """A sentencepiece model file: encode(str) -> list[int] (no EOS), decode(list[int]) -> str.
-    Attributes: path, sha256 (of the file), vocab_size, eos_id."""
+    Attributes: path, data (the file's bytes, as read: what a checkpoint keeps a copy of), sha256 (of them),
+    vocab_size, eos_id."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -264,7 +265,7 @@ class Tokenizer:
             self._sp.LoadFromSerializedProto(data)
         except RuntimeError:
             raise DataError(self.path, "not a valid sentencepiece model") from None
-        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.data, self.sha256 = data, hashlib.sha256(data).hexdigest()
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
 

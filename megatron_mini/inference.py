@@ -68,11 +68,14 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
-    """The run's sentencepiece model: `path`, else `data.dir/tokenizer.model` of the training config (a data.blend's
+    """The run's sentencepiece model: `path`, else the checkpoint's own copy (checkpoint.TOKENIZER, verified with its
+    files), else, in a checkpoint older than those, `data.dir/tokenizer.model` of the training config (a data.blend's
     first directory's; absolute, or relative to the current directory or the repository root). It must be the file
     the checkpoint was trained with (its sha256, recorded in meta.json's "data"): the same ids are other tokens in
     another one."""
-    candidates = [path] if path else _candidates(os.path.join(ckpt.cfg.data.parts()[0][1], "tokenizer.model"))
+    own = os.path.join(ckpt.path, checkpoint.TOKENIZER)
+    candidates = [path] if path else [own] if checkpoint.TOKENIZER in ckpt.meta["files"] else \
+        _candidates(os.path.join(ckpt.cfg.data.parts()[0][1], "tokenizer.model"))
     found = next((c for c in candidates if os.path.isfile(c)), None)
     if found is None:
         raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")

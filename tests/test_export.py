@@ -520,3 +520,32 @@ def test_bad_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_carries_its_tokenizer(small_data, tmp_path, capsys):
+    """Each checkpoint holds the run's tokenizer.model (the bytes the run encoded with, listed with its sha256), which
+    the tools read first: a checkpoint copied elsewhere, or whose data directory lost its tokenizer (rebuilt, or
+    removed), still generates and exports with its own; a damaged copy is refused as any damaged file of it is."""
+    import shutil
+
+    from megatron_mini.checkpoint import read_meta, sha256_file
+    from megatron_mini.data import Tokenizer
+    data = tmp_path / "data"
+    shutil.copytree(small_data.dir, data)
+    cfg = small_config(small_data, tmp_path / "run", steps=2, **{"data.dir": str(data)})
+    path = train_on_ranks(2, cfg)["checkpoint"]
+    tokenizer = Tokenizer(data / "tokenizer.model")
+    meta = read_meta(path)
+    assert meta["files"]["tokenizer.model"] == tokenizer.sha256 == meta["data"]["tokenizer_sha256"]
+    moved = tmp_path / "elsewhere" / "step_000002"
+    shutil.copytree(path, moved)
+    shutil.rmtree(data)                              # (the data directory gone: before, "tokenizer not found")
+    ckpt = inference.read_checkpoint(str(moved))
+    assert inference.find_tokenizer(ckpt).path == moved / "tokenizer.model"
+    assert generate.main([str(moved), "--prompt", "def", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert export_hf.main([str(moved), str(tmp_path / "hf")]) == 0
+    assert sha256_file(str(tmp_path / "hf" / "tokenizer.model")) == tokenizer.sha256
+    capsys.readouterr()
+    (moved / "tokenizer.model").write_bytes(tokenizer.data[:-1] + bytes([tokenizer.data[-1] ^ 1]))
+    assert generate.main([str(moved), "--prompt", "def", "--max-new-tokens", "3", "--device", "cpu"]) == 2
+    assert f"{moved}/tokenizer.model does not match its sha256" in capsys.readouterr().err
