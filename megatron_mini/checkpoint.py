@@ -372,11 +372,13 @@ def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
                           f"Set these back (init_from starts from its weights).")
     saved = meta.get("data", {}).get("tokenizer_sha256")
     if saved and saved != tokenizer_sha256:
+        its = os.path.join(found.path, TOKENIZER) if TOKENIZER in meta["files"] else \
+            "<its run's data.dir>/tokenizer.model"                  # (its own copy, or an older checkpoint's source)
         raise ConfigError(f"init_from={cfg.init_from} was trained with another tokenizer (sha256 {saved[:12]}; this "
                           f"run's {'data.blend' if cfg.data.blend else 'data.dir'}={cfg.data.parts()[0][1]} has "
                           f"{tokenizer_sha256[:12]}), so its token ids mean other "
-                          f"text: prepare this run's corpus with data.tokenizer=<its run's data.dir>/tokenizer.model, "
-                          f"or start from the seed's weights.")
+                          f"text: prepare this run's corpus with data.tokenizer={its}, or start from the seed's "
+                          f"weights.")
     return Resume(found.path, meta, found.notes + notes)
 
 

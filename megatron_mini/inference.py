@@ -89,8 +89,8 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     trained = (ckpt.meta.get("data") or {}).get("tokenizer_sha256")   # (dataset.data_identity)
     if trained and tok.sha256 != trained:
         raise CheckpointError(f"{found} is not the tokenizer {ckpt.path} was trained with (sha256 {tok.sha256[:12]}, "
-                              f"the checkpoint's {trained[:12]}: its data directory was rebuilt since, or this is "
-                              f"another run's); pass the run's tokenizer with --tokenizer PATH")
+                              f"the checkpoint's {trained[:12]}: another run's, or a data directory rebuilt since); "
+                              f"pass the run's tokenizer with --tokenizer PATH")
     return tok
 
 

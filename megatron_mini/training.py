@@ -317,7 +317,7 @@ class Trainer:
                     "evaluation_owed": self.evaluation_owed}
         self.pending = checkpoint.Save(path, progress, self.buffers, self.optimizer, self.mesh,
                                        dataclasses.asdict(self.cfg), data, self.cfg.keep_checkpoints, background,
-                                       self.cfg.keep_checkpoint_interval, self.tokenizer.data)
+                                       self.cfg.keep_checkpoint_interval, getattr(self.tokenizer, "data", None))
         return path if background else self.finish_save()
 
     def finish_save(self) -> str | None:

@@ -106,7 +106,8 @@ def test_what_init_from_cannot_start_from_is_refused(small_data, source, tmp_pat
     (copy / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=rf"init_from={copy} was trained with another tokenizer \(sha256 "
                                           rf"ffffffffffff; this run's data\.dir=.* has {tokenizer[:12]}\), so its "
-                                          r"token ids mean other text: prepare this run.s corpus with data\.tokenizer"):
+                                          r"token ids mean other text: prepare this run.s corpus with data\.tokenizer="
+                                          rf"{copy}/tokenizer\.model, or start"):   # (the checkpoint's own copy)
         checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(copy)), tokenizer)
     with pytest.raises(ConfigError, match="is not a checkpoint"):
         checkpoint.check_init(small_config(small_data, tmp_path, init_from=str(tmp_path)), tokenizer)

@@ -469,7 +469,9 @@ def test_tools_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(tiny_check
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "not the tokenizer" in err, err
     assert not (tmp_path / "hf").exists()
-    ckpt.cfg.data.dir = str(other.parent)                      # the run's data.dir, rebuilt in place
+    assert str(inference.find_tokenizer(ckpt).path) == f"{ckpt.path}/tokenizer.model"     # (the checkpoint's copy)
+    ckpt.cfg.data.dir = str(other.parent)                      # the run's data.dir, rebuilt in place, read by a
+    del ckpt.meta["files"]["tokenizer.model"]                  # checkpoint older than its copy of the tokenizer
     with pytest.raises(CheckpointError, match="not the tokenizer"):
         inference.find_tokenizer(ckpt)
     assert inference.find_tokenizer(ckpt, str(own.path)).sha256 == own.sha256     # the run's own, named: taken

@@ -13,8 +13,9 @@ from megatron_mini.rank import DTYPES
 def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) -> None:
     """CHECKPOINT (first positional), --tokenizer, --dtype (a key of DTYPES) and, with `device`, --device."""
     p.add_argument("checkpoint", help="a checkpoint directory (runs/NAME/checkpoints/step_N) or a run directory")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: data.dir/tokenizer.model of the run, "
-                                       "or its data.blend's first directory's)")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own tokenizer.model; in a "
+                                       "checkpoint older than that copy, data.dir's of the run, or its data.blend's "
+                                       "first directory's)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
                    help="the weights' type (bf16, fp16: half the memory); generate and evaluate also compute in it "
                         "(faster on a GPU), LayerNorm statistics in fp32")
