@@ -46,7 +46,7 @@ def test_saves_keep_the_newest_checkpoints_with_checksums(trained):
     root = Path(trained.run_dir) / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
     meta = json.loads((root / "step_000003" / "meta.json").read_text())
-    assert set(meta["files"]) == {"model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt"}
+    assert set(meta["files"]) == {"model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt", "tokenizer.model"}
     assert all(len(digest) == 64 for digest in meta["files"].values())
     assert meta["data"]["tokenizer_sha256"] and meta["data"]["corpus_sha256"]
 
