@@ -155,15 +155,6 @@ def _save_file(obj, path: str) -> str:
     return writer.digest.hexdigest()
 
 
-def _write_bytes(data: bytes, path: str) -> str:
-    """`data` to `path`, flushed to disk; returns its sha256."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest()
-
-
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, "meta.json")) as f:
         return json.load(f)
@@ -536,7 +527,11 @@ class Save:
         while self.files:
             name = next(iter(self.files))
             obj, path = self.files.pop(name), os.path.join(self.tmp, name)
-            self.digests[name] = _write_bytes(obj, path) if isinstance(obj, bytes) else _save_file(obj, path)
+            if isinstance(obj, bytes):              # (the tokenizer's file)
+                atomic_write(path, obj)
+                self.digests[name] = hashlib.sha256(obj).hexdigest()
+            else:
+                self.digests[name] = _save_file(obj, path)
 
     @property
     def writing(self) -> bool:

@@ -433,13 +433,18 @@ def boolean_keys(schema=None, prefix: str = "") -> set:
     return keys
 
 
+def split_override(arg: str) -> tuple[str, str, str]:
+    """(key, "=", value) of a command-line override, its key without Hydra's prefixes (+key, ++key, ~key)."""
+    key, equals, value = arg.partition("=")
+    return key.lstrip("+~"), equals, value
+
+
 def check_booleans(argv: list, schema=None) -> None:
     """Refuse a command line's bool key given anything but true or false: OmegaConf takes any integer as a bool
     (sp=2, an sp degree meant, is sp=true; async_save=0 is false), which Hydra's typed config does not refuse."""
     keys = boolean_keys(schema)
     for arg in argv:
-        key, equals, value = arg.partition("=")
-        key = key.lstrip("+~")
+        key, equals, value = split_override(arg)
         text = value.strip().strip("'\"").lower()          # (Hydra's quoted 'true' is true; ${...}: resolved later)
         if equals and key in keys and text not in ("true", "false", "null") and not text.startswith("${"):
             raise ConfigError(f"{arg}: {key} is true or false")

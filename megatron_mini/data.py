@@ -642,7 +642,7 @@ def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
     other data: another run's, whose checkpoints init_from then reads (a token id means the same text); recorded in
     tokenizer.json (`given`), so that no later prepare of the directory trains another over it."""
     if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != given.sha256:
-        atomic_write(tok_path, given.path.read_bytes())
+        atomic_write(tok_path, given.data)             # (the bytes checked: not the file again, changed since)
     atomic_write(tok_path.with_suffix(".json"), json.dumps({"given": str(given.path.resolve()),
                                                             "sha256": given.sha256}, indent=1).encode())
     print(f"tokenizer: {tok_path}, a copy of {given.path} ({given.vocab_size} tokens, sha256 {given.sha256[:12]})")
@@ -661,7 +661,7 @@ def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> N
         meta = open_checked(out, tok)[1]
     except DataError:
         return
-    check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False)
+    check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False, given=given)
     record = read_json(out / "tokenizer.json") or {}
     recorded = record.get("given")
     remove = f"(to rebuild {cfg.dir} itself, remove it first)"
@@ -680,13 +680,14 @@ def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> N
                         f"another data.dir {remove}", rebuild=None)
 
 
-def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool) -> None:
+def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, training: bool,
+                given: Tokenizer | None = None) -> None:
     """A valid directory (its tokenizer and meta.json) must hold cfg.source's corpus (of its JSON lines, the
     data.text_key field), a vocabulary of each of vocab_sizes ({key: size}) and data.tokenizer's tokenizer where
     one is given (train.py reads the directory's own: it may stand for a given file since removed, which its
     tokenizer.json records). Else one DataError that leaves it as it is, names the
     command that builds the asked-for data beside it, and how else to go on: train on what it holds (`training`),
-    or remove it to rebuild it in place (prepare)."""
+    or remove it to rebuild it in place (prepare). `given`: data.tokenizer's, where the caller has read it."""
     def refuse(path, problem: str, keys: str, hint: str):
         other = f"set {keys} to train on it, or: " if training else ""
         remove = "" if training else f" (to rebuild {cfg.dir} itself, remove it first)"
@@ -708,14 +709,21 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
                    new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
     if not cfg.tokenizer:
         return
-    record = read_json(Path(cfg.dir) / "tokenizer.json") or {}
-    copy = record.get("given") == os.path.realpath(cfg.tokenizer) and record.get("sha256") == tok.sha256
-    given = None if training and copy and not Path(cfg.tokenizer).exists() else _given_tokenizer(cfg)  # (the copy's)
+    if given is None and not (training and _copy_stands_in(cfg, tok)):
+        given = _given_tokenizer(cfg)
     if given and given.sha256 != tok.sha256:
         refuse(tok.path, f"is another tokenizer (sha256 {tok.sha256[:12]}) than data.tokenizer={cfg.tokenizer} "
                f"({given.sha256[:12]})" + ("" if training else ", in a valid build that runs may read"),
                "data.tokenizer to it (or leave it out)",
                f"prepare this corpus with data.tokenizer={cfg.tokenizer} in another data.dir")
+
+
+def _copy_stands_in(cfg: DataConfig, tok: Tokenizer) -> bool:
+    """Whether data.tokenizer is a file removed since cfg.dir's tokenizer `tok` was copied from it (tokenizer.json
+    records the copy: _copy_tokenizer), which the copy then stands for."""
+    record = read_json(Path(cfg.dir) / "tokenizer.json") or {}
+    return not Path(cfg.tokenizer).exists() and record.get("given") == os.path.realpath(cfg.tokenizer) and \
+        record.get("sha256") == tok.sha256
 
 
 def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:

@@ -367,11 +367,12 @@ class HydraCommandLine:
         config group of another command's config given to this one (cluster=, cluster.gpus=: tools/plan.py's, to
         train.py), with whose it is and this command's groups (unless --config-name chose another config). None
         where neither is."""
+        from .config import split_override
         chosen = self.option("--config-name", "-cn")
         own = self.groups(self.config_name) if chosen in (None, self.config_name, f"{self.config_name}.yaml") else None
         for arg in self.argv:
-            key, equals, value = arg.partition("=")
-            key, value = key.lstrip("+~"), value.strip()
+            key, equals, value = split_override(arg)
+            value = value.strip()
             group = key.split(".")[0]
             if not equals or not group or not os.path.isdir(os.path.join(self.conf, group)):
                 continue

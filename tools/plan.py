@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from bench.report import at_least, text_table
 from plotting import CREATED, refuse_unwritable, write_output
-from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, validate
+from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, split_override, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.errors import first_line
 from megatron_mini.launch import HydraCommandLine
@@ -101,6 +101,13 @@ def fig(x: float, places: int = 2) -> str:
     seconds and GiB: 0.0021, not 0.00)."""
     text = f"{x:.{places}f}"
     return f"{x:.2g}" if x and not text.strip("-0.") else text
+
+
+def size_text(nbytes: float) -> str:
+    """nbytes in the largest of TiB, GiB, MiB that it reaches: 2.24 TiB, 328.3 GiB, 10.1 MiB."""
+    units = ((2 ** 40, "TiB", 2), (GiB, "GiB", 1))
+    unit, name, places = next((u for u in units if nbytes >= u[0]), (2 ** 20, "MiB", 1))
+    return f"{nbytes / unit:,.{places}f} {name}"
 
 
 def gib(nbytes: float) -> str:
@@ -230,7 +237,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    given = [arg.lstrip("+~") for arg in args.overrides if arg.partition("=")[0].lstrip("+~") in LAYOUT_KEYS]
+    given = ["".join(split_override(arg)) for arg in args.overrides if split_override(arg)[0] in LAYOUT_KEYS]
     if given:                          # (every layout is ranked: a layout key of the command line chooses none)
         print(f"note: {' '.join(given)}: plan.py ranks every layout, whatever the command line gives its layout keys; "
               f"--layout {','.join(given)} explains that one")
@@ -238,16 +245,12 @@ def main(argv=None) -> int:
     c = base.cluster
     sizes = model_bytes(base, p.planner)
     n = base.model.num_params()
-    print(f"{base.model.name}: {n / 1e9:.2f}B" if n >= 1e9 else f"{base.model.name}: {n / 1e6:.2f}M", end="")
-    print(f" parameters; gbs {base.gbs} x {base.model.seq_len} "
+    print(f"{base.model.name}: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters; gbs {base.gbs} x "
+          f"{base.model.seq_len} "
           f"tokens, mbs {base.mbs}, {base.precision.dtype}; {c.gpus} x {GPUS[c.gpu].name} ({c.gpus_per_node} per node, "
           f"{c.intra_node_gbps:g} / {c.inter_node_gbps:g} GB/s inside / between nodes, efficiency {c.efficiency:g})")
-    state = sizes['weights'] + sizes['optimizer']
-    print(f"checkpoint: {sizes['weights'] / GiB:,.1f} GiB" if sizes['weights'] >= GiB else
-          f"checkpoint: {sizes['weights'] / 2**20:,.1f} MiB", end="")
-    print(f" of {base.precision.dtype} weights; with the fp32 master weights and Adam state "
-          + (f"{state / 2**40:.2f} TiB" if state >= 2**40 else f"{state / GiB:,.2f} GiB" if state >= GiB
-             else f"{state / 2**20:,.1f} MiB"))
+    print(f"checkpoint: {size_text(sizes['weights'])} of {base.precision.dtype} weights; with the fp32 master weights "
+          f"and Adam state {size_text(sizes['weights'] + sizes['optimizer'])}")
     print(f"{len(p.estimates)} valid layouts, {len(p.fitting)} fit in {p.base.cluster.capacity_gib:.0f} GiB; "
           f"{sum(p.refused.values())} refused: " + "; ".join(f"{n} x {why}" for why, n in p.refused.most_common()))
     if p.fitting:
