@@ -154,7 +154,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
             raise OSError(f"model.safetensors: {e}") from None
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(hf_config(ckpt, tok.eos_id, dtype), f, indent=2)
-        shutil.copyfile(tok.path, os.path.join(staging, "tokenizer.model"))
+        with open(os.path.join(staging, "tokenizer.model"), "wb") as f:
+            f.write(tok.data)                        # (the bytes find_tokenizer checked, not the path read again)
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
                                   hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,

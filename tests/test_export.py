@@ -331,7 +331,7 @@ def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, ca
 
 def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monkeypatch, capsys):
     """The files are staged inside the output directory and moved into place at the end: an export that fails
-    half-way (here at the tokenizer's copy, after the weights) leaves an earlier export whole and no staging
+    half-way (here after every file is staged, before they are moved) leaves an earlier export whole and no staging
     directory. A directory of other files (no config.json) is refused before anything is written into it."""
     from megatron_mini import hf
     ckpt, _, _ = exported[1]
@@ -342,7 +342,7 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
 
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(hf.shutil, "copyfile", fail)
+    monkeypatch.setattr(hf.os, "chmod", fail)
     assert export_hf.main([ckpt.path, str(out)]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
