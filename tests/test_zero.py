@@ -255,3 +255,25 @@ def test_the_logged_param_norm_is_of_the_weights_the_step_ran_with(small_data, t
         expected = math.sqrt(sum(reader.full(name, "master").double().square().sum().item()
                                  for name in reader.names()))
         assert norm == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_clipping_norm_is_the_exact_norm_of_the_gradient():
+    """The global gradient norm that clips (and is logged as grad_norm) is the L2 norm of the fp32 main grads to
+    fp32 precision, against an fp64 sum, for a tensor of a gpt2-small embedding's order (8M elements). torch's
+    fp32 norm on CPU sums in order: 2e-3 low for 38M elements, so a clipped gradient's norm exceeded grad_clip."""
+    from megatron_mini.config import OptimizerConfig, PrecisionConfig
+    from megatron_mini.data_parallel import GradBuffer
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.optimizer import Optimizer
+    from megatron_mini.tensor_parallel import ParamSpec
+
+    params = [("embedding", torch.nn.Parameter(torch.zeros(8192, 1024))), ("bias", torch.nn.Parameter(torch.zeros(7)))]
+    for _, p in params:
+        p.spec = ParamSpec()
+    mesh = ParallelMesh(1, 1, 1)
+    buffer = GradBuffer(params, mesh, torch.float32, zero=False)
+    optimizer = Optimizer([buffer], mesh, OptimizerConfig(), PrecisionConfig(), zero=False)
+    torch.manual_seed(0)
+    buffer.grads_flat.copy_(torch.randn(buffer.grads_flat.numel()) * 1e-3)
+    exact = buffer.grads_flat.double().square().sum().sqrt().item()
+    assert optimizer.global_norms()[0] == pytest.approx(exact, rel=1e-6)
