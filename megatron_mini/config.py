@@ -612,11 +612,26 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     """Check every value, the layout, the pipeline split and the schedule; return dp. Raises
     ConfigError with one paragraph. Run by every rank before any process group exists. `consumed_samples`:
     where the run starts, for the global batches of a rampup_batch_size still to come (check_rampup_layout);
-    None where a resume may set it: training.check_resume checks them once its checkpoint is found."""
+    None where a resume may set it: training.check_resume checks them once its checkpoint is found.
+    Too few processes is said last, once the launch it advises (dp = 1) would pass the rest."""
     check_layout_free(cfg)
     m = cfg.model
+    if m.num_heads % cfg.tp:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by tp={cfg.tp}.")
+    if m.padded_vocab_size % cfg.tp:
+        raise ConfigError(
+            f"The padded vocabulary {m.padded_vocab_size} (vocab_size={m.vocab_size} padded to a multiple of "
+            f"{m.vocab_pad_multiple}) is not divisible by tp={cfg.tp}; "
+            f"set model.vocab_pad_multiple to a multiple of {cfg.tp}."
+        )
+    if m.ffn_hidden_size % cfg.tp:
+        raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")
+    if cfg.sp and m.seq_len % cfg.tp:
+        raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
+    partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     model_parallel = cfg.tp * cfg.pp
     if world_size < model_parallel:
+        _check_batches(cfg, 1, consumed_samples)
         raise ConfigError(
             f"The layout tp={cfg.tp} x pp={cfg.pp} needs at least {model_parallel} processes "
             f"(tp={cfg.tp} x pp={cfg.pp} x dp=1), but this run has {world_size}. "
@@ -633,28 +648,20 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     if outside:
         raise ConfigError(f"profile.ranks names rank{'s' if len(outside) > 1 else ''} "
                           f"{', '.join(map(str, outside[:8]))}, but this run's ranks are 0 to {world_size - 1}.")
+    _check_batches(cfg, dp, consumed_samples)
+    return dp
+
+
+def _check_batches(cfg: TrainConfig, dp: int, consumed_samples: int | None) -> None:
+    """The global batch over dp ranks: whole microbatches, as many as the schedule needs (validate)."""
     if cfg.gbs % (cfg.mbs * dp):
         raise ConfigError(
             f"gbs={cfg.gbs} is not divisible by mbs x dp = {cfg.mbs} x {dp} = {cfg.mbs * dp}; "
             f"choose gbs as a multiple of {cfg.mbs * dp}."
         )
-    if m.num_heads % cfg.tp:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by tp={cfg.tp}.")
-    if m.padded_vocab_size % cfg.tp:
-        raise ConfigError(
-            f"The padded vocabulary {m.padded_vocab_size} (vocab_size={m.vocab_size} padded to a multiple of "
-            f"{m.vocab_pad_multiple}) is not divisible by tp={cfg.tp}; "
-            f"set model.vocab_pad_multiple to a multiple of {cfg.tp}."
-        )
-    if m.ffn_hidden_size % cfg.tp:
-        raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")
-    if cfg.sp and m.seq_len % cfg.tp:
-        raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
-    partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
     check_schedule(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp))
     if consumed_samples is not None:
         check_rampup_layout(cfg, dp, consumed_samples, cfg.steps)
-    return dp
 
 
 def register_configs() -> None:

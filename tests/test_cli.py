@@ -36,7 +36,8 @@ def _slow(hooks, which: str) -> dict:
 # ------------------------------------------------------------------------------------- single process
 
 def test_layout_needs_48_processes(small_data, tmp_path):
-    r = python_train([*model_args(small_data, tmp_path / "run"), "tp=4", "pp=12"])
+    args = [a.replace("num_layers=8", "num_layers=12") for a in model_args(small_data, tmp_path / "run")]
+    r = python_train([*args, "tp=4", "pp=12"])
     assert_one_error(r, ["48 processes", "tp=4 x pp=12 x dp=1", "this run has 1",
                             "Launch it with the same arguments: torchrun --nproc_per_node=48 train.py <the same "
                             "arguments> (on several nodes, --nnodes times --nproc_per_node = 48)."], "python")

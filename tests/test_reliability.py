@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -267,6 +268,22 @@ def test_a_rank_that_never_comes_is_one_line(small_data, tmp_path):
                          env(RANK=rank, WORLD_SIZE=2, MASTER_PORT=port))
         assert_one_error(r, [f"rank {rank}: joining the process group of 2 ranks at 127.0.0.1:{port} failed",
                              "raise timeout_s=3"], "python", code=1, quick=False)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"tp": 4, "pp": 12}, "8 blocks must divide over 12 virtual stages"),
+    ({"tp": 3}, "model.num_heads=4 is not divisible by tp=3"),
+    ({"pp": 2, "pipeline_first_blocks": 9}, "leave no blocks for the other 1 block stages"),
+    ({"pp": 4, "vpp": 2, "gbs": 8, "mbs": 4}, "needs at least 4 microbatches per step"),
+], ids=["split", "heads", "first-blocks", "microbatches"])
+def test_too_few_processes_is_said_once_the_advised_launch_would_pass(layout, message):
+    """A layout that one process cannot run, and that would be refused anyway, says why it would be: the launch
+    the process-count message advises (tp x pp processes, dp = 1) was refused for the next reason."""
+    from megatron_mini.config import ConfigError, ModelConfig, TrainConfig, validate
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(TrainConfig(**layout), 1)
+    with pytest.raises(ConfigError, match="needs at least 48 processes"):
+        validate(TrainConfig(tp=4, pp=12, model=ModelConfig(num_layers=12)), 1)
 
 
 def test_min_lr_above_lr_is_refused():
