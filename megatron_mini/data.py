@@ -520,8 +520,8 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
         n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(b))), dtype)
     progress(*done, final=True)
     dt = time.time() - t0
-    print(f"encoded {n_docs:,} documents, {n_tokens:,} tokens in {dt:.1f} s ({n_tokens / dt:,.0f} tokens/s, "
-          f"{num_workers} workers) -> {prefix}.bin ({np.dtype(dtype)})")
+    print(f"encoded {n_docs:,} document{'s' * (n_docs != 1)}, {n_tokens:,} tokens in {dt:.1f} s "
+          f"({n_tokens / dt:,.0f} tokens/s, {num_workers} workers) -> {prefix}.bin ({np.dtype(dtype)})")
     return n_docs, n_tokens
 
 
@@ -587,7 +587,8 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
         f"{len(docs.ignored):,} file{'s' * (len(docs.ignored) != 1)} neither .txt nor .jsonl(.gz) "
         f"({', '.join(sorted({p.suffix or p.name for p in docs.ignored})[:5])})"] * bool(docs.ignored)
     python = f"python {info['python']}, " if cfg.source == "stdlib" else ""        # (the corpus it reads)
-    print(f"corpus: {info['num_docs']:,} documents, {info['num_chars']:,} characters from {info['source']} "
+    docs_text = f"{info['num_docs']:,} document{'s' * (info['num_docs'] != 1)}"
+    print(f"corpus: {docs_text}, {info['num_chars']:,} characters from {info['source']} "
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
     tok_path = out / "tokenizer.model"
     trained_on = {"vocab_size": cfg.vocab_size, "sample_chars": cfg.tokenizer_sample_chars,

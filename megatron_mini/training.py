@@ -645,7 +645,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     else:
         val_text = f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})"
     trained = "no train loss" if math.isnan(trainer.loss) else f"final train loss {trainer.loss:.4f}"
-    log.info(f"done: {steps_run} steps in {format_duration(elapsed)} | {trained} | "
+    ended = "stopped" if stopped_by else "done"          # (a stop's own line, above, says how to continue)
+    log.info(f"{ended}: {steps_run} steps in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
     last_ckpt = trainer.last_checkpoint
@@ -747,7 +748,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                  f"the optimizer, the step count and the data start anew{''.join(f'; {n}' for n in run.init.notes)}")
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
-        log.info(f"moved {cut} lines of metrics.jsonl {past} to metrics.superseded.jsonl")
+        log.info(f"moved {cut} line{'s' * (cut != 1)} of metrics.jsonl {past} to metrics.superseded.jsonl")
     log.info(f"{mesh} | model {cfg.model.name}: {cfg.model.num_params() / 1e6:.2f}M parameters | "
              f"gbs {cfg.gbs} = {cfg.num_microbatches(mesh.dp)} microbatches x mbs {cfg.mbs} x dp {mesh.dp} | "
              f"{cfg.precision.dtype} | "

@@ -126,6 +126,7 @@ def test_sigterm_saves_and_resume_continues_exactly(small_data, tmp_path, hooks,
                                         lambda launcher, rank0, rank1: os.kill(rank1, signal.SIGTERM))
     assert r.rc == 0, r
     assert "stopped by SIGTERM (to 1 of 2 ranks) after step" in r.out and "continue with resume=auto" in r.out, r
+    assert re.search(r"^stopped: \d+ steps in ", r.out, re.M) and not re.search(r"^done: ", r.out, re.M), r
     stopped = int(json.loads((run_dir / "summary.json").read_text())["steps"])
     assert stopped == 5 and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
     again = torchrun_train(2, args)

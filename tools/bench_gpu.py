@@ -246,7 +246,8 @@ def profile_row(row: str, key: str, args, device, log) -> str:
     steps, wall_ms = args.profile_steps, wall * 1e3
     total = sum(ms for _, _, ms in events)
     what = "CUDA kernels" if cuda else "CPU ops (no CUDA: smoke run)"
-    head = (f"profile of {key} / {row} ({ROW_TEXT[row]}): {steps} steps after {warmup} warmup steps; "
+    head = (f"profile of {key} / {row} ({ROW_TEXT[row]}): {steps} step{'s' * (steps != 1)} after {warmup} warmup "
+            f"step{'s' * (warmup != 1)}; "
             f"step {wall_ms / steps:.1f} ms (wall, profiler on); {what} busy {total / steps:.1f} ms per step "
             f"({100 * total / wall_ms:.0f}% of the wall time); top {min(len(events), args.profile_top)} of "
             f"{len(events)} by total time:")
@@ -338,7 +339,8 @@ def model_section(key: str, recs: list, smoke: bool) -> str:
         parts += [f"- rows {', '.join(rows)}: `{cmd}` ({date})" for (cmd, date), rows in runs.items()]
     ok = [r for r in recs if r["status"] == "ok"]
     if ok:
-        parts.append(f"- {ok[0]['steps']} timed steps per row after {ok[0]['warmup_steps']} warmup steps "
+        parts.append(f"- {ok[0]['steps']} timed steps per row after {ok[0]['warmup_steps']} warmup "
+                     f"step{'s' * (ok[0]['warmup_steps'] != 1)} "
                      f"(compiled rows: more); peak TFLOP/s for MFU: "
                      + ", ".join(sorted({f"{r['dtype']} {fmt(r.get('peak_tflops'), '.0f')}" for r in ok})))
     if smoke:
@@ -409,8 +411,7 @@ def write_doc(path: str, records: dict, smoke: bool = False) -> None:
 
 # ============================================================================ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="small,medium,1.3b", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per row (default 10; smoke 2)")

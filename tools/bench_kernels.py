@@ -520,8 +520,7 @@ def report(results: list, smoke: bool, device: str, command: str) -> str:
 
 # ============================================================================ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no torch.compile (automatic without CUDA, "
                     "then through the Triton interpreter); exercises the script, claims no speed")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default: all)")

@@ -33,10 +33,13 @@ def _attention_spec(spec: str) -> tuple:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90")
+    ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90",
+                    help="the GPU to compile for (default sm90: H100)")
     ap.add_argument("--quick", action="store_true", help="bf16 at the benchmark shapes only")
     ap.add_argument("--all", action="store_true", help="one row per launch")
-    ap.add_argument("--attention", nargs="*", default=[], type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES")
+    ap.add_argument("--attention", nargs="*", default=[], type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES",
+                    help="instead: the attention launches with these configurations (KIND: fwd, dkdv or dq), bf16 at "
+                    "the benchmark shapes")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args()
     why = C.available()

@@ -29,11 +29,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_checkpoint_arguments(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="(default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="(default 0.8: sampled) 0: greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50); 0: all")
     p.add_argument("--top-p", type=float, default=1.0,
-                   help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1: all")
+                   help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1 (the "
+                   "default): all")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",

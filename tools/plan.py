@@ -121,7 +121,8 @@ def summary_row(i: int, e: Estimate) -> list:
 
 def explain(e: Estimate, rank: int | None) -> str:
     """One layout: memory of its measured ranks, traffic per step and group, the time terms."""
-    lines = [f"{e.layout_args()}  (dp={e.dp}, {e.cfg.num_microbatches(e.dp)} microbatches of {e.cfg.mbs})"
+    m = e.cfg.num_microbatches(e.dp)
+    lines = [f"{e.layout_args()}  (dp={e.dp}, {m} microbatch{'es' * (m != 1)} of {e.cfg.mbs})"
              + (f": rank {rank} of the layouts that fit" if rank else ": does not fit" if not e.fits else "")]
     rows = [[f"pp rank {r.pp_rank}", *(gib(r.memory[k]) for k in MEMORY[:4]), r.in_flight, gib(r.memory["backward"]),
              gib(sum(r.memory.values()))] for r in e.ranks]

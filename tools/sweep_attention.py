@@ -41,9 +41,9 @@ def _probability(text: str) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", type=_shape, default=["16,12,1024,64", "8,16,2048,128"],
-                    metavar="B,HEADS,S,D")
+                    metavar="B,HEADS,S,D", help="causal attention shapes (default: 16,12,1024,64 8,16,2048,128)")
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
     ap.add_argument("--dropout", type=_probability, default=0.0,
                     help="attention dropout of the sweep (tunes DROPOUT_CONFIGS)")

@@ -53,7 +53,8 @@ def run(bench: Bench, steps: int) -> Report:
     rep.text(f"\nAnalytic TP activation traffic per rank: m x (4L + 2) x s*b*h*4 bytes = {m} x {4 * L + 2} x "
              f"{mb(act)} MiB = {mb(m * (4 * L + 2) * act)} MiB (per block 2 all-reduces forward + 2 backward; the "
              "embedding's forward g and the head's backward f), plus 2 cross-entropy all-reduces per microbatch "
-             "(the [s, b] max, then the [2, s, b] sums), the SP LayerNorm/bias gradient sum and the step's scalars. SP moves the same volume as "
+             "(the [s, b] max, then the [2, s, b] sums), the SP LayerNorm/bias gradient sum and the step's scalars. "
+             "SP moves the same volume as "
              "all-gather + reduce-scatter (each counted at the full [s, b, h] tensor), plus one all-gather more per "
              f"column-parallel linear in backward (QKV, fc1, the head's logits: m x (2L + 1) x s*b*h*4 bytes = "
              f"{mb(m * (2 * L + 1) * act)} MiB), which gathers again the input it saved as a sequence shard.")
