@@ -391,3 +391,37 @@ def test_kernels_are_one_graph_under_compile(backend):
     torch.testing.assert_close(out[1], out[0])
     for g_compiled, g_eager in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_compiled, g_eager)
+
+
+@pytest.mark.parametrize("rows", ["fused", "looped"])
+def test_every_launch_says_fp_fusion(rows, request, monkeypatch):
+    """Every kernel launch passes enable_fp_fusion (kernels.FP_FUSION: FMA contraction, as the kernels were
+    measured), not Triton's default, which 3.10 turns off: LayerNorm and add + LayerNorm (fused and looped), the
+    attention's forward, backward and dropout mask, the cross-entropy's two kernels."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from megatron_mini.kernels import attention, cross_entropy
+    if rows == "looped":
+        request.getfixturevalue("looped")
+    launches = []
+    for cls in (InterpretedFunction, JITFunction):
+        def run(self, *args, _run=cls.run, **kw):
+            launches.append((getattr(self, "__name__", None) or self.fn.__name__, kw.get("enable_fp_fusion")))
+            return _run(self, *args, **kw)
+        monkeypatch.setattr(cls, "run", run)
+    x = _randn(6, 300, dtype=torch.bfloat16).requires_grad_()
+    r = _randn(6, 300, dtype=torch.bfloat16, seed=1).requires_grad_()
+    w, b = _randn(300, seed=2).requires_grad_(), _randn(300, seed=3).requires_grad_()
+    torch.autograd.backward([layer_norm(x, w, b).float().sum(), *(t.float().sum() for t in add_layer_norm(x, r, w, b))])
+    if rows == "fused":
+        q, k, v = (_randn(1, 2, 16, 16, dtype=torch.bfloat16, seed=s).requires_grad_() for s in (4, 5, 6))
+        attention.flash_attention(q, k, v, dropout_p=0.1).float().sum().backward()
+        attention.dropout_keep_mask(torch.zeros((), dtype=torch.int64, device=DEVICE), 1, 2, 16, 0.1)
+        logits, targets = _randn(4, 64, dtype=torch.bfloat16), torch.arange(4, device=DEVICE)
+        stats = cross_entropy.row_stats(logits, targets, 64, True)
+        cross_entropy.logits_grad(logits, targets, stats[:2], torch.ones(4, device=DEVICE), 64, 0.1, 64)
+    names = {name for name, _ in launches}
+    assert names >= ({"_fwd_looped", "_bwd_row_sums", "_bwd_looped"} if rows == "looped" else
+                     {"_fwd", "_bwd", "_bwd_delta", "_bwd_dkdv", "_bwd_dq", "_keep_mask", "_stats", "_grad"}), names
+    assert all(fusion is True for _, fusion in launches), [name for name, fusion in launches if fusion is not True]

@@ -24,6 +24,10 @@ import os
 MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (256 overflows shared memory)
 MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
 MAX_BATCH_HEADS = 65535  # the attention's launches put b * heads on grid axis 1, which CUDA caps at 65535
+# Every launch contracts a * b + c into one FMA, as the kernels were tuned and measured: said, not left to
+# Triton's default, which 3.10 turns off (3.9 warns in each process that leaves it unset); the interpreter
+# ignores it
+FP_FUSION = {"enable_fp_fusion": True}
 
 
 def attention_unsupported(head_dim: int, seq_len: int, dropout: float, batch_heads: int = 1) -> str | None:
@@ -81,10 +85,10 @@ def launch_tuned(tuned, grid, *args, key: tuple, **meta) -> None:
     key = (key, tuple(getattr(a, "dtype", None) for a in args))
     config = chosen.get(key)
     if config is None:
-        tuned[grid](*args, **meta)
+        tuned[grid](*args, **meta, **FP_FUSION)
         chosen[key] = tuned.best_config
     else:
-        tuned.fn[grid](*args, **meta, **config.all_kwargs())
+        tuned.fn[grid](*args, **meta, **config.all_kwargs(), **FP_FUSION)
 
 
 def as_rows(t, n_cols: int):

@@ -30,7 +30,7 @@ import math
 import torch
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import attention_unsupported, cdiv, check_device, interpreting, next_power_of_2
+from . import FP_FUSION, attention_unsupported, cdiv, check_device, interpreting, next_power_of_2
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -119,7 +119,7 @@ def _forward(q, k, v, o, scale, causal, dropout_p, seed):
     _fwd[(cdiv(s, block_m), b * h)](
         q, k, v, o, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         h, s, scale * LOG2E, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_meta(q, causal, dropout_p))
+        **_meta(q, causal, dropout_p), **FP_FUSION)
     return lse
 
 
@@ -128,17 +128,17 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     meta = _meta(q, causal, dropout_p)
     delta = torch.empty_like(lse)
     _bwd_delta[(cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
-                                     HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
+                                     HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64, **FP_FUSION)
     block_m, block_n, warps, stages = _config("dkdv", q, dropout_p)
     _bwd_dkdv[(cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), h, s, scale * LOG2E, scale, dropout_p,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta, **FP_FUSION)
     block_m, block_n, warps, stages = _config("dq", q, dropout_p)
     _bwd_dq[(cdiv(s, block_m), b * h)](
         q, k, v, do, dq, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dq), h, s, scale * LOG2E, scale, dropout_p,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **meta, **FP_FUSION)
 
 
 def _draw_seed(device, dropout_p):
@@ -298,5 +298,5 @@ def torch_attention(q, k, v, causal: bool = True, softmax_scale: float | None = 
 def dropout_keep_mask(seed: torch.Tensor, b: int, heads: int, s: int, dropout_p: float) -> torch.Tensor:
     """The keep mask [b, heads, s, s] (bool) the kernels draw from `seed` (for tests)."""
     out = torch.empty((b * heads, s, s), dtype=torch.int8, device=seed.device)
-    _keep_mask[(cdiv(s, 32), b * heads)](out, seed, s, dropout_p, BLOCK=32)
+    _keep_mask[(cdiv(s, 32), b * heads)](out, seed, s, dropout_p, BLOCK=32, **FP_FUSION)
     return out.view(b, heads, s, s).bool()

@@ -39,7 +39,7 @@ from . import attention as A
 from . import attention_kernels as AK
 from . import cross_entropy as CE
 from . import layernorm as LN
-from . import cdiv, next_power_of_2
+from . import FP_FUSION, cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def _compile(item: Launch) -> tuple:
     """(seconds, mma, regs, spill, smem, error) of one launch compiled for the active (stand-in) target."""
     t0 = time.perf_counter()
     try:
-        k = item.kernel.warmup(*item.args, grid=(1,), **item.meta)
+        k = item.kernel.warmup(*item.args, grid=(1,), **item.meta, **FP_FUSION)   # (as the kernels launch)
         res = _resources(k.asm["cubin"])
         return time.perf_counter() - t0, _mma(k.asm["ptx"]), res["regs"], res["spill"], k.metadata.shared, ""
     except Exception as e:  # noqa: BLE001 (a compile error is the finding)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import as_rows, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
+from . import FP_FUSION, as_rows, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -285,7 +285,8 @@ def _launch(tuned, grid, *args, n_rows, n_cols, block_n, **meta):
     (n_cols and the HAS_* flag); under the interpreter (programs run one after another, 10-40 ms each) the plain
     kernel, with BLOCK_M chosen for about 4 row tiles."""
     if _INTERPRET:
-        tuned.fn[grid](*args, BLOCK_M=interpreter_block_m(n_rows, block_n), BLOCK_N=block_n, num_warps=4, **meta)
+        tuned.fn[grid](*args, BLOCK_M=interpreter_block_m(n_rows, block_n), BLOCK_N=block_n, num_warps=4, **meta,
+                       **FP_FUSION)
     else:
         launch_tuned(tuned, grid, *args, key=(n_cols, *meta.values()), BLOCK_N=block_n, **meta)
 
@@ -313,7 +314,8 @@ def _forward(x2, r2, weight, bias, eps):
     r = x2 if r2 is None else r2
     args = (x2, r, h, y, weight, bias, mu, rstd, x2.stride(0), r.stride(0), h.stride(0), y.stride(0))
     if n > MAX_FUSED_N:
-        _fwd_looped[(m,)](*args, n, eps, HAS_RESIDUAL=r2 is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+        _fwd_looped[(m,)](*args, n, eps, HAS_RESIDUAL=r2 is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS,
+                          **FP_FUSION)
     else:
         _launch(_fwd, lambda meta: (cdiv(m, meta["BLOCK_M"]),), *args, m, n, eps,
                 n_rows=m, n_cols=n, block_n=next_power_of_2(n), HAS_RESIDUAL=r2 is not None)
@@ -338,10 +340,10 @@ def _backward(h2, dy, dh, weight, stats):
         c1 = torch.empty(m, dtype=torch.float32, device=h2.device)
         c2 = torch.empty(m, dtype=torch.float32, device=h2.device)
         _bwd_row_sums[(m,)](h2, dy2, weight, mu, rstd, c1, c2, strides[0], strides[1], n,
-                            BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+                            BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS, **FP_FUSION)
         _bwd_looped[(programs, chunks)](h2, dy2, dh2, dx, weight, mu, rstd, c1, c2, part, *strides, m, n,
                                         cdiv(m, programs), HAS_DRES=dh is not None,
-                                        BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)
+                                        BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS, **FP_FUSION)
     else:
         _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
                 n_rows=m, n_cols=n, block_n=next_power_of_2(n), HAS_DRES=dh is not None)
