@@ -331,6 +331,16 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
                              f"{second} {logged[f'val_loss/{second}']:.4f}) | perplexity ") and \
         "| 16 samples of 32 " in out[0]
     assert out[1].startswith(f"{second}: loss {logged[f'eval_loss/{second}']:.4f} | ") and len(out) == 2
+    assert evaluate.main([cfg.run_dir, "--samples", "0", "--device", "cpu"]) == 0    # every validation sample: the
+    out = capsys.readouterr().out.splitlines()             # blend's directories whole (its epoch ends before)
+    parts = sets["validation"].datasets
+    assert [line.split(": loss ")[0] for line in out] == [f"validation ({first})", f"validation ({second})", second]
+    for line, part, d in zip(out, parts, names):
+        whole = mean_losses(model, part, len(part), 7)[None]
+        assert line.startswith(f"validation ({d}): loss {whole:.4f} | ") and \
+            f"| {len(part):,} samples of 32 tokens (its epoch)" in line, line
+    blend = sets["validation"]                             # (its epoch leaves a directory part read)
+    assert any((blend.which(0, len(blend)) == d).sum() < len(part) for d, part in enumerate(parts))
     assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
     epoch = len(evaluation_sets(ckpt, tok, [second])[0][second])
     assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \

@@ -3,6 +3,7 @@
     python tools/evaluate.py runs/tiny-dp                         # what its evaluations read: its logged losses
     python tools/evaluate.py runs/tiny-dp data/wiki data/code     # directories prepared with the run's tokenizer
     python tools/evaluate.py runs/tiny-dp data/wiki --samples 0   # every sample of each
+    python tools/evaluate.py runs/blended --samples 0             # every validation sample of each blended directory
 
 One process (CUDA when available, else CPU), the model at tp=pp=dp=1 in fp32 (megatron_mini/inference.py;
 --dtype bf16 or fp16: half the memory, to within that type's rounding; logits that are not finite, an fp16
@@ -25,6 +26,7 @@ import time
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
 from megatron_mini.config import ConfigError
+from megatron_mini.dataset import BlendedDataset
 from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint
 
 
@@ -33,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_checkpoint_arguments(p)
     p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set and "
                                            "data.eval sets)")
-    p.add_argument("--samples", type=int, help="samples of each (default: the run's eval_iters x gbs; 0: all)")
+    p.add_argument("--samples", type=int, help="samples of each (default: the run's eval_iters x gbs; 0: all, a "
+                                               "blend's directories each whole, on a line of its own)")
     p.add_argument("--batch", type=int, help="samples per forward (default: the run's mbs)")
     args = p.parse_args(argv)
     if args.samples is not None and args.samples < 0:
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
         print(f"note: the run trained with model.label_smoothing={cfg.model.label_smoothing}, which its logged "
               f"losses include; these are the plain cross entropy", file=sys.stderr)
     names = [directory for _, directory in cfg.data.parts()]           # (a blend's validation set's directories)
+    if args.samples == 0:
+        sets = whole(sets, names)
     for name, dataset in sets.items():
         samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
         start = time.perf_counter()
@@ -73,6 +78,18 @@ def main(argv=None) -> int:
               f"{cfg.model.seq_len} tokens{' (its epoch)' if samples == len(dataset) else ''} | "
               f"{time.perf_counter() - start:.1f} s")
     return 0
+
+
+def whole(sets: dict, names: list) -> dict:
+    """{name: dataset} for reading every sample: a blend's directories each on its own ("validation (<dir>)"), as
+    the blend's epoch ends at the first sample read again, when a directory of a small share is still part read."""
+    out = {}
+    for name, dataset in sets.items():
+        if isinstance(dataset, BlendedDataset):
+            out.update({f"{name} ({d})": part for d, part in zip(names, dataset.datasets)})
+        else:
+            out[name] = dataset
+    return out
 
 
 if __name__ == "__main__":
