@@ -63,7 +63,9 @@ def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.n
 class GPTDataset:
     """Packed samples over documents `doc_ids` of `indexed`, concatenated in that order (EOS separates them).
     Sample k is tokens [k*seq_len, k*seq_len + seq_len + 1) of the concatenation: consecutive samples share
-    one token (as in Megatron), so each token but the first is a target exactly once per epoch.
+    one token (as in Megatron), so each token but the first is a target once per epoch, but for the last
+    (num_tokens - 1) mod seq_len, which no sample reaches: the same tokens in every epoch, as the concatenation's
+    order is fixed (Megatron shuffles its documents per epoch and lets a sample run on into the next epoch).
     len() = samples per epoch; dataset[i] for any i >= 0 is sample perm_e[i % len] of epoch e = i // len,
     where perm_e is a permutation seeded by (seed, e). Returns np.int64 [seq_len + 1]."""
 
