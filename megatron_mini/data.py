@@ -96,6 +96,7 @@ def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
 # ----------------------------------------------------------------------------------------------- corpus
 
 JSONL = (".jsonl", ".jsonl.gz")          # a document per line, as {"<text_key>": "..."}; .gz read through gzip
+SPACE_SYMBOL = "\u2581"                  # sentencepiece's whitespace: a literal one in a text encodes as a space
 
 
 class Corpus:
@@ -106,11 +107,12 @@ class Corpus:
     corpus in shards; `ignored`: its other files). A source that is none of these is a DataError here. Once
     read_corpus has described it (sha256), each pass checks that it reads the same documents again: a corpus that
     changed in between (a file written during prepare) is a DataError at the pass's end, before anything built from
-    it is kept. `empty`: the empty documents the last pass left out."""
+    it is kept. `empty`: the empty documents the last pass left out; `spaced`: how many of its documents held U+2581
+    (sentencepiece's whitespace symbol, which it encodes as a space), and the first one's file."""
 
     def __init__(self, source: str, text_key: str = "text"):
         self.source, self.text_key, self.none, self.sha256 = source, text_key, "no non-empty documents", None
-        self.files, self.ignored, self.empty = [], [], 0
+        self.files, self.ignored, self.empty, self.spaced = [], [], 0, (0, None)
         if source == "stdlib":
             self.files = [Path(p) for p in _stdlib_files()]
         elif Path(source).is_dir():
@@ -126,13 +128,15 @@ class Corpus:
 
     def __iter__(self):
         digest, changed = hashlib.sha256(), "changed while it was being prepared"
-        self.empty = 0
+        self.empty, self.spaced = 0, (0, None)
         for path in self.files:
             try:
                 docs = _read_jsonl(path, self.text_key) if path.name.endswith(JSONL) else \
                     [_read_text(path, strict=self.source != "stdlib")]
                 for doc in docs:
                     self.empty += not doc
+                    if SPACE_SYMBOL in doc:
+                        self.spaced = (self.spaced[0] + 1, self.spaced[1] or path)
                     if doc:
                         _add_doc(digest, doc)
                         yield doc
@@ -590,6 +594,10 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     docs_text = f"{info['num_docs']:,} document{'s' * (info['num_docs'] != 1)}"
     print(f"corpus: {docs_text}, {info['num_chars']:,} characters from {info['source']} "
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
+    spaced, first = docs.spaced
+    if spaced:
+        print(f"note: {spaced:,} document{'s hold' if spaced != 1 else ' holds'} U+2581 ('{SPACE_SYMBOL}', the first "
+              f"in {first}): sentencepiece's whitespace symbol, which it encodes as a space (the model sees a space)")
     tok_path = out / "tokenizer.model"
     trained_on = {"vocab_size": cfg.vocab_size, "sample_chars": cfg.tokenizer_sample_chars,
                   "seed": cfg.tokenizer_seed, "corpus_sha256": info["corpus_sha256"], "settings": _TOKENIZER_SETTINGS}

@@ -582,6 +582,25 @@ def test_a_valid_build_is_never_retrained_with_other_tokenizer_settings(copy_of)
     assert Tokenizer(Path(copy_of.dir) / "tokenizer.model").sha256 == before
 
 
+def test_prepare_notes_documents_that_hold_the_whitespace_symbol(prepared, tmp_path, capsys):
+    """A literal U+2581 encodes as a space (sentencepiece's whitespace symbol: the text does not round-trip there):
+    prepare says how many documents hold one and where the first is."""
+    tok = Tokenizer(Path(prepared[0].dir) / "tokenizer.model")
+    assert tok.encode("a\u2581b") == tok.encode("a b") and tok.decode(tok.encode("\u2581\u2582")) == " \u2582"
+    corpus = tmp_path / "c.jsonl"
+    texts = ["def f():\n    pass\n", "bars: \u2581\u2582\u2583\n", "x = 1\n", "\u2581\u2581x\n"]
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    prepare(DataConfig(source=str(corpus), dir=str(tmp_path / "out"), vocab_size=VOCAB, num_workers=1,
+                       tokenizer=str(tok.path)))
+    out = capsys.readouterr().out
+    assert f"note: 2 documents hold U+2581 ('\u2581', the first in {corpus}): sentencepiece's whitespace symbol, " \
+           "which it encodes as a space (the model sees a space)\n" in out, out
+    corpus.write_text(json.dumps({"text": texts[0]}) + "\n")
+    prepare(DataConfig(source=str(corpus), dir=str(tmp_path / "out2"), vocab_size=VOCAB, num_workers=1,
+                       tokenizer=str(tok.path)))
+    assert "U+2581" not in capsys.readouterr().out
+
+
 def test_a_jsonl_builds_text_key_and_a_given_tokenizer_are_checked_by_training_too(prepared, small_data, tmp_path):
     """A build of JSON lines records its text_key: prepare with another refuses to re-encode the build, and a run
     that asks for another field is refused (as another data.source is); a run given data.tokenizer checks that it
