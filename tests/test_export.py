@@ -360,6 +360,29 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     assert export_hf.main([ckpt.path, str(killed)]) == 0 and (killed / "config.json").is_file()
 
 
+def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypatch):
+    """export_hf writes the tokenizer bytes find_tokenizer read and checked against the checkpoint's sha256, not the
+    file read again: one changed in between does not reach the export."""
+    import shutil
+
+    from megatron_mini import hf
+    ckpt, _, _ = exported[1]
+    copy = tmp_path / "step"
+    shutil.copytree(ckpt.path, copy)
+    checked = []
+
+    def find_then_change(*args):
+        tok = inference.find_tokenizer(*args)
+        checked.append(tok.data)
+        tok.path.write_bytes(b"written after the check")
+        return tok
+    monkeypatch.setattr(hf, "find_tokenizer", find_then_change)
+    assert export_hf.main([str(copy), str(tmp_path / "hf")]) == 0
+    assert (copy / "tokenizer.model").read_bytes() == b"written after the check"
+    with open(os.path.join(ckpt.path, "tokenizer.model"), "rb") as f:
+        assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == checked[0] == f.read()
+
+
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):
     """The README's example, run as written from another directory, loads the export given by a relative
     path and generates within the model's positions (it asked for 50 new tokens whatever the context,
