@@ -53,22 +53,23 @@ check-kernels: venv
 # CPUs have no fast fp16 matmul (about 10x slower than fp32 on the 2-core build VM), so the CPU default is short; on a GPU
 # use e.g. PRECISION_ARGS="steps=2000 gbs=64".
 PRECISION_ARGS ?= steps=100 gbs=8 eval_interval=25
-# Each call starts the three runs over: it removes runs/precision-{fp32,fp16,bf16} first.
+# Each call trains three new runs, runs/precision-<STAMP>-{fp32,fp16,bf16} (earlier calls' are kept).
+STAMP := $(shell date +%Y%m%d-%H%M%S)
 compare-precision: data
-	rm -rf runs/precision-fp32 runs/precision-fp16 runs/precision-bf16
 	for p in fp32 fp16 bf16; do \
 	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py precision=$$p $(PRECISION_ARGS) \
-	    log_interval=2 run_name=precision-$$p resume=never wandb.group=precision wandb.name=$$p $(ARGS) || exit 1; \
+	    log_interval=2 run_name=precision-$(STAMP)-$$p resume=never wandb.group=precision-$(STAMP) wandb.name=$$p \
+	    $(ARGS) || exit 1; \
 	done
-	$(PYTHON) tools/compare_runs.py runs/precision-fp32 runs/precision-fp16 runs/precision-bf16 -o docs/precision_compare.png
+	$(PYTHON) tools/compare_runs.py runs/precision-$(STAMP)-fp32 runs/precision-$(STAMP)-fp16 runs/precision-$(STAMP)-bf16 \
+	  --labels fp32,fp16,bf16 -o docs/precision_compare.png
 
 # The design card's layout on one CPU machine: 48 ranks, tp=4 x pp=12 (1 embedding + 10 block + 1 head stages).
-# Each call starts over: it removes runs/demo-48 first.
+# Each call is a new run, runs/demo-48-<STAMP>.
 demo-48: data
-	rm -rf runs/demo-48
 	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=48 train.py layout=tp4_pp12 \
 	  embedding_stage=own model.num_layers=10 mbs=1 gbs=12 steps=6 log_interval=1 eval_interval=0 \
-	  run_name=demo-48 resume=never timeout_s=900 $(ARGS)
+	  run_name=demo-48-$(STAMP) resume=never timeout_s=900 $(ARGS)
 
 plot-schedule: venv
 	$(PYTHON) tools/plot_schedule.py --pp 4 --vpp 2 --microbatches 8 --compare -o docs/schedule_pp4_vpp2_m8.png

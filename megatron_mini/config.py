@@ -613,7 +613,7 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     ConfigError with one paragraph. Run by every rank before any process group exists. `consumed_samples`:
     where the run starts, for the global batches of a rampup_batch_size still to come (check_rampup_layout);
     None where a resume may set it: training.check_resume checks them once its checkpoint is found.
-    Too few processes is said last, once the launch it advises (dp = 1) would pass the rest."""
+    Too few processes is said once the launch it advises (dp = 1) would pass the model's and the batch's checks."""
     check_layout_free(cfg)
     m = cfg.model
     if m.num_heads % cfg.tp:

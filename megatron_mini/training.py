@@ -646,7 +646,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
         val_text = f"val loss {evals[-1][1]:.4f} (step {evals[0][0]}: {evals[0][1]:.4f})"
     trained = "no train loss" if math.isnan(trainer.loss) else f"final train loss {trainer.loss:.4f}"
     ended = "stopped" if stopped_by else "done"          # (a stop's own line, above, says how to continue)
-    log.info(f"{ended}: {steps_run} steps in {format_duration(elapsed)} | {trained} | "
+    log.info(f"{ended}: {steps_run} step{'s' * (steps_run != 1)} in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
     last_ckpt = trainer.last_checkpoint

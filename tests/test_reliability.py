@@ -282,8 +282,9 @@ def test_too_few_processes_is_said_once_the_advised_launch_would_pass(layout, me
     from megatron_mini.config import ConfigError, ModelConfig, TrainConfig, validate
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(TrainConfig(**layout), 1)
-    with pytest.raises(ConfigError, match="needs at least 48 processes"):
-        validate(TrainConfig(tp=4, pp=12, model=ModelConfig(num_layers=12)), 1)
+    if layout == {"tp": 4, "pp": 12}:                  # (a model it splits: then the process count is what is short)
+        with pytest.raises(ConfigError, match="needs at least 48 processes"):
+            validate(TrainConfig(tp=4, pp=12, model=ModelConfig(num_layers=12)), 1)
 
 
 def test_min_lr_above_lr_is_refused():

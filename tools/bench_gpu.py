@@ -339,9 +339,9 @@ def model_section(key: str, recs: list, smoke: bool) -> str:
         parts += [f"- rows {', '.join(rows)}: `{cmd}` ({date})" for (cmd, date), rows in runs.items()]
     ok = [r for r in recs if r["status"] == "ok"]
     if ok:
-        parts.append(f"- {ok[0]['steps']} timed steps per row after {ok[0]['warmup_steps']} warmup "
-                     f"step{'s' * (ok[0]['warmup_steps'] != 1)} "
-                     f"(compiled rows: more); peak TFLOP/s for MFU: "
+        steps, warmup = ok[0]["steps"], ok[0]["warmup_steps"]
+        parts.append(f"- {steps} timed step{'s' * (steps != 1)} per row after {warmup} warmup "
+                     f"step{'s' * (warmup != 1)} (compiled rows: more); peak TFLOP/s for MFU: "
                      + ", ".join(sorted({f"{r['dtype']} {fmt(r.get('peak_tflops'), '.0f')}" for r in ok})))
     if smoke:
         parts.append("- **smoke run** (tiny model): these figures say nothing about speed.")
@@ -424,8 +424,8 @@ def main(argv=None) -> int:
                     help="the device's dense peak TFLOP/s for MFU (default: megatron_mini.hardware's table)")
     ap.add_argument("--profile", metavar="ROW", default=None,
                     help="instead of the benchmark: torch.profiler over a few steps of ROW for each model")
-    ap.add_argument("--profile-steps", type=at_least(1), default=3)
-    ap.add_argument("--profile-top", type=at_least(1), default=25)
+    ap.add_argument("--profile-steps", type=at_least(1), default=3, help="profiled steps (default 3)")
+    ap.add_argument("--profile-top", type=at_least(1), default=25, help="rows of the profile's table (default 25)")
     ap.add_argument("--trace", default=None, help=f"with --profile: also write a chrome trace here ({CREATED})")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per row, no compile "
                     "(automatic without CUDA); exercises the code only")

@@ -20,7 +20,8 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) ->
                    help="the weights' type (bf16, fp16: half the memory); generate and evaluate also compute in it "
                         "(faster on a GPU), LayerNorm statistics in fp32")
     if device:
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto (the default): CUDA when there is a GPU, else the CPU")
 
 
 def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:

@@ -35,8 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1 (the "
                    "default): all")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234, help="of the sampling (default 1234)")
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt (default 1)")
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="rerun the last seq_len tokens for every new token (slower; for comparison)")
     args = p.parse_args(argv)

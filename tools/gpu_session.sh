@@ -216,7 +216,7 @@ esac
 echo "================ summary ($STAGE)"
 cat "$LOGS/env.txt" "$LOGS/steps.txt"
 for t in $tails; do   # (the training runs' validation losses too)
-  echo "---- $t"; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^done:$([ $t = make_test ] || echo '|val loss')" \
+  echo "---- $t"; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) |Timeout|[0-9]+ (passed|failed)|^(done|stopped):$([ $t = make_test ] || echo '|val loss')" \
     "$LOGS/$t.log" | cut -c1-200
 done
 for t in $tables; do   # a table file from its head, a log (the sweep's table, the probe's) from its tail
