@@ -221,7 +221,9 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("note: tp=2 zero=1: plan.py ranks every layout, whatever the command "
                                               "line gives its layout keys; --layout tp=2,zero=1 explains that one\n")
     assert main(args + ["--layout", "tp=3"]) == 2
-    assert "tp x pp = 3 x 1" in capsys.readouterr().err
+    assert "model.num_heads=4 is not divisible by tp=3" in capsys.readouterr().err
+    assert main(args + ["--layout", "tp=4,pp=8"]) == 2
+    assert "The layout tp=4 x pp=8 needs at least 32 processes" in capsys.readouterr().err
     assert main(args + ["cluster.gpu=a100"]) == 2                  # not a GPU of hardware.GPUS
     assert main(args + ["cluster.gpus_per_nod=8"]) == 2
     assert "did you mean cluster.gpus_per_node" in capsys.readouterr().err
