@@ -231,6 +231,19 @@ def _located(path: str) -> str:
 
 
 @torch.no_grad()
+def whole_sets(sets: dict, names: list) -> dict:
+    """evaluation_sets' {name: dataset} to read every sample of: a blend's directories each on its own
+    ("validation (<names[d]>)"), as the blend's epoch ends at its first sample read again, when a directory of a
+    smaller share is still part read (tools/evaluate.py --samples 0)."""
+    out = {}
+    for name, dataset in sets.items():
+        if isinstance(dataset, BlendedDataset):
+            out.update({f"{name} ({d})": part for d, part in zip(names, dataset.datasets)})
+        else:
+            out[name] = dataset
+    return out
+
+
 def mean_losses(model: GPTChunk, dataset, samples: int, batch: int, names: list | None = None) -> dict:
     """The mean cross entropy (nats per token, no label smoothing) of the model's next-token predictions over
     samples [0, samples) of `dataset` (each [seq_len + 1] tokens: inputs [:-1], targets [1:]), run `batch` samples

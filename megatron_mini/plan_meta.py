@@ -133,7 +133,7 @@ def math_attention(cfg: TrainConfig) -> bool:
 @contextlib.contextmanager
 def _older_objects_frozen():
     """Within, the objects made before are set aside from the garbage collector (gc.freeze), so that a
-    gc.collect() walks only what was made since: 0.01 s, where a full pass over a process that imported torch
+    gc.collect() walks only what was made since: 2 ms, where a full pass over a process that imported torch
     took 0.17 s. Left as it is where something froze objects already (training, after its first step)."""
     if gc.get_freeze_count():
         yield

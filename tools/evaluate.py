@@ -26,8 +26,7 @@ import time
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
 from megatron_mini.config import ConfigError
-from megatron_mini.dataset import BlendedDataset
-from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint
+from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint, whole_sets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
               f"losses include; these are the plain cross entropy", file=sys.stderr)
     names = [directory for _, directory in cfg.data.parts()]           # (a blend's validation set's directories)
     if args.samples == 0:
-        sets = whole(sets, names)
+        sets = whole_sets(sets, names)
     for name, dataset in sets.items():
         samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
         start = time.perf_counter()
@@ -78,18 +77,6 @@ def main(argv=None) -> int:
               f"{cfg.model.seq_len} tokens{' (its epoch)' if samples == len(dataset) else ''} | "
               f"{time.perf_counter() - start:.1f} s")
     return 0
-
-
-def whole(sets: dict, names: list) -> dict:
-    """{name: dataset} for reading every sample: a blend's directories each on its own ("validation (<dir>)"), as
-    the blend's epoch ends at the first sample read again, when a directory of a small share is still part read."""
-    out = {}
-    for name, dataset in sets.items():
-        if isinstance(dataset, BlendedDataset):
-            out.update({f"{name} ({d})": part for d, part in zip(names, dataset.datasets)})
-        else:
-            out[name] = dataset
-    return out
 
 
 if __name__ == "__main__":
