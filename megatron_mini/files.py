@@ -91,6 +91,9 @@ def remove_left_temporaries(directory, names) -> list[tuple[str, int]]:
     return removed
 
 
+VANISHED_RETRIES = 20   # DirectoryLock: tries again as often where its directory is removed as it is made
+
+
 class DirectoryLock:
     """An exclusive flock on `{directory}/.lock`, whose file names its holder (host, pid), held until release() (or
     the with block's end), which removes the file, or until the process ends: the kernel drops the lock of a
@@ -101,9 +104,16 @@ class DirectoryLock:
 
     def __init__(self, directory, user: str, advice: str = "", waiting=None):
         self.path = os.path.join(directory, ".lock")
+        vanished = 0
         while True:
-            os.makedirs(directory, exist_ok=True)    # (the holder waited for may have removed the one it made)
-            self._file, created = _open_creating(self.path)
+            try:        # (the holder waited for may be removing the directory it made, and its empty parents)
+                os.makedirs(directory, exist_ok=True)
+                self._file, created = _open_creating(self.path)
+            except FileNotFoundError:
+                vanished += 1
+                if vanished > VANISHED_RETRIES:   # (not a race: a path that cannot be made, a dangling link in it)
+                    raise
+                continue
             try:
                 self._lock(f"{directory} is in use by {user}", advice, waiting)
                 same = _same_file(self._file, self.path)

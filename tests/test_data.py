@@ -4,6 +4,7 @@ One small corpus (40 standard-library files copied as .txt, vocab 512) is prepar
 """
 import dataclasses
 import json
+import os
 import platform
 import random
 import re
@@ -195,7 +196,6 @@ def test_a_signal_while_the_tokenizer_trains_keeps_it(small_data, tmp_path, monk
     and the next preparation finds them cached, not trained again. With another thread alive, as in any process
     with a pool (or a pytest-xdist worker): the kernel may give that thread the signal, and Python then runs the
     handler in the main thread however the main thread blocks it."""
-    import os
     import signal
     import threading
 
@@ -235,7 +235,6 @@ def test_an_encoding_process_killed_midway_is_an_error_not_a_hang(prepared, tmp_
     SIGTERM, which they must take (they start with it blocked, launch.signals_held), then one DataError, no
     tokens.bin. A watchdog kills the workers after 60 s, so that a hang fails instead of stalling the suite."""
     import multiprocessing
-    import os
     import signal
     import threading
     import time
@@ -739,7 +738,6 @@ def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared,
     saying whom it waits for and changing nothing meanwhile; then it first removes the temporary files of a
     preparation killed outright (tokens.bin.tmp<pid> as large as the corpus, an atomic write's), finds the rest
     ready, and leaves no .lock behind."""
-    import os
     import threading
     import time
 
@@ -773,6 +771,28 @@ def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared,
     assert sorted(p.name for p in out.iterdir()) == ["a.tmp1x", "draft.tmp2024", "meta.json", "notes.tmp",
                                                      "tokenizer.json", "tokenizer.model", "tokens.bin",
                                                      "tokens.bin.tmp1.csv", "tokens.idx"]
+
+
+def test_a_lock_whose_directory_is_removed_as_it_is_made_is_taken(tmp_path, monkeypatch):
+    """The holder a lock waited for removes the directory it made and its empty parents as it fails: where that
+    comes between making the directory and opening its .lock (makedirs, then open: FileNotFoundError), the lock is
+    tried again. A path that cannot be made (a dangling link in it) is its error, not a loop."""
+    from megatron_mini import files
+    made, real = [], os.makedirs
+
+    def removed_once(path, exist_ok=False):
+        made.append(path)
+        if len(made) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, exist_ok=exist_ok)
+    monkeypatch.setattr(files.os, "makedirs", removed_once)
+    lock = files.DirectoryLock(tmp_path / "a" / "b", "a test")
+    assert made.count(tmp_path / "a" / "b") == 2 and (tmp_path / "a" / "b" / ".lock").is_file()
+    lock.release()
+    monkeypatch.undo()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError):
+        files.DirectoryLock(tmp_path / "dangling" / "x", "a test")
 
 
 def test_a_preparation_waiting_for_one_that_failed_builds(prepared, tmp_path):
