@@ -335,10 +335,10 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     out = capsys.readouterr().out.splitlines()             # blend's directories whole (its epoch ends before)
     parts = sets["validation"].datasets
     assert [line.split(": loss ")[0] for line in out] == [f"validation ({first})", f"validation ({second})", second]
-    for line, part, d in zip(out, parts, names):
-        whole = mean_losses(model, part, len(part), 7)[None]
-        assert line.startswith(f"validation ({d}): loss {whole:.4f} | ") and \
-            f"| {len(part):,} samples of 32 tokens (its epoch)" in line, line
+    for line, part in zip(out, parts):
+        assert f"| {len(part):,} samples of 32 tokens (its epoch)" in line, line
+    whole = mean_losses(model, parts[0], len(parts[0]), 16)[None]          # (the other's loss: the same code)
+    assert out[0].startswith(f"validation ({first}): loss {whole:.4f} | "), out[0]
     blend = sets["validation"]                             # (its epoch leaves a directory part read)
     assert any((blend.which(0, len(blend)) == d).sum() < len(part) for d, part in enumerate(parts))
     assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
