@@ -141,11 +141,12 @@ class _Writer:
 
 
 def _save_file(obj, path: str) -> str:
-    """torch.save to `path`, flushed to disk; returns its sha256."""
+    """torch.save to `path` (bytes: written as they are, the tokenizer's file), flushed to disk; returns its
+    sha256."""
     with open(path, "wb") as f:
         writer = _Writer(f)
         try:
-            torch.save(obj, writer)
+            writer.write(obj) if isinstance(obj, bytes) else torch.save(obj, writer)
         except RuntimeError:
             if writer.error:
                 raise writer.error from None
@@ -526,12 +527,7 @@ class Save:
     def _write_files(self) -> None:
         while self.files:
             name = next(iter(self.files))
-            obj, path = self.files.pop(name), os.path.join(self.tmp, name)
-            if isinstance(obj, bytes):              # (the tokenizer's file)
-                atomic_write(path, obj)
-                self.digests[name] = hashlib.sha256(obj).hexdigest()
-            else:
-                self.digests[name] = _save_file(obj, path)
+            self.digests[name] = _save_file(self.files.pop(name), os.path.join(self.tmp, name))
 
     @property
     def writing(self) -> bool:

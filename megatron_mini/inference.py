@@ -230,7 +230,6 @@ def _located(path: str) -> str:
     return next((c for c in _candidates(path) if os.path.exists(c)), path)
 
 
-@torch.no_grad()
 def whole_sets(sets: dict, names: list) -> dict:
     """evaluation_sets' {name: dataset} to read every sample of: a blend's directories each on its own
     ("validation (<names[d]>)"), as the blend's epoch ends at its first sample read again, when a directory of a
@@ -244,6 +243,7 @@ def whole_sets(sets: dict, names: list) -> dict:
     return out
 
 
+@torch.no_grad()
 def mean_losses(model: GPTChunk, dataset, samples: int, batch: int, names: list | None = None) -> dict:
     """The mean cross entropy (nats per token, no label smoothing) of the model's next-token predictions over
     samples [0, samples) of `dataset` (each [seq_len + 1] tokens: inputs [:-1], targets [1:]), run `batch` samples
