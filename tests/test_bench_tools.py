@@ -181,6 +181,33 @@ def test_bench_gpu_doc_merge_keeps_the_same_code_path_verdict(tmp_path):
     assert len(goal) == 1 and "same code path" in goal[0], goal
 
 
+def test_bench_gpu_section_states_each_kind_of_rows_warmup():
+    """Compiled rows warm up longer than eager ones: the section says both counts, not the first row's."""
+    import bench_gpu
+
+    def rec(row, warmup, compiled):
+        return {"model": "small", "model_name": "gpt2-small", "row": row, "config": row, "status": "ok",
+                "dtype": "bf16", "steps": 8, "warmup_steps": warmup, "compiled": compiled, "peak_tflops": 989.4,
+                "command": "c", "date": "d", "device": "H100", "mbs": 16, "microbatches": 8, "seq_len": 1024,
+                "first_loss": 9.0, "last_loss": 8.0, "tokens_per_s": 5e5, "median_s": 0.26, "model_tflops": 300.0,
+                "mfu": 0.3, "triton_ops": []}
+
+    def section(recs):
+        text = bench_gpu.model_section("small", recs, smoke=False)
+        return next(line for line in text.splitlines() if "timed steps per row" in line)
+    assert "after 3 warmup steps (compiled rows: 5);" in section([rec("default", 5, True), rec("eager", 3, False)])
+    assert "after 4 warmup steps;" in section([rec("default", 4, True), rec("eager", 4, False)])
+    assert "after 1 warmup step;" in section([rec("eager", 1, False)])
+
+
+def test_the_train_step_host_probe_runs():
+    """docs/probes/train_step_host_2026-11-23.py, left for a GPU run, builds its rows through bench_gpu: a smoke
+    run of the tiny model on a CPU keeps it in step with bench_gpu's API."""
+    out = _run(["docs/probes/train_step_host_2026-11-23.py", "default", "2"], timeout=120)
+    row = out.strip().splitlines()[-1].split()
+    assert row[:2] == ["default", "2"] and all(_finite(float(x)) and float(x) > 0 for x in row[2:])
+
+
 def test_bench_gpu_doc_keeps_models_and_rows_not_rerun(tmp_path):
     import bench_gpu
 

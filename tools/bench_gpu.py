@@ -339,15 +339,23 @@ def model_section(key: str, recs: list, smoke: bool) -> str:
         parts += [f"- rows {', '.join(rows)}: `{cmd}` ({date})" for (cmd, date), rows in runs.items()]
     ok = [r for r in recs if r["status"] == "ok"]
     if ok:
-        steps, warmup = ok[0]["steps"], ok[0]["warmup_steps"]
-        parts.append(f"- {steps} timed step{'s' * (steps != 1)} per row after {warmup} warmup "
-                     f"step{'s' * (warmup != 1)} (compiled rows: more); peak TFLOP/s for MFU: "
+        steps = ok[0]["steps"]
+        eager, compiled = (warmups([r for r in ok if bool(r.get("compiled")) == c]) for c in (False, True))
+        first = eager or compiled
+        warmup = (f"{first} warmup step{'s' * (first != '1')}"
+                  + (f" (compiled rows: {compiled})" if eager and compiled and compiled != eager else ""))
+        parts.append(f"- {steps} timed step{'s' * (steps != 1)} per row after {warmup}; peak TFLOP/s for MFU: "
                      + ", ".join(sorted({f"{r['dtype']} {fmt(r.get('peak_tflops'), '.0f')}" for r in ok})))
     if smoke:
         parts.append("- **smoke run** (tiny model): these figures say nothing about speed.")
     parts += ["", model_table(recs), "", markdown_table(["goal", "measured", "target", "result"],
                                                         model_goals(key, recs, smoke))]
     return "\n".join(parts)
+
+
+def warmups(recs: list) -> str:
+    """The rows' warmup step counts, '3' or '3/4' ('' for no rows)."""
+    return "/".join(str(w) for w in sorted({r["warmup_steps"] for r in recs}))
 
 
 DOC_HEAD = """## Training throughput on one GPU (issues 10 and 9): `make bench-gpu`
@@ -467,6 +475,9 @@ def main(argv=None) -> int:
     print(f"device: {dev_text}, {time.strftime('%Y-%m-%d %H:%M')}\ncommand: {command}", flush=True)
     if args.smoke:
         print("SMOKE RUN: tiny model, no torch.compile; exercises the code, claims no speed.", flush=True)
+    doc = None if args.doc is None else args.doc or (None if args.smoke else DOC)
+    if args.smoke and args.doc == "" and not args.profile:
+        print("smoke run: not writing docs/benchmarks.md (name a file: --doc PATH)")
     _init_one_rank_group()
     try:
         if args.profile:
@@ -497,12 +508,10 @@ def main(argv=None) -> int:
                     log(f"  WARNING: {rec['mem_at_start_gib']:.2f} GiB were still allocated when this row started")
                 if args.out:
                     _write_out(args.out, dev_text, command, results, by_model, args.smoke)
-        if args.doc is not None:
-            if args.smoke and not args.doc:
-                print("smoke run: not writing docs/benchmarks.md (name a file: --doc PATH)")
-            else:
-                write_doc(args.doc or DOC, by_model, args.smoke)
-                print(f"wrote the bench_gpu section of {args.doc or DOC}")
+                if doc:                   # after every row: a call cut off by its time limit keeps the rows it ran
+                    write_doc(doc, by_model, args.smoke)
+        if doc:
+            print(f"wrote the bench_gpu section of {doc}")
         log("done")
         for key in keys:
             print("\n" + model_section(key, by_model[key], args.smoke))

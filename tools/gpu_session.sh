@@ -51,9 +51,12 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 PY=python3
 
 if [ "$STAGE" = wheels ]; then
+  SHARED_WHEELS=${2:-../shared/wheels}    # (checked before the old copies go)
+  ls "$SHARED_WHEELS"/hydra_core-*.whl "$SHARED_WHEELS"/omegaconf-*.whl >/dev/null 2>&1 || \
+    { echo "error: no hydra-core and omegaconf wheels in $SHARED_WHEELS: name their folder (wheels FOLDER)"; exit 1; }
   rm -rf .gpu/wheels .gpu/wheelhouse      # (pip download keeps older versions beside newer ones)
   mkdir -p .gpu/wheels .gpu/wheelhouse
-  cp "${2:-../shared/wheels}"/*.whl .gpu/wheels/ || exit 1
+  cp "$SHARED_WHEELS"/*.whl .gpu/wheels/ || exit 1
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools 'sentencepiece>=0.2.3' || exit 1
@@ -77,7 +80,8 @@ if [ "$STAGE" = wheels ]; then
 fi
 # .gpu as `wheels` fills it (a copy older than the sentencepiece pin would fail `make venv` offline at once;
 # only the make stage reads .gpu/data)
-ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl .gpu/wheelhouse/sentencepiece-0.2.[3-9]*.whl \
+SP_WHEEL=$(ls .gpu/wheelhouse/sentencepiece-*.whl 2>/dev/null | grep -v -E 'sentencepiece-0\.(1\.|2\.[0-2][-.])' | head -1)
+ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl "${SP_WHEEL:-no-sentencepiece-0.2.3-or-newer}" \
   $([ "$STAGE" = make ] && echo .gpu/data/stdlib-v8192/tokens.bin) >/dev/null 2>&1 || { echo "error: .gpu lacks" \
   "hydra-core, omegaconf, sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine" \
   "reaches PyPI) and carry .gpu"; exit 2; }
@@ -183,16 +187,19 @@ compile)
   # the limits sum to 530 s (pip, imports and tar fit in 600); seen 2026-11-24: glue 14 s, each compiled row
   # 35 s (small), 58 s (medium), 69 s (1.3b) before its steps; 1.3b eager was measured then (1980.9 ms)
   step glue 30 $PY docs/probes/eager_glue.py
-  step bench_small 150 $B --models small --rows default,eager,fp16,baseline-compile --steps 8 --out "$LOGS/small"
-  step bench_medium 150 $B --models medium --rows default,eager,baseline-compile --steps 8 --out "$LOGS/medium"
+  # (the compiled baseline first: every ratio's reference, and the row a cut call lost at 1.3b on 2026-11-24; the
+  # default, eager and fp16 rows compile too since 8145709)
+  step bench_small 150 $B --models small --rows baseline-compile,default,eager,fp16 --steps 8 --out "$LOGS/small"
+  step bench_medium 150 $B --models medium --rows baseline-compile,default,eager --steps 8 --out "$LOGS/medium"
   # (1.3b: both rows compile, ~70 s each before its steps, which agreed within 1%: 3 warmup steps and 5 timed)
-  step bench_1.3b 200 $B --models 1.3b --rows default,baseline-compile --warmup 1 --steps 5 --out "$LOGS/1.3b"
+  step bench_1.3b 200 $B --models 1.3b --rows baseline-compile,default --warmup 1 --steps 5 --out "$LOGS/1.3b"
   tails=""
   tables="glue.log small/bench_gpu.md medium/bench_gpu.md 1.3b/bench_gpu.md"
   ;;
 sweep)
   step sweep 240 $PY tools/sweep_attention.py --quick          # the limits sum to 540 s
-  step sweep_dropout 200 $PY tools/sweep_attention.py --quick --dropout 0.1
+  # (d = 128 only: d = 64's dropout sweep ran on 2026-11-24, and d = 128's, after it, was cut off by its 200 s)
+  step sweep_dropout 200 $PY tools/sweep_attention.py --quick --dropout 0.1 --shapes 8,16,2048,128
   step bench_ce 100 $PY tools/bench_kernels.py --ops ce --out "$LOGS"
   tails=""
   tables="sweep.log sweep_dropout.log bench_kernels.md"
@@ -222,4 +229,6 @@ done
 for t in $tables; do   # a table file from its head, a log (the sweep's table, the probe's) from its tail
   echo "---- $t"; [ -f "$LOGS/$t" ] && grep -v '^$' "$LOGS/$t" | case $t in *.log) tail -40 ;; *) head -60 ;; esac
 done
+# the steps again last: the run tool returns the last 12,000 characters, which long tables would leave without them
+[ -n "$tables" ] && { echo "---- steps"; cat "$LOGS/steps.txt"; }
 exit $FAILED

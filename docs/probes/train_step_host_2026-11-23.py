@@ -1,6 +1,7 @@
 """(Run as python docs/probes/train_step_host_2026-11-23.py ROWS MBS from the repository root, on a GPU.)
 Host vs GPU time of one training step: the same step at mbs 16 and mbs 1 (GPU work /16, launches the
-same), split into the engine's forward/backward (host return, then sync) and the optimizer."""
+same), split into the engine's forward/backward (host return, then sync) and the optimizer. On a CPU, a smoke
+run of the tiny model (tests/test_bench_tools.py runs it so, to keep it in step with bench_gpu)."""
 import os, sys, statistics, time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -14,6 +15,9 @@ key = "small" if cuda else None
 rows = sys.argv[1].split(",") if len(sys.argv) > 1 else ["default", "layer_norm"]
 mbss = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [16, 1]
 
+bg._init_one_rank_group()
+
+
 def sync():
     if cuda: torch.cuda.synchronize()
 
@@ -21,9 +25,8 @@ print(f"{'row':12s} {'mbs':>4s} {'step ms':>8s} {'engine host ms':>15s} {'engine
 for row in rows:
     for mbs in mbss:
         model, _, m = bg.model_config("small", not cuda)
-        cfg = bg.framework_config(row, model, mbs, m, dev.type)
-        r = bg.FrameworkRunner(cfg, dev)
-        t = r.trainer
+        r, _ = bg.build(row, model, mbs, m, dev, not cuda)
+        t, cfg = r.trainer, r.cfg
         for _ in range(3):
             r.step()
         sync()
