@@ -80,15 +80,12 @@ def table_peak(key: str | None, dtype: str, tf32: bool, override: float = 0.0) -
 
 def set_tf32(enabled: bool) -> bool:
     """Let fp32 matmuls on CUDA run on TF32 tensor cores (or not); returns whether they did before.
-    Newer torch has `matmul.fp32_precision`, and once it is set, reading the legacy `allow_tf32` raises,
-    so only one of the two APIs is ever used. Convolutions (cuDNN) are left alone: the model has none."""
+    Through torch.set_float32_matmul_precision ("high" / "highest"), which sets every backend's setting
+    together: newer torch raises when any of its readers (get_float32_matmul_precision, the legacy
+    `matmul.allow_tf32`; inductor's max-autotune reads them) finds one backend set alone by the new API."""
     matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        before = matmul.fp32_precision == "tf32"
-        matmul.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        before = matmul.allow_tf32
-        matmul.allow_tf32 = enabled
+    before = matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
     return before
 
 

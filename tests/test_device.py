@@ -117,22 +117,22 @@ def test_slurm_without_this_nodes_task_count_is_refused(monkeypatch, per_node, n
         gpu_slot()
 
 
-def test_set_tf32_uses_one_api_and_returns_the_previous_setting():
-    """The switch round-trips, and afterwards torch's TF32 state can still be read through the API it
-    was set with (torch >= 2.9 raises when the legacy and new APIs are mixed)."""
+def test_set_tf32_returns_the_previous_setting_and_leaves_every_reader_working():
+    """The switch round-trips, and afterwards torch's TF32 state can still be read through every API
+    (torch >= 2.9 raises in get_float32_matmul_precision and `allow_tf32` when the CUDA matmul's new
+    `fp32_precision` was set alone: inductor's max-autotune reads them)."""
     matmul = torch.backends.cuda.matmul
-    new_api = hasattr(matmul, "fp32_precision")
-    raw = matmul.fp32_precision if new_api else matmul.allow_tf32      # restored as it was ("none" included)
+    raw = torch.get_float32_matmul_precision()
     try:
         set_tf32(True)
         assert set_tf32(False) is True
+        assert torch.get_float32_matmul_precision() == "highest" and not matmul.allow_tf32
         assert set_tf32(True) is False
-        assert (matmul.fp32_precision == "tf32") if new_api else matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high" and matmul.allow_tf32
+        if hasattr(matmul, "fp32_precision"):
+            assert matmul.fp32_precision == "tf32"
     finally:
-        if new_api:
-            matmul.fp32_precision = raw
-        else:
-            matmul.allow_tf32 = raw
+        torch.set_float32_matmul_precision(raw)
 
 
 def test_peak_table_and_tf32():
