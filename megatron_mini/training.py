@@ -31,7 +31,7 @@ from .comm import Group, Ledger
 from .errors import CommError
 from .files import atomic_write
 from .hardware import device_memory_bytes, set_tf32
-from .kernels import attention_unsupported, interpreting
+from .kernels import attention_unsupported, interpreter_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
@@ -61,6 +61,8 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
             raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter "
                               "(slow; for tests): set TRITON_INTERPRET=1 in the environment to do that, "
                               "or use kernels=torch.")
+        if device.type == "cpu" and interpreter_unsupported():
+            raise ConfigError(f"kernels={cfg.kernels}: {interpreter_unsupported()}; or use kernels=torch.")
     m = cfg.model
     if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
         why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout, cfg.mbs * m.num_heads // cfg.tp)

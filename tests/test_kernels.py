@@ -243,6 +243,29 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
         assert tuned.best_config.kwargs["BLOCK_M"] * 1024 <= 8192
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ("3.6.0", "2.4.6", True), ("3.0.0", "2.4.0rc1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+    ("3.10.1+git0123abc", "2.5.0", False)])
+def test_an_interpreter_that_cannot_run_the_kernels_is_one_message(triton_version, numpy_version, refused,
+                                                                    monkeypatch):
+    """triton < 3.7's interpreter with numpy >= 2.4 fails in every kernel with a loop ("only 0-dimensional
+    arrays can be converted": seen with triton 3.6.0 and numpy 2.4.6): a CPU launch and kernels=triton on a CPU
+    say so, and what to install, instead."""
+    from megatron_mini import training
+    from megatron_mini.config import ConfigError, TrainConfig
+    why = kernels.interpreter_unsupported(triton_version, numpy_version)
+    assert bool(why) == refused
+    if not refused:
+        return
+    assert f"triton {triton_version}" in why and f"numpy {numpy_version}" in why and "triton>=3.7" in why
+    monkeypatch.setattr(kernels, "interpreter_unsupported", lambda: why)
+    monkeypatch.setattr(training, "interpreter_unsupported", lambda: why)
+    with pytest.raises(RuntimeError, match="numpy<2.4"):
+        layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(8))
+    with pytest.raises(ConfigError, match=f"kernels=triton: .*numpy {numpy_version}.*; or use kernels=torch"):
+        training.setup_device(TrainConfig(kernels="triton", device="cpu"))
+
+
 def test_host_cdiv_and_next_power_of_2_are_tritons():
     """The wrappers' plain-Python cdiv and next_power_of_2 (triton's are constexpr functions, ~3 us a call on the
     host) give what triton's give."""

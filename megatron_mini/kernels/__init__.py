@@ -19,7 +19,10 @@ Import the submodules directly; this package imports nothing (no triton) so that
 can import it (and ask `interpreting()`). On CPU the kernels run under the Triton interpreter:
 set TRITON_INTERPRET=1 before importing a submodule.
 """
+import functools
+import importlib.metadata
 import os
+import re
 
 MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (256 overflows shared memory)
 MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
@@ -49,11 +52,34 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
+def _major_minor(version: str) -> tuple:
+    return tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
+@functools.cache
+def interpreter_unsupported(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run these kernels with the installed triton and numpy (None: it can).
+    Before triton 3.7 it makes a loop bound (`range(pid, ...)`) a Python int by int() of a one-element array,
+    which numpy 2.4 refuses: every kernel with a loop fails with "only 0-dimensional arrays can be converted"."""
+    triton_version = triton_version or importlib.metadata.version("triton")
+    if numpy_version is None:
+        import numpy
+        numpy_version = numpy.__version__
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton's interpreter in triton {triton_version} cannot run these kernels with numpy "
+                f"{numpy_version} (it fixes that in 3.7): install triton>=3.7 or numpy<2.4 for kernels on the CPU")
+    return None
+
+
 def check_device(x, interpret: bool, module: str) -> None:
-    """Refuse a CPU tensor unless `module`'s kernels were imported under the interpreter (`interpret`)."""
-    if not x.is_cuda and not interpret:
-        raise RuntimeError(f"Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
-                           f"before importing {module}.")
+    """Refuse a CPU tensor unless `module`'s kernels were imported under an interpreter that can run them."""
+    if not x.is_cuda:
+        if not interpret:
+            raise RuntimeError(f"Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 "
+                               f"before importing {module}.")
+        why = interpreter_unsupported()
+        if why:
+            raise RuntimeError(why)
 
 
 def cdiv(a: int, b: int) -> int:
