@@ -60,6 +60,14 @@ def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.n
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The samples 0..n-1 in epoch `epoch`'s order: rng([seed, epoch]).permutation(n), shuffled in place in
+    int32 where n allows (the same order at half the memory: a 146M-sample epoch holds 0.55 GiB, not 1.1)."""
+    order = np.arange(n, dtype=np.int32 if n < 2 ** 31 else np.int64)
+    np.random.default_rng([seed, epoch]).shuffle(order)
+    return order
+
+
 class GPTDataset:
     """Packed samples over documents `doc_ids` of `indexed`, concatenated in that order (EOS separates them).
     Sample k is tokens [k*seq_len, k*seq_len + seq_len + 1) of the concatenation: consecutive samples share
@@ -101,7 +109,7 @@ class GPTDataset:
             raise IndexError(f"sample index {i} < 0")
         epoch, k = divmod(int(i), self._len)
         if epoch != self._perm_epoch:
-            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self._len)
+            self._perm_epoch, self._perm = epoch, epoch_order(self._len, self.seed, epoch)
         start = int(self._perm[k]) * self.seq_len
         end, seg = start + self.seq_len + 1, int(np.searchsorted(self._seg_cum, start, side="right")) - 1
         parts = []

@@ -21,7 +21,8 @@ from megatron_mini import data
 from megatron_mini.config import DataConfig
 from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus,
                                 train_tokenizer)
-from megatron_mini.dataset import get_batch, load_datasets, load_eval_sets, rebuild_command, split_documents
+from megatron_mini.dataset import (epoch_order, get_batch, load_datasets, load_eval_sets, rebuild_command,
+                                   split_documents)
 from megatron_mini.training import evaluation_note
 
 VOCAB, SEQ = 512, 32
@@ -694,6 +695,15 @@ def test_split_and_samples(prepared):
     assert Counter(map(tuple, epochs[0])) == Counter(map(tuple, epochs[1])) == expected   # each sample once per epoch
     assert [tuple(s) for s in epochs[0]] != [tuple(s) for s in epochs[1]]                 # in a new order
     assert len(train) == (len(flat) - 1) // SEQ
+
+
+def test_an_epochs_order_is_its_seeded_permutation_held_in_int32():
+    """Epoch e's order is rng([seed, e]).permutation(n), the order every run has read, held in int32 (half an
+    int64 permutation's memory: 0.55 GiB a rank, not 1.1, for a 146M-sample epoch)."""
+    for n in (1, 7, 100_003):
+        order = epoch_order(n, 1234, 5)
+        assert order.dtype == np.int32
+        assert np.array_equal(order, np.random.default_rng([1234, 5]).permutation(n))
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
