@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import netrc
 import os
 import re
@@ -91,6 +92,19 @@ def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
     return value if value is None or isinstance(value, (int, str)) else float(value)
+
+
+def strict_json(value):
+    """value with null for every float that is not finite, in dicts, lists and tuples: NaN and Infinity are not
+    JSON, and strict readers (JavaScript's, Go's) refuse the lines Python writes for them (an fp16 step's skipped
+    grad_norm is NaN). For metrics.jsonl, summary.json and history.json; wandb is given the numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def cut_metrics(run_dir: str, step: int, evaluates_it: bool = False) -> int:
@@ -184,12 +198,21 @@ class RunLogger:
         """The local wandb run directory (what `wandb sync` takes), or None when wandb is off or failed to start."""
         return self._wandb_path
 
+    @property
+    def wandb_segments(self) -> str | None:
+        """A shell pattern of every offline directory of this wandb run, one per start (the run's restarts each
+        write one, under the same id; `wandb sync` takes them all, oldest first, as their names sort)."""
+        if self._wandb_path is None:
+            return None
+        folder, name = os.path.split(self._wandb_path)
+        return os.path.join(folder, re.sub(r"^(offline-run-)\d{8}_\d{6}(-.*)$", r"\1*\2", name))
+
     def log(self, step: int, metrics: dict) -> None:
         """Record `metrics` at `step`: one line in metrics.jsonl, one wandb.log call."""
         if not self.enabled:
             return
         data = {key: _plain(value) for key, value in metrics.items()}
-        line = (json.dumps({"step": int(step), **data}) + "\n").encode()
+        line = (json.dumps({"step": int(step), **strict_json(data)}) + "\n").encode()
         while line:                                  # (a write may take part of it)
             line = line[self._file.write(line):]
         if self._run is not None:
@@ -203,7 +226,7 @@ class RunLogger:
         if not self.enabled:
             return
         data = {key: _plain(value) for key, value in values.items()}
-        atomic_write(self.summary_path, json.dumps(data, indent=2))
+        atomic_write(self.summary_path, json.dumps(strict_json(data), indent=2))
         if self._run is not None:
             try:
                 self._run.summary.update(data)

@@ -37,7 +37,7 @@ from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
                       load_datasets, load_eval_sets, trained_eval_notes)
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
-from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line
+from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line, strict_json
 from .profiling import StepProfiler
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
@@ -625,8 +625,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     cfg = trainer.cfg
     r = rate(samples_run * cfg.model.seq_len, elapsed)
     val = history["val_loss"][-1][1] if history["val_loss"] else None
-    summary = {"final_loss": _finite(trainer.loss),     # (a resumed run that trained no step: its checkpoint's)
-               "final_val_loss": _finite(val),
+    summary = {"final_loss": strict_json(trainer.loss),     # (a resumed run that trained no step: its checkpoint's;
+               "final_val_loss": strict_json(val),           # None for none, or one that is not finite)
                "steps": trainer.step, "skipped_steps": trainer.skipped_steps, "elapsed_s": elapsed, **r}
     if stopped_by:
         summary["stopped_by"] = stopped_by
@@ -635,7 +635,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     trainer.write_alone(logger.metrics_path, logger.close)
     if trainer.mesh.rank == 0:
         path = os.path.join(cfg.run_dir, "history.json")
-        trainer.write_alone(path, lambda: atomic_write(path, json.dumps(history)))
+        trainer.write_alone(path, lambda: atomic_write(path, json.dumps(strict_json(history))))
     trainer.stop_on_failure()
     logger.finish()                      # wandb's own closing lines come before our summary
     log.info("-" * 72)
@@ -655,14 +655,9 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     log.info(f"checkpoint: {last_ckpt}")
     log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
     log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
-             + (f"  (upload with: wandb sync {logger.wandb_path})"
+             + (f"  (upload with: wandb sync {logger.wandb_segments}: every start's, oldest first)"
                 if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
-
-
-def _finite(x: float | None) -> float | None:
-    """x, or None (summary.json's null: strict JSON has no NaN nor Infinity) for no loss or one that is not finite."""
-    return x if x is not None and math.isfinite(x) else None
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -1,4 +1,5 @@
 """RunLogger writes metrics.jsonl and a wandb offline run; tools/compare_runs.py reads both back."""
+import glob
 import json
 import math
 import os
@@ -6,7 +7,7 @@ import os
 import pytest
 
 from megatron_mini.config import WandbConfig
-from megatron_mini.logger import RunLogger, branches, record_branch, resolve_mode, run_id
+from megatron_mini.logger import RunLogger, branches, record_branch, resolve_mode, run_id, strict_json
 
 import compare_runs                                 # tools/ (pytest's pythonpath)
 
@@ -57,6 +58,7 @@ def test_offline_wandb_run_reads_back_exactly(tmp_path, wandb_env):
     again = fake_training(resumed, range(21, 31), offset=1.0)
     resumed.finish()
     assert resumed.wandb_path != first and run_id(run_dir, "tiny-fp16") in resumed.wandb_path
+    assert sorted(glob.glob(resumed.wandb_segments)) == [first, resumed.wandb_path]   # what the done line says to sync
     assert compare_runs.read_wandb_files(compare_runs.wandb_files(run_dir)) == ("tiny-fp16", expected[:20] + again)
     run = compare_runs.read_run(run_dir)  # metrics.jsonl holds the same steps: it is preferred
     assert (run.source, run.label, run.rows) == ("metrics.jsonl", "tiny-fp16", expected[:20] + again)
@@ -110,6 +112,28 @@ def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
     again = fake_training(resumed, range(21, 31), offset=1.0)
     resumed.finish()
     assert compare_runs.read_run(run_dir).rows == expected[:20] + again
+
+
+def test_values_that_are_not_finite_are_strict_json_null(tmp_path):
+    """An fp16 step that overflowed logs grad_norm NaN: metrics.jsonl and summary.json write null (Python's NaN and
+    Infinity are not JSON: JavaScript's parser refuses the line), compare_runs reads it back as nan, and
+    history.json's lists and nested records (strict_json) hold null too."""
+    run_dir = tmp_path / "run"
+    logger = RunLogger(str(run_dir), WandbConfig(mode="disabled"), {}, enabled=True)
+    logger.log(1, {"loss": 5.0, "grad_norm": math.nan, "loss_scale": 65536.0, "x": -math.inf})
+    logger.summary({"final_loss": math.inf, "steps": 1})
+    logger.finish()
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+    assert strict((run_dir / "metrics.jsonl").read_text()) == {"step": 1, "loss": 5.0, "grad_norm": None,
+                                                               "loss_scale": 65536.0, "x": None}
+    assert strict((run_dir / "summary.json").read_text()) == {"final_loss": None, "steps": 1}
+    (row,) = compare_runs.read_run(str(run_dir)).rows
+    assert row["loss"] == 5.0 and math.isnan(row["grad_norm"]) and math.isnan(row["x"])
+    history = {"loss": [5.0, math.nan], "val_loss": [(2, math.inf)], "memory": {"peak": [1.0, {"a": math.nan}]}}
+    assert strict(json.dumps(strict_json(history))) == {"loss": [5.0, None], "val_loss": [[2, None]],
+                                                       "memory": {"peak": [1.0, {"a": None}]}}
 
 
 def test_not_enabled_is_a_no_op(tmp_path):

@@ -119,7 +119,8 @@ def read_wandb_files(paths: list[str]) -> tuple[str | None, list[dict]]:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """History from metrics.jsonl (a torn last line, from a crash, is ignored)."""
+    """History from metrics.jsonl (a torn last line, from a crash, is ignored; null, a value that was not finite,
+    reads as nan)."""
     entries = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -127,7 +128,8 @@ def read_jsonl(path: str) -> list[dict]:
                 metrics = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            entries.append((int(metrics.pop("step")), metrics))
+            step = int(metrics.pop("step"))
+            entries.append((step, {k: math.nan if v is None else v for k, v in metrics.items()}))
     return merge_history(entries)
 
 
