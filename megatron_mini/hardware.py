@@ -82,7 +82,8 @@ def set_tf32(enabled: bool) -> bool:
     """Let fp32 matmuls on CUDA run on TF32 tensor cores (or not); returns whether they did before.
     Through torch.set_float32_matmul_precision ("high" / "highest"), which sets every backend's setting
     together: newer torch raises when any of its readers (get_float32_matmul_precision, the legacy
-    `matmul.allow_tf32`; inductor's max-autotune reads them) finds one backend set alone by the new API."""
+    `matmul.allow_tf32`; inductor's max-autotune reads them) finds one backend set alone by the new API. It sets
+    the CPU's oneDNN matmuls too (TF32 only on CPUs that have it); training calls it on CUDA only."""
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
     torch.set_float32_matmul_precision("high" if enabled else "highest")

@@ -655,7 +655,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     log.info(f"checkpoint: {last_ckpt}")
     log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
     log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
-             + (f"  (upload with: wandb sync {logger.wandb_segments}: every start's, oldest first)"
+             + (f"  (upload every start's with: wandb sync {logger.wandb_segments} )"
                 if logger.wandb_path and logger.mode == 'offline' else ""))
     log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
 

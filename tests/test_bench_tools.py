@@ -19,8 +19,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, timeout=300):
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")   # the scripts set TRITON_INTERPRET
+def _run(args, timeout=300, **env_vars):
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1", **env_vars)  # the scripts set TRITON_INTERPRET
     proc = subprocess.run([sys.executable] + args, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -181,8 +181,9 @@ def test_bench_gpu_doc_merge_keeps_the_same_code_path_verdict(tmp_path):
     assert len(goal) == 1 and "same code path" in goal[0], goal
 
 
-def test_bench_gpu_section_states_each_kind_of_rows_warmup():
-    """Compiled rows warm up longer than eager ones: the section says both counts, not the first row's."""
+def test_bench_gpu_section_states_each_kind_of_rows_warmup(tmp_path):
+    """Compiled rows warm up longer than eager ones: the section says both counts, not the first row's, also
+    for rows that --doc reads back from an earlier command."""
     import bench_gpu
 
     def rec(row, warmup, compiled):
@@ -198,12 +199,19 @@ def test_bench_gpu_section_states_each_kind_of_rows_warmup():
     assert "after 3 warmup steps (compiled rows: 5);" in section([rec("default", 5, True), rec("eager", 3, False)])
     assert "after 4 warmup steps;" in section([rec("default", 4, True), rec("eager", 4, False)])
     assert "after 1 warmup step;" in section([rec("eager", 1, False)])
+    path = str(tmp_path / "doc.md")
+    with open(path, "w") as f:
+        f.write("# doc\n")
+    bench_gpu.write_doc(path, {"small": [rec("default", 5, True), rec("baseline-compile", 5, True)]})
+    bench_gpu.write_doc(path, {"small": [rec("eager", 3, False)]})
+    assert "after 3 warmup steps (compiled rows: 5);" in open(path).read()
 
 
 def test_the_train_step_host_probe_runs():
     """docs/probes/train_step_host_2026-11-23.py, left for a GPU run, builds its rows through bench_gpu: a smoke
-    run of the tiny model on a CPU keeps it in step with bench_gpu's API."""
-    out = _run(["docs/probes/train_step_host_2026-11-23.py", "default", "2"], timeout=120)
+    run of the tiny model on a CPU (on a GPU machine too: not gpt2-small, compiled) keeps it in step with bench_gpu's
+    API."""
+    out = _run(["docs/probes/train_step_host_2026-11-23.py", "default", "2"], timeout=120, CUDA_VISIBLE_DEVICES="")
     row = out.strip().splitlines()[-1].split()
     assert row[:2] == ["default", "2"] and all(_finite(float(x)) and float(x) > 0 for x in row[2:])
 

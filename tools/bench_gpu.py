@@ -373,7 +373,7 @@ The method and the row definitions are in the docstring of tools/bench_gpu.py.""
 DOC_FIELDS = ("model", "model_name", "vocab", "row", "config", "dtype", "mbs", "microbatches", "seq_len",
               "tokens_per_step", "status", "reason", "steps", "warmup_steps", "skipped_steps", "median_s",
               "tokens_per_s", "model_tflops", "peak_tflops", "mfu", "peak_mem_gib", "first_loss", "last_loss",
-              "note", "triton_ops", "command", "date", "device")
+              "note", "triton_ops", "compiled", "command", "date", "device")
 DATA_TAG = "<!-- bench_gpu data: "
 
 

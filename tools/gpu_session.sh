@@ -80,7 +80,8 @@ if [ "$STAGE" = wheels ]; then
 fi
 # .gpu as `wheels` fills it (a copy older than the sentencepiece pin would fail `make venv` offline at once;
 # only the make stage reads .gpu/data)
-SP_WHEEL=$(ls .gpu/wheelhouse/sentencepiece-*.whl 2>/dev/null | grep -v -E 'sentencepiece-0\.(1\.|2\.[0-2][-.])' | head -1)
+SP_WHEEL=$(ls .gpu/wheelhouse/sentencepiece-*.whl 2>/dev/null |
+  grep -v -E 'sentencepiece-0\.(1\.|2\.[0-2][-.])' | head -1)
 ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl "${SP_WHEEL:-no-sentencepiece-0.2.3-or-newer}" \
   $([ "$STAGE" = make ] && echo .gpu/data/stdlib-v8192/tokens.bin) >/dev/null 2>&1 || { echo "error: .gpu lacks" \
   "hydra-core, omegaconf, sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine" \
@@ -189,7 +190,7 @@ compile)
   # 35 s (small), 58 s (medium), 69 s (1.3b) before its steps; 1.3b eager was measured then (1980.9 ms)
   step glue 30 $PY docs/probes/eager_glue.py
   # (the compiled baseline first: every ratio's reference, and the row a cut call lost at 1.3b on 2026-11-24; the
-  # default, eager and fp16 rows compile too since 8145709)
+  # default and fp16 rows compile too since 8145709; eager does not)
   step bench_small 150 $B --models small --rows baseline-compile,default,eager,fp16 --steps 8 --out "$LOGS/small"
   step bench_medium 150 $B --models medium --rows baseline-compile,default,eager --steps 8 --out "$LOGS/medium"
   # (1.3b: both rows compile, ~70 s each before its steps, which agreed within 1%: 3 warmup steps and 5 timed)

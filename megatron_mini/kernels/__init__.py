@@ -20,7 +20,6 @@ can import it (and ask `interpreting()`). On CPU the kernels run under the Trito
 set TRITON_INTERPRET=1 before importing a submodule.
 """
 import functools
-import importlib.metadata
 import os
 import re
 
@@ -52,8 +51,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
-def _major_minor(version: str) -> tuple:
-    return tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", version).groups())
+def _major_minor(version: str) -> tuple | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return tuple(int(v) for v in match.groups()) if match else None
 
 
 @functools.cache
@@ -61,11 +61,14 @@ def interpreter_unsupported(triton_version: str | None = None, numpy_version: st
     """Why Triton's interpreter cannot run these kernels with the installed triton and numpy (None: it can).
     Before triton 3.7 it makes a loop bound (`range(pid, ...)`) a Python int by int() of a one-element array,
     which numpy 2.4 refuses: every kernel with a loop fails with "only 0-dimensional arrays can be converted"."""
-    triton_version = triton_version or importlib.metadata.version("triton")
+    if triton_version is None:                 # (the module's: pytorch-triton and others install it too)
+        import triton
+        triton_version = triton.__version__
     if numpy_version is None:
         import numpy
         numpy_version = numpy.__version__
-    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+    t, n = _major_minor(triton_version), _major_minor(numpy_version)
+    if t and n and t < (3, 7) and n >= (2, 4):
         return (f"Triton's interpreter in triton {triton_version} cannot run these kernels with numpy "
                 f"{numpy_version} (it fixes that in 3.7): install triton>=3.7 or numpy<2.4 for kernels on the CPU")
     return None
