@@ -56,7 +56,7 @@ import torch
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
 from .errors import CommError, first_line
-from .files import atomic_write
+from .files import atomic_write, superseded_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
@@ -69,6 +69,9 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size",
 
 class CheckpointError(ConfigError):
     """A checkpoint that is missing, incomplete, corrupt or not one: a one-line message."""
+
+
+LAST_FORMAT_1 = "290b29e"   # the last commit that reads (and writes) checkpoints without "format": one file per stage
 
 
 class OlderFormatError(CheckpointError):
@@ -186,8 +189,8 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
         raise CheckpointError(f"{path}/meta.json is unreadable or has no file checksums.") from None
     if "format" not in meta and "model_pp00.pt" in files:
         raise OlderFormatError(f"{path} was written by an older megatron_mini (one file of full tensors per pipeline "
-                              f"stage), which this version does not read; continue it with the version that wrote it, "
-                              f"or start a new run under another run_name.")
+                              f"stage), which this version does not read; the last version that reads it is commit "
+                              f"{LAST_FORMAT_1} (2026-11-24): continue, sample or export it there.")
     lacks = _meta_lacks(meta)
     if lacks:
         raise CheckpointError(f"{path}/meta.json has no {lacks} (not a megatron_mini checkpoint, or a damaged one).")
@@ -396,8 +399,12 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
             diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")
     if diffs:
         weights = f" (init_from={resume.path} starts it from these weights)" if startable else ""
+        kept = superseded_build(cfg.data.dir, saved["corpus_sha256"]) if not any(blends) and \
+            saved.get("corpus_sha256") not in (None, data.get("corpus_sha256")) else None
+        kept = f" (data.dir={kept} holds the build it was trained on)" if kept and kept.is_dir() else ""
         raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
-                          f"{'; '.join(diffs)}. Set these back, or start a new run under another run_name{weights}.")
+                          f"{'; '.join(diffs)}{kept}. Set these back, or start a new run under another "
+                          f"run_name{weights}.")
 
 
 def evaluation_changes(meta: dict, data: dict, cfg: TrainConfig) -> list:

@@ -39,7 +39,7 @@ import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
 from megatron_mini.files import (DirectoryLock, atomic_write, existing_part, remove_empty_dirs, remove_left_temporaries,
-                                 temporary_name, unwritable_dir)
+                                 superseded_build, temporary_name, unwritable_dir)
 from megatron_mini.launch import STOPPING, signal_at_parent_death, signals_held
 
 _MAGIC = b"MMINIIDX"
@@ -594,6 +594,9 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     docs_text = f"{info['num_docs']:,} document{'s' * (info['num_docs'] != 1)}"
     print(f"corpus: {docs_text}, {info['num_chars']:,} characters from {info['source']} "
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
+    held = _held_build(out)
+    if held and held[1].get("corpus_sha256") != info["corpus_sha256"]:
+        _keep_superseded(cfg, out, held[1]["corpus_sha256"])
     spaced, first = docs.spaced
     if spaced:
         print(f"note: {spaced:,} document{'s hold' if spaced != 1 else ' holds'} U+2581 ('{SPACE_SYMBOL}', the first "
@@ -658,18 +661,50 @@ def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
     return Tokenizer(tok_path)
 
 
+def _held_build(out: Path) -> tuple[Tokenizer, dict] | None:
+    """(tokenizer, meta.json) of the valid build in `out`, or None (no build, or a broken or partial one)."""
+    try:
+        tok = Tokenizer(out / "tokenizer.model")
+        return tok, open_checked(out, tok)[1]
+    except DataError:
+        return None
+
+
+def _keep_superseded(cfg: DataConfig, out: Path, corpus_sha256: str) -> None:
+    """Before prepare() builds `out` again for its corpus as it now reads (files that changed, another Python's
+    standard library, another version's reading), the valid build there, which runs and their checkpoints may read,
+    is kept as hard links in `{out}.superseded-<its corpus sha256[:12]>`: the new build replaces each file by rename,
+    so the links keep the old files, and no byte is copied. Where the file system takes no links: a DataError, the
+    build left as it is."""
+    keep = superseded_build(out, corpus_sha256)
+    try:
+        keep.mkdir(exist_ok=True)
+        for name in _FILES:
+            src, dst = out / name, keep / name
+            if src.exists() and not (dst.exists() and os.path.samefile(src, dst)):
+                tmp = temporary_name(dst)
+                os.link(src, tmp)
+                os.replace(tmp, dst)
+    except OSError as e:
+        raise DataError(out / "meta.json", f"is a valid build of the corpus as it read before (sha256 "
+                        f"{corpus_sha256[:12]}), which runs may read, and it could not be kept beside the new one as "
+                        f"hard links in {keep} ({e.strerror or e}); prepare into another data.dir (to rebuild "
+                        f"{cfg.dir} itself, remove it first)", rebuild=None) from None
+    print(f"kept the build of the corpus as it read before (sha256 {corpus_sha256[:12]}) in {keep}, for the runs "
+          f"that read it (data.dir={keep}); remove it when none does")
+
+
 def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> None:
     """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
-    another Python's standard library, a broken or partial build), never over a valid build of another
+    another Python's standard library: the valid build it replaces kept, _keep_superseded; a broken or partial
+    build), never over a valid build of another
     corpus, text_key or vocabulary (check_holds): runs and their checkpoints may read it (data.dir's default names
     only the vocabulary); nor, over a valid build, another tokenizer than data.tokenizer's (`given`), a trained one
     over a given one, or one trained with other tokenizer_* settings (the build's token ids then mean what another
     data's checkpoints were trained on)."""
-    try:
-        tok = Tokenizer(out / "tokenizer.model")
-        meta = open_checked(out, tok)[1]
-    except DataError:
+    if (held := _held_build(out)) is None:
         return
+    tok, meta = held
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False, given=given)
     record = read_json(out / "tokenizer.json") or {}
     recorded = record.get("given")

@@ -9,6 +9,7 @@ import fcntl
 import os
 import re
 import socket
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -70,6 +71,13 @@ def remove_empty_dirs(path, keep) -> None:
         except OSError:                                # not empty (or gone): keep it and what is above
             return
         path = os.path.dirname(path)
+
+
+def superseded_build(directory, corpus_sha256: str) -> Path:
+    """Where prepare() keeps a data directory's valid build when it builds the directory again for its corpus as it
+    now reads (data._keep_superseded): `{directory}.superseded-<that build's corpus sha256[:12]>`."""
+    directory = Path(directory)
+    return directory.with_name(f"{directory.name}.superseded-{corpus_sha256[:12]}")
 
 
 def temporary_name(path) -> str:

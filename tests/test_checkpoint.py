@@ -700,7 +700,8 @@ def test_a_checkpoint_of_the_older_format_is_refused_by_name(uninterrupted, tmp_
     meta["files"] = {"model_pp00.pt": "0" * 64, "optim_pp00.pt": "0" * 64}
     (old / "meta.json").write_text(json.dumps(meta))
     for check in (lambda: checkpoint.verify(str(old)), lambda: checkpoint.newest(str(tmp_path / "run"))):
-        with pytest.raises(checkpoint.OlderFormatError, match=f"^{old} was written by an older megatron_mini .one"):
+        with pytest.raises(checkpoint.OlderFormatError, match=f"^{old} was written by an older megatron_mini .one.*"
+                                                              "the last version that reads it is commit 290b29e"):
             check()
 
 
@@ -733,7 +734,9 @@ def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
 def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
     """meta.json's "data" (what the train/validation split and the token ids depend on) must be a mapping where
     present: else a CheckpointError at verify (one line; resume=auto skips it). A resume compares the keys this
-    version knows: one it does not (a newer version's) is no refusal, and a differing one is, by name."""
+    version knows: one it does not (a newer version's) is no refusal, and a differing one is, by name (and where
+    prepare kept the build of another corpus sha256, that directory)."""
+    import dataclasses
     import json
     import shutil
 
@@ -754,6 +757,16 @@ def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
                                           r"7 -> "):
         checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": {**current, "num_tokens": 7}},
                                                       []), cfg, current)
+    # data.dir built again for its corpus as it now reads: the refusal names where prepare kept the old build
+    moved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(tmp_path / "d")))
+    trained = {**current, "corpus_sha256": "a" * 64}
+    for kept in (False, True):
+        if kept:
+            (tmp_path / f"d.superseded-{'a' * 12}").mkdir()
+        with pytest.raises(ConfigError, match="data corpus_sha256: aaaa") as err:
+            checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": trained}, []), moved, current)
+        assert (f"(data.dir={tmp_path}/d.superseded-{'a' * 12} holds the build it was trained on)" in str(err.value)) \
+            == kept
 
 
 def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -496,6 +496,34 @@ def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
     assert prepare(dataclasses.replace(copy_of, source=str(other)))["num_docs"] == len(texts)
 
 
+def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_build(tmp_path, monkeypatch, capsys):
+    """The same source read otherwise (a file changed; another Python's stdlib; another version's reading) is built
+    again in place, and the valid build it replaces, which runs and checkpoints may read, is kept byte for byte as
+    hard links in <dir>.superseded-<its corpus sha256[:12]>; where no link can be made, nothing is rebuilt."""
+    corpus = make_text_corpus(tmp_path / "corpus", 10)
+    cfg = DataConfig(source=str(corpus), dir=str(tmp_path / "out"), vocab_size=VOCAB, val_fraction=0.1,
+                     num_workers=1)
+    old = prepare(cfg)
+    before = {p.name: p.read_bytes() for p in Path(cfg.dir).iterdir() if not p.name.startswith(".")}
+    first = sorted(corpus.iterdir())[0]
+    first.write_text(first.read_text() + "\nchanged = True\n")
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(1, "Operation not permitted")))
+    with pytest.raises(DataError, match="could not be kept beside the new one as hard links .*Operation not permitted"):
+        prepare(cfg)
+    assert {p.name: p.read_bytes() for p in Path(cfg.dir).iterdir() if not p.name.startswith(".")} == before
+    monkeypatch.undo()
+    capsys.readouterr()
+    new = prepare(cfg)
+    keep = tmp_path / f"out.superseded-{old['corpus_sha256'][:12]}"
+    assert new["corpus_sha256"] != old["corpus_sha256"]
+    assert f"kept the build of the corpus as it read before (sha256 {old['corpus_sha256'][:12]}) in {keep}" in \
+        capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in keep.iterdir()} == before
+    assert json.loads((Path(cfg.dir) / "meta.json").read_text()) == new
+    prepare(cfg)                                                     # cached: nothing more is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out", keep.name]
+
+
 def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
     """data.tokenizer: the corpus is encoded with that tokenizer (copied into data.dir: the same sha256), so that a
     run on it may init_from the checkpoints of runs on the other data; its size must be data.vocab_size; a second
