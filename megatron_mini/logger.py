@@ -54,13 +54,19 @@ BRANCHES = "branches.json"
 def branches(run_dir: str) -> list:
     """The steps from which the run directory's branches resumed, oldest first ({run_dir}/branches.json; a
     branch is a resume=PATH to a checkpoint older than the run's newest, which it sets aside). A file that is
-    not such a list counts as none, with a warning."""
+    not such a list counts as none, with a warning. Without the file, the branches f689540 recorded as wandb ids
+    (wandb_ids.json, {name: [first id, <first id>-b1, ...]}), at steps it did not keep (-1)."""
     path = os.path.join(run_dir, BRANCHES)
     try:
         with open(path, encoding="utf-8") as f:
             steps = json.load(f)
     except FileNotFoundError:
-        return []
+        try:
+            with open(os.path.join(run_dir, "wandb_ids.json"), encoding="utf-8") as f:
+                ids = json.load(f)
+            return [-1] * max((len(v) - 1 for v in ids.values() if isinstance(v, list)), default=0)
+        except (OSError, ValueError, AttributeError):
+            return []
     except (OSError, ValueError) as e:
         steps = e
     if isinstance(steps, list) and all(type(s) is int for s in steps):

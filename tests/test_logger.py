@@ -98,6 +98,18 @@ def test_a_branch_logs_to_a_new_wandb_run_that_its_restarts_continue(tmp_path, w
         assert "branches.json is not a list of steps" in capsys.readouterr().err
 
 
+def test_branches_recorded_by_f689540_count(tmp_path):
+    """f689540 kept a branch's wandb ids in wandb_ids.json (no branches.json): its run directory, resumed, logs to
+    its newest branch's wandb run, and a new branch to the next id, not to an id that holds another history."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "wandb_ids.json"), "w") as f:
+        json.dump({"tiny": ["tiny-x", "tiny-x-b1"]}, f)
+    assert run_id(run_dir, "tiny").endswith("-b1")
+    record_branch(run_dir, 5)
+    assert run_id(run_dir, "tiny").endswith("-b2") and branches(run_dir) == [-1, 5]
+
+
 def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
     run_dir = str(tmp_path / "run")
     logger = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
