@@ -56,7 +56,7 @@ import torch
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
 from .errors import CommError, first_line
-from .files import atomic_write, superseded_build
+from .files import atomic_write, kept_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
@@ -399,9 +399,9 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
             diffs.append(f"data {key}: {str(saved[key])[:16]} -> {str(new)[:16]}")
     if diffs:
         weights = f" (init_from={resume.path} starts it from these weights)" if startable else ""
-        kept = superseded_build(cfg.data.dir, saved["corpus_sha256"]) if not any(blends) and \
+        kept = kept_build(cfg.data.dir, saved["corpus_sha256"]) if not any(blends) and \
             saved.get("corpus_sha256") not in (None, data.get("corpus_sha256")) else None
-        kept = f" (data.dir={kept} holds the build it was trained on)" if kept and kept.is_dir() else ""
+        kept = f" (data.dir={kept} holds the build it was trained on)" if kept else ""
         raise ConfigError(f"{resume.path} was trained with another model or data than this run asks for: "
                           f"{'; '.join(diffs)}{kept}. Set these back, or start a new run under another "
                           f"run_name{weights}.")

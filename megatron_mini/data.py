@@ -23,6 +23,7 @@ import platform
 import random
 import re
 import shlex
+import shutil
 import signal
 import struct
 import sys
@@ -596,6 +597,10 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
     held = _held_build(out)
     if held and held[1].get("corpus_sha256") != info["corpus_sha256"]:
+        if Path(os.path.realpath(out)).name.endswith(f".superseded-{held[1]['corpus_sha256'][:12]}"):
+            print(f"{out} is a build kept for the corpus as it read before (sha256 {held[1]['corpus_sha256'][:12]}): "
+                  f"read as it is, not built again")
+            return held[1]
         _keep_superseded(cfg, out, held[1]["corpus_sha256"])
     spaced, first = docs.spaced
     if spaced:
@@ -674,18 +679,24 @@ def _keep_superseded(cfg: DataConfig, out: Path, corpus_sha256: str) -> None:
     """Before prepare() builds `out` again for its corpus as it now reads (files that changed, another Python's
     standard library, another version's reading), the valid build there, which runs and their checkpoints may read,
     is kept as hard links in `{out}.superseded-<its corpus sha256[:12]>`: the new build replaces each file by rename,
-    so the links keep the old files, and no byte is copied. Where the file system takes no links: a DataError, the
-    build left as it is."""
-    keep = superseded_build(out, corpus_sha256)
+    so the links keep the old files, and no byte is copied (a kept build is never built again itself: _build). Where
+    the file system takes no links: a DataError, the build left as it is and no directory made."""
+    keep, made = superseded_build(out, corpus_sha256), False
     try:
+        made = not os.path.lexists(keep)
         keep.mkdir(exist_ok=True)
+        remove_left_temporaries(keep, _FILES)
         for name in _FILES:
             src, dst = out / name, keep / name
-            if src.exists() and not (dst.exists() and os.path.samefile(src, dst)):
+            if not src.exists():
+                dst.unlink(missing_ok=True)
+            elif not (dst.exists() and os.path.samefile(src, dst)):
                 tmp = temporary_name(dst)
                 os.link(src, tmp)
                 os.replace(tmp, dst)
     except OSError as e:
+        if made:
+            shutil.rmtree(keep, ignore_errors=True)
         raise DataError(out / "meta.json", f"is a valid build of the corpus as it read before (sha256 "
                         f"{corpus_sha256[:12]}), which runs may read, and it could not be kept beside the new one as "
                         f"hard links in {keep} ({e.strerror or e}); prepare into another data.dir (to rebuild "

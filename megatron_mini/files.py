@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import socket
@@ -76,8 +77,17 @@ def remove_empty_dirs(path, keep) -> None:
 def superseded_build(directory, corpus_sha256: str) -> Path:
     """Where prepare() keeps a data directory's valid build when it builds the directory again for its corpus as it
     now reads (data._keep_superseded): `{directory}.superseded-<that build's corpus sha256[:12]>`."""
-    directory = Path(directory)
+    directory = Path(os.path.realpath(directory))
     return directory.with_name(f"{directory.name}.superseded-{corpus_sha256[:12]}")
+
+
+def kept_build(directory, corpus_sha256: str) -> Path | None:
+    """superseded_build(directory, corpus_sha256) where its meta.json says it holds that corpus, else None."""
+    kept = superseded_build(directory, corpus_sha256)
+    try:
+        return kept if json.loads((kept / "meta.json").read_text())["corpus_sha256"] == corpus_sha256 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def temporary_name(path) -> str:

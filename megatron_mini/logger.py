@@ -61,17 +61,31 @@ def branches(run_dir: str) -> list:
         with open(path, encoding="utf-8") as f:
             steps = json.load(f)
     except FileNotFoundError:
-        try:
-            with open(os.path.join(run_dir, "wandb_ids.json"), encoding="utf-8") as f:
-                ids = json.load(f)
-            return [-1] * max((len(v) - 1 for v in ids.values() if isinstance(v, list)), default=0)
-        except (OSError, ValueError, AttributeError):
-            return []
+        return _wandb_ids_branches(run_dir)
     except (OSError, ValueError) as e:
         steps = e
     if isinstance(steps, list) and all(type(s) is int for s in steps):
         return steps
-    print(f"warning: {path} is not a list of steps ({steps!r:.80}); counting no branch before this one, so "
+    return _no_branches(path, "a list of steps", steps)
+
+
+def _wandb_ids_branches(run_dir: str) -> list:
+    """branches() of a run directory that f689540 branched: its wandb_ids.json ({name: [first id, -b1, ...]})."""
+    path = os.path.join(run_dir, "wandb_ids.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        ids = e
+    if isinstance(ids, dict) and all(isinstance(v, list) for v in ids.values()):
+        return [-1] * max((len(v) - 1 for v in ids.values()), default=0)
+    return _no_branches(path, "a mapping of names to wandb ids", ids)
+
+
+def _no_branches(path: str, what: str, found) -> list:
+    print(f"warning: {path} is not {what} ({found!r:.80}); counting no branch before this one, so "
           "wandb may log this run to an earlier branch's run", file=sys.stderr, flush=True)
     return []
 

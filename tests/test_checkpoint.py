@@ -760,9 +760,9 @@ def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
     # data.dir built again for its corpus as it now reads: the refusal names where prepare kept the old build
     moved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(tmp_path / "d")))
     trained = {**current, "corpus_sha256": "a" * 64}
-    for kept in (False, True):
-        if kept:
-            (tmp_path / f"d.superseded-{'a' * 12}").mkdir()
+    for kept in (False, True):                        # (an empty directory, or one of another corpus: no note)
+        (tmp_path / f"d.superseded-{'a' * 12}").mkdir(exist_ok=True)
+        (tmp_path / f"d.superseded-{'a' * 12}" / "meta.json").write_text(json.dumps({"corpus_sha256": "ba"[kept] * 64}))
         with pytest.raises(ConfigError, match="data corpus_sha256: aaaa") as err:
             checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": trained}, []), moved, current)
         assert (f"(data.dir={tmp_path}/d.superseded-{'a' * 12} holds the build it was trained on)" in str(err.value)) \

@@ -499,7 +499,8 @@ def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
 def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_build(tmp_path, monkeypatch, capsys):
     """The same source read otherwise (a file changed; another Python's stdlib; another version's reading) is built
     again in place, and the valid build it replaces, which runs and checkpoints may read, is kept byte for byte as
-    hard links in <dir>.superseded-<its corpus sha256[:12]>; where no link can be made, nothing is rebuilt."""
+    hard links in <dir>.superseded-<its corpus sha256[:12]>, which is itself never built again (a run given it as
+    data.dir prepares it first under make train); where no link can be made, nothing is rebuilt nor made."""
     corpus = make_text_corpus(tmp_path / "corpus", 10)
     cfg = DataConfig(source=str(corpus), dir=str(tmp_path / "out"), vocab_size=VOCAB, val_fraction=0.1,
                      num_workers=1)
@@ -511,6 +512,8 @@ def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_bui
     with pytest.raises(DataError, match="could not be kept beside the new one as hard links .*Operation not permitted"):
         prepare(cfg)
     assert {p.name: p.read_bytes() for p in Path(cfg.dir).iterdir() if not p.name.startswith(".")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    inode = (Path(cfg.dir) / "tokens.bin").stat().st_ino
     monkeypatch.undo()
     capsys.readouterr()
     new = prepare(cfg)
@@ -519,9 +522,12 @@ def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_bui
     assert f"kept the build of the corpus as it read before (sha256 {old['corpus_sha256'][:12]}) in {keep}" in \
         capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in keep.iterdir()} == before
+    assert (keep / "tokens.bin").stat().st_ino == inode                              # linked, not copied
     assert json.loads((Path(cfg.dir) / "meta.json").read_text()) == new
     prepare(cfg)                                                     # cached: nothing more is kept
+    assert prepare(dataclasses.replace(cfg, dir=str(keep))) == old                   # the kept build, as it is
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out", keep.name]
+    assert {p.name: p.read_bytes() for p in keep.iterdir() if not p.name.startswith(".")} == before
 
 
 def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):

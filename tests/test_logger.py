@@ -98,7 +98,7 @@ def test_a_branch_logs_to_a_new_wandb_run_that_its_restarts_continue(tmp_path, w
         assert "branches.json is not a list of steps" in capsys.readouterr().err
 
 
-def test_branches_recorded_by_f689540_count(tmp_path):
+def test_branches_recorded_by_f689540_count(tmp_path, capsys):
     """f689540 kept a branch's wandb ids in wandb_ids.json (no branches.json): its run directory, resumed, logs to
     its newest branch's wandb run, and a new branch to the next id, not to an id that holds another history."""
     run_dir = str(tmp_path / "run")
@@ -108,6 +108,11 @@ def test_branches_recorded_by_f689540_count(tmp_path):
     assert run_id(run_dir, "tiny").endswith("-b1")
     record_branch(run_dir, 5)
     assert run_id(run_dir, "tiny").endswith("-b2") and branches(run_dir) == [-1, 5]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "wandb_ids.json").write_text('["tiny-x"]')
+    assert branches(str(other)) == [] and "wandb_ids.json is not a mapping of names to wandb ids" in \
+        capsys.readouterr().err
 
 
 def test_disabled_writes_metrics_jsonl_and_resume_replaces_steps(tmp_path):
