@@ -708,11 +708,10 @@ def _keep_superseded(cfg: DataConfig, out: Path, corpus_sha256: str) -> None:
 def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> None:
     """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
     another Python's standard library: the valid build it replaces kept, _keep_superseded; a broken or partial
-    build), never over a valid build of another
-    corpus, text_key or vocabulary (check_holds): runs and their checkpoints may read it (data.dir's default names
-    only the vocabulary); nor, over a valid build, another tokenizer than data.tokenizer's (`given`), a trained one
-    over a given one, or one trained with other tokenizer_* settings (the build's token ids then mean what another
-    data's checkpoints were trained on)."""
+    build), never over a valid build of another corpus, text_key or vocabulary (check_holds): runs and their
+    checkpoints may read it (data.dir's default names only the vocabulary); nor, over a valid build, another
+    tokenizer than data.tokenizer's (`given`), a trained one over a given one, or one trained with other tokenizer_*
+    settings (the build's token ids then mean what another data's checkpoints were trained on)."""
     if (held := _held_build(out)) is None:
         return
     tok, meta = held
