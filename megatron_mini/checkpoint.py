@@ -60,6 +60,7 @@ from .files import atomic_write, kept_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
+READ_RETRIES = 20   # a run directory read while its live run publishes and prunes checkpoints: listed again as often
 FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
 TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint written since 2026-12-06
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
@@ -271,9 +272,23 @@ def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (r
     """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify), whatever
     `latest` says, with notes on what was skipped; None when the run has no checkpoint; CheckpointError
     when it has some but none is good, OlderFormatError at the first of an older format (not skipped: the
-    run is intact, for the version that wrote it)."""
-    candidates, notes, skipped = checkpoints_of(run_dir), [], []
-    named = _read_latest(os.path.join(run_dir, "checkpoints"))
+    run is intact, for the version that wrote it). Where none verified and the listing has changed meanwhile (a
+    live run published a newer one and pruned those listed: keep_checkpoints), it is listed again, by a check of
+    one process (verify, present): the ranks of a job (agree_verify's collectives) must make the same passes."""
+    for _ in range(READ_RETRIES if check in (verify, present) else 1):
+        candidates = checkpoints_of(run_dir)
+        found, notes = _first_good(candidates, _read_latest(os.path.join(run_dir, "checkpoints")), check)
+        if found is not None or checkpoints_of(run_dir) == candidates:
+            break
+    if found is None and candidates:
+        raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
+                              f"{advice}")
+    return found
+
+
+def _first_good(candidates: list, named: str | None, check) -> tuple[Resume | None, list]:
+    """newest()'s pass over `candidates`, newest first: (the first that passes `check`, or None; notes)."""
+    notes, skipped = [], []
     for path in candidates:
         try:
             meta = check(path)
@@ -286,17 +301,25 @@ def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (r
         if named != os.path.basename(path):
             notes.append(f"checkpoints/latest {'names ' + repr(named) if named else 'is missing'}; "
                          f"took the newest complete checkpoint, {path}")
-        return Resume(path, meta, notes, tuple(skipped))
-    if candidates:
-        raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
-                              f"{advice}")
-    return None
+        return Resume(path, meta, notes, tuple(skipped)), notes
+    return None, notes
+
+
+def removed(e: BaseException) -> bool:
+    """Whether `e` says a file is gone: FileNotFoundError, or the RuntimeError of torch.load's mmap ("unable to open
+    file <...>: No such file or directory"). After a verification, a checkpoint that its live run pruned."""
+    return isinstance(e, FileNotFoundError) or (isinstance(e, RuntimeError) and "No such file" in str(e))
+
+
+def is_run_dir(path: str) -> bool:
+    """A directory without meta.json: a run directory (chosen() reads its newest intact checkpoint)."""
+    return os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json"))
 
 
 def chosen(path: str, check=verify) -> Resume:
     """The checkpoint directory `path` (its meta passing `check`), or a run directory's newest intact checkpoint
     (newest: its notes say what it passed over); CheckpointError for neither."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
+    if is_run_dir(path):
         found = newest(path, check, "Give another checkpoint, or run directory.")   # (a tool's, or another run's)
         if found is None:
             raise CheckpointError(f"{path} is not a checkpoint (no meta.json) nor a run directory with checkpoints; "
@@ -696,12 +719,13 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
         raise
     except CheckpointError as e:
         failure = str(e)
-    except OSError as e:       # (verified, then gone: another run's checkpoint that its keep_checkpoints pruned)
-        failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job still "
-                   f"running may have been pruned since: start again to take what is there now.")
     except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
-        failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or of "
-                   f"older code; resume from another checkpoint, or start a new run under another run_name.")
+        if isinstance(e, OSError) or removed(e):   # (verified, then gone: a checkpoint its keep_checkpoints pruned)
+            failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job "
+                       f"still running may have been pruned since: start again to take what is there now.")
+        else:
+            failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or "
+                       f"of older code; resume from another checkpoint, or start a new run under another run_name.")
     found = first_failure(failure, mesh, device)
     if found:
         raise CheckpointError(found[1])

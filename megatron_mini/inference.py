@@ -64,7 +64,21 @@ def read_checkpoint(path: str) -> Checkpoint:
         cfg = config_from_dict(meta["config"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/meta.json: unreadable ({first_line(e)})") from None
-    return Checkpoint(path, meta, cfg, checkpoint.load_model_tensors(path), notes)
+    try:
+        tensors = checkpoint.load_model_tensors(path)
+    except (OSError, RuntimeError) as e:
+        if checkpoint.removed(e):
+            raise Removed(path) from None
+        raise
+    return Checkpoint(path, meta, cfg, tensors, notes)
+
+
+class Removed(CheckpointError):
+    """A checkpoint removed while it was read, after its verification (its live run's keep_checkpoints)."""
+
+    def __init__(self, path: str):
+        super().__init__(f"{path} was removed while it was read (a live run pruning its checkpoints: "
+                         f"keep_checkpoints); give its run directory to read the newest one")
 
 
 def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
@@ -77,6 +91,8 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     candidates = [path] if path else [own] if checkpoint.TOKENIZER in ckpt.meta["files"] else \
         _candidates(os.path.join(ckpt.cfg.data.parts()[0][1], "tokenizer.model"))
     found = next((c for c in candidates if os.path.isfile(c)), None)
+    if found is None and candidates == [own]:            # (verified with the checkpoint's files: removed since)
+        raise Removed(ckpt.path)
     if found is None:
         raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")
     try:
@@ -148,9 +164,17 @@ def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> tuple[Checkpoint, Tokenizer, GPTChunk]:
     """(read_checkpoint, find_tokenizer, load_model) of a checkpoint or run directory `path`, with the tokenizer
     `tokenizer` or the run's; a CheckpointError names what does not fit. Its notes (checkpoints passed over) and
-    what it is go to stderr, as the tools print them."""
-    ckpt = read_checkpoint(path)
-    tok = find_tokenizer(ckpt, tokenizer)
+    what it is go to stderr, as the tools print them. A run directory whose live run prunes the checkpoint while it
+    is read is read again (its newest then)."""
+    run_dir = checkpoint.is_run_dir(path)        # (before: a checkpoint being removed loses its meta.json first)
+    for attempt in range(checkpoint.READ_RETRIES):
+        try:
+            ckpt = read_checkpoint(path)
+            tok = find_tokenizer(ckpt, tokenizer)
+            break
+        except Removed:
+            if not run_dir or attempt == checkpoint.READ_RETRIES - 1:
+                raise
     model = load_model(ckpt, device, dtype)
     for note in ckpt.notes:
         print(f"note: {note}", file=sys.stderr)

@@ -805,3 +805,54 @@ def test_milestone_checkpoints_are_never_pruned(small_data, tmp_path):
             validate(TrainConfig(save_interval=save, keep_checkpoint_interval=3), 1)
     with pytest.raises(ConfigError, match=re.escape("keep_checkpoint_interval=-1 must be >= 0")):
         validate(TrainConfig(keep_checkpoint_interval=-1), 1)
+
+
+def _a_live_run(uninterrupted, tmp_path):
+    """A run directory holding one checkpoint, and what its live run's save with keep_checkpoints=1 does next
+    (Save._publish): publish step 2, name it in latest, prune step 1."""
+    import shutil
+    cfg, _ = uninterrupted
+    root = tmp_path / "run" / "checkpoints"
+    old = str(root / "step_000001")
+    shutil.copytree(os.path.join(cfg.run_dir, "checkpoints", "step_000005"), old)
+    (root / "latest").write_text("step_000001")
+
+    def save_and_prune():
+        if os.path.isdir(old):
+            shutil.copytree(old, str(root / "step_000002"))
+            (root / "latest").write_text("step_000002")
+            shutil.rmtree(old)
+    return str(tmp_path / "run"), old, save_and_prune
+
+
+@pytest.mark.parametrize("when", ["while hashed", "while loaded", "before its tokenizer is read"])
+def test_a_tool_reading_a_run_whose_live_run_prunes_the_checkpoint_reads_the_newer_one(when, uninterrupted, tmp_path,
+                                                                                        monkeypatch):
+    """generate, evaluate and export_hf (inference.open_checkpoint) on a run directory whose live run publishes a
+    newer checkpoint and prunes the one being read take the newer one: not "none is complete and intact", a
+    missing tokenizer, or a traceback (each seen in a live run: 11 of 50 tool calls failed so)."""
+    import torch
+
+    from megatron_mini import checkpoint, inference
+    run, old, save_and_prune = _a_live_run(uninterrupted, tmp_path)
+    sha, load = checkpoint.sha256_file, checkpoint.load_model_tensors
+    if when == "while hashed":           # the listing taken, then its only checkpoint goes while it is verified
+        monkeypatch.setattr(checkpoint, "sha256_file", lambda p: (save_and_prune(), sha(p))[1])
+    elif when == "while loaded":         # (torch.load's mmap raises a RuntimeError for the file gone)
+        def gone(p):
+            save_and_prune()
+            raise RuntimeError(f"unable to open file <{p}/model.pt> in read-only mode: No such file or directory (2)")
+        monkeypatch.setattr(checkpoint, "load_model_tensors", lambda p: gone(p) if p == old else load(p))
+    else:
+        monkeypatch.setattr(checkpoint, "load_model_tensors", lambda p: (load(p), save_and_prune())[0])
+    ckpt, _, _ = inference.open_checkpoint(run, None, torch.device("cpu"))
+    assert ckpt.path.endswith("step_000002")
+    # (training's init_from/resume=<that run> say "pruned since", not "does not fit this run's model", for the mmap's)
+    assert checkpoint.removed(RuntimeError("unable to open file <m.pt> in read-only mode: No such file or directory"))
+    assert not checkpoint.removed(RuntimeError("size mismatch for weight")) and checkpoint.removed(FileNotFoundError())
+    monkeypatch.undo()
+    run, old, save_and_prune = _a_live_run(uninterrupted, tmp_path / "given")       # the checkpoint itself, given
+    monkeypatch.setattr(checkpoint, "load_model_tensors", lambda p: (save_and_prune(), load(p))[1])
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{old} was removed while it was read .* give its run "
+                                                         "directory to read the newest one$"):
+        inference.open_checkpoint(old, None, torch.device("cpu"))
