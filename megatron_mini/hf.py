@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .files import existing_part, remove_empty_dirs
-from .inference import Checkpoint, CheckpointError, check_finite, find_tokenizer, read_checkpoint
+from .inference import Checkpoint, CheckpointError, check_finite, read_with_tokenizer
 
 
 def block_names(h: int, f: int) -> list:
@@ -140,8 +140,7 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
     export that fails (a full disk) leaves the files already there as they were, and no directory it created;
     its failure to write is an OSError (safetensors' own error too)."""
-    ckpt = read_checkpoint(checkpoint)
-    tok = find_tokenizer(ckpt, tokenizer)
+    ckpt, tok = read_with_tokenizer(checkpoint, tokenizer)
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
     existing = existing_part(out_dir)

@@ -97,7 +97,9 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
         raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")
     try:
         tok = Tokenizer(found)
-    except DataError as e:
+    except (DataError, FileNotFoundError) as e:
+        if found == own and not os.path.isfile(own):
+            raise Removed(ckpt.path) from None
         raise CheckpointError(str(e).split("; rebuild")[0]) from None
     if tok.vocab_size != ckpt.cfg.model.vocab_size:
         raise CheckpointError(f"{found}: {tok.vocab_size} tokens, but the checkpoint's model.vocab_size is "
@@ -160,21 +162,29 @@ def device_for(name: str) -> torch.device:
     return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
+def read_with_tokenizer(path: str, tokenizer: str | None) -> tuple[Checkpoint, Tokenizer]:
+    """(read_checkpoint, find_tokenizer) of `path`; a run directory whose live run prunes the checkpoint while it is
+    read is read again (its newest then), up to checkpoint.READ_RETRIES times."""
+    run_dir = checkpoint.is_run_dir(path)        # (before: a checkpoint being removed loses its meta.json first)
+    for _ in range(checkpoint.READ_RETRIES if run_dir else 1):
+        try:
+            ckpt = read_checkpoint(path)
+            return ckpt, find_tokenizer(ckpt, tokenizer)
+        except Removed as e:
+            if not run_dir:
+                raise
+            removed = e
+    raise CheckpointError(f"{path}: its checkpoints were removed while they were read, {checkpoint.READ_RETRIES} "
+                          f"times (its live run saves and prunes them faster than they are read: keep_checkpoints); "
+                          f"try again, or give a checkpoint it keeps (keep_checkpoint_interval)") from removed
+
+
 def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> tuple[Checkpoint, Tokenizer, GPTChunk]:
     """(read_checkpoint, find_tokenizer, load_model) of a checkpoint or run directory `path`, with the tokenizer
     `tokenizer` or the run's; a CheckpointError names what does not fit. Its notes (checkpoints passed over) and
-    what it is go to stderr, as the tools print them. A run directory whose live run prunes the checkpoint while it
-    is read is read again (its newest then)."""
-    run_dir = checkpoint.is_run_dir(path)        # (before: a checkpoint being removed loses its meta.json first)
-    for attempt in range(checkpoint.READ_RETRIES):
-        try:
-            ckpt = read_checkpoint(path)
-            tok = find_tokenizer(ckpt, tokenizer)
-            break
-        except Removed:
-            if not run_dir or attempt == checkpoint.READ_RETRIES - 1:
-                raise
+    what it is go to stderr, as the tools print them."""
+    ckpt, tok = read_with_tokenizer(path, tokenizer)
     model = load_model(ckpt, device, dtype)
     for note in ckpt.notes:
         print(f"note: {note}", file=sys.stderr)

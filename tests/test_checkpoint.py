@@ -847,12 +847,19 @@ def test_a_tool_reading_a_run_whose_live_run_prunes_the_checkpoint_reads_the_new
         monkeypatch.setattr(checkpoint, "load_model_tensors", lambda p: (load(p), save_and_prune())[0])
     ckpt, _, _ = inference.open_checkpoint(run, None, torch.device("cpu"))
     assert ckpt.path.endswith("step_000002")
+    if when == "while loaded":           # export_hf reads as the others do
+        from megatron_mini import hf
+        run, old, save_and_prune = _a_live_run(uninterrupted, tmp_path / "export")
+        assert hf.export(run, str(tmp_path / "hf")).path.endswith("step_000002")
     # (training's init_from/resume=<that run> say "pruned since", not "does not fit this run's model", for the mmap's)
     assert checkpoint.removed(RuntimeError("unable to open file <m.pt> in read-only mode: No such file or directory"))
     assert not checkpoint.removed(RuntimeError("size mismatch for weight")) and checkpoint.removed(FileNotFoundError())
     monkeypatch.undo()
     run, old, save_and_prune = _a_live_run(uninterrupted, tmp_path / "given")       # the checkpoint itself, given
     monkeypatch.setattr(checkpoint, "load_model_tensors", lambda p: (save_and_prune(), load(p))[1])
-    with pytest.raises(checkpoint.CheckpointError, match=f"^{old} was removed while it was read .* give its run "
-                                                         "directory to read the newest one$"):
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{re.escape(old)} was removed while it was read .* give its "
+                                                         "run directory to read the newest one$"):
         inference.open_checkpoint(old, None, torch.device("cpu"))
+    monkeypatch.setattr(inference, "read_checkpoint", lambda p: (_ for _ in ()).throw(inference.Removed(p + "/x")))
+    with pytest.raises(checkpoint.CheckpointError, match="removed while they were read, 20 times .* try again"):
+        inference.open_checkpoint(run, None, torch.device("cpu"))         # a run that prunes faster than it is read
