@@ -365,18 +365,17 @@ def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypa
     file read again: one changed in between does not reach the export."""
     import shutil
 
-    from megatron_mini import hf
     ckpt, _, _ = exported[1]
     copy = tmp_path / "step"
     shutil.copytree(ckpt.path, copy)
-    checked = []
+    checked, find = [], inference.find_tokenizer
 
     def find_then_change(*args):
-        tok = inference.find_tokenizer(*args)
+        tok = find(*args)
         checked.append(tok.data)
         tok.path.write_bytes(b"written after the check")
         return tok
-    monkeypatch.setattr(hf, "find_tokenizer", find_then_change)
+    monkeypatch.setattr(inference, "find_tokenizer", find_then_change)     # (as export_hf reads it)
     assert export_hf.main([str(copy), str(tmp_path / "hf")]) == 0
     assert (copy / "tokenizer.model").read_bytes() == b"written after the check"
     with open(os.path.join(ckpt.path, "tokenizer.model"), "rb") as f:
