@@ -56,11 +56,10 @@ import torch
 from . import comm
 from .config import ConfigError, RunError, TrainConfig
 from .errors import CommError, first_line
-from .files import atomic_write, kept_build
+from .files import VANISHED_RETRIES, atomic_write, kept_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
-READ_RETRIES = 20   # a run directory read while its live run publishes and prunes checkpoints: listed again as often
 FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
 TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint written since 2026-12-06
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
@@ -275,10 +274,11 @@ def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (r
     run is intact, for the version that wrote it). Where none verified and the listing has changed meanwhile (a
     live run published a newer one and pruned those listed: keep_checkpoints), it is listed again, by a check of
     one process (verify, present): the ranks of a job (agree_verify's collectives) must make the same passes."""
-    for _ in range(READ_RETRIES if check in (verify, present) else 1):
+    passes = VANISHED_RETRIES if check in (verify, present) else 1
+    for attempt in range(passes):
         candidates = checkpoints_of(run_dir)
         found, notes = _first_good(candidates, _read_latest(os.path.join(run_dir, "checkpoints")), check)
-        if found is not None or checkpoints_of(run_dir) == candidates:
+        if found is not None or attempt == passes - 1 or checkpoints_of(run_dir) == candidates:
             break
     if found is None and candidates:
         raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "

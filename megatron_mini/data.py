@@ -40,7 +40,7 @@ import sentencepiece as spm
 
 from megatron_mini.config import ConfigError, DataConfig
 from megatron_mini.files import (DirectoryLock, atomic_write, existing_part, remove_empty_dirs, remove_left_temporaries,
-                                 superseded_build, temporary_name, unwritable_dir)
+                                 is_superseded_build, superseded_build, temporary_name, unwritable_dir)
 from megatron_mini.launch import STOPPING, signal_at_parent_death, signals_held
 
 _MAGIC = b"MMINIIDX"
@@ -597,7 +597,7 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
     held = _held_build(out)
     if held and held[1].get("corpus_sha256") != info["corpus_sha256"]:
-        if Path(os.path.realpath(out)).name.endswith(f".superseded-{held[1]['corpus_sha256'][:12]}"):
+        if is_superseded_build(out, held[1]["corpus_sha256"]):
             print(f"{out} is a build kept for the corpus as it read before (sha256 {held[1]['corpus_sha256'][:12]}): "
                   f"read as it is, not built again")
             return held[1]
@@ -681,9 +681,9 @@ def _keep_superseded(cfg: DataConfig, out: Path, corpus_sha256: str) -> None:
     is kept as hard links in `{out}.superseded-<its corpus sha256[:12]>`: the new build replaces each file by rename,
     so the links keep the old files, and no byte is copied (a kept build is never built again itself: _build). Where
     the file system takes no links: a DataError, the build left as it is and no directory made."""
-    keep, made = superseded_build(out, corpus_sha256), False
+    keep = superseded_build(out, corpus_sha256)
+    made = not os.path.lexists(keep)
     try:
-        made = not os.path.lexists(keep)
         keep.mkdir(exist_ok=True)
         remove_left_temporaries(keep, _FILES)
         for name in _FILES:

@@ -78,7 +78,16 @@ def superseded_build(directory, corpus_sha256: str) -> Path:
     """Where prepare() keeps a data directory's valid build when it builds the directory again for its corpus as it
     now reads (data._keep_superseded): `{directory}.superseded-<that build's corpus sha256[:12]>`."""
     directory = Path(os.path.realpath(directory))
-    return directory.with_name(f"{directory.name}.superseded-{corpus_sha256[:12]}")
+    return directory.with_name(f"{directory.name}{_superseded(corpus_sha256)}")
+
+
+def is_superseded_build(directory, corpus_sha256: str) -> bool:
+    """Whether `directory` is where prepare() kept a build of that corpus (superseded_build)."""
+    return Path(os.path.realpath(directory)).name.endswith(_superseded(corpus_sha256))
+
+
+def _superseded(corpus_sha256: str) -> str:
+    return f".superseded-{corpus_sha256[:12]}"
 
 
 def kept_build(directory, corpus_sha256: str) -> Path | None:
@@ -109,7 +118,9 @@ def remove_left_temporaries(directory, names) -> list[tuple[str, int]]:
     return removed
 
 
-VANISHED_RETRIES = 20   # DirectoryLock: tries again as often where its directory is removed as it is made
+# where another process removes what this one reads (DirectoryLock's directory as it is made; a live run's
+# checkpoints as a tool or another run reads them: checkpoint.newest, inference.read_with_tokenizer): tries as often
+VANISHED_RETRIES = 20
 
 
 class DirectoryLock:

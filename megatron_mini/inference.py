@@ -27,6 +27,7 @@ from .config import TrainConfig
 from .data import DataError, Tokenizer
 from .dataset import BlendedDataset, data_identity, load_datasets, load_eval_sets
 from .errors import first_line
+from .files import VANISHED_RETRIES
 from .model import GPTChunk, KVCache, ParallelContext, build_chunks
 from .rank import DTYPES
 
@@ -91,9 +92,9 @@ def find_tokenizer(ckpt: Checkpoint, path: str | None = None) -> Tokenizer:
     candidates = [path] if path else [own] if checkpoint.TOKENIZER in ckpt.meta["files"] else \
         _candidates(os.path.join(ckpt.cfg.data.parts()[0][1], "tokenizer.model"))
     found = next((c for c in candidates if os.path.isfile(c)), None)
-    if found is None and candidates == [own]:            # (verified with the checkpoint's files: removed since)
-        raise Removed(ckpt.path)
     if found is None:
+        if candidates == [own]:                          # (verified with the checkpoint's files: removed since)
+            raise Removed(ckpt.path)
         raise CheckpointError(f"tokenizer not found at {' or '.join(candidates)}; pass --tokenizer PATH")
     try:
         tok = Tokenizer(found)
@@ -164,9 +165,9 @@ def device_for(name: str) -> torch.device:
 
 def read_with_tokenizer(path: str, tokenizer: str | None) -> tuple[Checkpoint, Tokenizer]:
     """(read_checkpoint, find_tokenizer) of `path`; a run directory whose live run prunes the checkpoint while it is
-    read is read again (its newest then), up to checkpoint.READ_RETRIES times."""
+    read is read again (its newest then), up to VANISHED_RETRIES times."""
     run_dir = checkpoint.is_run_dir(path)        # (before: a checkpoint being removed loses its meta.json first)
-    for _ in range(checkpoint.READ_RETRIES if run_dir else 1):
+    for _ in range(VANISHED_RETRIES if run_dir else 1):
         try:
             ckpt = read_checkpoint(path)
             return ckpt, find_tokenizer(ckpt, tokenizer)
@@ -174,7 +175,7 @@ def read_with_tokenizer(path: str, tokenizer: str | None) -> tuple[Checkpoint, T
             if not run_dir:
                 raise
             removed = e
-    raise CheckpointError(f"{path}: its checkpoints were removed while they were read, {checkpoint.READ_RETRIES} "
+    raise CheckpointError(f"{path}: its checkpoints were removed while they were read, {VANISHED_RETRIES} "
                           f"times (its live run saves and prunes them faster than they are read: keep_checkpoints); "
                           f"try again, or give a checkpoint it keeps (keep_checkpoint_interval)") from removed
 

@@ -61,8 +61,8 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
             raise ConfigError(f"kernels={cfg.kernels} on the CPU runs Triton kernels in Triton's interpreter "
                               "(slow; for tests): set TRITON_INTERPRET=1 in the environment to do that, "
                               "or use kernels=torch.")
-        if device.type == "cpu" and interpreter_unsupported():
-            raise ConfigError(f"kernels={cfg.kernels}: {interpreter_unsupported()}; or use kernels=torch.")
+        if device.type == "cpu" and (why := interpreter_unsupported()):
+            raise ConfigError(f"kernels={cfg.kernels}: {why}; or use kernels=torch.")
     m = cfg.model
     if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
         why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout, cfg.mbs * m.num_heads // cfg.tp)
