@@ -237,20 +237,31 @@ def present(path: str) -> dict:
     return verify(path, share=(0, 0))
 
 
-def agree_verify(mesh, device):
+class agree_verify:
     """verify() for a job: each rank hashes its share of the files, and every rank raises the first
-    failure any rank found (one file read once in the job, not once per rank)."""
-    def check(path: str) -> dict:
+    failure any rank found (one file read once in the job, not once per rank). Its `listing` of a run directory
+    is rank 0's on every rank: a directory that a live job writes (init_from, resume=PATH of another run's) may
+    list otherwise on each rank, and ranks walking different lists would make different collectives (one
+    check each) and choose different checkpoints; walking one, they agree on each check, so on the choice."""
+
+    def __init__(self, mesh, device):
+        self.mesh, self.device = mesh, device
+
+    def __call__(self, path: str) -> dict:
         failure = None
         try:
-            meta = verify(path, share=(mesh.rank, mesh.world_size))
+            meta = verify(path, share=(self.mesh.rank, self.mesh.world_size))
         except CheckpointError as e:
             failure = str(e)
-        found = first_failure(failure, mesh, device)
+        found = first_failure(failure, self.mesh, self.device)
         if found:
             raise CheckpointError(found[1])
         return meta
-    return check
+
+    def listing(self, run_dir: str) -> tuple[list, str | None]:
+        mine = json.dumps(listing(run_dir)) if self.mesh.rank == 0 else ""
+        candidates, named = json.loads(gather_text(mine, self.mesh.world_group, self.device)[0])
+        return candidates, named
 
 
 def checkpoints_of(run_dir: str) -> list:
@@ -266,19 +277,24 @@ def read_step(path: str) -> int:
     return int(STEP_DIR.search(path).group(1))
 
 
+def listing(run_dir: str) -> tuple[list, str | None]:
+    """(checkpoints_of(run_dir), the name its checkpoints/latest gives, or None)."""
+    return checkpoints_of(run_dir), _read_latest(os.path.join(run_dir, "checkpoints"))
+
+
 def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (resume=PATH), or start a new run under "
                                                      "another run_name.") -> Resume | None:
-    """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify), whatever
-    `latest` says, with notes on what was skipped; None when the run has no checkpoint; CheckpointError
-    when it has some but none is good, OlderFormatError at the first of an older format (not skipped: the
-    run is intact, for the version that wrote it). Where none verified and the listing has changed meanwhile (a
-    live run published a newer one and pruned those listed: keep_checkpoints), it is listed again, by a check of
-    one process (verify, present): the ranks of a job (agree_verify's collectives) must make the same passes."""
-    passes = VANISHED_RETRIES if check in (verify, present) else 1
-    for attempt in range(passes):
-        candidates = checkpoints_of(run_dir)
-        found, notes = _first_good(candidates, _read_latest(os.path.join(run_dir, "checkpoints")), check)
-        if found is not None or attempt == passes - 1 or checkpoints_of(run_dir) == candidates:
+    """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify: the job's ranks walk
+    its listing, rank 0's), whatever `latest` says, with notes on what was skipped; None when the run has no
+    checkpoint; CheckpointError when it has some but none is good, OlderFormatError at the first of an older format
+    (not skipped: the run is intact, for the version that wrote it). Where none verified and the listing has
+    changed meanwhile (a live run published a newer one and pruned those listed: keep_checkpoints), it is listed
+    again, up to VANISHED_RETRIES times."""
+    see = getattr(check, "listing", listing)
+    for attempt in range(VANISHED_RETRIES):
+        candidates, named = see(run_dir)
+        found, notes = _first_good(candidates, named, check)
+        if found is not None or attempt == VANISHED_RETRIES - 1 or see(run_dir)[0] == candidates:
             break
     if found is None and candidates:
         raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
@@ -459,15 +475,6 @@ def gather_text(text: str, group, device, to_first: bool = False) -> list | None
     if rows is None:
         return None
     return [r.tobytes().rstrip(b"\0").decode(errors="replace") for r in rows.cpu().numpy()]
-
-
-def agree_on_choice(path: str, mesh, device) -> None:
-    """CheckpointError on every rank where the ranks chose different checkpoints: each lists a run directory on its
-    own, and one that a running job writes (init_from, resume=PATH of another run's) may change between them."""
-    chosen = sorted(set(gather_text(path, mesh.world_group, device)))
-    if len(chosen) > 1:
-        raise CheckpointError(f"the ranks chose different checkpoints ({', '.join(chosen)}): the run directory "
-                              f"changed while they read it (a job still saving into it?); start again.")
 
 
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:

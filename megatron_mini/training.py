@@ -710,10 +710,16 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if refused:
         raise ConfigError(refused[1])
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
-        found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))
-        checkpoint.agree_on_choice(found.path, mesh, run.device)
-        if found.path != run.resume.path:         # a corrupt file made resume=auto fall back: check that one too
-            check_resume(cfg, found, run.datasets, run.data, run.dp)
+        found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))   # (one choice: its listing)
+        failure = None
+        if found.path != run.resume.path:         # a corrupt file made resume=auto fall back (or another run's
+            try:                                  # directory listed otherwise than at prepare_run): check that one
+                check_resume(cfg, found, run.datasets, run.data, run.dp)
+            except ConfigError as e:
+                failure = str(e)
+        refused = checkpoint.first_failure(failure, mesh, run.device)   # (prepare_run's choice was each rank's own)
+        if refused:
+            raise ConfigError(refused[1])
         run.resume = found
         at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
         if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):
@@ -725,7 +731,6 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             return {**history, "checkpoint": run.resume.path}
     if run.init:                       # its files' sha256 too, before they are read; an older one if need be
         run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
-        checkpoint.agree_on_choice(run.init.path, mesh, run.device)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)
