@@ -5,7 +5,8 @@ The architectures are the same (pre-LN, learned positions, fused [q; k; v], GELU
 Conv1D weights [in, out], hence the transposes; the padded vocabulary rows are dropped.
 lm_head.weight is not stored: GPT2LMHeadModel ties it to transformer.wte.weight. The checkpoint's
 full tensors come by global name from checkpoint.load_model_tensors, so a checkpoint of any layout
-exports the same way.
+exports the same way. The run's sentencepiece model is exported as it is (tokenizer.model) and as a
+Hugging Face `tokenizers` BPE (tokenizer.json) that AutoTokenizer loads and that gives the same ids.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from .data import Tokenizer
 from .files import existing_part, remove_empty_dirs
 from .inference import Checkpoint, CheckpointError, check_finite, read_with_tokenizer
 
@@ -106,26 +108,71 @@ def hf_config(ckpt: Checkpoint, eos_id: int, dtype: torch.dtype = torch.float32)
     }
 
 
+def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | None:
+    """(tokenizer.json, tokenizer_config.json) of a `tokenizers` BPE that encodes and decodes as the sentencepiece
+    BPE `tok` does (data.train_tokenizer's: identity normalisation, no dummy prefix, byte fallback), or None for
+    a sentencepiece model of other settings. sentencepiece's BPE encodes the whole text (" " -> "▁") by merging,
+    again and again, the adjacent pair whose concatenation is the piece of the highest score: the merges are
+    every (left, right) split of a normal piece into two normal pieces, ranked by the piece's score. Its control
+    and unknown pieces are special tokens that text never yields (split_special_tokens: "</s>" in a prompt is
+    characters, as sentencepiece reads it). Without the file, AutoTokenizer turned tokenizer.model into a
+    GPT2Tokenizer that encodes otherwise (spaces dropped) and whose EOS is past the vocabulary."""
+    from sentencepiece import sentencepiece_model_pb2
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.data)
+    norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
+    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
+            or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix
+            or any(p.type == Piece.USER_DEFINED for p in proto.pieces)):
+        return None
+    pieces = list(proto.pieces)
+    vocab = {p.piece: i for i, p in enumerate(pieces)}
+    normal = {p.piece for p in pieces if p.type == Piece.NORMAL}
+    merges = sorted((-p.score, i, vocab[p.piece[:k]], vocab[p.piece[k:]]) for i, p in enumerate(pieces)
+                    if p.piece in normal for k in range(1, len(p.piece))
+                    if p.piece[:k] in normal and p.piece[k:] in normal)
+    special = [i for i, p in enumerate(pieces) if p.type in (Piece.CONTROL, Piece.UNKNOWN)]
+    unk = pieces[spec.unk_id].piece
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": pieces[i].piece, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i in special],
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": spec.byte_fallback,
+                  "ignore_merges": False, "vocab": vocab,
+                  "merges": [[pieces[a].piece, pieces[b].piece] for *_, a, b in merges]},
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "model_max_length": seq_len,
+              "clean_up_tokenization_spaces": False, "split_special_tokens": True}
+    if spec.eos_id >= 0:
+        config["eos_token"] = pieces[spec.eos_id].piece
+    return tokenizer, config
+
+
 README = """# {name}: a megatron_mini GPT-2, exported for Hugging Face transformers
 
 Exported from `{checkpoint}` (step {step}): {layers} layers, hidden {hidden}, {heads} heads,
 context {seq_len} tokens, vocabulary {vocab}.
 
 ```python
-import sentencepiece as spm
-import torch
-from transformers import GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2LMHeadModel
 
 model = GPT2LMHeadModel.from_pretrained("{out}")
-sp = spm.SentencePieceProcessor(model_file="{out}/tokenizer.model")
-ids = torch.tensor([sp.encode("def main(")])
+tok = AutoTokenizer.from_pretrained("{out}")
+ids = tok("def main(", return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=min(50, {seq_len} - ids.shape[1]), do_sample=False)  # {seq_len} positions
-print(sp.decode(out[0].tolist()))
+print(tok.decode(out[0], skip_special_tokens=True))
 ```
 
 The tokenizer is the run's **sentencepiece** BPE (`tokenizer.model`, EOS id {eos} ends a
-document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenizer` or
-`AutoTokenizer`. Keep prompt + generated tokens within {seq_len} positions.
+document, no BOS), not GPT-2's byte-level BPE: do not load it with `GPT2Tokenizer`.
+{tokenizer_json}
+Keep prompt + generated tokens within {seq_len} positions.
 """
 
 
@@ -143,6 +190,10 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     ckpt, tok = read_with_tokenizer(checkpoint, tokenizer)
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
+    converted = hf_tokenizer(tok, m.seq_len)
+    if converted is None:
+        ckpt.notes.append(f"{tok.path} is a sentencepiece model of settings tokenizer.json cannot mirror: exported "
+                          f"as tokenizer.model alone (read it with sentencepiece, not AutoTokenizer)")
     existing = existing_part(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING, dir=out_dir)
@@ -155,10 +206,16 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
             json.dump(hf_config(ckpt, tok.eos_id, dtype), f, indent=2)
         with open(os.path.join(staging, "tokenizer.model"), "wb") as f:
             f.write(tok.data)                        # (the bytes find_tokenizer checked, not the path read again)
+        for name, content in zip(("tokenizer.json", "tokenizer_config.json"), converted or ()):
+            with open(os.path.join(staging, name), "w") as f:
+                json.dump(content, f)
+        mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` (the same ids; `\"</s>\"` in a text is "
+                  "characters, as sentencepiece reads it)." if converted else
+                  "Read it with sentencepiece: `AutoTokenizer` would encode otherwise.")
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
                                   hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
-                                  out=os.path.abspath(out_dir), eos=tok.eos_id))
+                                  out=os.path.abspath(out_dir), eos=tok.eos_id, tokenizer_json=mirror))
         # safetensors creates its file 0600 whatever the umask: give it the mode the other files got
         os.chmod(os.path.join(staging, "model.safetensors"), os.stat(os.path.join(staging, "config.json")).st_mode)
         for name in sorted(os.listdir(staging), key=lambda n: n != "config.json"):   # (config.json first: a kill

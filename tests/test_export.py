@@ -382,6 +382,31 @@ def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypa
         assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == checked[0] == f.read()
 
 
+def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, tmp_path):
+    """AutoTokenizer loads the export's tokenizer.json, which gives sentencepiece's ids for source files, runs of
+    spaces, tabs, newlines and byte-fallback text (a "</s>" in a text is characters in both), and decodes them back;
+    its EOS is the run's (it loaded a GPT2Tokenizer made from tokenizer.model, which dropped spaces and put its EOS
+    past the vocabulary). A sentencepiece model of other settings (a dummy prefix) gets no tokenizer.json."""
+    from sentencepiece import sentencepiece_model_pb2
+    from megatron_mini.data import Tokenizer, read_corpus
+    ckpt, hf, tok = exported[1]
+    auto = transformers.AutoTokenizer.from_pretrained(hf.name_or_path, local_files_only=True)
+    docs = [doc[:4000] for doc in list(read_corpus(small_data.source)[0])[:20]]
+    texts = docs + [PROMPT, "  a   b\t\t\n\n x", "héllo wörld 世界 🎉 \x00\x7f", 'x = "</s>" + "<unk>"', " ", ""]
+    for text in texts:
+        ids = tok.encode(text)
+        assert auto.encode(text) == auto(text).input_ids == ids, text[:80]
+        assert auto.decode(ids) == tok.decode(ids) == text
+    assert auto.eos_token_id == tok.eos_id == hf.config.eos_token_id and auto.bos_token_id is None
+    assert auto.decode(tok.encode(PROMPT) + [tok.eos_id], skip_special_tokens=True) == PROMPT
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.data)
+    proto.normalizer_spec.add_dummy_prefix = True
+    (tmp_path / "prefixed.model").write_bytes(proto.SerializeToString())
+    from megatron_mini.hf import hf_tokenizer
+    assert hf_tokenizer(Tokenizer(tmp_path / "prefixed.model"), 32) is None
+
+
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):
     """The README's example, run as written from another directory, loads the export given by a relative
     path and generates within the model's positions (it asked for 50 new tokens whatever the context,

@@ -4,7 +4,8 @@
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/tiny-dp')"
 
 OUT_DIR gets config.json, model.safetensors (fp32; --dtype bf16 or fp16: half the size), tokenizer.model
-(the run's sentencepiece model: not GPT-2's BPE) and a README.md on loading them. A checkpoint of any
+(the run's sentencepiece model: not GPT-2's BPE), the same tokenizer as tokenizer.json and tokenizer_config.json
+(for AutoTokenizer: the same ids) and a README.md on loading them. A checkpoint of any
 layout (tp, pp, vpp, dp, ZeRO) exports the same way; the name map and the conversion are in
 megatron_mini/hf.py.
 """
