@@ -115,7 +115,10 @@ def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | None:
     again and again, the adjacent pair whose concatenation is the piece of the highest score: the merges are
     every (left, right) split of a normal piece into two normal pieces, ranked by the piece's score. Its control
     and unknown pieces are special tokens that text never yields (split_special_tokens: "</s>" in a prompt is
-    characters, as sentencepiece reads it). Without the file, AutoTokenizer turned tokenizer.model into a
+    characters, as sentencepiece reads it). It decodes as sentencepiece does, but for a run of byte pieces that is
+    not UTF-8 as a whole (a generated character cut short beside a whole one), whose every byte becomes U+FFFD in
+    `tokenizers`' ByteFallback (sentencepiece replaces the broken character's alone), and for <unk>, which
+    sentencepiece decodes as " ⁇ ". Without the file, AutoTokenizer turned tokenizer.model into a
     GPT2Tokenizer that encodes otherwise (spaces dropped) and whose EOS is past the vocabulary."""
     from sentencepiece import sentencepiece_model_pb2
     proto = sentencepiece_model_pb2.ModelProto()
