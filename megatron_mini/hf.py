@@ -214,7 +214,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
                 json.dump(content, f)
         mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` (the same ids; `\"</s>\"` in a text is "
                   "characters, as sentencepiece reads it)." if converted else
-                  "Read it with sentencepiece: `AutoTokenizer` would encode otherwise.")
+                  "There is no `tokenizer.json` (a sentencepiece model of settings it cannot mirror): read "
+                  "`tokenizer.model` with `sentencepiece.SentencePieceProcessor`, not `AutoTokenizer` as above.")
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,
                                   hidden=m.hidden_size, heads=m.num_heads, seq_len=m.seq_len, vocab=m.vocab_size,
