@@ -108,26 +108,30 @@ def hf_config(ckpt: Checkpoint, eos_id: int, dtype: torch.dtype = torch.float32)
     }
 
 
-def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | None:
+def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
     """(tokenizer.json, tokenizer_config.json) of a `tokenizers` BPE that encodes and decodes as the sentencepiece
-    BPE `tok` does (data.train_tokenizer's: identity normalisation, no dummy prefix, byte fallback), or None for
-    a sentencepiece model of other settings. sentencepiece's BPE encodes the whole text (" " -> "▁") by merging,
-    again and again, the adjacent pair whose concatenation is the piece of the highest score: the merges are
-    every (left, right) split of a normal piece into two normal pieces, ranked by the piece's score. Its control
+    BPE `tok` does (data.train_tokenizer's: identity normalisation, no dummy prefix, byte fallback), or why not: a
+    sentencepiece model of other settings, or no protobuf to read them with (wandb's dependency).
+    sentencepiece's BPE encodes the whole text (" " -> "▁") by merging, again and again, the adjacent pair whose
+    concatenation is the piece of the highest score: the merges are every (left, right) split of a normal piece
+    into two normal pieces, ranked by the piece's score. Its control
     and unknown pieces are special tokens that text never yields (split_special_tokens: "</s>" in a prompt is
     characters, as sentencepiece reads it). It decodes as sentencepiece does, but for a run of byte pieces that is
     not UTF-8 as a whole (a generated character cut short beside a whole one), whose every byte becomes U+FFFD in
     `tokenizers`' ByteFallback (sentencepiece replaces the broken character's alone), and for <unk>, which
     sentencepiece decodes as " ⁇ ". Without the file, AutoTokenizer turned tokenizer.model into a
     GPT2Tokenizer that encodes otherwise (spaces dropped) and whose EOS is past the vocabulary."""
-    from sentencepiece import sentencepiece_model_pb2
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        return f"its settings cannot be read without protobuf ({e})"
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tok.data)
     norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
     if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
             or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix
             or any(p.type == Piece.USER_DEFINED for p in proto.pieces)):
-        return None
+        return "a sentencepiece model of settings tokenizer.json cannot mirror"
     pieces = list(proto.pieces)
     vocab = {p.piece: i for i, p in enumerate(pieces)}
     normal = {p.piece for p in pieces if p.type == Piece.NORMAL}
@@ -194,9 +198,10 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
     converted = hf_tokenizer(tok, m.seq_len)
-    if converted is None:
-        ckpt.notes.append(f"{tok.path} is a sentencepiece model of settings tokenizer.json cannot mirror: exported "
-                          f"as tokenizer.model alone (read it with sentencepiece, not AutoTokenizer)")
+    unmirrored = converted if isinstance(converted, str) else None
+    if unmirrored:
+        ckpt.notes.append(f"{tok.path}: {unmirrored}; exported as tokenizer.model alone (read it with "
+                          f"sentencepiece, not AutoTokenizer)")
     existing = existing_part(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING, dir=out_dir)
@@ -209,12 +214,12 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
             json.dump(hf_config(ckpt, tok.eos_id, dtype), f, indent=2)
         with open(os.path.join(staging, "tokenizer.model"), "wb") as f:
             f.write(tok.data)                        # (the bytes find_tokenizer checked, not the path read again)
-        for name, content in zip(("tokenizer.json", "tokenizer_config.json"), converted or ()):
+        for name, content in zip(("tokenizer.json", "tokenizer_config.json"), () if unmirrored else converted):
             with open(os.path.join(staging, name), "w") as f:
                 json.dump(content, f)
         mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` (the same ids; `\"</s>\"` in a text is "
-                  "characters, as sentencepiece reads it)." if converted else
-                  "There is no `tokenizer.json` (a sentencepiece model of settings it cannot mirror): read "
+                  "characters, as sentencepiece reads it)." if not unmirrored else
+                  f"There is no `tokenizer.json` ({unmirrored}): read "
                   "`tokenizer.model` with `sentencepiece.SentencePieceProcessor`, not `AutoTokenizer` as above.")
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(README.format(name=m.name, checkpoint=ckpt.path, step=ckpt.meta.get("step"), layers=m.num_layers,

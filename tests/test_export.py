@@ -382,11 +382,12 @@ def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypa
         assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == checked[0] == f.read()
 
 
-def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, tmp_path):
+def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, tmp_path, monkeypatch):
     """AutoTokenizer loads the export's tokenizer.json, which gives sentencepiece's ids for source files, runs of
     spaces, tabs, newlines and byte-fallback text (a "</s>" in a text is characters in both), and decodes them back;
     its EOS is the run's (it loaded a GPT2Tokenizer made from tokenizer.model, which dropped spaces and put its EOS
-    past the vocabulary). A sentencepiece model of other settings (a dummy prefix) gets no tokenizer.json."""
+    past the vocabulary). A sentencepiece model of other settings (a dummy prefix) gets no tokenizer.json, nor does
+    any where protobuf, which reads the settings, is missing."""
     from sentencepiece import sentencepiece_model_pb2
     from megatron_mini.data import Tokenizer, read_corpus
     ckpt, hf, tok = exported[1]
@@ -404,7 +405,12 @@ def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, t
     proto.normalizer_spec.add_dummy_prefix = True
     (tmp_path / "prefixed.model").write_bytes(proto.SerializeToString())
     from megatron_mini.hf import hf_tokenizer
-    assert hf_tokenizer(Tokenizer(tmp_path / "prefixed.model"), 32) is None
+    assert hf_tokenizer(Tokenizer(tmp_path / "prefixed.model"), 32) == \
+        "a sentencepiece model of settings tokenizer.json cannot mirror"
+    import sentencepiece
+    monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2")
+    monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)     # (an import that fails)
+    assert hf_tokenizer(tok, 32).startswith("its settings cannot be read without protobuf")
 
 
 def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkeypatch):
