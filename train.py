@@ -11,7 +11,6 @@ Hydra's own messages (a wrong type, a value outside a choice), unknown keys, and
 ConfigError / RunError / CommError.
 """
 import os
-import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +21,7 @@ from megatron_mini.errors import CommError, ConfigError, RunError
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
 
 register_configs()
-command_line = HydraCommandLine()
+command_line = HydraCommandLine(multirun=False)     # (a sweep is refused: each run is a job of its own ranks)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -51,7 +50,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if {"-m", "--multirun"} & set(sys.argv[1:]):   # before Hydra's sweeper writes its directories
-        fail("multirun (-m) is not supported: each run is a job of its own ranks; launch one command per "
-             "configuration (a shell loop, or a scheduler's array job).", code=2)
     command_line.run(main)

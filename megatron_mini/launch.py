@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 from .files import DirectoryLock, atomic_write
 
 # how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
@@ -317,23 +317,60 @@ class HydraCommandLine:
     """Runs a `@hydra.main` entry point so that a command line Hydra refuses (a wrong type, a value outside
     a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
     what Hydra prints while it composes the config is held, and given back by `composed()`, which the entry
-    point calls first; then stderr is the real one again."""
+    point calls first; then stderr is the real one again. `multirun=False` (train.py): Hydra's sweeps (-m, and
+    every other way to ask for one) are refused before Hydra's sweeper writes anything."""
     HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
     TRACEBACK = "Traceback (most recent call last)"
     CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    MULTIRUN = ("multirun (-m) is not supported: each run is a job of its own ranks (one process group, one run "
+                "directory); launch one command per configuration (a shell loop, or a scheduler's array job), each "
+                "with its own run_name.")
+    MULTIRUN_MODES = ("MULTIRUN", "RunMode.MULTIRUN", "2")     # (the spellings of hydra.mode that OmegaConf takes)
 
-    def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None, schema=None):
+    def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None, schema=None,
+                 multirun: bool = True):
         self.conf = conf                       # the config directory: its subdirectories are the config groups
         self.config_name = config_name         # the command's own config, conf/<config_name>.yaml
         self.schema = schema                   # its dataclass (TrainConfig where None): the keys it has
+        self.multirun = multirun               # whether Hydra may sweep (run several jobs in this process)
         self.real = self.held = None
         self.argv = argv or []
 
     def composed(self, replay: bool = True) -> None:
+        """The entry point's first call: stderr is the real one again (with what Hydra printed, `replay`), and a
+        sweep that no command-line flag asked for (hydra.mode in a --config-dir config) is refused."""
         if self.held is not None and sys.stderr is self.held:
             sys.stderr = self.real
             if replay:
                 self.real.write(self.held.getvalue())
+        if not self.multirun:
+            from hydra.core.hydra_config import HydraConfig
+            from hydra.types import RunMode
+            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+                fail(self.MULTIRUN, code=2)
+
+    def hydra_args(self):
+        """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
+        `--multi`, `-mc job`), or None where that parser refuses it (Hydra then says why itself)."""
+        from hydra._internal.utils import get_args_parser
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return get_args_parser().parse_args(self.argv)
+        except SystemExit:                     # (a usage error, or --version)
+            return None
+
+    def sweeps(self, args) -> bool:
+        """Whether Hydra's parsed command line `args` asks for a sweep: -m (--multirun, --multi, ...), or an
+        override hydra.mode=MULTIRUN (+, ++ too, quoted or as the enum's other spellings)."""
+        from .config import split_override
+        modes = {split_override(a)[2].strip().strip("'\"") for a in args.overrides
+                 if split_override(a)[0].strip() == "hydra.mode"}
+        return bool(args.multirun or modes & set(self.MULTIRUN_MODES))
+
+    def shows(self, args) -> bool:
+        """Whether Hydra's parsed command line `args` only shows something (--help, --hydra-help, --cfg, --info,
+        --shell-completion): printed once per job, by rank 0."""
+        return bool(args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
 
     def error(self) -> str:
         """What Hydra printed as it refused the command line (held), as one line (explain)."""
@@ -354,6 +391,9 @@ class HydraCommandLine:
             return refused
         if crashed:
             return f"Hydra could not start with this command line: {text}"
+        usage = re.search(r"^usage: .*?: error: (.*)$", text)      # (its parser's: the fault after the synopsis)
+        if usage:
+            return f"{usage.group(1)} (--hydra-help lists the options)"
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
             return str(unknown_key(key.group(1), self.schema))
@@ -411,7 +451,19 @@ class HydraCommandLine:
                 if os.path.isdir(os.path.join(self.conf, str(key)))}
 
     def run(self, main) -> None:
+        """main() (the @hydra.main function) on this process's command line: a sweep refused where the command
+        takes none; what only shows something printed by rank 0 alone; whatever Hydra raises before the entry
+        point runs (its report held, or an exception of its own: --resolve without --cfg) as one line, exit 2."""
         self.argv = sys.argv[1:]
+        args = self.hydra_args()
+        if args is not None and not self.multirun and self.sweeps(args):
+            fail(self.MULTIRUN, code=2)
+        try:
+            rank = launch_env()[0]
+        except ConfigError:                    # (said once training starts; nothing is shown twice by it)
+            rank = 0
+        if args is not None and self.shows(args) and rank != 0:
+            sys.stdout = open(os.devnull, "w")
         self.real, self.held = sys.stderr, io.StringIO()
         sys.stderr = self.held
         try:
@@ -421,5 +473,10 @@ class HydraCommandLine:
                 self.composed(replay=False)
                 fail(self.error(), code=2)
             raise
+        except Exception as e:     # noqa: BLE001 - raised by Hydra before the entry point ran: the command line's
+            if sys.stderr is not self.held:
+                raise
+            self.composed(replay=False)
+            fail(self.explain(first_line(e)), code=2)
         finally:
             self.composed()

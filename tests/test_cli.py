@@ -108,6 +108,39 @@ def test_help_says_where_the_examples_and_keys_are():
                                    "job prints the\nconfig a command line composes, without running it."), r.out
 
 
+def test_every_way_to_ask_hydra_for_a_sweep_is_seen():
+    """Hydra's parser takes abbreviations and joined flags (--multi, -mc job) and hydra.mode=MULTIRUN asks for a sweep
+    too: each ran the sweep (a second job resumed the first's checkpoint, in the one run directory both named), where
+    only -m and --multirun were refused."""
+    from megatron_mini.launch import HydraCommandLine
+
+    def sweeps(*argv):
+        command_line = HydraCommandLine(argv=list(argv), multirun=False)
+        return command_line.sweeps(command_line.hydra_args())
+    for argv in (["-m"], ["--multirun"], ["--multi", "steps=1,2"], ["-mc", "job"], ["steps=1", "-m"],
+                 ["hydra.mode=MULTIRUN"], ["++hydra.mode='RunMode.MULTIRUN'"], ["+hydra.mode=2"]):
+        assert sweeps(*argv), argv
+    for argv in ([], ["steps=1"], ["hydra.mode=RUN"], ["-c", "job"], ["--cfg", "job", "model.name=multirun"]):
+        assert not sweeps(*argv), argv
+    assert HydraCommandLine(argv=["--cfg", "bad"]).hydra_args() is None        # (Hydra refuses it itself)
+
+
+@pytest.mark.parametrize("argv, facts", [
+    (["--multi", "optimizer.lr=1e-3,3e-3"], ["multirun (-m) is not supported: each run is a job of its own ranks"]),
+    (["hydra.mode=MULTIRUN"], ["multirun (-m) is not supported"]),
+    (["--resolve"], ["ValueError: The --resolve flag can only be used in conjunction with --cfg or --help"]),
+    (["--cfg", "bad"], ["argument --cfg/-c: invalid choice: 'bad' (choose from 'job', 'hydra', 'all') (--hydra-help "
+                        "lists the options)"]),
+], ids=["abbreviated-multirun", "hydra-mode", "resolve-alone", "cfg-bad"])
+def test_hydra_flags_refused_in_one_line(tmp_path, argv, facts):
+    """What Hydra's flags refuse is one line, exit 2, and no sweep directory is written: --resolve without --cfg
+    was Hydra's ValueError traceback (exit 1), a usage error a line led by the whole synopsis."""
+    sweep = tmp_path / "sweep"
+    r = python_train([*argv, f"hydra.sweep.dir={sweep}", f"run_dir={tmp_path / 'run'}", "steps=1"])
+    assert_one_error(r, facts, "python")
+    assert not sweep.exists() and not (tmp_path / "run").exists(), r
+
+
 def test_a_traceback_hydra_prints_becomes_its_last_line():
     """Where Hydra fails inside itself it prints a traceback of its frames (model=[1,2] gave a 2,200-character
     `error: Traceback ...` line): the command line's fault when a config group got no name of its own, else
@@ -308,6 +341,15 @@ def test_bad_layout_unordered_ranks(small_data, tmp_path):
     ours = [ln for ln in r.err.splitlines() if ln.startswith("error: World size 3 is not divisible")]
     assert len(ours) <= 1, r                           # printed by one rank at most
     assert r.err.count("World size 3 is not divisible") <= len(ours) + 1, r   # + torchrun's Root Cause quote
+
+
+def test_what_hydra_shows_is_shown_once_under_torchrun(tmp_path):
+    """--cfg job (and --help, --info) under torchrun: rank 0 prints the config, the other ranks nothing (each rank
+    printed it, interleaved); exit 0, and no run directory is made."""
+    r = torchrun_train(2, ["--cfg", "job", f"run_dir={tmp_path / 'run'}"])
+    assert r.rc == 0, r
+    assert r.out.count("\nrun_dir: ") == 1 and f"run_dir: {tmp_path / 'run'}" in r.out, r
+    assert not (tmp_path / "run").exists(), r
 
 
 def test_message_survives_slow_rank0(small_data, tmp_path, hooks):
