@@ -326,6 +326,15 @@ class HydraCommandLine:
                 "directory); launch one command per configuration (a shell loop, or a scheduler's array job), each "
                 "with its own run_name.")
     MULTIRUN_MODES = ("MULTIRUN", "RunMode.MULTIRUN", "2")     # (the spellings of hydra.mode that OmegaConf takes)
+    # Hydra's output settings that conf/config.yaml turns off, with the values that keep them off: Hydra would write
+    # into the starting directory (every rank of a job, racing) or move the process out of it
+    HYDRA_OUTPUT = {"hydra.run.dir": (".", "./"), "hydra.job.chdir": ("false", "null"),
+                    "hydra.output_subdir": ("null",), "hydra/job_logging": ("disabled",),
+                    "hydra/hydra_logging": ("disabled",)}
+    OUTPUT = ("Hydra's output directory is off for this command (conf/config.yaml: hydra.run.dir is ., no .hydra "
+              "copy, no change of the working directory, no log of Hydra's): a run writes into run_dir (runs/"
+              "<run_name>, or run_dir=PATH), its config to run_dir/.hydra/config.yaml and its logs to run_dir/logs, "
+              "and relative paths (data.dir, run_dir) are read from the directory the command starts in.")
 
     def __init__(self, conf: str = CONF, config_name: str = "config", argv: list | None = None, schema=None,
                  multirun: bool = True):
@@ -343,11 +352,14 @@ class HydraCommandLine:
             sys.stderr = self.real
             if replay:
                 self.real.write(self.held.getvalue())
-        if not self.multirun:
-            from hydra.core.hydra_config import HydraConfig
-            from hydra.types import RunMode
-            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        if HydraConfig.initialized():
+            hydra = HydraConfig.get()
+            if not self.multirun and hydra.mode == RunMode.MULTIRUN:
                 fail(self.MULTIRUN, code=2)
+            if os.path.realpath(os.getcwd()) != os.path.realpath(hydra.runtime.cwd):
+                fail(f"hydra.job.chdir=true moved this command into {hydra.runtime.output_dir}: {self.OUTPUT}", code=2)
 
     def hydra_args(self):
         """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
@@ -366,6 +378,17 @@ class HydraCommandLine:
         modes = {split_override(a)[2].strip().strip("'\"") for a in args.overrides
                  if split_override(a)[0].strip() == "hydra.mode"}
         return bool(args.multirun or modes & set(self.MULTIRUN_MODES))
+
+    def hydra_output(self, args) -> str | None:
+        """The override of Hydra's parsed command line `args` that would turn on what HYDRA_OUTPUT keeps off (or move
+        Hydra's directory), or None."""
+        from .config import split_override
+        for arg in args.overrides:
+            key, _, value = split_override(arg)
+            kept = self.HYDRA_OUTPUT.get(key.strip())
+            if kept is not None and value.strip().strip("'\"").lower() not in kept:
+                return arg
+        return None
 
     def shows(self, args) -> bool:
         """Whether Hydra's parsed command line `args` only shows something (--help, --hydra-help, --cfg, --info,
@@ -393,7 +416,9 @@ class HydraCommandLine:
             return f"Hydra could not start with this command line: {text}"
         usage = re.search(r"^usage: .*?: error: (.*)$", text)      # (its parser's: the fault after the synopsis)
         if usage:
-            return f"{usage.group(1)} (--hydra-help lists the options)"
+            together = ": give the overrides together, after the flags (train.py --cfg job tp=2 steps=5)" \
+                if usage.group(1).startswith("unrecognized arguments:") else ""
+            return f"{usage.group(1)}{together} (--hydra-help lists the options)"
         key = re.search(r"Could not override '([^']+)'", text)
         if key and " not in " in text:
             return str(unknown_key(key.group(1), self.schema))
@@ -458,6 +483,9 @@ class HydraCommandLine:
         args = self.hydra_args()
         if args is not None and not self.multirun and self.sweeps(args):
             fail(self.MULTIRUN, code=2)
+        output = self.hydra_output(args) if args is not None else None
+        if output is not None:
+            fail(f"{output}: {self.OUTPUT}", code=2)
         try:
             rank = launch_env()[0]
         except ConfigError:                    # (said once training starts; nothing is shown twice by it)

@@ -131,14 +131,34 @@ def test_every_way_to_ask_hydra_for_a_sweep_is_seen():
     (["--resolve"], ["ValueError: The --resolve flag can only be used in conjunction with --cfg or --help"]),
     (["--cfg", "bad"], ["argument --cfg/-c: invalid choice: 'bad' (choose from 'job', 'hydra', 'all') (--hydra-help "
                         "lists the options)"]),
-], ids=["abbreviated-multirun", "hydra-mode", "resolve-alone", "cfg-bad"])
+    (["steps=1", "--cfg", "job", "tp=2"], ["unrecognized arguments: tp=2 hydra.sweep.dir=", "steps=1: give the "
+                                           "overrides together, after the flags"]),
+    (["hydra.run.dir={tmp}/out"], ["hydra.run.dir=", "/out: Hydra's output directory is off for this command"]),
+    (["hydra.job.chdir=true", "hydra.run.dir={tmp}/out"], ["hydra.job.chdir=true: Hydra's output directory is off",
+                                                          "relative paths (data.dir, run_dir) are read from"]),
+], ids=["abbreviated-multirun", "hydra-mode", "resolve-alone", "cfg-bad", "overrides-apart", "hydra-run-dir",
+        "hydra-chdir"])
 def test_hydra_flags_refused_in_one_line(tmp_path, argv, facts):
-    """What Hydra's flags refuse is one line, exit 2, and no sweep directory is written: --resolve without --cfg
-    was Hydra's ValueError traceback (exit 1), a usage error a line led by the whole synopsis."""
+    """What Hydra's flags refuse is one line, exit 2, and no sweep or Hydra output directory is written: --resolve
+    without --cfg was Hydra's ValueError traceback (exit 1), a usage error a line led by the whole synopsis;
+    hydra.run.dir made an empty directory, the run going to run_dir, and hydra.job.chdir=true moved the process into
+    it, where data.dir=data/... was not found."""
     sweep = tmp_path / "sweep"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     r = python_train([*argv, f"hydra.sweep.dir={sweep}", f"run_dir={tmp_path / 'run'}", "steps=1"])
     assert_one_error(r, facts, "python")
-    assert not sweep.exists() and not (tmp_path / "run").exists(), r
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], r
+
+
+def test_hydra_output_settings_that_keep_it_off_pass():
+    """The values conf/config.yaml gives Hydra's output settings pass, whatever their spelling."""
+    from megatron_mini.launch import HydraCommandLine
+    for arg in ("hydra.run.dir=.", "hydra.job.chdir=False", "++hydra.output_subdir=null", "hydra/job_logging=disabled",
+                "hydra.verbose=true", "hydra.job.name=x"):
+        command_line = HydraCommandLine(argv=[arg])
+        assert command_line.hydra_output(command_line.hydra_args()) is None, arg
+    command_line = HydraCommandLine(argv=["steps=1", "hydra.output_subdir=.hydra"])
+    assert command_line.hydra_output(command_line.hydra_args()) == "hydra.output_subdir=.hydra"
 
 
 def test_a_traceback_hydra_prints_becomes_its_last_line():
