@@ -14,6 +14,7 @@ import netrc
 import os
 import re
 import resource
+import shlex
 import sys
 from urllib.parse import urlsplit
 
@@ -181,6 +182,16 @@ def _read_bytes(path) -> bytes | None:
         return None
 
 
+def offline_segments(path: str) -> str:
+    """The shell pattern of every offline directory of the wandb run whose one directory is `path`
+    (`.../offline-run-<date>_<time>-<id>`: its date and time a `*`), quoted for a shell around the `*`."""
+    folder, name = os.path.split(path)
+    found = re.fullmatch(r"(offline-run-)\d{8}_\d{6}(-.*)", name)
+    if not found:
+        return shlex.quote(path)
+    return f"{shlex.quote(os.path.join(folder, found[1]))}*{shlex.quote(found[2])}"
+
+
 class RunLogger:
     """Writes `{run_dir}/metrics.jsonl` and logs to wandb; every method is a no-op when not enabled. The lines
     go straight to the file (opened to append, unbuffered): a line that fails to be written (a full disk)
@@ -222,10 +233,7 @@ class RunLogger:
     def wandb_segments(self) -> str | None:
         """A shell pattern of every offline directory of this wandb run, one per start (the run's restarts each
         write one, under the same id; `wandb sync` takes them all, oldest first, as their names sort)."""
-        if self._wandb_path is None:
-            return None
-        folder, name = os.path.split(self._wandb_path)
-        return os.path.join(folder, re.sub(r"^(offline-run-)\d{8}_\d{6}(-.*)$", r"\1*\2", name))
+        return None if self._wandb_path is None else offline_segments(self._wandb_path)
 
     def log(self, step: int, metrics: dict) -> None:
         """Record `metrics` at `step`: one line in metrics.jsonl, one wandb.log call."""

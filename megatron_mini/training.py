@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 import threading
 import time
@@ -651,13 +652,22 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     log.info(f"{ended}: {steps_run} step{'s' * (steps_run != 1)} in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (evaluation and "
              f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
-    last_ckpt = trainer.last_checkpoint
-    log.info(f"checkpoint: {last_ckpt}")
-    log.info(f"metrics:    {os.path.join(cfg.run_dir, 'metrics.jsonl')}")
-    log.info(f"wandb:      {logger.wandb_path or 'disabled'}"
-             + (f"  (upload every start's with: wandb sync {logger.wandb_segments} )"
-                if logger.wandb_path and logger.mode == 'offline' else ""))
-    log.info(f"sample:     python tools/generate.py {last_ckpt} --prompt 'def main(' --max-new-tokens 200")
+    sync = logger.wandb_segments if logger.wandb_path and logger.mode == "offline" else None
+    for line in closing_lines(trainer.last_checkpoint, os.path.join(cfg.run_dir, "metrics.jsonl"), logger.wandb_path,
+                              sync):
+        log.info(line)
+
+
+def closing_lines(last_checkpoint: str | None, metrics: str, wandb_path: str | None, sync: str | None) -> list[str]:
+    """The lines below a run's done line: its checkpoint, metrics and wandb directory, and the commands to copy (`sync`:
+    offline directories to upload, a shell pattern), each path quoted for the shell; no sample without a checkpoint."""
+    lines = [f"checkpoint: {last_checkpoint or 'none'}", f"metrics:    {metrics}",
+             f"wandb:      {wandb_path or 'disabled'}" + (f"  (upload every start's with: wandb sync {sync} )"
+                                                         if sync else "")]
+    if last_checkpoint:
+        lines.append(f"sample:     python tools/generate.py {shlex.quote(last_checkpoint)} --prompt 'def main(' "
+                     f"--max-new-tokens 200")
+    return lines
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -161,6 +161,29 @@ def test_hydra_output_settings_that_keep_it_off_pass():
     assert command_line.hydra_output(command_line.hydra_args()) == "hydra.output_subdir=.hydra"
 
 
+def test_the_commands_a_run_prints_are_ready_for_a_shell(tmp_path):
+    """The lines below the done line quote their paths for a shell: run_name='a b' printed `sample: python
+    tools/generate.py runs/a b/checkpoints/...` (two arguments) and a `wandb sync` pattern that split at the space;
+    a run stopped before any checkpoint printed `checkpoint: None` and `generate.py None`."""
+    import shlex
+    import subprocess
+    from megatron_mini.logger import offline_segments
+    from megatron_mini.training import closing_lines
+    wandb = tmp_path / "runs" / "a b" / "wandb"
+    for start in ("20261206_170732", "20261207_080000"):
+        (wandb / f"offline-run-{start}-a b-x1").mkdir(parents=True)
+    sync = offline_segments(str(wandb / "offline-run-20261207_080000-a b-x1"))
+    lines = closing_lines("runs/a b/checkpoints/step_000002", "runs/a b/metrics.jsonl", str(wandb), sync)
+    assert shlex.split(lines[-1].partition(":")[2]) == ["python", "tools/generate.py", "runs/a b/checkpoints/step_000002",
+                                                       "--prompt", "def main(", "--max-new-tokens", "200"], lines
+    listed = subprocess.run(["bash", "-c", f"printf '%s\\n' {sync}"], capture_output=True, text=True).stdout
+    assert listed.splitlines() == [str(wandb / f"offline-run-{s}-a b-x1") for s in ("20261206_170732",
+                                                                                    "20261207_080000")], listed
+    assert f"wandb sync {sync} )" in lines[2], lines
+    lines = closing_lines(None, "runs/x/metrics.jsonl", None, None)
+    assert lines == ["checkpoint: none", "metrics:    runs/x/metrics.jsonl", "wandb:      disabled"], lines
+
+
 def test_a_traceback_hydra_prints_becomes_its_last_line():
     """Where Hydra fails inside itself it prints a traceback of its frames (model=[1,2] gave a 2,200-character
     `error: Traceback ...` line): the command line's fault when a config group got no name of its own, else
