@@ -14,9 +14,8 @@ import os
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, validate
+from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
 from megatron_mini.errors import CommError, ConfigError, RunError
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
 
@@ -30,10 +29,7 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
         check_booleans(command_line.argv)
-        try:
-            cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        except OmegaConfBaseException as e:          # an interpolation that does not resolve: ${nope}, ${oc.env:X}
-            raise ConfigError(str(e).strip().splitlines()[0]) from None
+        cfg: TrainConfig = structured(dict_cfg)
         # a bad config is refused in well under a second: torch is not loaded yet (a ramp's batches: from sample 0
         # unless the run may resume, when train() checks them from its checkpoint's)
         validate(cfg, launch_env()[1], consumed_samples=0 if cfg.resume == "never" else None)

@@ -477,6 +477,20 @@ def check_keys(given: dict, schema=None) -> None:
     check(given, "")
 
 
+def structured(given, schema=None):
+    """The composed config `given` (an OmegaConf DictConfig) as a `schema` object (TrainConfig by default), typed by
+    the schema even where the primary config does not start from it (--config-path to a run's .hydra/, a config of the
+    user's own: it composed into a plain dict, whose first use was an AttributeError). A value the schema cannot take,
+    or an interpolation that does not resolve (${nope}, ${oc.env:X}), is a ConfigError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema or TrainConfig), given))
+    except OmegaConfBaseException as e:
+        text, key = str(e).strip().splitlines()[0], getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {text}" if key and key not in text else text) from None
+
+
 def check_ranges(cfg: TrainConfig, section: str = "") -> None:
     """The RANGES rules of the keys under `section` ("" = all); every number must be finite (inf passed the
     ranges: an fp16 loss scale of inf skipped every step and never reached its minimum); no data path is empty."""

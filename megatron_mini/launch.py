@@ -408,7 +408,7 @@ class HydraCommandLine:
         config.unknown_key says it (Hydra's advice, `+key=`, would only be refused next: no such key is read); a
         name a group has no file for, with the names it has (missing_option); else its text, without OmegaConf's
         trailer and Hydra's search path."""
-        from .config import unknown_key
+        from .config import config_keys, unknown_key
         refused = self.refusal()
         if refused:
             return refused
@@ -420,6 +420,9 @@ class HydraCommandLine:
                 if usage.group(1).startswith("unrecognized arguments:") else ""
             return f"{usage.group(1)}{together} (--hydra-help lists the options)"
         key = re.search(r"Could not override '([^']+)'", text)
+        if key and " not in " in text and key.group(1) in config_keys(self.schema):
+            return (f"{key.group(1)}: the composed config has no such key to override (its primary config leaves it "
+                    f"out, or ~{key.group(1)} removed it): set it with +{key.group(1)}=VALUE")
         if key and " not in " in text:
             return str(unknown_key(key.group(1), self.schema))
         return missing_option(text, self.argv) or text.split(" full_key:")[0].split(" Config search path:")[0] \

@@ -229,6 +229,26 @@ def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_pa
         assert_one_error(r, facts, "python")
 
 
+def test_a_primary_config_without_the_schema_is_typed_by_it(tmp_path):
+    """--config-path to a directory whose config does not start from base_config (a run's recorded .hydra/, a user's
+    own) composed a plain dict: `AttributeError: 'dict' object has no attribute 'resume'`, a traceback. It is typed by
+    TrainConfig as conf/config.yaml is: its values converted, its defaults filled in, a wrong one one line."""
+    from omegaconf import OmegaConf
+    from megatron_mini.config import ConfigError, Schedule, TrainConfig, structured
+    cfg = structured(OmegaConf.create({"steps": 5, "schedule": "gpipe", "precision": {"dtype": "bf16"}}))
+    assert isinstance(cfg, TrainConfig) and cfg.steps == 5 and cfg.schedule == Schedule.gpipe, cfg
+    assert cfg.precision.dtype == "bf16" and cfg.model.num_layers == 8 and cfg.run_dir == "runs/tiny-dp", cfg
+    with pytest.raises(ConfigError, match=r"^steps: Value 'abc' of type 'str' could not be converted to Integer$"):
+        structured(OmegaConf.create({"steps": "abc"}))
+    (tmp_path / "recorded.yaml").write_text(f"tp: 4\npp: 12\nmodel:\n  num_layers: 12\nrun_dir: {tmp_path / 'run'}\n")
+    r = python_train(["--config-path", str(tmp_path), "--config-name", "recorded"])
+    assert_one_error(r, ["The layout tp=4 x pp=12 needs at least 48 processes"], "python")
+    r = python_train(["--config-path", str(tmp_path), "--config-name", "recorded", "steps=5"])
+    assert_one_error(r, ["steps: the composed config has no such key to override (its primary config leaves it out, "
+                         "or ~steps removed it): set it with +steps=VALUE"], "python")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_config_without_a_defaults_list_is_no_command_with_groups(tmp_path):
     """HydraCommandLine.refusal reads the defaults list of every conf/*.yaml to say whose a group is: a file with
     none (a user's notes, a plain list) or one that is no YAML chooses no group, and is no fault of the command."""

@@ -15,7 +15,7 @@ data.source, data.text_key and data.tokenizer beside it are refused (check_range
 import hydra
 from omegaconf import OmegaConf
 
-from megatron_mini.config import ConfigError, check_booleans, check_keys, check_ranges, register_configs
+from megatron_mini.config import ConfigError, check_booleans, check_keys, check_ranges, register_configs, structured
 from megatron_mini.data import DataError, prepare
 from megatron_mini.dataset import blend_note, load_datasets
 from megatron_mini.launch import HydraCommandLine, Stopped, fail, stop_on_signals
@@ -31,7 +31,7 @@ def main(dict_cfg) -> None:
     try:
         check_keys(OmegaConf.to_container(dict_cfg, resolve=False))   # (train.py's checks of the data.* keys)
         check_booleans(command_line.argv)
-        cfg = OmegaConf.to_object(dict_cfg)
+        cfg = structured(dict_cfg)
         check_ranges(cfg, "data.")
         if cfg.data.blend is None:
             prepare(cfg.data)
