@@ -363,8 +363,12 @@ class HydraCommandLine:
 
     def hydra_args(self):
         """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
-        `--multi`, `-mc job`), or None where that parser refuses it (Hydra then says why itself)."""
-        from hydra._internal.utils import get_args_parser
+        `--multi`, `-mc job`), or None where that parser refuses it (Hydra then says why itself) or is not where
+        Hydra 1.3 has it (a sweep is then refused by `composed`, as the entry point starts)."""
+        try:
+            from hydra._internal.utils import get_args_parser
+        except ImportError:
+            return None
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 return get_args_parser().parse_args(self.argv)

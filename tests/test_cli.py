@@ -174,8 +174,9 @@ def test_the_commands_a_run_prints_are_ready_for_a_shell(tmp_path):
         (wandb / f"offline-run-{start}-a b-x1").mkdir(parents=True)
     sync = offline_segments(str(wandb / "offline-run-20261207_080000-a b-x1"))
     lines = closing_lines("runs/a b/checkpoints/step_000002", "runs/a b/metrics.jsonl", str(wandb), sync)
-    assert shlex.split(lines[-1].partition(":")[2]) == ["python", "tools/generate.py", "runs/a b/checkpoints/step_000002",
-                                                       "--prompt", "def main(", "--max-new-tokens", "200"], lines
+    assert shlex.split(lines[-1].partition(":")[2]) == [
+        "python", "tools/generate.py", "runs/a b/checkpoints/step_000002", "--prompt", "def main(",
+        "--max-new-tokens", "200"], lines
     listed = subprocess.run(["bash", "-c", f"printf '%s\\n' {sync}"], capture_output=True, text=True).stdout
     assert listed.splitlines() == [str(wandb / f"offline-run-{s}-a b-x1") for s in ("20261206_170732",
                                                                                     "20261207_080000")], listed
