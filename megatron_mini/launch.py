@@ -363,7 +363,8 @@ class HydraCommandLine:
 
     def hydra_args(self):
         """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
-        `--multi`, `-mc job`), or None where that parser refuses it (Hydra then says why itself) or is not where
+        `--multi`, `-mc job`; overrides given apart from the first ones left for Hydra to refuse), or None where that
+        parser refuses it (Hydra then says why itself) or is not where
         Hydra 1.3 has it (a sweep is then refused by `composed`, as the entry point starts)."""
         try:
             from hydra._internal.utils import get_args_parser
@@ -371,7 +372,7 @@ class HydraCommandLine:
             return None
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                return get_args_parser().parse_args(self.argv)
+                return get_args_parser().parse_known_args(self.argv)[0]   # (overrides apart from the others: Hydra's)
         except SystemExit:                     # (a usage error, or --version)
             return None
 

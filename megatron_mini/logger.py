@@ -182,14 +182,15 @@ def _read_bytes(path) -> bytes | None:
         return None
 
 
-def offline_segments(path: str) -> str:
-    """The shell pattern of every offline directory of the wandb run whose one directory is `path`
-    (`.../offline-run-<date>_<time>-<id>`: its date and time a `*`), quoted for a shell around the `*`."""
-    folder, name = os.path.split(path)
-    found = re.fullmatch(r"(offline-run-)\d{8}_\d{6}(-.*)", name)
-    if not found:
-        return shlex.quote(path)
-    return f"{shlex.quote(os.path.join(folder, found[1]))}*{shlex.quote(found[2])}"
+def offline_segments(folder: str, run_id: str) -> str:
+    """Every offline directory in `folder` of the wandb run `run_id`, one per start, as words for a shell: the
+    pattern `.../offline-run-*-<id>` (`*` a start's date and time), then each directory that wandb named
+    `...-<id>-<n>` (a start within the same second as an earlier one), quoted. `wandb sync` takes a run's
+    directories in the order they started, whatever the order of its arguments."""
+    same_second = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}-\d+")
+    named = sorted(n for n in os.listdir(folder) if same_second.fullmatch(n)) if os.path.isdir(folder) else []
+    return " ".join([f"{shlex.quote(os.path.join(folder, 'offline-run-'))}*{shlex.quote('-' + run_id)}",
+                     *(shlex.quote(os.path.join(folder, n)) for n in named)])
 
 
 class RunLogger:
@@ -205,7 +206,7 @@ class RunLogger:
         self.summary_path = os.path.join(run_dir, "summary.json")
         self._run = None
         self._file = None
-        self._wandb_path = None
+        self._wandb_path = self._wandb_id = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -220,7 +221,7 @@ class RunLogger:
                 project=wandb_cfg.project, group=wandb_cfg.group, name=name, config=config,
                 dir=run_dir, mode=self.mode, id=run_id(run_dir, name), resume="allow",
             )
-            self._wandb_path = os.path.abspath(self._run.settings.sync_dir)
+            self._wandb_path, self._wandb_id = os.path.abspath(self._run.settings.sync_dir), self._run.id
         except Exception as e:  # wandb must never stop training
             self._wandb_failed("init", e)
 
@@ -231,9 +232,11 @@ class RunLogger:
 
     @property
     def wandb_segments(self) -> str | None:
-        """A shell pattern of every offline directory of this wandb run, one per start (the run's restarts each
-        write one, under the same id; `wandb sync` takes them all, oldest first, as their names sort)."""
-        return None if self._wandb_path is None else offline_segments(self._wandb_path)
+        """Every offline directory of this wandb run, one per start (the run's restarts each write one, under the
+        same id), as shell words for `wandb sync` (offline_segments)."""
+        if self._wandb_path is None:
+            return None
+        return offline_segments(os.path.dirname(self._wandb_path), self._wandb_id)
 
     def log(self, step: int, metrics: dict) -> None:
         """Record `metrics` at `step`: one line in metrics.jsonl, one wandb.log call."""

@@ -170,16 +170,16 @@ def test_the_commands_a_run_prints_are_ready_for_a_shell(tmp_path):
     from megatron_mini.logger import offline_segments
     from megatron_mini.training import closing_lines
     wandb = tmp_path / "runs" / "a b" / "wandb"
-    for start in ("20261206_170732", "20261207_080000"):
-        (wandb / f"offline-run-{start}-a b-x1").mkdir(parents=True)
-    sync = offline_segments(str(wandb / "offline-run-20261207_080000-a b-x1"))
+    starts = ("20261206_170732-a b-x1", "20261206_170732-a b-x1-1", "20261207_080000-a b-x1")  # (-1: the same second)
+    for start in starts + ("20261207_080000-a b-x1-b1", "20261207_080000-a b-x1-b1-1"):   # (a branch: another run)
+        (wandb / f"offline-run-{start}").mkdir(parents=True)
+    sync = offline_segments(str(wandb), "a b-x1")
     lines = closing_lines("runs/a b/checkpoints/step_000002", "runs/a b/metrics.jsonl", str(wandb), sync)
     assert shlex.split(lines[-1].partition(":")[2]) == [
         "python", "tools/generate.py", "runs/a b/checkpoints/step_000002", "--prompt", "def main(",
         "--max-new-tokens", "200"], lines
     listed = subprocess.run(["bash", "-c", f"printf '%s\\n' {sync}"], capture_output=True, text=True).stdout
-    assert listed.splitlines() == [str(wandb / f"offline-run-{s}-a b-x1") for s in ("20261206_170732",
-                                                                                    "20261207_080000")], listed
+    assert sorted(listed.splitlines()) == [str(wandb / f"offline-run-{s}") for s in starts], listed
     assert f"wandb sync {sync} )" in lines[2], lines
     lines = closing_lines(None, "runs/x/metrics.jsonl", None, None)
     assert lines == ["checkpoint: none", "metrics:    runs/x/metrics.jsonl", "wandb:      disabled"], lines

@@ -1,8 +1,8 @@
 """RunLogger writes metrics.jsonl and a wandb offline run; tools/compare_runs.py reads both back."""
-import glob
 import json
 import math
 import os
+import subprocess
 
 import pytest
 
@@ -58,7 +58,9 @@ def test_offline_wandb_run_reads_back_exactly(tmp_path, wandb_env):
     again = fake_training(resumed, range(21, 31), offset=1.0)
     resumed.finish()
     assert resumed.wandb_path != first and run_id(run_dir, "tiny-fp16") in resumed.wandb_path
-    assert sorted(glob.glob(resumed.wandb_segments)) == [first, resumed.wandb_path]   # what the done line says to sync
+    synced = subprocess.run(["bash", "-c", f"printf '%s\\n' {resumed.wandb_segments}"], capture_output=True,
+                            text=True).stdout.split()       # what the done line says to sync (-1: the same second)
+    assert sorted(synced) == sorted([first, resumed.wandb_path]), synced
     assert compare_runs.read_wandb_files(compare_runs.wandb_files(run_dir)) == ("tiny-fp16", expected[:20] + again)
     run = compare_runs.read_run(run_dir)  # metrics.jsonl holds the same steps: it is preferred
     assert (run.source, run.label, run.rows) == ("metrics.jsonl", "tiny-fp16", expected[:20] + again)
