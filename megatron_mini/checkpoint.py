@@ -477,6 +477,27 @@ def gather_text(text: str, group, device, to_first: bool = False) -> list | None
     return [r.tobytes().rstrip(b"\0").decode(errors="replace") for r in rows.cpu().numpy()]
 
 
+def agree_on_files(path: str, mesh, device) -> None:
+    """CheckpointError on every rank where the ranks read different files at the checkpoint `path` that they chose
+    together (its meta.json, which holds the sha256 of every other file, differs): each node's own copy, on a disk
+    of its own; each rank verifies its share against its own meta.json, so copies that differ pass."""
+    seen = gather_text(_meta_sha256(path), mesh.world_group, device)
+    differ = [r for r, digest in enumerate(seen) if digest != seen[0]]
+    if differ:
+        raise CheckpointError(f"rank{'s' * (len(differ) > 1)} {', '.join(map(str, differ[:8]))} read another "
+                              f"checkpoint at {path} than rank 0 (its meta.json differs): the nodes see different "
+                              f"files at that path (each its own copy, on a node-local disk); start from a path that "
+                              f"every node shares.")
+
+
+def _meta_sha256(path: str) -> str:
+    """The sha256 of the checkpoint `path`'s meta.json ("-" where there is none to read)."""
+    try:
+        return sha256_file(os.path.join(path, "meta.json"))
+    except OSError:
+        return "-"
+
+
 def first_failure(failure: str | None, mesh, device) -> tuple[int, str] | None:
     """(rank, message) of the first rank whose `failure` is not None, the same on every rank; None when
     no rank failed."""

@@ -131,8 +131,10 @@ class DirectoryLock:
     ConfigError ("{directory} is in use by {user} (host, pid). {advice}"); ConfigError where the directory's file
     system takes no locks."""
 
+    FILE = ".lock"
+
     def __init__(self, directory, user: str, advice: str = "", waiting=None):
-        self.path = os.path.join(directory, ".lock")
+        self.path = os.path.join(directory, self.FILE)
         vanished = 0
         while True:
             try:        # (the holder waited for may be removing the directory it made, and its empty parents)
@@ -166,6 +168,7 @@ class DirectoryLock:
             self._file.truncate()
             self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
             self._file.flush()
+            os.fsync(self._file.fileno())     # (other nodes read it: NFS shows them a file's data once it is synced)
         except BaseException:
             self.release()
             raise
@@ -182,6 +185,16 @@ class DirectoryLock:
                 raise ConfigError(f"{in_use} ({holder}). {advice}") from None
             waiting(holder)
             fcntl.flock(self._file, fcntl.LOCK_EX)
+
+    @staticmethod
+    def holder(directory) -> str | None:
+        """What `{directory}/.lock` says of its holder ("host H, pid P": the last process that held it, if it is
+        no longer held); None where there is no such file."""
+        try:
+            with open(os.path.join(directory, DirectoryLock.FILE)) as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
 
     def release(self) -> None:
         """Remove the lock's file, then unlock it (one that opened the file meanwhile finds it gone: _same_file)."""

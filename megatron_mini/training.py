@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import checkpoint, replicas
 from .comm import Group, Ledger
 from .errors import CommError
-from .files import atomic_write
+from .files import DirectoryLock, atomic_write
 from .hardware import device_memory_bytes, set_tf32
 from .kernels import attention_unsupported, interpreter_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
@@ -711,6 +711,39 @@ def agree_on_config(cfg: TrainConfig, device: torch.device) -> None:
                           f"${{oc.env:...}} gives each rank its own value; give the value itself on the command line.")
 
 
+def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> None:
+    """Every rank sees rank 0's run directory, and starts from a checkpoint where rank 0 does (resume, init_from,
+    or none: which one, they choose together, walking rank 0's listing), or every rank stops with one ConfigError,
+    before any rank reads a checkpoint (ranks that start otherwise make other collectives). Each rank reads
+    run_dir/.lock, which rank 0 holds and which names it (host, pid); where each node has a run_dir of its own (a
+    node-local disk, a relative run_dir in each node's working directory), the others find no such file or an
+    earlier run's: their checkpoint files would be written where rank 0 never publishes them."""
+    start = "resume" if run.resume else "init_from" if run.init else "none"
+    seen = [text.split(" ", 1) for text in
+            checkpoint.gather_text(f"{start} {DirectoryLock.holder(cfg.run_dir) or ''}", mesh.world_group, device)]
+    differ = [r for r, (_, holder) in enumerate(seen) if holder != seen[0][1]]
+    if differ:
+        r, holder = differ[0], seen[0][1]
+        there = f"names {seen[r][1]} there" if seen[r][1] else "is missing there"
+        relative = "" if os.path.isabs(cfg.run_dir) else \
+            f" (run_dir={cfg.run_dir} is relative: each node finds it in its own working directory)"
+        raise ConfigError(f"{_ranks(differ)} not see rank 0's run directory {cfg.run_dir}{relative}: its lock, held "
+                          f"by rank 0 ({holder}), {there}. Every rank must see the same run_dir, on a file system "
+                          f"that all nodes share (not a node-local disk): each rank writes its part of every "
+                          f"checkpoint there, and rank 0 publishes them; data.dir may be each node's own copy.")
+    differ = [r for r, (kind, _) in enumerate(seen) if kind != seen[0][0]]
+    if differ:
+        r = differ[0]
+        raise ConfigError(f"{_ranks(differ)} not start as rank 0 does (rank 0: {seen[0][0]}, rank {r}: {seen[r][0]}; "
+                          f"resume={cfg.resume}, init_from={cfg.init_from}): the nodes see different checkpoints "
+                          f"there (a node-local disk); start from a path that every node shares.")
+
+
+def _ranks(ranks: list) -> str:
+    """'rank 3 does' or 'ranks 3, 5 do' (the first 8)."""
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks[:8]))} do{'es' * (len(ranks) == 1)}"
+
+
 def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
     init_process_group(run.device, run.backend, cfg.timeout_s)
@@ -719,6 +752,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     refused = checkpoint.first_failure(run.refused, mesh, run.device)      # before anything touches the run dir
     if refused:
         raise ConfigError(refused[1])
+    agree_on_run_dir(cfg, run, mesh, run.device)
     if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))   # (one choice: its listing)
         failure = None
@@ -730,6 +764,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         refused = checkpoint.first_failure(failure, mesh, run.device)   # (prepare_run's choice was each rank's own)
         if refused:
             raise ConfigError(refused[1])
+        checkpoint.agree_on_files(found.path, mesh, run.device)
         run.resume = found
         at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
         if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):
@@ -741,6 +776,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             return {**history, "checkpoint": run.resume.path}
     if run.init:                       # its files' sha256 too, before they are read; an older one if need be
         run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
+        checkpoint.agree_on_files(run.init.path, mesh, run.device)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)

@@ -1,0 +1,58 @@
+"""A job on several nodes, each with its own disk: ranks whose working directories differ stand in for nodes (a
+relative run_dir or checkpoint path is then each node's own copy). What a node-local disk would split is refused on
+every rank before any checkpoint is read or written."""
+from __future__ import annotations
+
+import os
+import shutil
+
+from harness import small_config, train_on_ranks
+from ranks import spawn
+
+
+def _train_from(cfg, node_dirs):
+    """train(cfg) on this rank in its node's working directory, node_dirs[rank]; (the error's type, its message),
+    or None where it trained."""
+    os.chdir(node_dirs[int(os.environ["RANK"])])
+    from megatron_mini import training
+    try:
+        training.train(cfg)
+    except Exception as e:      # noqa: BLE001 - what each rank raised is the test's answer
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_run_directory_on_each_nodes_own_disk_is_refused_before_training(small_data, tmp_path):
+    """run_dir=run, relative, on two nodes launched from their own directories: each node has a run directory of its
+    own, so the second node's checkpoint files would be written where rank 0 never publishes them (the run trained
+    until its first save, then failed on a missing file). Every rank stops at start-up with one message, naming rank
+    0's lock that the other node does not see."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    cfg = small_config(small_data, "run", pp=2, steps=1, timeout_s=30)
+    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
+    assert errors[0] == errors[1] and errors[0][0] == "ConfigError", errors
+    message = errors[0][1]
+    assert message.startswith("rank 1 does not see rank 0's run directory run (run_dir=run is relative: each node "
+                              "finds it in its own working directory): its lock, held by rank 0 (host "), message
+    assert "), is missing there. Every rank must see the same run_dir, on a file system that all nodes share (not a " \
+        "node-local disk)" in message, message
+    assert not (nodes[0] / "run" / "metrics.jsonl").exists() and not list(tmp_path.glob("node*/run/checkpoints"))
+
+
+def test_each_nodes_own_copy_of_a_checkpoint_must_be_the_same(small_data, tmp_path):
+    """resume=ckpt, relative, where each node holds its own copy and the copies differ (two runs' step 1): each verifies
+    against its own meta.json, so without comparing them the nodes would resume different weights. Every rank stops
+    with one message before reading them."""
+    for name, lr in (("a", 2e-3), ("b", 1e-3)):
+        train_on_ranks(1, small_config(small_data, tmp_path / name, steps=1, **{"optimizer.lr": lr}))
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node, name in zip(nodes, "ab"):
+        shutil.copytree(tmp_path / name / "checkpoints" / "step_000001", node / "ckpt")
+    cfg = small_config(small_data, tmp_path / "shared", steps=2, resume="ckpt", timeout_s=30)
+    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
+    assert errors == [("CheckpointError", "rank 1 read another checkpoint at ckpt than rank 0 (its meta.json differs): "
+                                          "the nodes see different files at that path (each its own copy, on a "
+                                          "node-local disk); start from a path that every node shares.")] * 2, errors
+    assert not (tmp_path / "shared" / "checkpoints").exists()
