@@ -690,25 +690,39 @@ def train(cfg: TrainConfig) -> dict:
             run.lock.release()
 
 
-def agree_on_config(cfg: TrainConfig, device: torch.device) -> None:
+def agree_on_config(cfg: TrainConfig, data: dict, device: torch.device) -> None:
     """The job's first collective, before the mesh (whose groups cfg's layout decides): every rank runs rank
-    0's resolved config, or every rank stops with one ConfigError. Hydra resolves the command line on each
-    rank, so ${now:...} or ${oc.env:...} can differ between them (ranks then wrote to different run directories,
-    found only when a checkpoint's files went missing)."""
+    0's resolved config and read the same prepared data (`data`, dataset.data_identity: the tokenizer's and the
+    corpus's sha256, its token count), or every rank stops with one ConfigError. Hydra resolves the command line on
+    each rank, so ${now:...} or ${oc.env:...} can differ between them (ranks then wrote to different run directories,
+    found only when a checkpoint's files went missing), and so can the command lines of two nodes; each node may read
+    data.dir from a disk of its own (ranks then trained on other token ids, or another corpus, without a word)."""
     world = dist.get_world_size()
     if world == 1:
         return
     text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
     group = Group("world", list(range(world)), dist.group.WORLD, Ledger())
-    seen = checkpoint.gather_text(f"{hashlib.sha256(text.encode()).hexdigest()} {cfg.run_dir}", group, device)
-    hashes, dirs = zip(*(x.split(" ", 1) for x in seen))
-    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    seen = [json.loads(x) for x in checkpoint.gather_text(json.dumps(
+        [hashlib.sha256(text.encode()).hexdigest(), cfg.run_dir, data], sort_keys=True), group, device)]
+    differ = [r for r, (h, _, _) in enumerate(seen) if h != seen[0][0]]
     if differ:
         r = differ[0]
-        where = f" (run_dir: rank 0 {dirs[0]}, rank {r} {dirs[r]})" if dirs[r] != dirs[0] else ""
+        where = f" (run_dir: rank 0 {seen[0][1]}, rank {r} {seen[r][1]})" if seen[r][1] != seen[0][1] else ""
         raise ConfigError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ[:8]))} resolved the "
                           f"config differently from rank 0{where}: an interpolation such as ${{now:...}} or "
-                          f"${{oc.env:...}} gives each rank its own value; give the value itself on the command line.")
+                          f"${{oc.env:...}} gives each rank its own value, or the nodes were started with other "
+                          f"arguments; give the value itself on the command line, the same on every node.")
+    differ = [r for r, (_, _, d) in enumerate(seen) if d != seen[0][2]]
+    if differ:
+        r = differ[0]
+        ours, theirs = seen[0][2], seen[r][2]
+        keys = ", ".join(f"{key} {str(ours.get(key))[:12]} | {str(theirs.get(key))[:12]}"
+                         for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key))
+        where = f"data.blend={list(cfg.data.blend)}" if cfg.data.blend else f"data.dir={cfg.data.dir}"
+        raise ConfigError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ[:8]))} read other data "
+                          f"than rank 0 at {where} ({keys}: rank 0 | rank {r}): each node holds a build of its own "
+                          f"there, and they differ; give every node the same prepared directory (a copy of one "
+                          f"build, or a file system they share).")
 
 
 def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> None:
@@ -747,7 +761,7 @@ def _ranks(ranks: list) -> str:
 def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
     init_process_group(run.device, run.backend, cfg.timeout_s)
-    agree_on_config(cfg, run.device)
+    agree_on_config(cfg, run.data, run.device)
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
     refused = checkpoint.first_failure(run.refused, mesh, run.device)      # before anything touches the run dir
     if refused:

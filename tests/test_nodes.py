@@ -3,6 +3,7 @@ relative run_dir or checkpoint path is then each node's own copy). What a node-l
 every rank before any checkpoint is read or written."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -32,7 +33,7 @@ def test_a_run_directory_on_each_nodes_own_disk_is_refused_before_training(small
         node.mkdir()
     cfg = small_config(small_data, "run", pp=2, steps=1, timeout_s=30)
     errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
-    assert errors[0] == errors[1] and errors[0][0] == "ConfigError", errors
+    assert errors[0] and errors[0] == errors[1] and errors[0][0] == "ConfigError", errors
     message = errors[0][1]
     assert message.startswith("rank 1 does not see rank 0's run directory run (run_dir=run is relative: each node "
                               "finds it in its own working directory): its lock, held by rank 0 (host "), message
@@ -56,3 +57,31 @@ def test_each_nodes_own_copy_of_a_checkpoint_must_be_the_same(small_data, tmp_pa
                                           "the nodes see different files at that path (each its own copy, on a "
                                           "node-local disk); start from a path that every node shares.")] * 2, errors
     assert not (tmp_path / "shared" / "checkpoints").exists()
+
+
+def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_path, monkeypatch):
+    """data.dir=data and data.source=corpus, relative, on two nodes that each prepared their own copy of the corpus,
+    which differ (a stale copy on one node): the config is the same, so without comparing what each read the nodes
+    would train on other documents (another tokenizer's ids) without a word. Every rank stops at start-up with one
+    message naming what differs."""
+    import glob
+    import sysconfig
+
+    from megatron_mini.data import prepare
+    stdlib = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node, files in zip(nodes, (stdlib[:25], stdlib[25:50])):
+        (node / "corpus").mkdir(parents=True)
+        for path in files:
+            shutil.copy(path, node / "corpus" / (os.path.basename(path)[:-3] + ".txt"))
+        monkeypatch.chdir(node)
+        prepare(dataclasses.replace(small_data, source="corpus", dir="data"))
+    data = dataclasses.replace(small_data, source="corpus", dir="data")
+    cfg = small_config(data, tmp_path / "shared", steps=1, timeout_s=30)
+    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
+    assert errors[0] and errors[0] == errors[1] and errors[0][0] == "ConfigError", errors
+    assert errors[0][1].startswith("rank 1 read other data than rank 0 at data.dir=data (corpus_sha256 "), errors
+    assert "num_tokens " in errors[0][1] and "tokenizer_sha256 " in errors[0][1] and errors[0][1].endswith(
+        ": rank 0 | rank 1): each node holds a build of its own there, and they differ; give every node the same "
+        "prepared directory (a copy of one build, or a file system they share)."), errors
+    assert not (tmp_path / "shared" / "metrics.jsonl").exists()
