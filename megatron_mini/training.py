@@ -725,13 +725,14 @@ def agree_on_config(cfg: TrainConfig, data: dict, device: torch.device) -> None:
                           f"build, or a file system they share).")
 
 
-def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> None:
-    """Every rank sees rank 0's run directory, and starts from a checkpoint where rank 0 does (resume, init_from,
-    or none: which one, they choose together, walking rank 0's listing), or every rank stops with one ConfigError,
-    before any rank reads a checkpoint (ranks that start otherwise make other collectives). Each rank reads
-    run_dir/.lock, which rank 0 holds and which names it (host, pid); where each node has a run_dir of its own (a
-    node-local disk, a relative run_dir in each node's working directory), the others find no such file or an
-    earlier run's: their checkpoint files would be written where rank 0 never publishes them."""
+def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> str:
+    """How rank 0 starts: "resume", "init_from" or "none" (what each rank found at prepare_run, listing on its own:
+    a listing that NFS caches may be older on one node; rank 0's is every rank's, as are the listings that choose
+    the checkpoint, agree_verify's). Every rank must see rank 0's run directory, or every rank stops with one
+    ConfigError, before any rank reads a checkpoint. Each rank reads run_dir/.lock, which rank 0 holds and which
+    names it (host, pid); where each node has a run_dir of its own (a node-local disk, a relative run_dir in each
+    node's working directory), the others find no such file or an earlier run's: their checkpoint files would be
+    written where rank 0 never publishes them."""
     start = "resume" if run.resume else "init_from" if run.init else "none"
     seen = [text.split(" ", 1) for text in
             checkpoint.gather_text(f"{start} {DirectoryLock.holder(cfg.run_dir) or ''}", mesh.world_group, device)]
@@ -745,12 +746,7 @@ def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: tor
                           f"by rank 0 ({holder}), {there}. Every rank must see the same run_dir, on a file system "
                           f"that all nodes share (not a node-local disk): each rank writes its part of every "
                           f"checkpoint there, and rank 0 publishes them; data.dir may be each node's own copy.")
-    differ = [r for r, (kind, _) in enumerate(seen) if kind != seen[0][0]]
-    if differ:
-        r = differ[0]
-        raise ConfigError(f"{_ranks(differ)} not start as rank 0 does (rank 0: {seen[0][0]}, rank {r}: {seen[r][0]}; "
-                          f"resume={cfg.resume}, init_from={cfg.init_from}): the nodes see different checkpoints "
-                          f"there (a node-local disk); start from a path that every node shares.")
+    return seen[0][0]
 
 
 def _ranks(ranks: list) -> str:
@@ -766,16 +762,19 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     refused = checkpoint.first_failure(run.refused, mesh, run.device)      # before anything touches the run dir
     if refused:
         raise ConfigError(refused[1])
-    agree_on_run_dir(cfg, run, mesh, run.device)
-    if run.resume:                     # every file's sha256, each rank hashing its share; an older one if need be
+    start = agree_on_run_dir(cfg, run, mesh, run.device)
+    if start == "resume":              # every file's sha256, each rank hashing its share; an older one if need be
         found = checkpoint.find_resume(cfg, checkpoint.agree_verify(mesh, run.device))   # (one choice: its listing)
+        if found is None:
+            raise checkpoint.CheckpointError(f"{cfg.run_dir}'s checkpoints were removed as the job started; start "
+                                             f"again.")
         failure = None
-        if found.path != run.resume.path:         # a corrupt file made resume=auto fall back (or another run's
-            try:                                  # directory listed otherwise than at prepare_run): check that one
+        if run.resume is None or found.path != run.resume.path:  # a corrupt file made resume=auto fall back (or
+            try:                                                  # this rank listed otherwise at prepare_run)
                 check_resume(cfg, found, run.datasets, run.data, run.dp)
             except ConfigError as e:
                 failure = str(e)
-        refused = checkpoint.first_failure(failure, mesh, run.device)   # (prepare_run's choice was each rank's own)
+        refused = checkpoint.first_failure(failure, mesh, run.device)
         if refused:
             raise ConfigError(refused[1])
         checkpoint.agree_on_files(found.path, mesh, run.device)
@@ -788,9 +787,12 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                       f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
-    if run.init:                       # its files' sha256 too, before they are read; an older one if need be
+    run.resume = run.resume if start == "resume" else None
+    if start == "init_from":           # its files' sha256 too, before they are read; an older one if need be
         run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
         checkpoint.agree_on_files(run.init.path, mesh, run.device)
+    else:
+        run.init = None
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)

@@ -85,3 +85,24 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
         ": rank 0 | rank 1): each node holds a build of its own there, and they differ; give every node the same "
         "prepared directory (a copy of one build, or a file system they share)."), errors
     assert not (tmp_path / "shared" / "metrics.jsonl").exists()
+
+
+def _resume_with_a_stale_listing(cfg):
+    """train(cfg) on this rank, rank 1 listing no checkpoint in the run directory (its node's NFS cache of the
+    listing older than the checkpoints): the steps it trained."""
+    from megatron_mini import checkpoint, training
+    if int(os.environ["RANK"]) == 1:
+        checkpoint.checkpoints_of = lambda run_dir: []
+    return len(training.train(cfg)["loss"])
+
+
+def test_a_node_whose_listing_is_stale_resumes_as_rank_0_does(small_data, tmp_path):
+    """resume=auto where one node lists no checkpoint yet (a stale NFS listing): rank 0's choice is every rank's,
+    so both resume from step 2 (rank 1 started a new run beside rank 0's resume: other collectives)."""
+    run = tmp_path / "run"
+    train_on_ranks(1, small_config(small_data, run, steps=2, save_interval=2))
+    steps = spawn(2, _resume_with_a_stale_listing, small_config(small_data, run, steps=3, resume="auto",
+                                                                timeout_s=30), init_group=False, timeout=120)
+    assert steps == [1, 1], steps
+    log = (run / "logs" / "rank0001.log").read_text()
+    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in log, log
