@@ -49,6 +49,7 @@ _HEADER = struct.Struct("<8sIB3xQ")
 _DTYPES = {1: np.uint16, 2: np.int32}
 _CHUNK_CHARS = 2000          # tokenizer training "sentences" are multi-line chunks, so newlines are learned
 _BATCH_CHARS = 1 << 18       # characters per encoding task sent to a worker
+_PIECE_CHARS = 1 << 16       # a longer document is encoded in pieces of about this many characters (_pieces)
 _FILES = ("tokenizer.model", "tokenizer.json", "tokens.bin", "tokens.idx", "meta.json")   # what prepare writes
 _TOKENIZER_SETTINGS = 1      # bump when the training options below change: cached tokenizers are retrained
 
@@ -454,9 +455,49 @@ def _init_pool_worker(parent: int, model_path: str, dtype) -> None:
     _init_worker(model_path, dtype)
 
 
-def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+def _encode_batch(texts: list[str], ends: list[bool]) -> list[np.ndarray]:
+    """The token ids of each text, EOS appended where `ends` says it is a document's last piece (_pieces)."""
     sp = _worker["sp"]
-    return [np.array(ids + [sp.eos_id()], _worker["dtype"]) for ids in sp.encode(texts, num_threads=1)]
+    return [np.array(ids + [sp.eos_id()] * end, _worker["dtype"])
+            for ids, end in zip(sp.encode(texts, num_threads=1), ends)]
+
+
+def inner_pairs(tok: Tokenizer) -> frozenset[str] | None:
+    """The two-character strings inside some piece of `tok` (" " as U+2581): a text cut between two characters that
+    form none of them is encoded as its two parts are, one after the other, by a sentencepiece BPE whose
+    normalisation reads each character alone (data.train_tokenizer's: identity, no dummy prefix, whitespace kept).
+    Its encoding merges adjacent symbols into a piece of the vocabulary, so no symbol ever spans such a cut, and the
+    merges on either side do not depend on the other. None for a model of other settings (a given data.tokenizer),
+    or where protobuf, which reads them, is missing: its documents are encoded whole."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:
+        return None
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.data)
+    norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
+    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
+            or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix):
+        return None
+    kinds = (Piece.NORMAL, Piece.USER_DEFINED, Piece.UNUSED)        # (what text can become: not bytes, controls)
+    return frozenset(p.piece[k:k + 2] for p in proto.pieces if p.type in kinds for k in range(len(p.piece) - 1))
+
+
+def _pieces(doc: str, inner: frozenset[str] | None, size: int):
+    """(piece, whether it is the last) of `doc`, cut after about every `size` characters at the first point from there
+    between two characters that make no pair of `inner` (inner_pairs: the pieces encode as `doc` does); `doc` whole
+    where it is no longer or `inner` is None. sentencepiece holds ~40 bytes per character of a text it encodes, and
+    its ids a Python int each: a 100 MB document (a .txt file) took 6 GB, one process, 5x slower than short ones."""
+    start = 0
+    while inner is not None and len(doc) - start > size:
+        cut = start + size
+        while cut < len(doc) and doc[cut - 1:cut + 1].replace(" ", SPACE_SYMBOL) in inner:
+            cut += 1
+        if cut == len(doc):
+            break
+        yield doc[start:cut], False
+        start = cut
+    yield doc[start:] if start else doc, True
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -467,36 +508,46 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs: int) -> tuple[int, int]:
     """Encode the `num_docs` documents of `docs` (any iterable: read as they are encoded) with `num_workers`
     processes, EOS appended to each, into <prefix>.bin/.idx, showing a progress bar and printing tokens/s. Batches of
-    _BATCH_CHARS characters, at most 2 x num_workers of them in flight, so memory does not grow with the corpus.
+    _BATCH_CHARS characters, at most 2 x num_workers of them in flight, so memory does not grow with the corpus; a
+    document longer than _PIECE_CHARS is encoded in pieces (_pieces: the same tokens), spread over the workers.
     Returns (documents, tokens)."""
     dtype = token_dtype(tokenizer.vocab_size)
     progress, t0, done = _Progress(num_docs), time.time(), [0, 0]
+    inner = inner_pairs(tokenizer)
 
     def batches():
-        batch, chars = [], 0
+        """([texts], [whether each ends its document]) of about _BATCH_CHARS characters each."""
+        texts, ends, chars = [], [], 0
         for d in docs:
-            if chars >= _BATCH_CHARS:
-                yield batch
-                batch, chars = [], 0
-            batch.append(d)
-            chars += len(d)
-        if batch:
-            yield batch
+            for piece, end in _pieces(d, inner, _PIECE_CHARS):
+                if chars >= _BATCH_CHARS:
+                    yield texts, ends
+                    texts, ends, chars = [], [], 0
+                texts.append(piece)
+                ends.append(end)
+                chars += len(piece)
+        if texts:
+            yield texts, ends
 
     def encoded(submit):
         """Each document's token array, in order, with batches submitted ahead while earlier ones are written."""
-        pending = collections.deque()
+        pending, parts = collections.deque(), []
         for batch in batches():
-            pending.append(submit(batch))
+            pending.append((submit(batch), batch[1]))
             if len(pending) >= 2 * num_workers:
-                yield from written(pending.popleft().result())
+                yield from written(*pending.popleft(), parts)
         while pending:
-            yield from written(pending.popleft().result())
+            yield from written(*pending.popleft(), parts)
 
-    def written(arrays):
-        for a in arrays:
-            done[0], done[1] = done[0] + 1, done[1] + len(a)
-            yield a
+    def written(future, ends, parts):
+        """The documents that the batch's pieces end, joined to their earlier pieces (`parts`, kept across batches)."""
+        for a, end in zip(future.result(), ends):
+            parts.append(a)
+            if end:
+                a = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                parts.clear()
+                done[0], done[1] = done[0] + 1, done[1] + len(a)
+                yield a
         progress(*done)
 
     init = (str(tokenizer.path), dtype)
@@ -511,7 +562,7 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
             # (a Stopped, launch.stop_on_signals, raised in the pool's bookkeeping could leave its shutdown waiting
             # forever; the workers it starts here inherit the signals' block: _init_pool_worker)
             with signals_held():
-                return pool.submit(_encode_batch, batch)
+                return pool.submit(_encode_batch, *batch)
         try:
             n_docs, n_tokens = write_indexed(prefix, encoded(submit), dtype)
         except BrokenProcessPool as e:
@@ -522,7 +573,7 @@ def encode_corpus(docs, tokenizer: Tokenizer, prefix, num_workers: int, num_docs
                 pool.shutdown(cancel_futures=True)
     else:
         _init_worker(*init)
-        n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(b))), dtype)
+        n_docs, n_tokens = write_indexed(prefix, encoded(lambda b: _Done(_encode_batch(*b))), dtype)
     progress(*done, final=True)
     dt = time.time() - t0
     print(f"encoded {n_docs:,} document{'s' * (n_docs != 1)}, {n_tokens:,} tokens in {dt:.1f} s "

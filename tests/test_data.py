@@ -90,6 +90,33 @@ def test_encoding_does_not_depend_on_workers(prepared, tmp_path):
         assert (tmp_path / f"tokens.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
 
 
+def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(prepared, tmp_path, monkeypatch):
+    """A document longer than _PIECE_CHARS reaches sentencepiece in pieces of about that many characters (a 100 MB
+    .txt took 6 GB encoded whole), cut where no piece of the vocabulary spans the cut: the same files, byte for byte,
+    as each document encoded whole (at 1 and 2 workers: a document's pieces cross batches and workers)."""
+    cfg, _ = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    docs = list(read_corpus(cfg.source)[0])
+    monkeypatch.setattr(data, "_PIECE_CHARS", 300, raising=False)
+    lengths, init = [], data._init_worker
+
+    def recorded(*args):                   # (the in-process encoder: the length of each text it is given)
+        init(*args)
+        sp = data._worker["sp"]
+        encode = sp.encode
+        data._worker["sp"] = type("Recorded", (), {"eos_id": sp.eos_id, "encode": lambda _, texts, **kw: (
+            lengths.extend(map(len, texts)), encode(texts, **kw))[1]})()
+    monkeypatch.setattr(data, "_init_worker", recorded)
+    for workers in (1, 2):
+        assert encode_corpus(docs, tok, tmp_path / f"w{workers}", num_workers=workers, num_docs=40)[0] == 40
+        for ext in ("bin", "idx"):
+            assert (tmp_path / f"w{workers}.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
+    assert len(lengths) > sum(map(len, docs)) // 600 and max(lengths) < 600, (len(lengths), max(lengths))
+    inner = data.inner_pairs(tok)
+    spaces = " " * 1000                           # ("  " is inside a piece: no cut, the document whole)
+    assert "  ".replace(" ", data.SPACE_SYMBOL) in inner and list(data._pieces(spaces, inner, 300)) == [(spaces, True)]
+
+
 def test_stdlib_and_jsonl_sources(tmp_path):
     docs, info = read_corpus("stdlib")
     docs = list(docs)
