@@ -226,19 +226,44 @@ def _parse_jsonl(path: Path, text_key: str):
                             f"{raw[e.start:e.start + 1]!r})", None) from None
         if not line.strip():
             continue
-        try:
-            text = json.loads(line)[text_key]
-        except (ValueError, KeyError, TypeError):
-            text = None
-        if not isinstance(text, str):
-            raise DataError(f"{path}:{lineno}", f"expected a JSON object with a \"{text_key}\" string"
-                            + ("" if text_key != "text" else " (data.text_key names another field)"), None)
+        text, problem = _json_text(line, text_key)
+        if problem:
+            cut = "" if raw.endswith(b"\n") or not problem.startswith(": not valid JSON") else \
+                "; it is the file's last line, with no newline after it: was the file cut short?"
+            raise DataError(f"{path}:{lineno}", f"expected a JSON object with a \"{text_key}\" string{problem}{cut}",
+                            None)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise DataError(f"{path}:{lineno}", f"the text holds a lone surrogate ({text[e.start]!r} at character "
                             f"{e.start + 1}), which is no Unicode character", None) from None
         yield text
+
+
+def _json_text(line: str, text_key: str) -> tuple[str | None, str]:
+    """(the `text_key` string of a JSON line, "") or (None, what the line is instead, to follow "expected a JSON
+    object with a "<text_key>" string"): not JSON (json's reason and column), another JSON value, an object without
+    that field (its fields), or one where it is no string."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f": not valid JSON ({e.msg.removesuffix(' at')} at character {e.pos + 1} of the line)"
+    except (ValueError, RecursionError) as e:      # (an integer of over 4300 digits; arrays nested ~1000 deep)
+        return None, f": not valid JSON as Python reads it ({str(e) or type(e).__name__})"
+    if not isinstance(obj, dict):
+        return None, f": the line is {_json_type(obj)}"
+    if text_key not in obj:
+        fields = ", ".join(f'"{k}"' for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
+        return None, (" (data.text_key names another field)" if text_key == "text" else "") + (
+            f": its fields are {fields}" if obj else ": the object is empty")
+    if not isinstance(obj[text_key], str):
+        return None, f": its \"{text_key}\" is {_json_type(obj[text_key])}"
+    return obj[text_key], ""
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object",
+            str: "a string", type(None): "null"}[type(value)]
 
 
 def _lines(path: Path):

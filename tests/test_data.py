@@ -353,6 +353,27 @@ def test_jsonl_encoding_errors_name_the_line(tmp_path):
         read_corpus(str(path))
 
 
+@pytest.mark.parametrize("line, why", [
+    ('{"body": "x", "id": 3}\n', r' \(data\.text_key names another field\): its fields are "body", "id"$'),
+    ('{"text": null}\n', r': its "text" is null$'),
+    ('{"text": {"a": 1}}\n', r': its "text" is an object$'),
+    ('["text"]\n', r": the line is an array$"),
+    ('{"text": "a\tb"}\n', r": not valid JSON \(Invalid control character at character 12 of the line\)$"),
+    ('{"text": "cut sh', r": not valid JSON \(Unterminated string starting at character 10 of the line\); it is the "
+                         r"file's last line, with no newline after it: was the file cut short\?$"),
+    ('{"text": "a", "v": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+     r": not valid JSON as Python reads it \(maximum recursion depth exceeded"),
+], ids=["no-field", "null", "object", "array", "control-character", "cut-short", "nested-deep"])
+def test_a_bad_json_line_says_what_it_is(tmp_path, line, why):
+    """A line without a text string names its line and what it holds instead: not JSON (a file cut short mid-line is
+    named so), another value, the fields it has, or what its text is; JSON nested too deeply for Python's parser is
+    such a line, not a RecursionError's traceback."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "ok"}\n\n' + line)
+    with pytest.raises(DataError, match=r'c\.jsonl:3: expected a JSON object with a "text" string' + why):
+        read_corpus(str(path))
+
+
 def test_a_txt_file_that_is_not_utf8_names_its_line(tmp_path):
     """A .txt source is UTF-8 (a byte-order mark may open it, read as it always was); one that is not, a latin-1
     file, is refused with its line and byte, as a .jsonl line is: it was read with each such byte replaced by
