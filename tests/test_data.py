@@ -499,6 +499,26 @@ def test_bad_files_give_one_line_error(copy_of, corrupt):
     load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
 
 
+def test_the_index_is_mapped_not_read_and_checked_in_blocks(tmp_path, monkeypatch):
+    """tokens.idx's sizes and offsets are a read-only map of the file (a node's ranks share one copy: 16 bytes a
+    document each held before), checked _CHECK_DOCS documents at a time: a size or offset wrong in any block, or at
+    a block's edge, is found."""
+    monkeypatch.setattr(data, "_CHECK_DOCS", 4, raising=False)
+    sizes = np.arange(1, 12, dtype=np.int64)                # 11 documents: blocks 0-3, 4-7, 8-10
+    data.write_indexed(tmp_path / "t", [np.full(s, 5, np.uint16) for s in sizes], np.uint16)
+    ds = IndexedDataset(tmp_path / "t")
+    assert isinstance(ds.sizes, np.memmap) and isinstance(ds.offsets, np.memmap) and not ds.offsets.flags.writeable
+    np.testing.assert_array_equal(ds.offsets, np.cumsum(sizes) - sizes)
+    whole = (tmp_path / "t.idx").read_bytes()
+    for column, doc in ((0, 9), (1, 4), (1, 8), (1, 10), (0, 3)):      # (a size or an offset, at a block's edge too)
+        raw = bytearray(whole)
+        at = data._HEADER.size + 8 * (column * 11 + doc)
+        raw[at:at + 8] = (int.from_bytes(raw[at:at + 8], "little") + 1).to_bytes(8, "little")
+        (tmp_path / "t.idx").write_bytes(bytes(raw))
+        with pytest.raises(DataError, match="sizes and offsets are inconsistent"):
+            IndexedDataset(tmp_path / "t")
+
+
 def test_wrong_vocab_size(prepared):
     """A valid directory built for another vocabulary is never offered for overwriting: the hint builds
     the asked-for vocabulary in a sibling directory, naming every data key that decides it, and runs with
