@@ -808,6 +808,16 @@ def test_an_epochs_order_is_its_seeded_permutation_held_in_int32():
         assert np.array_equal(order, np.random.default_rng([1234, 5]).permutation(n))
 
 
+def test_the_validation_documents_are_those_every_run_has_held_out():
+    """split_documents, marking the first n_val of an int32 shuffle, holds out the documents of the sorted int64
+    permutation it drew before (a run's split, and so its resume, is unchanged)."""
+    for n, fraction, seed in ((2, 0.5, 0), (3, 0.9, 1), (1000, 0.02, 1234), (100_003, 0.1, 7)):
+        perm = np.random.default_rng(seed).permutation(n)
+        n_val = min(max(1, round(fraction * n)), n - 1)
+        for got, want in zip(split_documents(n, fraction, seed), (np.sort(perm[n_val:]), np.sort(perm[:n_val]))):
+            assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_global_batches_do_not_depend_on_dp(prepared, dp):
     cfg, _ = prepared
