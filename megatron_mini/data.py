@@ -454,21 +454,22 @@ def write_indexed(prefix, docs, dtype) -> tuple[int, int]:
     code = {np.dtype(v): k for k, v in _DTYPES.items()}[np.dtype(dtype)]
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     tmp = Path(temporary_name(bin_path))
-    sizes = []
+    sizes = array("q")                  # (8 bytes a document, not a list's 36: 100M documents held 4.6 GB)
     try:
         with open(tmp, "wb") as f:
             for arr in docs:
-                f.write(np.asarray(arr, dtype).tobytes())
+                f.write(np.ascontiguousarray(arr, dtype))
                 sizes.append(len(arr))
             f.flush()
             os.fsync(f.fileno())        # (on disk before the rename: a crash then leaves the old file or the new)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    sizes = np.array(sizes, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    sizes = np.frombuffer(sizes, np.int64)
+    offsets = np.cumsum(sizes)
+    offsets -= sizes
     os.replace(tmp, bin_path)
-    atomic_write(idx_path, _HEADER.pack(_MAGIC, _VERSION, code, len(sizes)) + sizes.tobytes() + offsets.tobytes())
+    atomic_write(idx_path, [_HEADER.pack(_MAGIC, _VERSION, code, len(sizes)), sizes, offsets])
     return len(sizes), int(sizes.sum())
 
 

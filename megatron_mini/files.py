@@ -21,15 +21,17 @@ def write_target(path) -> str:
     return os.path.realpath(path) if os.path.islink(path) else os.fspath(path)
 
 
-def atomic_write(path, data: bytes | str) -> None:
-    """Write `data` to a temporary file beside `path` (named by this process: concurrent writers do not
-    collide), flush it to disk, then rename it over `path` (over the file a symbolic link leads to:
-    write_target). A write that fails (a full disk) takes its temporary file away again."""
+def atomic_write(path, data: bytes | str | list) -> None:
+    """Write `data` (or each buffer of a list, one after another: no joined copy) to a temporary file beside `path`
+    (named by this process: concurrent writers do not collide), flush it to disk, then rename it over `path` (over
+    the file a symbolic link leads to: write_target). A write that fails (a full disk) takes its temporary file away
+    again."""
     path = write_target(path)
     tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            for part in data if isinstance(data, list) else [data]:
+                f.write(part.encode() if isinstance(part, str) else part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -499,6 +499,24 @@ def test_bad_files_give_one_line_error(copy_of, corrupt):
     load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
 
 
+def test_writing_the_index_holds_a_few_bytes_a_document(tmp_path):
+    """write_indexed keeps each document's size in an int64 array and writes sizes and offsets without joining them:
+    under 24 bytes a document at its peak (traced), where a list of Python ints and the joined file took 48."""
+    import tracemalloc
+
+    doc, n = np.full(300, 7, np.uint16), 50_000             # (sizes above 256: Python caches no such int)
+    tracemalloc.start()
+    try:
+        assert data.write_indexed(tmp_path / "t", (doc[:300 - i % 7] for i in range(n)), np.uint16)[0] == n
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 * n, peak / n
+    ds = IndexedDataset(tmp_path / "t")
+    np.testing.assert_array_equal(ds.sizes, 300 - np.arange(n) % 7)
+    assert ds.num_tokens == int(ds.sizes.sum()) and (ds.doc(n - 1) == 7).all()
+
+
 def test_the_index_is_mapped_not_read_and_checked_in_blocks(tmp_path, monkeypatch):
     """tokens.idx's sizes and offsets are a read-only map of the file (a node's ranks share one copy: 16 bytes a
     document each held before), checked _CHECK_DOCS documents at a time: a size or offset wrong in any block, or at
