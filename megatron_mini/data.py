@@ -504,7 +504,8 @@ def _encode_batch(texts: list[str], ends: list[bool]) -> list[np.ndarray]:
 def inner_pairs(tok: Tokenizer) -> frozenset[str] | None:
     """The two-character strings inside some piece of `tok` (" " as U+2581): a text cut between two characters that
     form none of them is encoded as its two parts are, one after the other, by a sentencepiece BPE whose
-    normalisation reads each character alone (data.train_tokenizer's: identity, no dummy prefix, whitespace kept).
+    normalisation reads each character alone (data.train_tokenizer's: identity, no dummy prefix, whitespace kept)
+    and whose unknown characters are bytes (byte fallback).
     Its encoding merges adjacent symbols into a piece of the vocabulary, so no symbol ever spans such a cut, and the
     merges on either side do not depend on the other. None for a model of other settings (a given data.tokenizer),
     or where protobuf, which reads them, is missing: its documents are encoded whole."""
@@ -515,9 +516,9 @@ def inner_pairs(tok: Tokenizer) -> frozenset[str] | None:
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tok.data)
     norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
-    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
+    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix or not spec.byte_fallback
             or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix):
-        return None
+        return None                 # (without byte fallback, a run of unknown characters is one <unk>: not cut)
     kinds = (Piece.NORMAL, Piece.USER_DEFINED, Piece.UNUSED)        # (what text can become: not bytes, controls)
     return frozenset(p.piece[k:k + 2] for p in proto.pieces if p.type in kinds for k in range(len(p.piece) - 1))
 

@@ -115,6 +115,11 @@ def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(prepared, tmp_p
     inner = data.inner_pairs(tok)
     spaces = " " * 1000                           # ("  " is inside a piece: no cut, the document whole)
     assert "  ".replace(" ", data.SPACE_SYMBOL) in inner and list(data._pieces(spaces, inner, 300)) == [(spaces, True)]
+    model = tmp_path / "other.model"                  # (a given tokenizer without byte fallback: "☃☃" is one <unk>)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(model)[:-6], model_type="bpe",
+                                   vocab_size=300, normalization_rule_name="identity", add_dummy_prefix=False,
+                                   remove_extra_whitespaces=False, minloglevel=2)
+    assert data.inner_pairs(Tokenizer(model)) is None
 
 
 def test_stdlib_and_jsonl_sources(tmp_path):
