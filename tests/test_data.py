@@ -122,6 +122,26 @@ def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(prepared, tmp_p
     assert data.inner_pairs(Tokenizer(model)) is None
 
 
+def test_reading_a_long_document_holds_two_copies_of_it(tmp_path):
+    """A pass over a .txt corpus (one document) holds the file's bytes and its text, then the text and the UTF-8 it
+    hashes: twice its size at its peak (traced), where the hash's input joined to its length was a third copy; the
+    sha256 is the one every build has recorded."""
+    import hashlib
+    import tracemalloc
+
+    text = "def f(x):\n    return x + 1\n" * 100_000
+    (tmp_path / "one.txt").write_text(text)
+    corpus = read_corpus(str(tmp_path / "one.txt"))[0]
+    tracemalloc.start()
+    try:
+        assert list(corpus) == [text]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * len(text), peak / len(text)
+    assert corpus.sha256 == hashlib.sha256(len(text).to_bytes(8, "little") + text.encode()).hexdigest()
+
+
 def test_stdlib_and_jsonl_sources(tmp_path):
     docs, info = read_corpus("stdlib")
     docs = list(docs)
