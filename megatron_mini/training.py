@@ -36,7 +36,7 @@ from .kernels import attention_unsupported, interpreter_unsupported, interpretin
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
-                      load_datasets, load_eval_sets, trained_eval_notes)
+                      load_datasets, load_eval_sets, split_notes, trained_eval_notes)
 from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line, strict_json
 from .profiling import StepProfiler
@@ -819,6 +819,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
              f"{run.device} ({run.backend}){' | torch.compile' if compiles(cfg, run.device) else ''}")
     if isinstance(trainer.train_data, BlendedDataset):
         log.info(blend_note(trainer.train_data))
+    for note in split_notes(trainer.train_data, trainer.val_data, cfg.data.val_fraction):
+        log.info(note)
     if cfg.eval_interval:
         for what, dataset in (("the validation set", trainer.val_data),
                               *((f"data.eval's {name}", ds) for name, ds in trainer.evals.items())):

@@ -11,6 +11,7 @@ import re
 import shutil
 import sysconfig
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -849,6 +850,32 @@ def test_an_epochs_order_is_its_seeded_permutation_held_in_int32():
         order = epoch_order(n, 1234, 5)
         assert order.dtype == np.int32
         assert np.array_equal(order, np.random.default_rng([1234, 5]).permutation(n))
+
+
+def test_a_validation_set_of_most_of_the_tokens_is_noted(tmp_path):
+    """The split draws documents: where the one held out is a corpus's largest (92% of its tokens), start-up says
+    so, naming the directory (a blend's too); a split near val_fraction, or a corpus of one document (split by
+    tokens), gives no note."""
+    from megatron_mini.dataset import BlendedDataset, split, split_notes
+
+    data.write_indexed(tmp_path / "skew", [np.ones(s, np.uint16) for s in (5000, 100, 100, 100, 100)], np.uint16)
+    data.write_indexed(tmp_path / "one", [np.ones(3000, np.uint16)], np.uint16)
+    skew, one = IndexedDataset(tmp_path / "skew"), IndexedDataset(tmp_path / "one")
+    held = {}
+    for seed in range(10, 18):                             # (13 and 16 hold out the large one)
+        train, val = split(skew, 0.02, 16, seed)
+        notes = split_notes(train, val, 0.02)
+        held[seed] = 0 in split_documents(5, 0.02, seed)[1]
+        assert len(notes) == held[seed], (seed, notes)
+        if held[seed]:
+            assert notes[0].startswith(f"note: the validation set of {tmp_path} holds 92.6% of its tokens, in 1 of "
+                                       f"its 5 documents (data.val_fraction=0.02 draws documents, not tokens), so "
+                                       f"training reads 7.4% of them")
+            parts = [split(one, 0.02, 16, seed), (train, val)]
+            blended = [BlendedDataset([p[k] for p in parts], [Fraction(1, 2)] * 2) for k in (0, 1)]
+            assert split_notes(*blended, 0.02) == notes
+        assert split_notes(*split(one, 0.02, 16, seed), 0.02) == []
+    assert set(held.values()) == {True, False}
 
 
 def test_the_validation_documents_are_those_every_run_has_held_out():
