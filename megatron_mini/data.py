@@ -504,24 +504,34 @@ def _encode_batch(texts: list[str], ends: list[bool]) -> list[np.ndarray]:
             for ids, end in zip(sp.encode(texts, num_threads=1), ends)]
 
 
+def plain_bpe(tok: Tokenizer):
+    """`tok`'s sentencepiece ModelProto where it is a BPE of train_tokenizer's kind (no normalisation map, no dummy
+    prefix, whitespace kept and read as U+2581 before what follows), else why not (a str): a model of other settings
+    (a given data.tokenizer), or no protobuf to read them with (wandb's dependency)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        return f"its settings cannot be read without protobuf ({e})"
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.data)
+    norm, spec = proto.normalizer_spec, proto.trainer_spec
+    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
+            or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix):
+        return "a sentencepiece model of other settings than a BPE that reads each character alone"
+    return proto
+
+
 def inner_pairs(tok: Tokenizer) -> frozenset[str] | None:
     """The two-character strings inside some piece of `tok` (" " as U+2581): a text cut between two characters that
     form none of them is encoded as its two parts are, one after the other, by a sentencepiece BPE whose
-    normalisation reads each character alone (data.train_tokenizer's: identity, no dummy prefix, whitespace kept)
-    and whose unknown characters are bytes (byte fallback).
+    normalisation reads each character alone (plain_bpe) and whose unknown characters are bytes (byte fallback).
     Its encoding merges adjacent symbols into a piece of the vocabulary, so no symbol ever spans such a cut, and the
     merges on either side do not depend on the other. None for a model of other settings (a given data.tokenizer),
     or where protobuf, which reads them, is missing: its documents are encoded whole."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except ImportError:
-        return None
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tok.data)
-    norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
-    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix or not spec.byte_fallback
-            or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix):
+    proto = plain_bpe(tok)
+    if isinstance(proto, str) or not proto.trainer_spec.byte_fallback:
         return None                 # (without byte fallback, a run of unknown characters is one <unk>: not cut)
+    Piece = proto.SentencePiece
     kinds = (Piece.NORMAL, Piece.USER_DEFINED, Piece.UNUSED)        # (what text can become: not bytes, controls)
     return frozenset(p.piece[k:k + 2] for p in proto.pieces if p.type in kinds for k in range(len(p.piece) - 1))
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .data import Tokenizer
+from .data import Tokenizer, plain_bpe
 from .files import existing_part, remove_empty_dirs
 from .inference import Checkpoint, CheckpointError, check_finite, read_with_tokenizer
 
@@ -121,17 +121,12 @@ def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
     `tokenizers`' ByteFallback (sentencepiece replaces the broken character's alone), and for <unk>, which
     sentencepiece decodes as " ⁇ ". Without the file, AutoTokenizer turned tokenizer.model into a
     GPT2Tokenizer that encodes otherwise (spaces dropped) and whose EOS is past the vocabulary."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except ImportError as e:
-        return f"its settings cannot be read without protobuf ({e})"
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tok.data)
-    norm, spec, Piece = proto.normalizer_spec, proto.trainer_spec, proto.SentencePiece
-    if (spec.model_type != spec.BPE or norm.precompiled_charsmap or norm.add_dummy_prefix
-            or norm.remove_extra_whitespaces or not norm.escape_whitespaces or spec.treat_whitespace_as_suffix
-            or any(p.type == Piece.USER_DEFINED for p in proto.pieces)):
-        return "a sentencepiece model of settings tokenizer.json cannot mirror"
+    proto = plain_bpe(tok)
+    if isinstance(proto, str):
+        return proto
+    spec, Piece = proto.trainer_spec, proto.SentencePiece
+    if any(p.type == Piece.USER_DEFINED for p in proto.pieces):
+        return "a sentencepiece model with user-defined pieces"
     pieces = list(proto.pieces)
     vocab = {p.piece: i for i, p in enumerate(pieces)}
     normal = {p.piece for p in pieces if p.type == Piece.NORMAL}

@@ -406,7 +406,7 @@ def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, t
     (tmp_path / "prefixed.model").write_bytes(proto.SerializeToString())
     from megatron_mini.hf import hf_tokenizer
     assert hf_tokenizer(Tokenizer(tmp_path / "prefixed.model"), 32) == \
-        "a sentencepiece model of settings tokenizer.json cannot mirror"
+        "a sentencepiece model of other settings than a BPE that reads each character alone"
     import sentencepiece
     monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2")
     monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)     # (an import that fails)
