@@ -481,13 +481,21 @@ def agree_on_files(path: str, mesh, device) -> None:
     """CheckpointError on every rank where the ranks read different files at the checkpoint `path` that they chose
     together (its meta.json, which holds the sha256 of every other file, differs): each node's own copy, on a disk
     of its own; each rank verifies its share against its own meta.json, so copies that differ pass."""
-    seen = gather_text(_meta_sha256(path), mesh.world_group, device)
-    differ = [r for r, digest in enumerate(seen) if digest != seen[0]]
+    differ = unlike_rank_0(gather_text(_meta_sha256(path), mesh.world_group, device))
     if differ:
-        raise CheckpointError(f"rank{'s' * (len(differ) > 1)} {', '.join(map(str, differ[:8]))} read another "
-                              f"checkpoint at {path} than rank 0 (its meta.json differs): the nodes see different "
-                              f"files at that path (each its own copy, on a node-local disk); start from a path that "
-                              f"every node shares.")
+        raise CheckpointError(f"{ranks_text(differ)} read another checkpoint at {path} than rank 0 (its meta.json "
+                              f"differs): the nodes see different files at that path (each its own copy, on a "
+                              f"node-local disk); start from a path that every node shares.")
+
+
+def unlike_rank_0(values: list) -> list:
+    """The ranks whose value (of `values`, one per rank) is not rank 0's."""
+    return [r for r, value in enumerate(values) if value != values[0]]
+
+
+def ranks_text(ranks: list) -> str:
+    """'rank 3' or 'ranks 3, 5' (the first 8 of `ranks`)."""
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks[:8]))}"
 
 
 def _meta_sha256(path: str) -> str:

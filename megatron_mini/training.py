@@ -86,7 +86,8 @@ class Run:
     resume: checkpoint.Resume | None
     init: checkpoint.Resume | None  # init_from's checkpoint, when the run starts anew (it resumes nothing)
     lock: RunLock | None            # rank 0's lock on the run directory
-    refused: str | None = None      # rank 0: why it could not take the lock (another run holds it), told to all
+    refused: str | None = None      # rank 0: why it could not take the lock (another run holds it) or start from
+                                    # what the run names (resume, init_from), told to all
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -104,10 +105,11 @@ def check_run_dir(run_dir: str) -> None:
 
 def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
     """Everything that can be wrong before the first collective, the same on every rank; rank 0 also
-    takes the run directory's lock (before anything reads the run's checkpoints). A lock another run holds
-    is rank 0's alone to find: kept in Run.refused, it stops every rank together once they have met
-    (_train), not rank 0 alone while the others wait for it in the rendezvous (srun without
-    --kill-on-bad-exit stops nobody) until timeout_s."""
+    takes the run directory's lock (before anything reads the run's checkpoints) and finds what the run starts
+    from (resume, init_from: every rank's, agree_on_run_dir). A lock another run holds, or a start refused, is
+    rank 0's alone to find: kept in Run.refused, it stops every rank together once they have met (_train), not
+    rank 0 alone while the others wait for it in the rendezvous (srun without --kill-on-bad-exit stops nobody)
+    until timeout_s."""
     dp = validate(cfg, world_size, consumed_samples=None)    # (the ramp's batches once the resume is known)
     device, backend = setup_device(cfg)
     check_run_dir(cfg.run_dir)
@@ -129,10 +131,17 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                               f"every step would read "
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
         data = data_identity(cfg.data, datasets[2].sha256)
-        # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
-        resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
-        init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) if cfg.init_from and not resume \
-            else None
+        resume = init = None
+        if rank == 0:           # rank 0's start is every rank's (agree_on_run_dir): the others list nothing of their
+            try:                # own (a node's stale listing, its own copy of data: they fail alone, the others wait)
+                # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
+                resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
+                init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) \
+                    if cfg.init_from and not resume else None
+            except ConfigError as e:
+                if world_size == 1:
+                    raise
+                refused = refused or str(e)
     except BaseException:
         if lock:
             lock.release()
@@ -704,31 +713,30 @@ def agree_on_config(cfg: TrainConfig, data: dict, device: torch.device) -> None:
     group = Group("world", list(range(world)), dist.group.WORLD, Ledger())
     seen = [json.loads(x) for x in checkpoint.gather_text(json.dumps(
         [hashlib.sha256(text.encode()).hexdigest(), cfg.run_dir, data], sort_keys=True), group, device)]
-    differ = [r for r, (h, _, _) in enumerate(seen) if h != seen[0][0]]
+    differ = checkpoint.unlike_rank_0([h for h, _, _ in seen])
     if differ:
         r = differ[0]
         where = f" (run_dir: rank 0 {seen[0][1]}, rank {r} {seen[r][1]})" if seen[r][1] != seen[0][1] else ""
-        raise ConfigError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ[:8]))} resolved the "
-                          f"config differently from rank 0{where}: an interpolation such as ${{now:...}} or "
+        raise ConfigError(f"{checkpoint.ranks_text(differ)} resolved the config differently from rank 0{where}: "
+                          f"an interpolation such as ${{now:...}} or "
                           f"${{oc.env:...}} gives each rank its own value, or the nodes were started with other "
                           f"arguments; give the value itself on the command line, the same on every node.")
-    differ = [r for r, (_, _, d) in enumerate(seen) if d != seen[0][2]]
+    differ = checkpoint.unlike_rank_0([d for _, _, d in seen])
     if differ:
         r = differ[0]
         ours, theirs = seen[0][2], seen[r][2]
         keys = ", ".join(f"{key} {str(ours.get(key))[:12]} | {str(theirs.get(key))[:12]}"
                          for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key))
         where = f"data.blend={list(cfg.data.blend)}" if cfg.data.blend else f"data.dir={cfg.data.dir}"
-        raise ConfigError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ[:8]))} read other data "
-                          f"than rank 0 at {where} ({keys}: rank 0 | rank {r}): each node holds a build of its own "
-                          f"there, and they differ; give every node the same prepared directory (a copy of one "
-                          f"build, or a file system they share).")
+        raise ConfigError(f"{checkpoint.ranks_text(differ)} read other data than rank 0 at {where} ({keys}: rank 0 "
+                          f"| rank {r}): each node holds a build of its own there, and they differ; give every node "
+                          f"the same prepared directory (a copy of one build, or a file system they share).")
 
 
 def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> str:
-    """How rank 0 starts: "resume", "init_from" or "none" (what each rank found at prepare_run, listing on its own:
-    a listing that NFS caches may be older on one node; rank 0's is every rank's, as are the listings that choose
-    the checkpoint, agree_verify's). Every rank must see rank 0's run directory, or every rank stops with one
+    """How rank 0 starts: "resume", "init_from" or "none" (what it found at prepare_run: every rank's, as are the
+    listings that choose the checkpoint, agree_verify's: a listing that NFS caches may be older on one node). Every
+    rank must see rank 0's run directory, or every rank stops with one
     ConfigError, before any rank reads a checkpoint. Each rank reads run_dir/.lock, which rank 0 holds and which
     names it (host, pid); where each node has a run_dir of its own (a node-local disk, a relative run_dir in each
     node's working directory), the others find no such file or an earlier run's: their checkpoint files would be
@@ -736,22 +744,18 @@ def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: tor
     start = "resume" if run.resume else "init_from" if run.init else "none"
     seen = [text.split(" ", 1) for text in
             checkpoint.gather_text(f"{start} {DirectoryLock.holder(cfg.run_dir) or ''}", mesh.world_group, device)]
-    differ = [r for r, (_, holder) in enumerate(seen) if holder != seen[0][1]]
+    differ = checkpoint.unlike_rank_0([holder for _, holder in seen])
     if differ:
         r, holder = differ[0], seen[0][1]
         there = f"names {seen[r][1]} there" if seen[r][1] else "is missing there"
         relative = "" if os.path.isabs(cfg.run_dir) else \
             f" (run_dir={cfg.run_dir} is relative: each node finds it in its own working directory)"
-        raise ConfigError(f"{_ranks(differ)} not see rank 0's run directory {cfg.run_dir}{relative}: its lock, held "
-                          f"by rank 0 ({holder}), {there}. Every rank must see the same run_dir, on a file system "
-                          f"that all nodes share (not a node-local disk): each rank writes its part of every "
-                          f"checkpoint there, and rank 0 publishes them; data.dir may be each node's own copy.")
+        raise ConfigError(f"{checkpoint.ranks_text(differ)} do{'es' * (len(differ) == 1)} not see rank 0's run "
+                          f"directory {cfg.run_dir}{relative}: its lock, held by rank 0 ({holder}), {there}. Every "
+                          f"rank must see the same run_dir, on a file system that all nodes share (not a node-local "
+                          f"disk): each rank writes its part of every checkpoint there, and rank 0 publishes them; "
+                          f"data.dir may be each node's own copy.")
     return seen[0][0]
-
-
-def _ranks(ranks: list) -> str:
-    """'rank 3 does' or 'ranks 3, 5 do' (the first 8)."""
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks[:8]))} do{'es' * (len(ranks) == 1)}"
 
 
 def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest) -> dict:

@@ -87,22 +87,24 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
     assert not (tmp_path / "shared" / "metrics.jsonl").exists()
 
 
-def _resume_with_a_stale_listing(cfg):
-    """train(cfg) on this rank, rank 1 listing no checkpoint in the run directory (its node's NFS cache of the
-    listing older than the checkpoints): the steps it trained."""
+def _resume_with_a_stale_listing(cfg, pruned):
+    """train(cfg) on this rank, rank 1 listing only the checkpoint `pruned`, gone since (its node's NFS cache of the
+    listing older than rank 0's): the steps it trained."""
     from megatron_mini import checkpoint, training
     if int(os.environ["RANK"]) == 1:
-        checkpoint.checkpoints_of = lambda run_dir: []
+        checkpoint.checkpoints_of = lambda run_dir: [pruned]
     return len(training.train(cfg)["loss"])
 
 
 def test_a_node_whose_listing_is_stale_resumes_as_rank_0_does(small_data, tmp_path):
-    """resume=auto where one node lists no checkpoint yet (a stale NFS listing): rank 0's choice is every rank's,
-    so both resume from step 2 (rank 1 started a new run beside rank 0's resume: other collectives)."""
+    """resume=auto where one node's listing still names a pruned checkpoint (a stale NFS listing): rank 0's choice is
+    every rank's, so both resume from step 2 (rank 1 refused its own listing alone, "none is complete and intact",
+    while rank 0 waited for it until timeout_s; or started anew beside rank 0's resume: other collectives)."""
     run = tmp_path / "run"
     train_on_ranks(1, small_config(small_data, run, steps=2, save_interval=2))
-    steps = spawn(2, _resume_with_a_stale_listing, small_config(small_data, run, steps=3, resume="auto",
-                                                                timeout_s=30), init_group=False, timeout=120)
+    cfg = small_config(small_data, run, steps=3, resume="auto", timeout_s=30)
+    steps = spawn(2, _resume_with_a_stale_listing, cfg, str(run / "checkpoints" / "step_000001"), init_group=False,
+                  timeout=120)
     assert steps == [1, 1], steps
     log = (run / "logs" / "rank0001.log").read_text()
     assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in log, log
