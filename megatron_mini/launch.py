@@ -318,7 +318,9 @@ class HydraCommandLine:
     a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
     what Hydra prints while it composes the config is held, and given back by `composed()`, which the entry
     point calls first; then stderr is the real one again. `multirun=False` (train.py): Hydra's sweeps (-m, and
-    every other way to ask for one) are refused before Hydra's sweeper writes anything."""
+    every other way to ask for one) are refused before Hydra's sweeper writes anything (but for a Hydra whose
+    parser is not where 1.3 has it: then as the entry point starts, after). Hydra's output (HYDRA_OUTPUT) is off
+    whatever the primary config says."""
     HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
     TRACEBACK = "Traceback (most recent call last)"
     CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -365,7 +367,8 @@ class HydraCommandLine:
         """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
         `--multi`, `-mc job`; overrides given apart from the first ones left for Hydra to refuse), or None where that
         parser refuses it (Hydra then says why itself) or is not where
-        Hydra 1.3 has it (a sweep is then refused by `composed`, as the entry point starts)."""
+        Hydra 1.3 has it (a sweep is then refused by `composed`, as the entry point starts, after the sweeper wrote
+        its directory; and output_off adds nothing)."""
         try:
             from hydra._internal.utils import get_args_parser
         except ImportError:
@@ -394,6 +397,17 @@ class HydraCommandLine:
             if kept is not None and value.strip().strip("'\"").lower() not in kept:
                 return arg
         return None
+
+    def output_off(self, args) -> list:
+        """`argv` with HYDRA_OUTPUT's settings that keep Hydra's output off, each the command line does not give,
+        beside its overrides (Hydra's parser takes them in one run): a primary config without conf/config.yaml's
+        (a run's recorded .hydra/config.yaml, a user's own) had Hydra's defaults, outputs/<date>/<time>/ with a
+        .hydra copy and a log, written by every rank."""
+        from .config import split_override
+        given = {split_override(a)[0].strip() for a in args.overrides}
+        off = [f"{key}={kept[0]}" for key, kept in self.HYDRA_OUTPUT.items() if key not in given]
+        at = self.argv.index(args.overrides[0]) if args.overrides else len(self.argv)
+        return self.argv[:at] + off + self.argv[at:]
 
     def shows(self, args) -> bool:
         """Whether Hydra's parsed command line `args` only shows something (--help, --hydra-help, --cfg, --info,
@@ -494,6 +508,8 @@ class HydraCommandLine:
         output = self.hydra_output(args) if args is not None else None
         if output is not None:
             fail(f"{output}: {self.OUTPUT}", code=2)
+        if args is not None:
+            sys.argv[1:] = self.output_off(args)
         try:
             rank = launch_env()[0]
         except ConfigError:                    # (said once training starts; nothing is shown twice by it)

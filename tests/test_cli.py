@@ -233,7 +233,8 @@ def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_pa
 def test_a_primary_config_without_the_schema_is_typed_by_it(tmp_path):
     """--config-path to a directory whose config does not start from base_config (a run's recorded .hydra/, a user's
     own) composed a plain dict: `AttributeError: 'dict' object has no attribute 'resume'`, a traceback. It is typed by
-    TrainConfig as conf/config.yaml is: its values converted, its defaults filled in, a wrong one one line."""
+    TrainConfig as conf/config.yaml is: its values converted, its defaults filled in, a wrong one one line; Hydra's
+    output stays off as conf/config.yaml has it (no outputs/<date>/<time>/ in the starting directory)."""
     from omegaconf import OmegaConf
     from megatron_mini.config import ConfigError, Schedule, TrainConfig, structured
     cfg = structured(OmegaConf.create({"steps": 5, "schedule": "gpipe", "precision": {"dtype": "bf16"}}))
@@ -242,8 +243,10 @@ def test_a_primary_config_without_the_schema_is_typed_by_it(tmp_path):
     with pytest.raises(ConfigError, match=r"^steps: Value 'abc' of type 'str' could not be converted to Integer$"):
         structured(OmegaConf.create({"steps": "abc"}))
     (tmp_path / "recorded.yaml").write_text(f"tp: 4\npp: 12\nmodel:\n  num_layers: 12\nrun_dir: {tmp_path / 'run'}\n")
+    hydras = set(REPO.glob("outputs/*/*"))       # (Hydra's defaults, without conf/config.yaml's: every rank wrote one)
     r = python_train(["--config-path", str(tmp_path), "--config-name", "recorded"])
     assert_one_error(r, ["The layout tp=4 x pp=12 needs at least 48 processes"], "python")
+    assert set(REPO.glob("outputs/*/*")) == hydras
     r = python_train(["--config-path", str(tmp_path), "--config-name", "recorded", "steps=5"])
     assert_one_error(r, ["steps: the composed config has no such key to override (its primary config leaves it out, "
                          "or ~steps removed it): set it with +steps=VALUE"], "python")
