@@ -115,12 +115,14 @@ def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
     sentencepiece's BPE encodes the whole text (" " -> "▁") by merging, again and again, the adjacent pair whose
     concatenation is the piece of the highest score: the merges are every (left, right) split of a normal piece
     into two normal pieces, ranked by the piece's score. Its control
-    and unknown pieces are special tokens that text never yields (split_special_tokens: "</s>" in a prompt is
-    characters, as sentencepiece reads it). It decodes as sentencepiece does, but for a run of byte pieces that is
-    not UTF-8 as a whole (a generated character cut short beside a whole one), whose every byte becomes U+FFFD in
-    `tokenizers`' ByteFallback (sentencepiece replaces the broken character's alone), and for <unk>, which
-    sentencepiece decodes as " ⁇ ". Without the file, AutoTokenizer turned tokenizer.model into a
-    GPT2Tokenizer that encodes otherwise (spaces dropped) and whose EOS is past the vocabulary."""
+    and unknown pieces are special tokens that text never yields (split_special_tokens, which transformers >= 4.42
+    honours: "</s>" in a prompt is characters, as sentencepiece reads it; the `tokenizers` library alone reads it as
+    EOS). It decodes as sentencepiece does, but for a run of byte pieces that is not UTF-8 as a whole (a generated
+    character cut short beside a whole one), whose every byte becomes U+FFFD in `tokenizers`' ByteFallback
+    (sentencepiece replaces the broken character's alone), for <unk>, which sentencepiece decodes as " ⁇ ", and for
+    EOS, which sentencepiece drops and AutoTokenizer writes as "</s>" (unless skip_special_tokens). Without the
+    file, AutoTokenizer turned tokenizer.model into a GPT2Tokenizer that encodes otherwise (spaces dropped) and whose
+    EOS is past the vocabulary."""
     proto = plain_bpe(tok)
     if isinstance(proto, str):
         return proto
@@ -212,8 +214,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
         for name, content in zip(("tokenizer.json", "tokenizer_config.json"), () if unmirrored else converted):
             with open(os.path.join(staging, name), "w") as f:
                 json.dump(content, f)
-        mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` (the same ids; `\"</s>\"` in a text is "
-                  "characters, as sentencepiece reads it)." if not unmirrored else
+        mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` of transformers >= 4.42 (the same ids; "
+                  "`\"</s>\"` in a text is characters, as sentencepiece reads it)." if not unmirrored else
                   f"There is no `tokenizer.json` ({unmirrored}): read "
                   "`tokenizer.model` with `sentencepiece.SentencePieceProcessor`, not `AutoTokenizer` as above.")
         with open(os.path.join(staging, "README.md"), "w") as f:

@@ -669,7 +669,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
 
 def closing_lines(last_checkpoint: str | None, metrics: str, wandb_path: str | None, sync: str | None) -> list[str]:
     """The lines below a run's done line: its checkpoint, metrics and wandb directory, and the commands to copy (`sync`:
-    offline directories to upload, a shell pattern), each path quoted for the shell; no sample without a checkpoint."""
+    offline directories to upload: shell words), the commands' paths quoted for a shell; no sample without a
+    checkpoint."""
     lines = [f"checkpoint: {last_checkpoint or 'none'}", f"metrics:    {metrics}",
              f"wandb:      {wandb_path or 'disabled'}" + (f"  (upload every start's with: wandb sync {sync} )"
                                                          if sync else "")]
