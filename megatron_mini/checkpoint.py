@@ -259,8 +259,9 @@ class agree_verify:
         return meta
 
     def listing(self, run_dir: str) -> tuple[list, str | None]:
-        mine = json.dumps(listing(run_dir)) if self.mesh.rank == 0 else ""
-        candidates, named = json.loads(gather_text(mine, self.mesh.world_group, self.device)[0])
+        group = self.mesh.world_group
+        candidates, named = json.loads(first_text(json.dumps(listing(run_dir)) if group.rank == 0 else "", group,
+                                                  self.device))
         return candidates, named
 
 
@@ -475,6 +476,18 @@ def gather_text(text: str, group, device, to_first: bool = False) -> list | None
     if rows is None:
         return None
     return [r.tobytes().rstrip(b"\0").decode(errors="replace") for r in rows.cpu().numpy()]
+
+
+def first_text(text: str, group, device) -> str:
+    """The `text` of `group`'s first rank, on every rank: a broadcast of its UTF-8 length, then of its bytes."""
+    data = text.encode() if group.rank == 0 else b""
+    width = torch.tensor([len(data)], device=device)
+    comm.broadcast(width, group)
+    row = torch.zeros(max(int(width), 1), dtype=torch.uint8)
+    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+    row = row.to(device)
+    comm.broadcast(row, group)
+    return row.cpu().numpy()[:int(width)].tobytes().decode()
 
 
 def agree_on_files(path: str, mesh, device) -> None:

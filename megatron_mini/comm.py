@@ -137,6 +137,13 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Group, async_
                 beside_flops=beside_flops)
 
 
+def broadcast(t: torch.Tensor, group: Group) -> None:
+    """In place: every rank's `t` becomes the group's first rank's."""
+    if group.size == 1:
+        return
+    _run(group, "broadcast", _nbytes(t), dist.broadcast, t, src=group.ranks[0])
+
+
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (group order)."""
     if group.size == 1:
