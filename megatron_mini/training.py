@@ -719,9 +719,9 @@ def agree_on_config(cfg: TrainConfig, data: dict, device: torch.device) -> None:
         r = differ[0]
         where = f" (run_dir: rank 0 {seen[0][1]}, rank {r} {seen[r][1]})" if seen[r][1] != seen[0][1] else ""
         raise ConfigError(f"{checkpoint.ranks_text(differ)} resolved the config differently from rank 0{where}: "
-                          f"an interpolation such as ${{now:...}} or "
-                          f"${{oc.env:...}} gives each rank its own value, or the nodes were started with other "
-                          f"arguments; give the value itself on the command line, the same on every node.")
+                          f"an interpolation such as ${{now:...}} or ${{oc.env:...}} gives each rank its own value, "
+                          f"or the nodes were started with other arguments; give the value itself on the command "
+                          f"line, the same on every node.")
     differ = checkpoint.unlike_rank_0([d for _, _, d in seen])
     if differ:
         r = differ[0]
@@ -735,13 +735,13 @@ def agree_on_config(cfg: TrainConfig, data: dict, device: torch.device) -> None:
 
 
 def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: torch.device) -> str:
-    """How rank 0 starts: "resume", "init_from" or "none" (what it found at prepare_run: every rank's, as are the
-    listings that choose the checkpoint, agree_verify's: a listing that NFS caches may be older on one node). Every
-    rank must see rank 0's run directory, or every rank stops with one
-    ConfigError, before any rank reads a checkpoint. Each rank reads run_dir/.lock, which rank 0 holds and which
-    names it (host, pid); where each node has a run_dir of its own (a node-local disk, a relative run_dir in each
-    node's working directory), the others find no such file or an earlier run's: their checkpoint files would be
-    written where rank 0 never publishes them."""
+    """How the job starts: "resume", "init_from" or "none", as rank 0 found at prepare_run (every rank's, as are
+    the listings that then choose the checkpoint, agree_verify's: a listing that NFS caches may be older on one
+    node). Every rank must see rank 0's run directory, or every rank stops with one ConfigError, before any rank
+    reads a checkpoint: each rank reads run_dir/.lock, which rank 0 holds and which names it (host, pid); where each
+    node has a run_dir of its own (a node-local disk, a relative run_dir in each node's working directory), the
+    others find no such file or an earlier run's: their checkpoint files would be written where rank 0 never
+    publishes them."""
     start = "resume" if run.resume else "init_from" if run.init else "none"
     seen = [text.split(" ", 1) for text in
             checkpoint.gather_text(f"{start} {DirectoryLock.holder(cfg.run_dir) or ''}", mesh.world_group, device)]
@@ -774,8 +774,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             raise checkpoint.CheckpointError(f"{cfg.run_dir}'s checkpoints were removed as the job started; start "
                                              f"again.")
         failure = None
-        if run.resume is None or found.path != run.resume.path:  # a corrupt file made resume=auto fall back (or
-            try:                                                  # this rank listed otherwise at prepare_run)
+        if run.resume is None or found.path != run.resume.path:  # the other ranks' first check; rank 0's where a
+            try:                                                  # corrupt file made resume=auto fall back
                 check_resume(cfg, found, run.datasets, run.data, run.dp)
             except ConfigError as e:
                 failure = str(e)
@@ -792,12 +792,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                       f"ends, which otherwise moves with steps).", flush=True)
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
-    run.resume = run.resume if start == "resume" else None
     if start == "init_from":           # its files' sha256 too, before they are read; an older one if need be
         run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
         checkpoint.agree_on_files(run.init.path, mesh, run.device)
-    else:
-        run.init = None
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)
