@@ -396,10 +396,14 @@ def init_changes(meta: dict, cfg: TrainConfig) -> tuple[list, list]:
 
 
 def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
-    """cfg.init_from as a checkpoint (passing `check`; a run directory's newest: chosen) of this run's model
-    (init_changes: its notes are the Resume's), trained with this run's tokenizer (`tokenizer_sha256`: a token id
-    must mean the same text); one ConfigError naming what differs."""
-    found = chosen(cfg.init_from, check)
+    """cfg.init_from as a checkpoint (passing `check`; a run directory's newest: chosen), checked by init_of."""
+    return init_of(cfg, chosen(cfg.init_from, check), tokenizer_sha256)
+
+
+def init_of(cfg: TrainConfig, found: Resume, tokenizer_sha256: str) -> Resume:
+    """`found` as cfg.init_from's checkpoint: of this run's model (init_changes: its notes are the Resume's), trained
+    with this run's tokenizer (`tokenizer_sha256`: a token id must mean the same text); one ConfigError naming what
+    differs."""
     meta = found.meta
     diffs, notes = init_changes(meta, cfg)
     if diffs:

@@ -110,8 +110,8 @@ def hf_config(ckpt: Checkpoint, eos_id: int, dtype: torch.dtype = torch.float32)
 
 def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
     """(tokenizer.json, tokenizer_config.json) of a `tokenizers` BPE that encodes and decodes as the sentencepiece
-    BPE `tok` does (data.train_tokenizer's: identity normalisation, no dummy prefix, byte fallback), or why not: a
-    sentencepiece model of other settings, or no protobuf to read them with (wandb's dependency).
+    BPE `tok` does (data.plain_bpe: train_tokenizer's settings, its byte fallback copied), or why not: a
+    sentencepiece model of other settings or with user-defined pieces, or no protobuf to read them with.
     sentencepiece's BPE encodes the whole text (" " -> "▁") by merging, again and again, the adjacent pair whose
     concatenation is the piece of the highest score: the merges are every (left, right) split of a normal piece
     into two normal pieces, ranked by the piece's score. Its control

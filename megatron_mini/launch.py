@@ -406,8 +406,9 @@ class HydraCommandLine:
         from .config import split_override
         given = {split_override(a)[0].strip() for a in args.overrides}
         off = [f"{key}={kept[0]}" for key, kept in self.HYDRA_OUTPUT.items() if key not in given]
-        at = self.argv.index(args.overrides[0]) if args.overrides else len(self.argv)
-        return self.argv[:at] + off + self.argv[at:]
+        n = len(args.overrides)
+        at = next((i for i in range(len(self.argv)) if self.argv[i:i + n] == args.overrides), 0) if n else 0
+        return self.argv[:at] + off + self.argv[at:]             # (first where none: --info takes an optional value)
 
     def shows(self, args) -> bool:
         """Whether Hydra's parsed command line `args` only shows something (--help, --hydra-help, --cfg, --info,

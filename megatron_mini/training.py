@@ -132,16 +132,17 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
         data = data_identity(cfg.data, datasets[2].sha256)
         resume = init = None
-        if rank == 0:           # rank 0's start is every rank's (agree_on_run_dir): the others list nothing of their
-            try:                # own (a node's stale listing, its own copy of data: they fail alone, the others wait)
+        if rank == 0 and not refused:   # rank 0's start is every rank's (agree_on_run_dir): the others list nothing
+            try:                        # of their own (a node's stale listing, its own copy of data: they failed
+                                        # alone, the others waiting)
                 # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
                 resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
                 init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) \
                     if cfg.init_from and not resume else None
-            except ConfigError as e:
+            except Exception as e:     # noqa: BLE001 - an OSError, a bug: every rank's, as a ConfigError is
                 if world_size == 1:
                     raise
-                refused = refused or str(e)
+                refused = str(e) if isinstance(e, ConfigError) else checkpoint.describe(e)
     except BaseException:
         if lock:
             lock.release()
@@ -773,6 +774,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         if found is None:
             raise checkpoint.CheckpointError(f"{cfg.run_dir}'s checkpoints were removed as the job started; start "
                                              f"again.")
+        checkpoint.agree_on_files(found.path, mesh, run.device)
         failure = None
         if run.resume is None or found.path != run.resume.path:  # the other ranks' first check; rank 0's where a
             try:                                                  # corrupt file made resume=auto fall back
@@ -782,7 +784,6 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
         refused = checkpoint.first_failure(failure, mesh, run.device)
         if refused:
             raise ConfigError(refused[1])
-        checkpoint.agree_on_files(found.path, mesh, run.device)
         run.resume = found
         at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
         if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):
@@ -793,8 +794,9 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     if start == "init_from":           # its files' sha256 too, before they are read; an older one if need be
-        run.init = checkpoint.check_init(cfg, run.datasets[2].sha256, checkpoint.agree_verify(mesh, run.device))
-        checkpoint.agree_on_files(run.init.path, mesh, run.device)
+        found = checkpoint.chosen(cfg.init_from, checkpoint.agree_verify(mesh, run.device))
+        checkpoint.agree_on_files(found.path, mesh, run.device)     # (then its checks are the same on every rank)
+        run.init = checkpoint.init_of(cfg, found, run.datasets[2].sha256)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)
     if run.resume:
         trainer.load(run.resume.path)

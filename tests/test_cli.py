@@ -161,6 +161,21 @@ def test_hydra_output_settings_that_keep_it_off_pass():
     assert command_line.hydra_output(command_line.hydra_args()) == "hydra.output_subdir=.hydra"
 
 
+def test_hydras_output_is_kept_off_beside_the_overrides():
+    """output_off adds the settings that keep Hydra's output off where Hydra's parser takes them: beside the
+    overrides, or first where there are none (after `--info`, which takes an optional value, it read the first as
+    that value: "invalid choice")."""
+    from hydra._internal.utils import get_args_parser
+    from megatron_mini.launch import HydraCommandLine
+    off = {"hydra.run.dir=.", "hydra.job.chdir=false", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+           "hydra/hydra_logging=disabled"}
+    for argv, flag, value in ((["--info"], "info", "all"), (["-cn", "config", "--cfg", "job", "tp=2", "steps=5"], "cfg",
+                              "job"), (["steps=5", "--info", "config"], "info", "config")):
+        command_line = HydraCommandLine(argv=argv)
+        args = get_args_parser().parse_args(command_line.output_off(command_line.hydra_args()))
+        assert getattr(args, flag) == value and set(args.overrides) == off | {a for a in argv if "=" in a}, args
+
+
 def test_the_commands_a_run_prints_are_ready_for_a_shell(tmp_path):
     """The lines below the done line quote their paths for a shell: run_name='a b' printed `sample: python
     tools/generate.py runs/a b/checkpoints/...` (two arguments) and a `wandb sync` pattern that split at the space;

@@ -87,6 +87,36 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
     assert not (tmp_path / "shared" / "metrics.jsonl").exists()
 
 
+def test_each_nodes_own_copy_of_an_init_from_checkpoint_must_be_the_same(small_data, tmp_path):
+    """init_from=ckpt, relative, each node's own copy, of two models (4 and 8 blocks): the copies are compared before
+    either is checked against this run's model (rank 1 refused its copy alone, "holds another model", while rank 0
+    waited in a collective for it)."""
+    for name, layers in (("a", 8), ("b", 4)):
+        train_on_ranks(1, small_config(small_data, tmp_path / name, steps=1, **{"model.num_layers": layers}))
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node, name in zip(nodes, "ab"):
+        shutil.copytree(tmp_path / name / "checkpoints" / "step_000001", node / "ckpt")
+    cfg = small_config(small_data, tmp_path / "shared", steps=1, init_from="ckpt", timeout_s=30)
+    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
+    assert errors == [("CheckpointError", "rank 1 read another checkpoint at ckpt than rank 0 (its meta.json differs): "
+                                          "the nodes see different files at that path (each its own copy, on a "
+                                          "node-local disk); start from a path that every node shares.")] * 2, errors
+
+
+def test_a_failure_of_rank_0_finding_the_start_is_every_ranks(small_data, tmp_path):
+    """Rank 0 alone lists the run directory at start-up: where that fails otherwise than with a ConfigError (an
+    OSError: here checkpoints/latest is a directory), every rank stops with its one line, not rank 0 alone while the
+    others wait in the rendezvous until timeout_s."""
+    run = tmp_path / "run"
+    train_on_ranks(1, small_config(small_data, run, steps=1))
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "latest").mkdir()
+    cfg = small_config(small_data, run, steps=2, resume="auto", timeout_s=30)
+    errors = spawn(2, _train_from, cfg, [str(tmp_path)] * 2, init_group=False, timeout=120)
+    assert [kind for kind, _ in errors] == ["ConfigError"] * 2 and errors[0] == errors[1], errors
+    assert errors[0][1].startswith("IsADirectoryError: "), errors
+
+
 def _resume_with_a_stale_listing(cfg, pruned):
     """train(cfg) on this rank, rank 1 listing only the checkpoint `pruned`, gone since (its node's NFS cache of the
     listing older than rank 0's): the steps it trained."""
