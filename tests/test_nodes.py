@@ -7,6 +7,8 @@ import dataclasses
 import os
 import shutil
 
+import pytest
+
 from harness import small_config, train_on_ranks
 from ranks import spawn
 
@@ -42,16 +44,19 @@ def test_a_run_directory_on_each_nodes_own_disk_is_refused_before_training(small
     assert not (nodes[0] / "run" / "metrics.jsonl").exists() and not list(tmp_path.glob("node*/run/checkpoints"))
 
 
-def test_each_nodes_own_copy_of_a_checkpoint_must_be_the_same(small_data, tmp_path):
-    """resume=ckpt, relative, where each node holds its own copy and the copies differ (two runs' step 1): each verifies
-    against its own meta.json, so without comparing them the nodes would resume different weights. Every rank stops
-    with one message before reading them."""
-    for name, lr in (("a", 2e-3), ("b", 1e-3)):
-        train_on_ranks(1, small_config(small_data, tmp_path / name, steps=1, **{"optimizer.lr": lr}))
+@pytest.mark.parametrize("start, other", [("resume", {"optimizer.lr": 1e-3}), ("init_from", {"model.num_layers": 4})])
+def test_each_nodes_own_copy_of_a_checkpoint_must_be_the_same(start, other, small_data, tmp_path):
+    """resume=ckpt or init_from=ckpt, relative, where each node holds its own copy and the copies differ (two runs'
+    step 1): each verifies against its own meta.json, so without comparing them the nodes would resume different
+    weights; init_from's (of two models, 8 and 4 blocks) were checked against this run's model first, and rank 1
+    refused its copy alone while rank 0 waited in a collective. Every rank stops with one message before reading
+    them."""
+    for name, overrides in (("a", {}), ("b", other)):
+        train_on_ranks(1, small_config(small_data, tmp_path / name, steps=1, **overrides))
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node, name in zip(nodes, "ab"):
         shutil.copytree(tmp_path / name / "checkpoints" / "step_000001", node / "ckpt")
-    cfg = small_config(small_data, tmp_path / "shared", steps=2, resume="ckpt", timeout_s=30)
+    cfg = small_config(small_data, tmp_path / "shared", steps=2, timeout_s=30, **{start: "ckpt"})
     errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
     assert errors == [("CheckpointError", "rank 1 read another checkpoint at ckpt than rank 0 (its meta.json differs): "
                                           "the nodes see different files at that path (each its own copy, on a "
@@ -85,22 +90,6 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
         ": rank 0 | rank 1): each node holds a build of its own there, and they differ; give every node the same "
         "prepared directory (a copy of one build, or a file system they share)."), errors
     assert not (tmp_path / "shared" / "metrics.jsonl").exists()
-
-
-def test_each_nodes_own_copy_of_an_init_from_checkpoint_must_be_the_same(small_data, tmp_path):
-    """init_from=ckpt, relative, each node's own copy, of two models (4 and 8 blocks): the copies are compared before
-    either is checked against this run's model (rank 1 refused its copy alone, "holds another model", while rank 0
-    waited in a collective for it)."""
-    for name, layers in (("a", 8), ("b", 4)):
-        train_on_ranks(1, small_config(small_data, tmp_path / name, steps=1, **{"model.num_layers": layers}))
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for node, name in zip(nodes, "ab"):
-        shutil.copytree(tmp_path / name / "checkpoints" / "step_000001", node / "ckpt")
-    cfg = small_config(small_data, tmp_path / "shared", steps=1, init_from="ckpt", timeout_s=30)
-    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
-    assert errors == [("CheckpointError", "rank 1 read another checkpoint at ckpt than rank 0 (its meta.json differs): "
-                                          "the nodes see different files at that path (each its own copy, on a "
-                                          "node-local disk); start from a path that every node shares.")] * 2, errors
 
 
 def test_a_failure_of_rank_0_finding_the_start_is_every_ranks(small_data, tmp_path):
