@@ -260,9 +260,8 @@ class agree_verify:
 
     def listing(self, run_dir: str) -> tuple[list, str | None]:
         group = self.mesh.world_group
-        candidates, named = json.loads(first_text(json.dumps(listing(run_dir)) if group.rank == 0 else "", group,
-                                                  self.device))
-        return candidates, named
+        return tuple(json.loads(first_text(json.dumps(listing(run_dir)) if group.rank == 0 else "", group,
+                                           self.device)))
 
 
 def checkpoints_of(run_dir: str) -> list:

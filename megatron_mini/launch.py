@@ -366,9 +366,8 @@ class HydraCommandLine:
     def hydra_args(self):
         """The command line `argv` as Hydra's own parser reads it (its abbreviations, -m joined to other flags:
         `--multi`, `-mc job`; overrides given apart from the first ones left for Hydra to refuse), or None where that
-        parser refuses it (Hydra then says why itself) or is not where
-        Hydra 1.3 has it (a sweep is then refused by `composed`, as the entry point starts, after the sweeper wrote
-        its directory; and output_off adds nothing)."""
+        parser refuses it (Hydra then says why itself) or is not where Hydra 1.3 has it (a sweep is then refused by
+        `composed`, as the entry point starts, after the sweeper wrote its directory; and output_off adds nothing)."""
         try:
             from hydra._internal.utils import get_args_parser
         except ImportError:
@@ -383,8 +382,8 @@ class HydraCommandLine:
         """Whether Hydra's parsed command line `args` asks for a sweep: -m (--multirun, --multi, ...), or an
         override hydra.mode=MULTIRUN (+, ++ too, quoted or as the enum's other spellings)."""
         from .config import split_override
-        modes = {split_override(a)[2].strip().strip("'\"") for a in args.overrides
-                 if split_override(a)[0].strip() == "hydra.mode"}
+        modes = {value.strip().strip("'\"") for key, _, value in map(split_override, args.overrides)
+                 if key.strip() == "hydra.mode"}
         return bool(args.multirun or modes & set(self.MULTIRUN_MODES))
 
     def hydra_output(self, args) -> str | None:

@@ -132,10 +132,11 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
         data = data_identity(cfg.data, datasets[2].sha256)
         resume = init = None
-        if rank == 0 and not refused:   # rank 0's start is every rank's (agree_on_run_dir): the others list nothing
-            try:                        # of their own (a node's stale listing, its own copy of data: they failed
-                                        # alone, the others waiting)
-                # the files' sha256 are checked once the ranks can share the hashing (_train): here, that they exist
+        # rank 0's start is every rank's (agree_on_run_dir): the others list nothing of their own (a node's stale
+        # listing, or its own copy of the data, failed it alone, the others waiting); the files' sha256 are checked
+        # once the ranks can share the hashing (_train): here, that they exist
+        if rank == 0 and not refused:
+            try:
                 resume = check_resume(cfg, checkpoint.find_resume(cfg, checkpoint.present), datasets, data, dp)
                 init = checkpoint.check_init(cfg, datasets[2].sha256, checkpoint.present) \
                     if cfg.init_from and not resume else None
@@ -775,16 +776,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             raise checkpoint.CheckpointError(f"{cfg.run_dir}'s checkpoints were removed as the job started; start "
                                              f"again.")
         checkpoint.agree_on_files(found.path, mesh, run.device)
-        failure = None
-        if run.resume is None or found.path != run.resume.path:  # the other ranks' first check; rank 0's where a
-            try:                                                  # corrupt file made resume=auto fall back
-                check_resume(cfg, found, run.datasets, run.data, run.dp)
-            except ConfigError as e:
-                failure = str(e)
-        refused = checkpoint.first_failure(failure, mesh, run.device)
-        if refused:
-            raise ConfigError(refused[1])
-        run.resume = found
+        run.resume = check_resume(cfg, found, run.datasets, run.data, run.dp)   # (every rank: the same meta.json and
+                                                                                # data, so the same answer)
         at = run.resume.meta["step"]          # (at `steps`, a start may still owe the last step's evaluation)
         if at > cfg.steps or (at == cfg.steps and not _owes_evaluation(cfg, run.resume)):
             if rank == 0:
