@@ -263,6 +263,12 @@ class agree_verify:
         return tuple(json.loads(first_text(json.dumps(listing(run_dir)) if group.rank == 0 else "", group,
                                            self.device)))
 
+    def is_run_dir(self, path: str) -> bool:
+        """is_run_dir(path) as rank 0 sees it: a checkpoint that a live run is pruning (or each node's own copy) may
+        look like a run directory to one rank alone, which would walk a listing while the others verify."""
+        group = self.mesh.world_group
+        return first_text(str(is_run_dir(path)) if group.rank == 0 else "", group, self.device) == "True"
+
 
 def checkpoints_of(run_dir: str) -> list:
     """The complete-looking checkpoint directories of a run, newest first (by step)."""
@@ -334,8 +340,9 @@ def is_run_dir(path: str) -> bool:
 
 def chosen(path: str, check=verify) -> Resume:
     """The checkpoint directory `path` (its meta passing `check`), or a run directory's newest intact checkpoint
-    (newest: its notes say what it passed over); CheckpointError for neither."""
-    if is_run_dir(path):
+    (newest: its notes say what it passed over); CheckpointError for neither. Which of the two `path` is, is rank 0's
+    answer where `check` is a job's (agree_verify)."""
+    if getattr(check, "is_run_dir", is_run_dir)(path):
         found = newest(path, check, "Give another checkpoint, or run directory.")   # (a tool's, or another run's)
         if found is None:
             raise CheckpointError(f"{path} is not a checkpoint (no meta.json) nor a run directory with checkpoints; "

@@ -127,3 +127,19 @@ def test_a_node_whose_listing_is_stale_resumes_as_rank_0_does(small_data, tmp_pa
     assert steps == [1, 1], steps
     log = (run / "logs" / "rank0001.log").read_text()
     assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in log, log
+
+
+def test_a_path_that_is_a_checkpoint_on_one_node_and_a_run_directory_on_another(small_data, tmp_path):
+    """init_from=ckpt, relative: node 0's is a checkpoint directory, node 1's a run directory holding that checkpoint
+    (as a checkpoint that a live run is pruning looks to a rank that reads it after its meta.json went). Rank 0's
+    answer is every rank's: both verify `ckpt` as a checkpoint, and every rank stops with rank 1's one line (rank 1
+    walked a listing of its own while rank 0 verified: other collectives)."""
+    train_on_ranks(1, small_config(small_data, tmp_path / "a", steps=1))
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000001", nodes[0] / "ckpt")
+    shutil.copytree(tmp_path / "a" / "checkpoints", nodes[1] / "ckpt" / "checkpoints")
+    cfg = small_config(small_data, tmp_path / "shared", steps=2, timeout_s=30, init_from="ckpt")
+    errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
+    assert errors == [("CheckpointError", "ckpt is not a checkpoint (no meta.json); a checkpoint directory looks like "
+                                          "runs/NAME/checkpoints/step_000100.")] * 2, errors
+    assert not (tmp_path / "shared" / "checkpoints").exists()
