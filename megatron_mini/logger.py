@@ -336,7 +336,14 @@ class Throughput:
         """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
+        return peak_rss_bytes() / 2**30
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes: getrusage's ru_maxrss, which Linux gives in KiB and macOS
+    in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, throughput: Throughput, elapsed: float,

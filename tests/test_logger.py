@@ -3,11 +3,15 @@ import json
 import math
 import os
 import subprocess
+import sys
+import types
 
 import pytest
+import torch
 
-from megatron_mini.config import WandbConfig
-from megatron_mini.logger import RunLogger, branches, record_branch, resolve_mode, run_id, strict_json
+from megatron_mini import logger as logger_module
+from megatron_mini.config import TrainConfig, WandbConfig
+from megatron_mini.logger import RunLogger, Throughput, branches, record_branch, resolve_mode, run_id, strict_json
 
 import compare_runs                                 # tools/ (pytest's pythonpath)
 
@@ -456,3 +460,22 @@ def test_compare_runs_draws_the_norms_in_a_panel_of_their_own(tmp_path, monkeypa
     assert grads.get_yscale() == "log" and grads.get_ylabel() == "grad norm (EMA 0.0)"
     assert [list(line.get_ydata()) for line in grads.get_lines()] == [[2.0, 4.0, 5.0, 6.0], [3.0, 4.0, 5.0, 6.0, 7.0]]
     assert [list(line.get_ydata()) for line in weights.get_lines()] == [[41.0, 42.0, 43.0, 44.0, 45.0]]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc/self/status")
+def test_cpu_peak_memory_is_the_peak_rss_on_linux_and_on_macos(monkeypatch):
+    """A CPU rank's peak memory is its peak RSS, the kernel's VmHWM (/proc/self/status, kB): from getrusage's
+    ru_maxrss in KiB on Linux, and in bytes on macOS (its getrusage(2)), where reading it as KiB gave 1024x. Within
+    1%: Linux updates the high-water mark that getrusage reads lazily, where VmHWM takes the current RSS too."""
+    def vm_hwm_gib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    meter = Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo")
+    before = vm_hwm_gib()
+    peak = meter.peak_memory_gib()
+    assert 0.99 * before <= peak <= vm_hwm_gib()
+    macos = types.SimpleNamespace(ru_maxrss=int(before * 2**30))        # what macOS's getrusage reports: bytes
+    monkeypatch.setattr(logger_module.resource, "getrusage", lambda who: macos)
+    with monkeypatch.context() as m:
+        m.setattr(sys, "platform", "darwin")
+        assert meter.peak_memory_gib() == before
