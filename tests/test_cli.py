@@ -35,6 +35,19 @@ def _slow(hooks, which: str) -> dict:
 
 # ------------------------------------------------------------------------------------- single process
 
+@pytest.mark.parametrize("missing", ["fcntl", "resource"])
+def test_a_python_without_the_posix_modules_is_refused_in_one_line(missing):
+    """Native Windows has neither fcntl (the run and data locks) nor resource (a CPU rank's peak memory): train.py
+    there ends in one line naming where it runs, not in a traceback from wherever the package first imports one."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.modules[{missing!r}] = None; import runpy; "
+                        "runpy.run_path('train.py', run_name='__main__')"], cwd=REPO, env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr.splitlines()) == (1, "", [
+        f"error: megatron_mini runs on Linux or macOS (on Windows: in WSL); this Python has no {missing} module "
+        "(POSIX only), which it needs."]), r
+
+
 def test_layout_needs_48_processes(small_data, tmp_path):
     args = [a.replace("num_layers=8", "num_layers=12") for a in model_args(small_data, tmp_path / "run")]
     r = python_train([*args, "tp=4", "pp=12"])
