@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
+import pytest
 import torch
 
 from ranks import spawn
 from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig, WandbConfig
+
+
+# The Triton kernels' tests skip where the triton package is not installed: pyproject installs it on Linux only
+# (there are no wheels for macOS or Windows); kernels=torch, which they are compared with, runs everywhere.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (installed on Linux only)")
 
 
 def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:

@@ -15,8 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mini.kernels import MAX_BATCH_HEADS, MAX_HEAD_DIM, attention, attention_unsupported
-from megatron_mini.kernels.attention import dropout_keep_mask, flash_attention, flash_attention_qkv, torch_attention
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed on Linux only)")
+
+from megatron_mini.kernels import MAX_BATCH_HEADS, MAX_HEAD_DIM, attention, attention_unsupported  # noqa: E402
+from megatron_mini.kernels.attention import (dropout_keep_mask, flash_attention,  # noqa: E402
+                                             flash_attention_qkv, torch_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2 ** -11, torch.bfloat16: 2 ** -7}

@@ -16,6 +16,8 @@ import types
 import pytest
 import torch
 
+from harness import needs_triton
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,6 +33,7 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+@needs_triton
 def test_bench_kernels_smoke(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("# Benchmarks\n\nkept text\n")
@@ -87,6 +90,7 @@ def test_bench_kernels_reports_cuda_graph_times_beside_do_bench(monkeypatch):
     assert len(bk.goals([row], smoke=False)) == 1 and bk.graph_table([row]) == ""     # without --graph
 
 
+@needs_triton
 def test_bench_gpu_smoke(tmp_path):
     doc = tmp_path / "doc.md"
     out = _run(["tools/bench_gpu.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed on Linux only)")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 

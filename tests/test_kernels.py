@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mini import kernels
-from megatron_mini.kernels import layernorm
-from megatron_mini.kernels.layernorm import add_layer_norm, layer_norm, torch_add_layer_norm
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed on Linux only)")
+
+from megatron_mini import kernels  # noqa: E402
+from megatron_mini.kernels import layernorm  # noqa: E402
+from megatron_mini.kernels.layernorm import add_layer_norm, layer_norm, torch_add_layer_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

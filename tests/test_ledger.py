@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from ranks import spawn
-from harness import make_trainer, small_config
+from harness import make_trainer, needs_triton, small_config
 
 F32 = 4
 
@@ -54,7 +54,7 @@ def _tp_activation_bytes(cfg):
     return cfg.model.seq_len * cfg.mbs * cfg.model.hidden_size * F32
 
 
-@pytest.mark.parametrize("kernels", ["torch", "layer_norm"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("layer_norm", marks=needs_triton)])
 def test_tp2_step(kernels, small_data, tmp_path):
     """With the Triton LayerNorm (autotuned per rank) the replicated parameters' gradients are averaged over TP
     once a step: one all-reduce of 2L+1 LayerNorms (w, b), 2L row-parallel biases and the positions."""

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from harness import small_config, train_on_ranks
+from harness import needs_triton, small_config, train_on_ranks
 from ranks import spawn
 from megatron_mini import model
 from megatron_mini.config import ModelConfig, TrainConfig
@@ -62,6 +62,7 @@ def test_compile_unset_means_on_cuda_where_a_chunk_is_one_graph():
         [True, True, False, False]
 
 
+@needs_triton
 def test_triton_kernels_train_like_torch(small_data, tmp_path):
     overrides = {"model.num_layers": 2, "steps": 3, "gbs": 4, "device": "auto", "precision.tf32": False}
     runs = {k: train_on_ranks(1, small_config(small_data, tmp_path / k, kernels=k, **overrides))
@@ -110,6 +111,7 @@ def test_compiled_blocks_train_like_eager(small_data, tmp_path):
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
 
 
+@needs_triton
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_compile_with_the_triton_kernels_trains_like_eager(small_data, tmp_path, dropout):
     """compile=true with kernels=triton: the LayerNorms and the attention are custom ops in the compiled chunk,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness import make_trainer, small_config, train_on_ranks
+from harness import make_trainer, needs_triton, small_config, train_on_ranks
 from megatron_mini.comm import Ledger
 from megatron_mini.config import ConfigError, ModelConfig, TrainConfig, validate
 from megatron_mini.mesh import ParallelMesh
@@ -62,7 +62,8 @@ def planner():
     return Planner()
 
 
-@pytest.mark.parametrize("name", list(GRID))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_triton if "kernels" in layout else ())
+                                  for name, (_, layout) in GRID.items()])
 def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
     world, layout = GRID[name]
     cfg = small_config(small_data, tmp_path, **layout)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from commandline import PYTHON, assert_one_error, env, finish, model_args, python_train, start, torchrun_train
-from harness import small_config, train_on_ranks
+from harness import HAS_TRITON, small_config, train_on_ranks
 from megatron_mini.launch import RunLock
 from ranks import free_port
 
@@ -199,6 +199,11 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
          env(RANK=5, WORLD_SIZE=2)),
         ("world-of-none", 1, [], ["RANK=0 with WORLD_SIZE=0"], env(RANK=0, WORLD_SIZE=0)),
     ]
+    if not HAS_TRITON:     # (macOS, Windows) the Triton kernels are refused for that first
+        kernels = {i: next(a for a in args if a.startswith("kernels=")) for i, _, args, *_ in cases
+                   if i in ("triton-on-cpu", "attention-head-dim")}
+        cases = [(i, n, args, [f"{kernels[i]} needs the triton package (Linux with a GPU); use kernels=torch or "
+                               "auto."] if i in kernels else facts, *rest) for i, n, args, facts, *rest in cases]
     if not torch.cuda.is_available():
         cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
     return [(i, n, args, facts, (rest[0] if rest else plain)) for i, n, args, facts, *rest in cases]

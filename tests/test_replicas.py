@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import make_trainer, replace, small_config, train_on_ranks
+from harness import make_trainer, needs_triton, replace, small_config, train_on_ranks
 from ranks import spawn
 from megatron_mini import replicas
 
@@ -164,6 +164,7 @@ def _train_with_other_tiles_on_rank_1(cfg, average):
         return str(e)
 
 
+@needs_triton
 def test_tp_ranks_whose_layer_norm_rounds_otherwise_keep_equal_copies(small_data, tmp_path):
     """kernels=layer_norm at tp = 2 without sp, rank 1's LayerNorm on other tiles (a GPU's per-rank autotuning, on
     this CPU): its LayerNorm gradients, and through its dx every replicated parameter's, round otherwise than rank

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness import HAS_TRITON, needs_triton
 from ranks import spawn
 
 WORLD = 8
@@ -231,7 +232,7 @@ def _ce_checks(mesh) -> dict:
     grad_loss = torch.rand(S, B, generator=gen) + 0.5
     cols = torch.arange(VP).chunk(T)[r]
     res = {}
-    for (case, ls, dtype, V), fused in itertools.product(CE_CASES, (False, True)):
+    for (case, ls, dtype, V), fused in itertools.product(CE_CASES, (False, True) if HAS_TRITON else (False,)):
         case += ",fused" if fused else ""
         logits, tgt = randn.clone(), base % V
         logits[..., V:] = 30.0                     # large garbage in the padding: must be masked out
@@ -639,7 +640,8 @@ def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, need
 
 # ============================================================================ cross entropy
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("case", [c[0] + f for c in CE_CASES for f in ("", ",fused")])
+@pytest.mark.parametrize("case", [pytest.param(c[0] + f, marks=needs_triton if f else ())
+                                  for c in CE_CASES for f in ("", ",fused")])
 def test_vocab_parallel_cross_entropy(res, mesh, case):
     """Loss and d(logits) vs F.cross_entropy on the 50 (or 20) real classes of a vocabulary padded to 64, by the
     torch path and by the Triton kernels (",fused"; on CPU through the interpreter)."""
