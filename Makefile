@@ -14,6 +14,9 @@ TEST_WORKERS ?= 2
 # (pip resolves torch==2.13.0 to the local +cpu wheel where one is provided).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 RUN_ENV := OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# torchrun on this machine alone: the ranks meet at 127.0.0.1, not at this machine's name (socket.getfqdn()), which
+# a Mac whose name is in no DNS cannot resolve (each rank then waited timeout_s to connect)
+ONE_NODE := --standalone --local-addr=127.0.0.1
 
 .PHONY: venv data train test bench bench-kernels bench-gpu check-kernels compare-precision demo-48 plot-schedule clean-venv
 
@@ -30,7 +33,7 @@ data: venv
 NPROC_CMD = $(or $(NPROC),$$($(PYTHON) -c 'import torch; print(torch.cuda.device_count() or 2)'))
 
 train: data
-	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py $(ARGS)
+	$(RUN_ENV) $(VENV)/bin/torchrun $(ONE_NODE) --nproc_per_node=$(NPROC_CMD) train.py $(ARGS)
 
 test: venv
 	$(RUN_ENV) $(PYTHON) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
@@ -57,7 +60,7 @@ PRECISION_ARGS ?= steps=100 gbs=8 eval_interval=25
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 compare-precision: data
 	for p in fp32 fp16 bf16; do \
-	  $(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC_CMD) train.py precision=$$p $(PRECISION_ARGS) \
+	  $(RUN_ENV) $(VENV)/bin/torchrun $(ONE_NODE) --nproc_per_node=$(NPROC_CMD) train.py precision=$$p $(PRECISION_ARGS) \
 	    log_interval=2 run_name=precision-$(STAMP)-$$p resume=never wandb.group=precision-$(STAMP) wandb.name=$$p \
 	    $(ARGS) || exit 1; \
 	done
@@ -67,7 +70,7 @@ compare-precision: data
 # The design card's layout on one CPU machine: 48 ranks, tp=4 x pp=12 (1 embedding + 10 block + 1 head stages).
 # Each call is a new run, runs/demo-48-<STAMP>.
 demo-48: data
-	$(RUN_ENV) $(VENV)/bin/torchrun --standalone --nproc_per_node=48 train.py layout=tp4_pp12 \
+	$(RUN_ENV) $(VENV)/bin/torchrun $(ONE_NODE) --nproc_per_node=48 train.py layout=tp4_pp12 \
 	  embedding_stage=own model.num_layers=10 mbs=1 gbs=12 steps=6 log_interval=1 eval_interval=0 \
 	  run_name=demo-48-$(STAMP) resume=never timeout_s=900 $(ARGS)
 

@@ -2,7 +2,9 @@
 in subprocesses, with a wall-clock limit, and the checks every refusal must pass.
 
 Test hooks reach the rank processes through a `sitecustomize.py` (put on PYTHONPATH by `env(hooks=...)`),
-read from environment variables, acting only in processes that torchrun started (RANK is set):
+read from environment variables, acting only in processes that torchrun started (RANK is set), but the first:
+  HOOK_UNRESOLVABLE_HOST=1                     in every process, torchrun's agent too: socket.getfqdn() is a
+                                               name no resolver knows, as on a Mac whose name is in no DNS
   HOOK_SLOW_RANKS=rank0|others, HOOK_SLOW_S   start those ranks late (which rank fails first)
   HOOK_FSIZE_LIMIT=bytes                       no file may grow past this (RLIMIT_FSIZE): a full disk
   HOOK_CRASH_RANK=r, HOOK_CRASH_AT_FSYNC=n     rank r kills itself (SIGKILL) right after its n-th
@@ -32,6 +34,9 @@ QUICK_S = 40           # a bad config ends well before any collective timeout (3
 
 SITECUSTOMIZE = """\
 import os, signal, time
+if os.environ.get("HOOK_UNRESOLVABLE_HOST"):
+    import socket
+    socket.getfqdn = lambda name="": "unresolvable.invalid"
 if os.environ.get("RANK") is not None:
     _rank = os.environ["RANK"]
     _slow = os.environ.get("HOOK_SLOW_RANKS")
@@ -135,7 +140,9 @@ def finish(proc: subprocess.Popen, limit: float = RUN_LIMIT_S) -> Result:
 
 def torchrun_argv(nproc: int, args: list, *launcher_args: str) -> list:
     launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [PYTHON, "-m", "torch.distributed.run"]
-    return [*launcher, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, "train.py", *args]
+    # one machine: the ranks meet at 127.0.0.1, not at its name (socket.getfqdn()), which may not resolve (macOS)
+    return [*launcher, "--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={nproc}", *launcher_args,
+            "train.py", *args]
 
 
 def python_train(args: list, environment: dict | None = None) -> Result:

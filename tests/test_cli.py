@@ -454,10 +454,13 @@ def test_message_survives_slow_rank0(small_data, tmp_path, hooks):
 
 # ---------------------------------------------------------------------------------------- a good run
 
-def test_two_rank_run_succeeds(small_data, tmp_path):
+def test_two_rank_run_succeeds(small_data, tmp_path, hooks):
+    """Two ranks on one machine whose name does not resolve (a Mac's, often): torchrun --standalone there met at
+    that name and waited forever (its agent, before any rank started), unless told --local-addr=127.0.0.1, as
+    make train and these tests' torchrun_argv do."""
     run_dir = tmp_path / "run"
     args = [a for a in model_args(small_data, run_dir) if a != "memory_plan=false"]   # the default, as users run
-    r = torchrun_train(2, [*args, "resume=never"])
+    r = torchrun_train(2, [*args, "resume=never"], env(hooks, HOOK_UNRESOLVABLE_HOST=1))
     assert r.rc == 0, r
     assert re.search(r"memory per rank, MiB \(planned \| held\):\n  rank    0 .*\n"
                      r"  rank    1 \(tp 0, dp 1, pp 0\): weights ", r.out), r
