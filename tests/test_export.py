@@ -485,6 +485,23 @@ def test_kv_cache_with_a_one_token_window():
     assert cached[1] == inference.logits(model, torch.tensor([[cached[0]]]))[0, -1].argmax().item()
 
 
+def test_generation_stops_once_every_sample_has_ended(monkeypatch):
+    """Each sample ends at its first eos_id (kept), and decoding stops once every sample has ended: no forward
+    runs for the tokens of max_new_tokens after it, which would all be cut."""
+    model = _random_model()
+
+    def sampled(eos_id=None):      # (one sample: the generator draws the same tokens until it stops)
+        return inference.generate(model, [1, 7, 3], 12, temperature=1.0, eos_id=eos_id,
+                                  generator=torch.Generator().manual_seed(0))[0]
+    free = sampled()                                                               # no eos_id
+    k = max(i for i, t in enumerate(free[:-1]) if free.index(t) == i)     # a token's first place, not the last
+    forwards = []
+    logits = inference.logits
+    monkeypatch.setattr(inference, "logits", lambda *args: forwards.append(1) or logits(*args))
+    assert sampled(eos_id=free[k]) == free[:k + 1]
+    assert len(forwards) == k + 1 < 12
+
+
 def test_generate_refuses_bad_arguments():
     """One ValueError naming every bad argument; a prompt id in the padded rows (96..127) is refused too,
     where it would have been embedded from an untrained row."""
