@@ -188,6 +188,28 @@ def test_missing_and_repeated_compute_are_caught():
         simulate_actions(lists, 1, 3)
 
 
+def test_sends_and_computes_that_cannot_be_are_caught():
+    """The simulator's own refusals (it is what every schedule is checked with: a check that never fires checks
+    nothing): a send of a result before the compute that makes it, a send past the last virtual stage, a compute
+    of a microbatch the step does not have, an op no schedule has."""
+    lists = _lists(pp=2, m=2)
+    lists[0].insert(0, lists[0].pop(_index(lists[0], "send_act", 0, 0)))
+    with pytest.raises(ScheduleError, match=r"rank 0, send_act\(c0, mb0\)->1: sends a result that was not computed"):
+        simulate_actions(lists, 1, 2)
+    lists = _lists(pp=2, m=2)
+    lists[1].insert(_index(lists[1], "forward", 0, 0) + 1, Action("send_act", 0, 0, peer=0))
+    with pytest.raises(ScheduleError, match="virtual stage 1 has no neighbour to exchange act with"):
+        simulate_actions(lists, 1, 2)
+    lists = _lists(pp=1, m=2)
+    lists[0].append(Action("forward", 0, 2))
+    with pytest.raises(ScheduleError, match=r"rank 0, forward\(c0, mb2\): no such chunk or microbatch"):
+        simulate_actions(lists, 1, 2)
+    lists = _lists(pp=2, m=2)
+    lists[0].insert(0, Action("send_loss", 0, 0, peer=1))
+    with pytest.raises(ScheduleError, match="unknown op"):
+        simulate_actions(lists, 1, 2)
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_batch_per_compute_fails_interleaved(monkeypatch, pp):
     """Why interleaved 1F1B batches the comm of a whole (forward, backward) pair: with one batch per compute,
