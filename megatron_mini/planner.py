@@ -79,8 +79,10 @@ class ClusterConfig:
         for key in ("gpus", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "efficiency"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0.")
-        if self.efficiency > 1 or self.memory_gib < 0:
-            raise ConfigError("cluster.efficiency must be in (0, 1] and cluster.memory_gib >= 0 (0: the GPU's).")
+        if self.efficiency > 1:
+            raise ConfigError(f"cluster.efficiency={self.efficiency} must be in (0, 1].")
+        if self.memory_gib < 0:
+            raise ConfigError(f"cluster.memory_gib={self.memory_gib} must be >= 0 (0: the GPU's).")
         if self.reserve_gib < 0 or self.capacity_gib <= 0:
             raise ConfigError(f"cluster.reserve_gib={self.reserve_gib} must be >= 0 and below the GPU's memory.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

@@ -517,6 +517,26 @@ def test_a_layout_fits_in_the_gpu_memory_less_the_reserve(small_data, tmp_path, 
         ClusterConfig(reserve_gib=90).check()
 
 
+@pytest.mark.parametrize("field, value, fact", [
+    ("intra_node_gbps", float("nan"), "cluster.intra_node_gbps=nan must be a finite number."),
+    ("efficiency", float("inf"), "cluster.efficiency=inf must be a finite number."),
+    ("gpus", 0, "cluster.gpus=0 must be > 0."),
+    ("inter_node_gbps", -1.0, "cluster.inter_node_gbps=-1.0 must be > 0."),
+    ("efficiency", 1.5, "cluster.efficiency=1.5 must be in (0, 1]."),
+    ("memory_gib", -1.0, "cluster.memory_gib=-1.0 must be >= 0 (0: the GPU's)."),
+    ("gpus", 12, "cluster.gpus=12 is not a whole number of nodes of 8."),
+])
+def test_a_cluster_that_cannot_be_is_refused_naming_its_value(field, value, fact):
+    """ClusterConfig.check: a value no cluster has is one ConfigError naming the key and the value given (a
+    memory_gib below 0 was refused as if efficiency were wrong too); a cluster with the value changed back to its
+    default passes."""
+    from megatron_mini.planner import ClusterConfig
+    with pytest.raises(ConfigError) as refused:
+        ClusterConfig(**{field: value}).check()
+    assert str(refused.value) == fact
+    ClusterConfig(**{field: getattr(ClusterConfig(), field)}).check()
+
+
 def test_precision_peak_tflops_overrides_the_table_as_for_mfu(small_data, tmp_path, planner):
     """precision.peak_tflops (the run's MFU denominator, for a GPU the table lacks or a clock it does not
     assume) is the planner's peak too: half the table's peak doubles the predicted compute."""
