@@ -228,6 +228,18 @@ def test_add_layer_norm_each_gpu_config(gpu_launch_config, monkeypatch, kernel, 
     _check_add_layer_norm(*_add_inputs((90, 1000)))
 
 
+def _fake_timings(monkeypatch, tuned, times):
+    """The autotuner runs each config once and takes next(times) as its timing: triton >= 3.2 times through the
+    autotuner's do_bench, torch 2.4's triton 3.0 (and 3.1) through its module's (the GPU's, with warmup and rep)."""
+    import triton.runtime.autotuner
+
+    def bench(fn, quantiles, **kwargs):
+        fn()
+        return [next(times)] * 3
+    monkeypatch.setitem(tuned.__dict__, "do_bench", bench)
+    monkeypatch.setattr(triton.runtime.autotuner, "do_bench", bench, raising=False)
+
+
 def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch):
     """The autotuner as on a GPU (all candidates, pruned to the row width, each run while being
     timed, fake timings that pick the last) gives correct results; layer_norm and add_layer_norm
@@ -236,8 +248,8 @@ def test_add_layer_norm_through_the_gpu_autotuner(gpu_launch_config, monkeypatch
         times = iter(range(1000, 0, -1))
         monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
         monkeypatch.setattr(tuned, "cache", {})
-        monkeypatch.setattr(tuned, "cache_results", False)       # (on a GPU: no timings from disk)
-        monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles, t=times: (fn(), [next(t)] * 3)[1])
+        monkeypatch.setattr(tuned, "cache_results", False, raising=False)  # (no timings from disk; triton >= 3.4)
+        _fake_timings(monkeypatch, tuned, times)
     _check_add_layer_norm(*_add_inputs((40, 1000)))
     _check_layer_norm(_randn(40, 1000), _randn(1000, seed=2), _randn(1000, seed=3))
     for tuned in (layernorm._fwd, layernorm._bwd):
@@ -279,6 +291,23 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
         assert [kernels.cdiv(a, b) for b in (1, 3, 64, 8192)] == [triton.cdiv(a, b) for b in (1, 3, 64, 8192)]
 
 
+def test_autotuners_cache_timings_where_triton_can():
+    """kernels.autotune asks for timings cached on disk (cache_results) only of a triton.autotune that takes it
+    (3.4 on): torch 2.4's triton 3.0 refused the keyword, and the kernel modules failed to import."""
+    def autotune_3_0(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None, pre_hook=None,
+                     post_hook=None, warmup=None, rep=None, use_cuda_graph=False):
+        pass
+
+    def autotune_3_4(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None, pre_hook=None,
+                     post_hook=None, warmup=None, rep=None, use_cuda_graph=False, do_bench=None, cache_results=False):
+        pass
+    assert kernels.autotune_cache(autotune_3_0) == {}
+    assert kernels.autotune_cache(autotune_3_4) == {"cache_results": True}
+    import triton
+    installed = kernels.autotune_cache(triton.autotune)
+    assert installed == ({"cache_results": True} if kernels._major_minor(triton.__version__) >= (3, 4) else {})
+
+
 def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
     """kernels.launch_tuned: the first launch of a key (row width, residual or not, the tensors' dtypes) goes
     through the autotuner (here all GPU candidates, fake timings that pick the last pruned); later ones launch
@@ -287,8 +316,8 @@ def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
     times = iter(range(10**6, 0, -1))
     monkeypatch.setattr(tuned, "configs", layernorm.CONFIGS)
     monkeypatch.setattr(tuned, "cache", {})                     # (a new cache: launch_tuned forgets its choices)
-    monkeypatch.setattr(tuned, "cache_results", False)
-    monkeypatch.setitem(tuned.__dict__, "do_bench", lambda fn, quantiles: (fn(), [next(times)] * 3)[1])
+    monkeypatch.setattr(tuned, "cache_results", False, raising=False)   # (triton >= 3.4 has it)
+    _fake_timings(monkeypatch, tuned, times)
     asked, straight, inside = [], [], []
     run, fn_run = tuned.run, tuned.fn.run
 
@@ -306,6 +335,9 @@ def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
         return fn_run(*a, **k)
     monkeypatch.setattr(tuned, "run", ask)
     monkeypatch.setattr(tuned.fn, "run", launch)
+    # fn[grid] through fn.run, as a JITFunction's (triton 3.0 to 3.3's interpreter launches it without its run)
+    monkeypatch.setattr(type(tuned.fn), "__getitem__",
+                        lambda fn, grid: lambda *a, **k: fn.run(*a, grid=grid, warmup=False, **k))
     w, b = _randn(300, seed=2), _randn(300, seed=3)
     x = _randn(40, 300)
     first, again = layer_norm(x, w, b), layer_norm(x, w, b)
@@ -425,18 +457,20 @@ def test_every_launch_says_fp_fusion(rows, request, monkeypatch):
     """Every kernel launch passes enable_fp_fusion (kernels.FP_FUSION: FMA contraction, as the kernels were
     measured), not Triton's default, which 3.10 turns off: LayerNorm and add + LayerNorm (fused and looped), the
     attention's forward, backward and dropout mask, the cross-entropy's two kernels."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import GridExecutor
     from triton.runtime.jit import JITFunction
 
     from megatron_mini.kernels import attention, cross_entropy
     if rows == "looped":
         request.getfixturevalue("looped")
     launches = []
-    for cls in (InterpretedFunction, JITFunction):
-        def run(self, *args, _run=cls.run, **kw):
+    # a GPU launch's JITFunction.run, an interpreted one's GridExecutor (which every triton's interpreter calls
+    # with the launch's arguments: 3.0's InterpretedFunction[grid] skips its run)
+    for cls, method in ((GridExecutor, "__call__"), (JITFunction, "run")):
+        def run(self, *args, _run=getattr(cls, method), **kw):
             launches.append((getattr(self, "__name__", None) or self.fn.__name__, kw.get("enable_fp_fusion")))
             return _run(self, *args, **kw)
-        monkeypatch.setattr(cls, "run", run)
+        monkeypatch.setattr(cls, method, run)
     x = _randn(6, 300, dtype=torch.bfloat16).requires_grad_()
     r = _randn(6, 300, dtype=torch.bfloat16, seed=1).requires_grad_()
     w, b = _randn(300, seed=2).requires_grad_(), _randn(300, seed=3).requires_grad_()

@@ -20,6 +20,7 @@ can import it (and ask `interpreting()`). On CPU the kernels run under the Trito
 set TRITON_INTERPRET=1 before importing a submodule.
 """
 import functools
+import inspect
 import os
 import re
 
@@ -94,6 +95,20 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (1 for n <= 1), on the host."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def autotune(configs, key: list, prune):
+    """triton.autotune over `configs` for the `key` arguments, pruned by prune(configs, named_args, **kwargs),
+    its timings cached on disk where the installed triton can (autotune_cache)."""
+    import triton
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune},
+                           **autotune_cache(triton.autotune))
+
+
+def autotune_cache(autotune) -> dict:
+    """{"cache_results": True} where `autotune` (triton.autotune) takes it (triton 3.4 on), else {}: torch 2.4
+    to 2.7's triton 3.0 to 3.3 has no disk cache of timings, and each process times the candidates again."""
+    return {"cache_results": True} if "cache_results" in inspect.signature(autotune).parameters else {}
 
 
 # autotuned kernel -> (its autotuner's cache, {key: the config it chose}) (launch_tuned): the choices are

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, check_device, interpreting, launch_tuned, next_power_of_2
+from . import autotune, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
 
 _INTERPRET = interpreting()
 # (BLOCK_V, num_warps) candidates on a GPU (a row a program), pruned to 8..32 elements per thread of a chunk that is not
@@ -46,8 +46,7 @@ def _autotune():
     def prune(configs, named_args, **kwargs):
         return fitting_configs(configs, named_args["n_cols"])
 
-    return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=["n_cols", "SMOOTHING"],
-                           prune_configs_by={"early_config_prune": prune}, cache_results=True)
+    return autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, ["n_cols", "SMOOTHING"], prune)
 
 
 @_autotune()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import FP_FUSION, as_rows, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
+from . import FP_FUSION, as_rows, autotune, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -81,13 +81,12 @@ def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple, regs:
 
 
 def _autotune(key, budget):
-    """triton.autotune (timings cached on disk) over the CONFIGS that fit the row width, BLOCK_N;
+    """kernels.autotune (timings cached on disk where triton can) over the CONFIGS that fit the row width, BLOCK_N;
     under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
         return fitting_configs(configs, kwargs["BLOCK_N"], *budget)
 
-    return triton.autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key=key,
-                           prune_configs_by={"early_config_prune": prune}, cache_results=True)
+    return autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key, prune)
 
 
 # ----------------------------------------------------------------------------------- kernels
