@@ -91,7 +91,8 @@ def _new_bhsd(b, h, s, d, like: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q, k, v, dropout_p):
-    check_device(q, _INTERPRET, __name__)
+    """q, k, v's shapes, dtypes and dropout (their device is checked where the kernels launch: torch.compile
+    traces this, and torch 2.4's dynamo breaks the graph on the installed versions' check)."""
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must be [b, heads, s, d] of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -199,6 +200,7 @@ class _FlashAttentionQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, heads, scale, causal, dropout_p):
+        check_device(qkv, _INTERPRET, __name__)
         qkv = qkv.contiguous()
         seed = _draw_seed(qkv.device, dropout_p)
         o, lse = _qkv_forward(qkv, seed, heads, scale, causal, dropout_p)
@@ -261,6 +263,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """dropout(softmax(scale * q k^T [+ causal mask])) v for q, k, v [b, heads, s, d] (any strides
     with unit stride on d); scale defaults to 1/sqrt(d). Returns [b, heads, s, d] in q's dtype
     (a view of an [s, b, heads, d] buffer)."""
+    check_device(q, _INTERPRET, __name__)
     _check(q, k, v, dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return _FlashAttention.apply(q, k, v, scale, bool(causal), float(dropout_p))
