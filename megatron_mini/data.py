@@ -507,11 +507,12 @@ def _encode_batch(texts: list[str], ends: list[bool]) -> list[np.ndarray]:
 def plain_bpe(tok: Tokenizer):
     """`tok`'s sentencepiece ModelProto where it is a BPE of train_tokenizer's kind (no normalisation map, no dummy
     prefix, whitespace kept and read as U+2581 before what follows), else why not (a str): a model of other settings
-    (a given data.tokenizer), or no protobuf to read them with (wandb's dependency)."""
+    (a given data.tokenizer), or no protobuf to read them with: none, or one older than the one sentencepiece's
+    model code was generated with, which refuses it (sentencepiece 0.2.3: protobuf 7.36.1)."""
     try:
         from sentencepiece import sentencepiece_model_pb2
-    except ImportError as e:
-        return f"its settings cannot be read without protobuf ({e})"
+    except Exception as e:      # ImportError; protobuf's VersionError (an Exception), e.g. from protobuf 5 or 6
+        return f"its settings cannot be read without protobuf, a version sentencepiece accepts ({e})"
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tok.data)
     norm, spec = proto.normalizer_spec, proto.trainer_spec

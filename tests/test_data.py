@@ -9,6 +9,7 @@ import platform
 import random
 import re
 import shutil
+import sys
 import sysconfig
 from collections import Counter
 from fractions import Fraction
@@ -89,6 +90,29 @@ def test_encoding_does_not_depend_on_workers(prepared, tmp_path):
     assert encode_corpus(read_corpus(cfg.source)[0], tok, tmp_path / "tokens", num_workers=1, num_docs=40)[0] == 40
     for ext in ("bin", "idx"):
         assert (tmp_path / f"tokens.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
+
+
+def test_a_protobuf_sentencepiece_refuses_leaves_documents_whole(prepared, tmp_path, monkeypatch):
+    """sentencepiece's model code refuses a protobuf older than the one it was generated with (0.2.3: 7.36.1) with
+    protobuf's VersionError, not an ImportError (protobuf 5 or 6, as wandb 0.18 to 0.25 pin: the encoding raised
+    it): the settings go unread, as without protobuf, and the documents are encoded whole, to the same tokens."""
+    runtime = pytest.importorskip("google.protobuf.runtime_version")     # (protobuf >= 5.26: the check itself)
+    cfg, _ = prepared
+    tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
+    monkeypatch.setattr(runtime, "MAJOR", 5)                             # the runtime says it is 5.29.5
+    monkeypatch.setattr(runtime, "MINOR", 29)
+    monkeypatch.setattr(runtime, "PATCH", 5)
+    monkeypatch.delattr(spm, "sentencepiece_model_pb2", raising=False)  # (imported anew: its check runs)
+    monkeypatch.delitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", raising=False)
+    with pytest.raises(runtime.VersionError):
+        import sentencepiece.sentencepiece_model_pb2  # noqa: F401
+    assert data.plain_bpe(tok).startswith("its settings cannot be read without protobuf") and "5.29.5" in \
+        data.plain_bpe(tok)
+    assert data.inner_pairs(tok) is None
+    monkeypatch.setattr(data, "_PIECE_CHARS", 300, raising=False)
+    assert encode_corpus(read_corpus(cfg.source)[0], tok, tmp_path / "whole", num_workers=1, num_docs=40)[0] == 40
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"whole.{ext}").read_bytes() == (Path(cfg.dir) / f"tokens.{ext}").read_bytes()
 
 
 def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(prepared, tmp_path, monkeypatch):
