@@ -122,7 +122,8 @@ def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
     (sentencepiece replaces the broken character's alone), for <unk>, which sentencepiece decodes as " ⁇ ", and for
     EOS, which sentencepiece drops and AutoTokenizer writes as "</s>" (unless skip_special_tokens). Without the
     file, AutoTokenizer turned tokenizer.model into a GPT2Tokenizer that encodes otherwise (spaces dropped) and whose
-    EOS is past the vocabulary."""
+    EOS is past the vocabulary. Its merges are pairs, which tokenizers >= 0.20 reads (transformers >= 4.45: 4.40's
+    0.19 refused the file, "data did not match any variant of untagged enum ModelWrapper")."""
     proto = plain_bpe(tok)
     if isinstance(proto, str):
         return proto
@@ -214,7 +215,7 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
         for name, content in zip(("tokenizer.json", "tokenizer_config.json"), () if unmirrored else converted):
             with open(os.path.join(staging, name), "w") as f:
                 json.dump(content, f)
-        mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` of transformers >= 4.42 (the same ids; "
+        mirror = ("`tokenizer.json` is the same BPE for `AutoTokenizer` of transformers >= 4.45 (the same ids; "
                   "`\"</s>\"` in a text is characters, as sentencepiece reads it)." if not unmirrored else
                   f"There is no `tokenizer.json` ({unmirrored}): read "
                   "`tokenizer.model` with `sentencepiece.SentencePieceProcessor`, not `AutoTokenizer` as above.")
