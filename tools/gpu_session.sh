@@ -22,8 +22,9 @@
 # Run here, before the calls (this machine reaches PyPI; the GPU machine does not):
 #
 #   tools/gpu_session.sh wheels [SHARED_WHEELS]  # .gpu/wheels: hydra-core/omegaconf (default ../shared/wheels);
-#                                                # .gpu/wheelhouse: wandb, setuptools and sentencepiece >= 0.2.3
-#                                                # (that machine's 0.2.2 aborts a test) with everything they
+#                                                # .gpu/wheelhouse: wandb, protobuf, setuptools and sentencepiece
+#                                                # at pyproject's floors (that machine's sentencepiece 0.2.2
+#                                                # aborts a test) with everything they
 #                                                # need, for the GPU machine's Python (GPU_PYTHON, 3.12);
 #                                                # .gpu/data: a copy of this machine's data/stdlib-v8192
 #                                                # and of its CPU run's metrics (a fresh checkout makes
@@ -59,7 +60,8 @@ if [ "$STAGE" = wheels ]; then
   cp "$SHARED_WHEELS"/*.whl .gpu/wheels/ || exit 1
   python3 -m pip download -q --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 -d .gpu/wheelhouse wandb setuptools 'sentencepiece>=0.2.3' || exit 1
+    --platform manylinux1_x86_64 -d .gpu/wheelhouse 'wandb>=0.26' 'protobuf>=7.36.1' setuptools \
+    'sentencepiece>=0.2.3' || exit 1
   # the default run's data as this machine builds it, for the make stage's same-data run, and the metrics of the
   # CPU run it is compared with; a fresh checkout has neither, and makes both here (make data: the venv and the
   # corpus, a few minutes; the CPU run, about 3 minutes on 2 cores)
