@@ -23,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, fn, args, queue, init_group):
+def _rank_main(rank, world_size, port, fn, args, queue, init_group, collected):
     os.environ.update(
         OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -42,6 +42,9 @@ def _rank_main(rank, world_size, port, fn, args, queue, init_group):
     finally:
         if init_group and dist.is_initialized():
             dist.destroy_process_group()
+        # alive until the test has read every result: a tensor in the queue is a handle to this process's shared
+        # memory, which the reader fetches from it (torch 2.4 failed in rebuild_storage_fd where the rank had gone)
+        collected.wait(timeout=600)
 
 
 PRELOAD = ["torch", "torch.distributed", "megatron_mini.training", "megatron_mini.plan_meta", "pytest", "harness"]
@@ -58,9 +61,9 @@ def spawn(world_size: int, fn, *args, timeout: float = 600, init_group: bool = T
     """Run fn(*args) on `world_size` ranks; return the list of per-rank results (rank order)."""
     assert 1 <= world_size <= 8, "tests keep world sizes at 8 or fewer"
     ctx = _context()
-    queue = ctx.Queue()
+    queue, collected = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, init_group))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, init_group, collected))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -74,6 +77,7 @@ def spawn(world_size: int, fn, *args, timeout: float = 600, init_group: bool = T
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
     finally:
+        collected.set()
         for p in procs:
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
