@@ -4,7 +4,15 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # read when torch is imported
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+import signal  # noqa: E402
+
 import torch  # noqa: E402
+
+# A shell starts a background job (`make test &`, nohup) with SIGINT ignored, which every process it starts
+# inherits, and the library leaves a signal it was started ignoring ignored (launch.StopRequest.taken): the tests of
+# Ctrl-C then saw none. They test the library's answer to a Ctrl-C, so the session takes SIGINT as a terminal's does.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
