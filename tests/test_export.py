@@ -487,7 +487,8 @@ def test_kv_cache_with_a_one_token_window():
 
 def test_generation_stops_once_every_sample_has_ended(monkeypatch):
     """Each sample ends at its first eos_id (kept), and decoding stops once every sample has ended: no forward
-    runs for the tokens of max_new_tokens after it, which would all be cut."""
+    runs for the tokens of max_new_tokens after it, which would all be cut; one sample's end alone stops none (with
+    one sample, a stop at the first sample's end passed too)."""
     model = _random_model()
 
     def sampled(eos_id=None):      # (one sample: the generator draws the same tokens until it stops)
@@ -500,6 +501,18 @@ def test_generation_stops_once_every_sample_has_ended(monkeypatch):
     monkeypatch.setattr(inference, "logits", lambda *args: forwards.append(1) or logits(*args))
     assert sampled(eos_id=free[k]) == free[:k + 1]
     assert len(forwards) == k + 1 < 12
+    # two samples: one that has ended waits for the other (cut at its own eos_id), which runs on to its own end
+    a, b = inference.generate(model, [1, 7, 3], 12, temperature=1.0, num_samples=2,
+                              generator=torch.Generator().manual_seed(0))
+    first = {t: (a.index(t) if t in a else 12, b.index(t) if t in b else 12) for t in a + b}
+    alone = next(t for t, (i, j) in first.items() if i < 11 and j == 12)           # in a only: b runs whole
+    both = next(t for t, (i, j) in first.items() if i != j and max(i, j) < 11)      # each ends at its own place
+    for eos, last in ((alone, 12), (both, max(first[both]) + 1)):
+        forwards.clear()
+        ended = inference.generate(model, [1, 7, 3], 12, temperature=1.0, num_samples=2, eos_id=eos,
+                                   generator=torch.Generator().manual_seed(0))
+        assert ended == [a[:first[eos][0] + 1], b[:first[eos][1] + 1]], (eos, ended, a, b)
+        assert len(forwards) == last, (eos, len(forwards))
 
 
 def test_generate_refuses_bad_arguments():
