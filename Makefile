@@ -15,7 +15,8 @@ TEST_WORKERS ?= 2
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 RUN_ENV := OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 # torchrun on this machine alone: the ranks meet at 127.0.0.1, not at this machine's name (socket.getfqdn()), which
-# a Mac whose name is in no DNS cannot resolve (each rank then waited timeout_s to connect)
+# a Mac whose name is in no DNS cannot resolve (torchrun's agent then retried that name for minutes before starting
+# any rank)
 ONE_NODE := --standalone --local-addr=127.0.0.1
 
 .PHONY: venv data train test bench bench-kernels bench-gpu check-kernels compare-precision demo-48 plot-schedule clean-venv
