@@ -229,7 +229,7 @@ def test_plan_command_line(small_data, tmp_path, capsys):
     assert main(args + ["cluster.gpus_per_nod=8"]) == 2
     assert "did you mean cluster.gpus_per_node" in capsys.readouterr().err
     assert main(["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=8", "cluster.gpus_per_node=8", "--top", "1"]) == 0
-    assert "torchrun --standalone --nproc_per_node=8 train.py " in capsys.readouterr().out   # (one node: no address)
+    assert "torchrun --standalone --local-addr=127.0.0.1 --nproc_per_node=8 train.py " in capsys.readouterr().out
     assert main(args + ["cluster=b200"]) == 2                      # a name conf/cluster has no file for
     assert capsys.readouterr().err == ("error: cluster=b200: cluster has no option b200; its options are "
                                        "a100-80gb, h100-80gb, jean-zay-a100\n")

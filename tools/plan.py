@@ -178,8 +178,9 @@ def torchrun(e: Estimate, overrides: list) -> str:
     keys = [o for o in overrides if name(o) not in LAYOUT_KEYS + ("layout",) and not name(o).startswith("cluster")]
     layout = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k in LAYOUT_KEYS for v in [getattr(e.cfg, k)]]
     per_node = f"--nproc_per_node={min(c.gpus, c.gpus_per_node)}"
-    launch = f"--standalone {per_node}" if nodes == 1 else \
-        f"--nnodes={nodes} {per_node} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"   # (one node: no address)
+    # (one node: no address; the ranks meet at 127.0.0.1, not at the machine's name, which may not resolve: Makefile)
+    launch = f"--standalone --local-addr=127.0.0.1 {per_node}" if nodes == 1 else \
+        f"--nnodes={nodes} {per_node} --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
     return f"torchrun {launch} train.py {' '.join(keys + layout)}"
 
 
