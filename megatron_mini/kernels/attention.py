@@ -91,8 +91,8 @@ def _new_bhsd(b, h, s, d, like: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q, k, v, dropout_p):
-    """q, k, v's shapes, dtypes and dropout (their device is checked where the kernels launch: torch.compile
-    traces this, and torch 2.4's dynamo breaks the graph on the installed versions' check)."""
+    """q, k, v's shapes, dtypes and dropout. Their device is checked where the kernels launch: torch.compile traces
+    this, and torch 2.4's dynamo broke the graph at the device check (the re.match of interpreter_unsupported)."""
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must be [b, heads, s, d] of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
