@@ -109,21 +109,21 @@ def hf_config(ckpt: Checkpoint, eos_id: int, dtype: torch.dtype = torch.float32)
 
 
 def hf_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[dict, dict] | str:
-    """(tokenizer.json, tokenizer_config.json) of a `tokenizers` BPE that encodes and decodes as the sentencepiece
-    BPE `tok` does (data.plain_bpe: train_tokenizer's settings, its byte fallback copied), or why not: a
-    sentencepiece model of other settings or with user-defined pieces, or no protobuf to read them with.
-    sentencepiece's BPE encodes the whole text (" " -> "▁") by merging, again and again, the adjacent pair whose
-    concatenation is the piece of the highest score: the merges are every (left, right) split of a normal piece
-    into two normal pieces, ranked by the piece's score. Its control
-    and unknown pieces are special tokens that text never yields (split_special_tokens, which transformers >= 4.42
-    honours: "</s>" in a prompt is characters, as sentencepiece reads it; the `tokenizers` library alone reads it as
-    EOS). It decodes as sentencepiece does, but for a run of byte pieces that is not UTF-8 as a whole (a generated
-    character cut short beside a whole one), whose every byte becomes U+FFFD in `tokenizers`' ByteFallback
-    (sentencepiece replaces the broken character's alone), for <unk>, which sentencepiece decodes as " ⁇ ", and for
-    EOS, which sentencepiece drops and AutoTokenizer writes as "</s>" (unless skip_special_tokens). Without the
-    file, AutoTokenizer turned tokenizer.model into a GPT2Tokenizer that encodes otherwise (spaces dropped) and whose
-    EOS is past the vocabulary. Its merges are pairs, which tokenizers >= 0.20 reads (transformers >= 4.45: 4.40's
-    0.19 refused the file, "data did not match any variant of untagged enum ModelWrapper")."""
+    """(tokenizer.json, tokenizer_config.json) of a `tokenizers` BPE that encodes and decodes as the sentencepiece BPE
+    `tok` does (data.plain_bpe: train_tokenizer's settings, its byte fallback copied), or why not: a sentencepiece
+    model of other settings or with user-defined pieces, or no protobuf to read them with. sentencepiece's BPE
+    encodes the whole text (" " -> "▁") by merging, again and again, the adjacent pair whose concatenation is the
+    piece of the highest score: the merges are every (left, right) split of a normal piece into two normal pieces,
+    ranked by the piece's score. Its control and unknown pieces are special tokens that text never yields
+    (split_special_tokens, which transformers >= 4.42 honours: "</s>" in a prompt is characters, as sentencepiece
+    reads it; the `tokenizers` library alone reads it as EOS). It decodes as sentencepiece does, but for a run of
+    byte pieces that is not UTF-8 as a whole (a generated character cut short beside a whole one), whose every byte
+    becomes U+FFFD in `tokenizers`' ByteFallback (sentencepiece replaces the broken character's alone), for <unk>,
+    which sentencepiece decodes as " ⁇ ", and for EOS, which sentencepiece drops and AutoTokenizer writes as "</s>"
+    (unless skip_special_tokens). Without the file, AutoTokenizer turned tokenizer.model into a GPT2Tokenizer that
+    encodes otherwise (spaces dropped) and whose EOS is past the vocabulary. Its merges are pairs, which tokenizers
+    >= 0.20 reads (transformers >= 4.45: 4.40's 0.19 refused the file, "data did not match any variant of untagged
+    enum ModelWrapper")."""
     proto = plain_bpe(tok)
     if isinstance(proto, str):
         return proto
