@@ -60,6 +60,52 @@ def test_loss_scale_grows_no_further_than_its_cap():
     assert s.scale == MAX_LOSS_SCALE == 2.0 ** 64
 
 
+
+@pytest.mark.parametrize("dtype,clip", [("fp16", 1.0), ("bf16", 1e3)])
+def test_an_optimizer_step_is_adamw_of_the_unscaled_clipped_gradient(dtype, clip):
+    """Optimizer.step against AdamW in fp64: the fused kernel's grad_scale divides the main grads by the fp16 loss
+    scale and the clipping factor (min(1, grad_clip / (norm + 1e-6))), moments with bias correction, weight decay
+    lr * wd * w on the weights (not LayerNorm-like no_weight_decay ones), on the fp32 masters of 16-bit weights."""
+    from megatron_mini.config import OptimizerConfig
+    from megatron_mini.data_parallel import GradBuffer
+    from megatron_mini.mesh import ParallelMesh
+    from megatron_mini.optimizer import Optimizer
+    from megatron_mini.tensor_parallel import ParamSpec
+
+    torch.manual_seed(0)
+    shapes, dt = {"weight": (37, 11), "bias": (11,)}, {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    params = [(n, torch.nn.Parameter(torch.randn(s).to(dt))) for n, s in shapes.items()]
+    for n, p in params:
+        p.spec = ParamSpec(no_weight_decay=n == "bias")
+    mesh = ParallelMesh(1, 1, 1)
+    buffer = GradBuffer(params, mesh, dt, zero=False)
+    # eps of the order of the clipped gradient's elements: Adam is scale-free but for eps, which so tells a gradient
+    # left loss-scaled or unclipped from the right one; and each step's gradient of another size (another clip)
+    o = OptimizerConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-2, grad_clip=clip)
+    optimizer = Optimizer([buffer], mesh, o, PrecisionConfig(dtype=dtype, initial_loss_scale=1024.0), zero=False)
+    w = {n: p.detach().double() for n, p in params}
+    m, v = ({n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()} for _ in range(2))
+    for t, size in ((1, 1.0), (2, 4.0), (3, 0.25)):
+        g = {n: size * torch.randn(s, dtype=torch.float64) for n, s in shapes.items()}
+        scale = optimizer.scaler.scale if optimizer.scaler else 1.0
+        for n, p in params:
+            p.main_grad.copy_(g[n] * scale)
+        norm = math.sqrt(sum(x.square().sum().item() for x in g.values()))
+        assert optimizer.step(o.lr)[0] == pytest.approx(norm, rel=1e-6)       # the unscaled norm
+        clipped = min(1.0, clip / (norm + 1e-6))
+        for n in shapes:
+            w[n] *= 1 - o.lr * (0.0 if n == "bias" else o.weight_decay)
+            m[n] = o.beta1 * m[n] + (1 - o.beta1) * clipped * g[n]
+            v[n] = o.beta2 * v[n] + (1 - o.beta2) * (clipped * g[n]).square()
+            w[n] -= o.lr * (m[n] / (1 - o.beta1 ** t)) / ((v[n] / (1 - o.beta2 ** t)).sqrt() + o.eps)
+    assert clip > 1e2 or clipped < 0.5                                         # (fp16: the clip was taken)
+    (r,) = optimizer.ranges
+    for p, n, a, b in buffer.segments(r.lo, r.hi):
+        master = r.master[a - r.lo:b - r.lo].view(shapes[n]).double()
+        assert (master - w[n]).abs().max().item() < 1e-6, n
+        assert torch.equal(p.detach(), master.to(dt))                         # the 16-bit weights: the masters'
+
+
 def test_learning_rate_schedule():
     """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine or a line down to exactly min_lr at the last step
     (or at update decay_steps - 1, whatever `steps`), min_lr after it; constant: lr after the warmup."""
