@@ -1,6 +1,6 @@
 """GPT-2 as a list of layers: [Embedding, Block_1 .. Block_L, Head].
 
-Learned positions, pre-LayerNorm blocks, causal self-attention, GELU(tanh) MLP of width 4h,
+Learned positions, pre-LayerNorm blocks, causal self-attention, GELU(tanh) MLP of width f = ffn_mult h (4h),
 biases, LayerNorm eps 1e-5, tied input/output embeddings. Activations are `[s, b, h]`
 (`[s/tp, b, h]` between layers with sequence parallelism). A pipeline stage runs a
 contiguous slice of the layer list (`GPTChunk`); tensor parallelism lives inside the layers.
@@ -325,7 +325,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc1 (column-parallel, h -> 4h/tp), GELU(tanh), fc2 (row-parallel, 4h/tp -> h)."""
+    """fc1 (column-parallel, h -> f/tp), GELU(tanh), fc2 (row-parallel, f/tp -> h); f = ffn_mult h (4h)."""
 
     def __init__(self, m: ModelConfig, ctx: ParallelContext, device):
         super().__init__()

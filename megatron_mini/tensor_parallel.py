@@ -456,8 +456,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from vocab-sharded logits [s, b, V/tp] without gathering the vocabulary.
 
     loss = logsumexp(x) - (1-a) x_t - (a/V) sum_j x_j over the V real (unpadded) classes,
-    which is F.cross_entropy(x, t, label_smoothing=a). Forward: two all-reduces of size [s, b]:
-    the max, then the sum-exp with the target logit (and, with a > 0, the logit sum) stacked in.
+    which is F.cross_entropy(x, t, label_smoothing=a). Forward: two all-reduces, the max [s, b], then
+    the sum-exp and the target logit (and, with a > 0, the logit sum) stacked, [2 (3), s, b].
     Backward, local: dx_j = p_j - (1-a) [j = t] - a/V on real classes, 0 on padding, written over the
     saved probabilities (one backward per forward, as Megatron's). Targets must lie in [0, V): there is no
     ignore_index, and a target past the end gives a wrong loss at tp > 1 where tp = 1 raises.
