@@ -5,8 +5,9 @@ attention_kernels.py; this module launches them, wraps them for autograd and hol
 
 Forward: each program owns BLOCK_M query rows of one (batch, head) and walks the key blocks
 with an online softmax (running max m and sum l, in fp32), so the [s, s] scores never reach
-memory; it stores o and the log-sum-exp lse = m + log(l) (fp32, [b*heads, s]).
-Backward recomputes P = exp(scale * q k^T - lse) block by block:
+memory; it stores o and the log-sum-exp in base 2 (the kernels use exp2 of scores scaled by log2(e)):
+lse = m + log2(l) = log2(e) logsumexp(scale * q k^T) (fp32, [b*heads, s]).
+Backward recomputes P = exp2(log2(e) scale * q k^T - lse) block by block:
     delta_i = sum_d do_i o_i                        (a small pre-pass)
     dv = Z^T do,  dZ = do v^T,  dP = dZ * keep / (1 - p_drop),  dS = P * (dP - delta)
     dk = scale * dS^T q,  dq = scale * dS k         (Z = P * keep / (1 - p_drop))
@@ -176,7 +177,7 @@ def _split_qkv(qkv: torch.Tensor, heads: int):
 
 
 def _qkv_forward(qkv, seed, heads, scale, causal, dropout_p):
-    """(o [s, b, heads * d], lse [b * heads, s] fp32) of a contiguous qkv [s, b, 3 * heads * d]."""
+    """(o [s, b, heads * d], lse [b * heads, s] fp32, base 2) of a contiguous qkv [s, b, 3 * heads * d]."""
     q, k, v = _split_qkv(qkv, heads)
     o = _new_bhsd(*q.shape[:3], q.shape[3], q)
     lse = _forward(q, k, v, o, scale, causal, dropout_p, seed)
