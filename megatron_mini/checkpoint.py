@@ -45,6 +45,7 @@ import glob
 import hashlib
 import json
 import math
+import numbers
 import os
 import re
 import shutil
@@ -212,23 +213,27 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
 
 def _meta_lacks(meta: dict) -> str | None:
     """What of the keys training and inference read a meta.json lacks (or holds with the wrong type)."""
-    def count(key):
-        return isinstance(meta.get(key), int) and not isinstance(meta[key], bool) and meta[key] >= 0
+    def count(key, within=meta):
+        return isinstance(within.get(key), int) and not isinstance(within[key], bool) and within[key] >= 0
 
     config = meta.get("config")
     model = config.get("model") if isinstance(config, dict) else None
     data = config.get("data") if isinstance(config, dict) else None
+    saved = meta.get("data", {})
     for what, ok in (("step (a count)", count("step")), ("consumed_samples (a count)", count("consumed_samples")),
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
-                     ("data (a mapping)", isinstance(meta.get("data", {}), dict)),
+                     ("data (a mapping)", isinstance(saved, dict)),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
-                     ("optimizer.step_count", isinstance(meta.get("optimizer"), dict)
-                      and "step_count" in meta["optimizer"])):
+                     ("optimizer.step_count (a count)", isinstance(meta.get("optimizer"), dict)
+                      and count("step_count", meta["optimizer"])),
+                     ("data.tokenizer_sha256 (a string)", not isinstance(saved, dict)
+                      or isinstance(saved.get("tokenizer_sha256"), (str, type(None))))):
         if not ok:
             return what
-    missing = [f"config.model.{k}" for k in MODEL_KEYS if k not in model]
+    missing = [f"config.model.{k}" + (" (a number)" if k in model else "") for k in MODEL_KEYS
+               if not isinstance(model.get(k), numbers.Real)]       # (init_from compares seq_len: 16 < "32" raised)
     return ", ".join(missing) or None
 
 

@@ -109,6 +109,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
     no_optim = ckpt_copy("no_optim", lambda p: (p / optim).unlink())
     no_config = ckpt_copy("no_config", _edit_meta(lambda meta: meta.pop("config")))
     text_step = ckpt_copy("text_step", _edit_meta(lambda meta: meta.update(step="3")))
+    # meta.json's values that no checksum covers, edited: init_from compared 16 < "32", a resume added 1 to "3"
+    text_seq_len = ckpt_copy("text_seq_len", _edit_meta(lambda meta: meta["config"]["model"].update(seq_len="32")))
+    text_step_count = ckpt_copy("text_step_count", _edit_meta(lambda meta: meta["optimizer"].update(step_count="3")))
     # a checkpoint of older code, one parameter under another name; an optimizer state that is no mapping
     renamed = ckpt_copy("renamed", _edit_file(weights,
                                               lambda t: t.update({"head.ln_f.b": t.pop("head.ln_f.bias")})))
@@ -161,6 +164,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-no-optimizer", 1, [f"resume={no_optim}"], [f"{no_optim}/{optim} is missing"]),
         ("resume-meta-no-config", 1, [f"resume={no_config}"], [f"{no_config}/meta.json has no config (not a "]),
         ("resume-meta-text-step", 1, [f"resume={text_step}"], [f"{text_step}/meta.json has no step (a count)"]),
+        ("init-from-meta-text-seq-len", 1, [f"init_from={text_seq_len}", "model.seq_len=16"],
+         [f"{text_seq_len}/meta.json has no config.model.seq_len (a number) (not a megatron_mini checkpoint"]),
+        ("resume-meta-text-step-count", 2, [f"resume={text_step_count}", "steps=5"],
+         [f"{text_step_count}/meta.json has no optimizer.step_count (a count)"]),
         ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],
          [f"{renamed} does not fit this run's model (KeyError: 'head.ln_f.bias')", "start a new run"]),
         ("resume-garbled-optimizer", 2, [f"resume={garbled}", "steps=5"],
@@ -232,7 +239,8 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo"
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
                "token-ids", "resume-empty-dir", "resume-run-dir", "bool-given-a-number",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
-               "resume-meta-no-config", "resume-meta-text-step", "resume-renamed-tensor", "resume-garbled-optimizer",
+               "resume-meta-no-config", "resume-meta-text-step", "init-from-meta-text-seq-len",
+               "resume-meta-text-step-count", "resume-renamed-tensor", "resume-garbled-optimizer",
                "seed-huge", "gbs-past-the-data", "rampup-two-values", "rampup-start-per-rank", "init-from-other-model",
                "init-from-and-resume",
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
