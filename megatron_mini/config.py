@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -492,11 +493,14 @@ def structured(given, schema=None):
 
 
 def check_ranges(cfg: TrainConfig, section: str = "") -> None:
-    """The RANGES rules of the keys under `section` ("" = all); every number must be finite (inf passed the
-    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum); no data path is empty."""
+    """The RANGES rules of the keys under `section` ("" = all); every value must be a finite number (inf passed the
+    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum; a checkpoint's meta.json may
+    hold a string); no data path is empty."""
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
+            if not isinstance(value, numbers.Real):
+                raise ConfigError(f"{key}={value!r} must be a number {requirement}.")
             if isinstance(value, float) and not math.isfinite(value):   # (an int of any size is finite)
                 raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):
@@ -564,10 +568,14 @@ def check_layout_free(cfg: TrainConfig) -> None:
     if cfg.profile.ranks is not None and not cfg.profile.ranks:
         raise ConfigError("profile.ranks=[] names no rank: name the ranks that trace (null: every rank; "
                           "profile.start=0: no profile).")
-    m = cfg.model
+    check_heads(cfg.model)
+    _check_rampup(cfg)
+
+
+def check_heads(m: ModelConfig) -> None:
+    """The heads split the hidden size evenly (head dim = hidden_size / num_heads)."""
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
-    _check_rampup(cfg)
 
 
 def _check_rampup(cfg: TrainConfig) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .data import Tokenizer, plain_bpe
 from .files import existing_part, remove_empty_dirs
-from .inference import Checkpoint, CheckpointError, check_finite, read_with_tokenizer
+from .inference import Checkpoint, check_finite, check_tensors, read_with_tokenizer
 
 
 def block_names(h: int, f: int) -> list:
@@ -44,8 +44,8 @@ def block_names(h: int, f: int) -> list:
 
 def hf_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict:
     """{GPT-2 name: contiguous tensor in `dtype`} from the checkpoint's {global name: full fp32 tensor}.
-    wte is [vocab_size, h] (padding rows dropped), Conv1D weights [in, out]. A CheckpointError for a weight that
-    is not finite in `dtype` (an fp16 one past 65504)."""
+    wte is [vocab_size, h] (padding rows dropped), Conv1D weights [in, out]. A CheckpointError where the tensors are
+    not the config's GPT-2 (check_tensors), or for a weight that is not finite in `dtype` (an fp16 one past 65504)."""
     m = ckpt.cfg.model
     h = m.hidden_size
     names = [("transformer.wte.weight", "embedding.word_embeddings.weight", (m.padded_vocab_size, h), False),
@@ -55,16 +55,10 @@ def hf_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict:
     for i in range(m.num_layers):
         names += [(f"transformer.h.{i}.{hf}", f"blocks.{i}.{mm}", shape, t)
                   for hf, mm, shape, t in block_names(h, m.ffn_hidden_size)]
-    wanted = {mm for _, mm, _, _ in names}
-    missing, unexpected = sorted(wanted - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - wanted)
-    if missing or unexpected:
-        raise CheckpointError(f"{ckpt.path}: tensors do not match the config's GPT-2 "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    check_tensors(ckpt, {mm: shape for _, mm, shape, _ in names}, "GPT-2")
     out = {}
     for hf, mm, shape, transpose in names:
         t = ckpt.tensors[mm]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"{ckpt.path}: {mm} has shape {tuple(t.shape)}, the config needs {shape}")
         cast = t.to(dtype)
         check_finite(cast, t, f"{ckpt.path}: {mm}", "export")
         out[hf] = (cast.t() if transpose else cast).contiguous()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .checkpoint import CheckpointError
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig, check_heads, check_ranges
 from .data import DataError, Tokenizer
 from .dataset import BlendedDataset, data_identity, load_datasets, load_eval_sets
 from .errors import first_line
@@ -56,13 +56,24 @@ def config_from_dict(d: dict, cls=TrainConfig):
     return cls(**kwargs)
 
 
+# the config keys (sections) the tools read from a checkpoint's meta.json, which no checksum covers: checked as
+# train.py checks them (a hand-edited value was a traceback in the model or the data split, or a broken export)
+READ_KEYS = ("model.", "data.", "seed", "mbs", "gbs", "eval_iters")
+
+
 def read_checkpoint(path: str) -> Checkpoint:
     """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
-    file) and read into memory (CPU)."""
+    file) and read into memory (CPU); a CheckpointError where meta.json's config holds a value train.py refuses
+    (READ_KEYS)."""
     found = checkpoint.chosen(path)
     path, meta, notes = found.path, found.meta, found.notes
     try:
         cfg = config_from_dict(meta["config"])
+        for section in READ_KEYS:
+            check_ranges(cfg, section)
+        check_heads(cfg.model)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}/meta.json: its config's {e}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/meta.json: unreadable ({first_line(e)})") from None
     try:
@@ -117,27 +128,34 @@ def load_model(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torc
     """megatron_mini's model at tp=pp=dp=1 (torch kernels, eval mode) with the checkpoint's weights rounded to
     `dtype` (bf16, fp16: half the memory; the matmuls in it, LayerNorm statistics in fp32, the logits returned as
     fp32). Built uninitialised on the CPU in `dtype`, given the checkpoint's weights there, then moved: `device`
-    holds the model in `dtype` alone. A CheckpointError for a weight that is not finite in `dtype` (an fp16 one
-    past 65504)."""
+    holds the model in `dtype` alone. A CheckpointError where the tensors are not the config's model (check_tensors),
+    or for a weight that is not finite in `dtype` (an fp16 one past 65504)."""
     device = torch.device(device)
     m = ckpt.cfg.model
     (model,) = build_chunks(m, ParallelContext.one_device(device, ckpt.cfg.seed), [(0, m.num_layers + 2)],
                             None, torch.device("cpu"))
     model.to(dtype)              # (of untouched memory: no fp32 copy of the model is ever written)
     params = dict(model.named_global_parameters())
-    missing, unexpected = sorted(params.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - params.keys())
-    if missing or unexpected:
-        raise CheckpointError(f"{ckpt.path}: tensors do not match the config's model "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    check_tensors(ckpt, {name: p.shape for name, p in params.items()}, "model")
     with torch.no_grad():
         for name, p in params.items():
             t = ckpt.tensors[name]
-            if t.shape != p.shape:
-                raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(t.shape)}, the config's model "
-                                      f"needs {tuple(p.shape)}")
             p.copy_(t)
             check_finite(p, t, f"{ckpt.path}: {name}", "load")
     return model.to(device).eval()     # (in place, parameter by parameter: the tied embedding stays one)
+
+
+def check_tensors(ckpt: Checkpoint, shapes: dict, model: str) -> None:
+    """A CheckpointError where the checkpoint's tensors are not `shapes` ({global name: shape}: the config's `model`,
+    built from meta.json's config, which no checksum covers): a name missing or extra, or another shape."""
+    missing, unexpected = sorted(shapes.keys() - ckpt.tensors.keys()), sorted(ckpt.tensors.keys() - shapes.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt.path}: tensors do not match the config's {model} "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, shape in shapes.items():
+        if tuple(ckpt.tensors[name].shape) != tuple(shape):
+            raise CheckpointError(f"{ckpt.path}: {name} has shape {tuple(ckpt.tensors[name].shape)}, the config's "
+                                  f"{model} needs {tuple(shape)}")
 
 
 def check_finite(cast: torch.Tensor, source: torch.Tensor, what: str, verb: str) -> None:

@@ -495,3 +495,35 @@ def test_a_doc_section_whose_markers_are_not_a_pair_is_refused(doc, tmp_path, ca
     report.write_doc_section(str(tmp_path / "fresh.md"), "t", "new")        # no markers: appended
     report.write_doc_section(str(tmp_path / "fresh.md"), "t", "newer")
     assert (tmp_path / "fresh.md").read_text() == "<!-- t begin -->\nnewer\n<!-- t end -->\n"
+
+
+@pytest.mark.parametrize("edit, fact", [
+    ({"model": {"num_layers": 3}}, ": tensors do not match the config's {model} (missing ['blocks.2.attn.proj.bias', "),
+    ({"model": {"num_layers": 1}}, ": tensors do not match the config's {model} (missing [], unexpected "
+                                   "['blocks.1.attn.proj.bias', "),
+    ({"model": {"ffn_mult": 2}}, ": blocks.0.mlp.fc1.weight has shape (256, 64), the config's {model} needs (128, 64)"),
+    ({"model": {"num_heads": 3}}, "/meta.json: its config's model.hidden_size=64 is not divisible by num_heads=3."),
+    ({"model": {"seq_len": "32"}}, "/meta.json has no config.model.seq_len (a number) (not a megatron_mini "
+                                   "checkpoint, or a damaged one)."),
+    ({"model": {"init_std": "0.02"}}, "/meta.json: its config's model.init_std='0.02' must be a number > 0."),
+    ({"data": {"val_fraction": 0}}, "/meta.json: its config's data.val_fraction=0 must be in (0, 1)."),
+], ids=["more-layers", "fewer-layers", "other-mlp", "heads-3", "text-seq-len", "text-init-std", "val-fraction-0"])
+def test_a_checkpoints_config_that_does_not_fit_it_is_one_line(tiny_checkpoint, edit, fact, tmp_path, capsys):
+    """meta.json's config, which no checksum covers, edited by hand: a model whose tensors are not the checkpoint's, or
+    a value train.py refuses. generate.py, evaluate.py and export_hf.py each say so in one line naming the checkpoint
+    and exit 2 (3 heads of a hidden size of 64, or a seq_len in quotes, were tracebacks in the model and were
+    exported; val_fraction=0 a traceback in evaluate.py's split); the export leaves no directory."""
+    import shutil
+    path = tmp_path / "step_000001"
+    shutil.copytree(tiny_checkpoint, path)
+    meta = json.loads((path / "meta.json").read_text())
+    for section, values in edit.items():
+        meta["config"][section].update(values)
+    (path / "meta.json").write_text(json.dumps(meta))
+    for tool, args, model in ((generate, ["--device", "cpu", "--max-new-tokens", "1"], "model"),
+                              (evaluate, ["--device", "cpu", "--samples", "2"], "model"),
+                              (export_hf, [str(tmp_path / "hf")], "GPT-2")):
+        assert tool.main([str(path), *args]) == 2, tool
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {path}{fact.format(model=model)}"), (tool, err)
+    assert not (tmp_path / "hf").exists()
