@@ -514,6 +514,22 @@ def _bad_offsets(out):
     return "tokens.idx"
 
 
+def _empty_idx(out):
+    (out / "tokens.idx").write_bytes(b"")        # (a disk that filled as it was written: shorter than its header)
+    return "tokens.idx"
+
+
+def _meta_counts(out):
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "num_docs": meta["num_docs"] + 1}))   # (another build's)
+    return "meta.json"
+
+
+def _garbage_meta(out):
+    (out / "meta.json").write_text('{"num_docs": ')
+    return "meta.json"
+
+
 def _other_tokenizer(out):
     docs, _ = read_corpus(json.loads((out / "meta.json").read_text())["source"])
     train_tokenizer(docs, VOCAB, sample_chars=100_000, seed=7, path=out / "tokenizer.model")
@@ -533,16 +549,21 @@ def _missing(name):
     return remove
 
 
+PROBLEMS = {"_empty_idx": "truncated header", "_meta_counts": "says 41 documents / ",
+            "_garbage_meta": "missing or not valid JSON"}    # (the message's problem, where a case checks it)
+
+
 @pytest.mark.parametrize("corrupt", [_corrupt_bin, _corrupt_idx, _bad_magic, _bad_version, _bad_offsets,
-                                     _other_tokenizer, _garbage_tokenizer, _missing("tokens.bin"),
-                                     _missing("tokens.idx"), _missing("meta.json"), _missing("tokenizer.model")],
+                                     _empty_idx, _meta_counts, _garbage_meta, _other_tokenizer, _garbage_tokenizer,
+                                     _missing("tokens.bin"), _missing("tokens.idx"), _missing("meta.json"),
+                                     _missing("tokenizer.model")],
                          ids=lambda f: f.__name__.strip("_"))
 def test_bad_files_give_one_line_error(copy_of, corrupt):
     name = corrupt(Path(copy_of.dir))
     with pytest.raises(DataError) as err:
         load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
     msg = str(err.value)
-    assert "\n" not in msg and str(Path(copy_of.dir) / name) in msg
+    assert "\n" not in msg and msg.startswith(f"{Path(copy_of.dir) / name}: {PROBLEMS.get(corrupt.__name__, '')}")
     assert msg.endswith(f"rebuild it with: python tools/prepare_data.py data.source={copy_of.source} "
                         f"data.dir={copy_of.dir} data.vocab_size={VOCAB}")
     prepare(copy_of)   # the rebuild command's work repairs it
