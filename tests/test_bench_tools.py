@@ -33,6 +33,27 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+@pytest.mark.parametrize("tool", ["bench_kernels", "check_kernels"])
+def test_the_kernel_tools_without_triton_say_so_in_one_line(tool, monkeypatch, capsys):
+    """Where the triton package is not installed (macOS, Windows, an environment of one's own; hidden here: None in
+    sys.modules, as import and find_spec read an absent module), tools/bench_kernels.py and check_kernels.py, imported
+    and run as `python tools/<tool>.py` runs them, say in one line that they need it and how to get it, and exit 2
+    before any work (an import in a kernel module was a traceback: bench_kernels's after its first lines of output,
+    check_kernels's at its start)."""
+    import importlib
+    for name in (tool, "megatron_mini.kernels.compile_check"):       # (imported afresh, without triton)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setattr(sys, "argv", [f"tools/{tool}.py"])
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))   # (check_kernels pops it)
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(tool).main()        # (tools/, on pytest's pythonpath)
+    out, err = capsys.readouterr()
+    assert (stop.value.code, out) == (2, "") and err == (
+        f"error: {tool}.py needs the triton package, which this Python does not have: pip install 'triton>=3.0' "
+        f"(Linux; there are no wheels for macOS or Windows)\n"), (out[-2000:], err[-2000:])
+
+
 @needs_triton
 def test_bench_kernels_smoke(tmp_path):
     doc = tmp_path / "doc.md"

@@ -73,7 +73,7 @@ import time
 import traceback
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line, device_line, fmt,
-                          markdown_table, short_error, write_doc_section, write_text)
+                          markdown_table, require_triton, short_error, write_doc_section, write_text)
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -536,6 +536,7 @@ def main(argv=None) -> int:
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
         ap.error(f"unknown --ops {bad}; choose from {list(OPS)}" if bad else f"--ops names none of {list(OPS)}")
+    require_triton("bench_kernels.py")
 
     import torch
     cuda = torch.cuda.is_available()

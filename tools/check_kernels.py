@@ -17,8 +17,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be built for a GPU, not the interpreter
 
-from bench.report import positive_ints, text_table  # noqa: E402
-from megatron_mini.kernels import compile_check as C  # noqa: E402
+from bench.report import positive_ints, require_triton, text_table  # noqa: E402
 
 
 def _attention_spec(spec: str) -> tuple:
@@ -32,6 +31,8 @@ def _attention_spec(spec: str) -> tuple:
 
 
 def main():
+    require_triton("check_kernels.py")
+    from megatron_mini.kernels import compile_check as C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90",
                     help="the GPU to compile for (default sm90: H100)")

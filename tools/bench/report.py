@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import re
@@ -108,6 +109,15 @@ def read_doc_section(path: str, tag: str) -> str | None:
 # ============================================================================ lines and tables
 def now() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+
+
+def require_triton(tool: str) -> None:
+    """Exit 2 with one line where the triton package is not installed: `tool` runs Triton's kernels or compiler
+    (pyproject installs triton on Linux only; an import deep in a kernel module was a traceback)."""
+    if importlib.util.find_spec("triton") is None:
+        print(f"error: {tool} needs the triton package, which this Python does not have: pip install 'triton>=3.0' "
+              f"(Linux; there are no wheels for macOS or Windows)", file=sys.stderr)
+        sys.exit(2)
 
 
 def cpu_name() -> str:
