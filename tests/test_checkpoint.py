@@ -760,9 +760,12 @@ def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
     # data.dir built again for its corpus as it now reads: the refusal names where prepare kept the old build
     moved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(tmp_path / "d")))
     trained = {**current, "corpus_sha256": "a" * 64}
-    for kept in (False, True):                        # (an empty directory, or one of another corpus: no note)
-        (tmp_path / f"d.superseded-{'a' * 12}").mkdir(exist_ok=True)
-        (tmp_path / f"d.superseded-{'a' * 12}" / "meta.json").write_text(json.dumps({"corpus_sha256": "ba"[kept] * 64}))
+    superseded = tmp_path / f"d.superseded-{'a' * 12}"
+    superseded.mkdir()
+    for meta_json, kept in ((None, False), ('{"corpus_sha', False), (json.dumps({"corpus_sha256": "b" * 64}), False),
+                            (json.dumps({"corpus_sha256": "a" * 64}), True)):
+        if meta_json is not None:       # (an empty directory, a meta.json cut short, one of another corpus: no note)
+            (superseded / "meta.json").write_text(meta_json)
         with pytest.raises(ConfigError, match="data corpus_sha256: aaaa") as err:
             checkpoint.check_compatible(checkpoint.Resume(str(ckpt), {**meta, "data": trained}, []), moved, current)
         assert (f"(data.dir={tmp_path}/d.superseded-{'a' * 12} holds the build it was trained on)" in str(err.value)) \
@@ -770,12 +773,18 @@ def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
 
 
 def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
-    """atomic_write on a full disk (fsync raising ENOSPC): the error is raised, the file keeps its old content,
-    and nothing else is left beside it."""
+    """atomic_write on a full disk (fsync raising ENOSPC), or on one out of inodes (the temporary file not even
+    created): that error is raised (not the removal's of a temporary file that never was, "No such file or
+    directory"), the file keeps its old content, and nothing else is left beside it."""
     from megatron_mini import files
     path = tmp_path / "latest"
     files.atomic_write(path, "step_000002")
-    monkeypatch.setattr(files.os, "fsync", _raising(OSError(28, "No space left on device")))
+    with monkeypatch.context() as m:
+        m.setattr(files.os, "fsync", _raising(OSError(28, "No space left on device")))
+        with pytest.raises(OSError, match="No space left"):
+            files.atomic_write(path, "step_000004")
+    assert os.listdir(tmp_path) == ["latest"] and path.read_text() == "step_000002"
+    monkeypatch.setattr(files, "open", _raising(OSError(28, "No space left on device")), raising=False)
     with pytest.raises(OSError, match="No space left"):
         files.atomic_write(path, "step_000004")
     assert os.listdir(tmp_path) == ["latest"] and path.read_text() == "step_000002"
