@@ -890,6 +890,8 @@ def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
     meta = read_json(out / "meta.json")
     if not isinstance(meta, dict):
         raise DataError(out / "meta.json", "missing or not valid JSON")
+    if not isinstance(meta.get("source"), str):    # (every build records it: check_holds read "the corpus None")
+        raise DataError(out / "meta.json", "names no source corpus: damaged")
     ds = IndexedDataset(out / "tokens")
     if meta.get("tokenizer_sha256") != tok.sha256:
         raise DataError(ds.bin_path, f"encoded with another tokenizer (sha256 {str(meta.get('tokenizer_sha256'))[:12]} "

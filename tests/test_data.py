@@ -525,6 +525,13 @@ def _meta_counts(out):
     return "meta.json"
 
 
+def _meta_without_source(out):
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["source"]                           # (it was "holds the corpus None": set data.source=None, no rebuild)
+    (out / "meta.json").write_text(json.dumps(meta))
+    return "meta.json"
+
+
 def _garbage_meta(out):
     (out / "meta.json").write_text('{"num_docs": ')
     return "meta.json"
@@ -549,14 +556,15 @@ def _missing(name):
     return remove
 
 
+# the problem the message names, where a case checks it
 PROBLEMS = {"_empty_idx": "truncated header", "_meta_counts": "says 41 documents / ",
-            "_garbage_meta": "missing or not valid JSON"}    # (the message's problem, where a case checks it)
+            "_garbage_meta": "missing or not valid JSON", "_meta_without_source": "names no source corpus: damaged"}
 
 
 @pytest.mark.parametrize("corrupt", [_corrupt_bin, _corrupt_idx, _bad_magic, _bad_version, _bad_offsets,
-                                     _empty_idx, _meta_counts, _garbage_meta, _other_tokenizer, _garbage_tokenizer,
-                                     _missing("tokens.bin"), _missing("tokens.idx"), _missing("meta.json"),
-                                     _missing("tokenizer.model")],
+                                     _empty_idx, _meta_counts, _meta_without_source, _garbage_meta, _other_tokenizer,
+                                     _garbage_tokenizer, _missing("tokens.bin"), _missing("tokens.idx"),
+                                     _missing("meta.json"), _missing("tokenizer.model")],
                          ids=lambda f: f.__name__.strip("_"))
 def test_bad_files_give_one_line_error(copy_of, corrupt):
     name = corrupt(Path(copy_of.dir))
