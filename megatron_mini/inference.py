@@ -64,7 +64,8 @@ READ_KEYS = ("model.", "data.", "seed", "mbs", "gbs", "eval_iters")
 def read_checkpoint(path: str) -> Checkpoint:
     """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
     file) and read into memory (CPU); a CheckpointError where meta.json's config holds a value train.py refuses
-    (READ_KEYS)."""
+    (READ_KEYS), or where its files, which verify, do not hold the tensors it lists (a torch.load or a view failed:
+    a file written by other code, or put together by hand)."""
     found = checkpoint.chosen(path)
     path, meta, notes = found.path, found.meta, found.notes
     try:
@@ -78,10 +79,13 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}/meta.json: unreadable ({first_line(e)})") from None
     try:
         tensors = checkpoint.load_model_tensors(path)
-    except (OSError, RuntimeError) as e:
+    except CheckpointError:
+        raise
+    except Exception as e:     # noqa: BLE001 - a file that verified but holds other objects raises any kind
         if checkpoint.removed(e):
             raise Removed(path) from None
-        raise
+        raise CheckpointError(f"{path}: its files do not hold the tensors its meta.json lists ({first_line(e)}): a "
+                              f"damaged checkpoint, or one of other code") from None
     return Checkpoint(path, meta, cfg, tensors, notes)
 
 

@@ -4,6 +4,7 @@ an output file that cannot be written is refused before any work; generate.py no
 import json
 
 import pytest
+import torch
 
 from harness import pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
@@ -526,4 +527,37 @@ def test_a_checkpoints_config_that_does_not_fit_it_is_one_line(tiny_checkpoint, 
         assert tool.main([str(path), *args]) == 2, tool
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: {path}{fact.format(model=model)}"), (tool, err)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("damage, fact", [
+    (lambda saved: saved.update({"head.ln_f.b": saved.pop("head.ln_f.bias")}), "(KeyError: 'head.ln_f.bias')"),
+    (lambda saved: saved.update({"head.ln_f.bias": torch.zeros(7)}), "(RuntimeError: shape '[64]' is invalid for "
+                                                                     "input of size 7)"),
+    (lambda saved: b"not a torch file", "(RuntimeError: "),
+], ids=["renamed-tensor", "other-shape", "not-a-torch-file"])
+def test_a_checkpoint_file_that_verifies_but_holds_other_tensors_is_one_line(tiny_checkpoint, damage, fact, tmp_path,
+                                                                             capsys):
+    """A weights file whose sha256 meta.json records, but that holds other tensors than meta.json's index lists (a
+    checkpoint put together by hand, or of other code): generate.py, evaluate.py and export_hf.py each say so in one
+    line naming the checkpoint and exit 2, as train.py's resume does (it was a KeyError, a RuntimeError or torch.load's
+    traceback)."""
+    import shutil
+    from megatron_mini.checkpoint import sha256_file
+    path = tmp_path / "step_000001"
+    shutil.copytree(tiny_checkpoint, path)
+    weights = path / "model_pp00_tp00.pt"
+    saved = torch.load(weights, weights_only=True)
+    damaged = damage(saved)
+    weights.write_bytes(damaged) if isinstance(damaged, bytes) else torch.save(saved, weights)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][weights.name] = sha256_file(str(weights))
+    (path / "meta.json").write_text(json.dumps(meta))
+    for tool, args in ((generate, ["--device", "cpu", "--max-new-tokens", "1"]),
+                       (evaluate, ["--device", "cpu", "--samples", "2"]), (export_hf, [str(tmp_path / "hf")])):
+        assert tool.main([str(path), *args]) == 2, tool
+        err = capsys.readouterr().err
+        said = f"error: {path}: its files do not hold the tensors its meta.json lists {fact}"
+        assert err.count("\n") == 1 and err.startswith(said) and err.endswith(
+            "): a damaged checkpoint, or one of other code\n"), (tool, err)
     assert not (tmp_path / "hf").exists()
