@@ -27,11 +27,11 @@ compiled rows 5), then N steps (default 10) are timed one by one with torch.cuda
 perf_counter; a row's figure is the median step. Tokens are tools/bench/workload.SyntheticTokens
 (seed 1), batched by megatron_mini.dataset.get_batch for both projects, so both see the same
 sequences at the same step. Model FLOPs per token = ModelConfig.flops_per_token()
-(6N + 12*L*h*s, N = 12*L*h^2 + V*h); TFLOP/s per GPU = that x tokens/s; MFU = TFLOP/s over
-megatron_mini.hardware.peak_tflops for the device and dtype (or --peak-tflops). Peak memory =
-torch.cuda.max_memory_allocated from the row's build to its last step (reset per row). Each row
-is freed (del, gc, empty_cache, dynamo reset) before the next; an OOM or an error is reported in
-its row and the run goes on.
+(6N + 12*L*h*s, N = L*(4*h^2 + 2*h*f) + V*h: 12*L*h^2 + V*h at f = 4h); TFLOP/s per GPU = that
+x tokens/s; MFU = TFLOP/s over megatron_mini.hardware.peak_tflops for the device and dtype (or
+--peak-tflops). Peak memory = torch.cuda.max_memory_allocated from the row's build to its last
+step (reset per row). Each row is freed (del, gc, empty_cache, dynamo reset) before the next; an
+OOM or an error is reported in its row and the run goes on.
 
 `--doc` writes the models that ran into the bench_gpu section of docs/benchmarks.md, one
 subsection per model (`<!-- bench_gpu <model> begin/end -->`), keeping the models not rerun, so
@@ -366,7 +366,7 @@ code, tp=pp=dp=1, one process) against the project's plain GPT-2 (`tools/baselin
 model and step, bf16 autocast, fused AdamW, SDPA), eager and with `torch.compile`, in one process on one
 GPU, on the same synthetic tokens and batch. A row's figure is the median of its timed steps
 (torch.cuda.synchronize + perf_counter around each step, after warmup); model FLOPs per token
-6N + 12·L·h·s with N = 12·L·h² + V·h; MFU against the dense peak of the device and dtype
+6N + 12·L·h·s with N = 12·L·h² + V·h (MLP width 4h); MFU against the dense peak of the device and dtype
 (megatron_mini.hardware); peak memory = torch.cuda.max_memory_allocated over the row's build and steps.
 The method and the row definitions are in the docstring of tools/bench_gpu.py."""
 

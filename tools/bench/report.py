@@ -263,7 +263,7 @@ figure is the median of its steps; a multi-rank step is the slowest rank's wall 
 shared with other developers' test runs: compare rows within a section (ratios), not across runs.
 
 **Model FLOPs per step** = `ModelConfig.flops_per_token()` x T = 6·N·T + 12·L·h·s·T, with
-N = 12·L·h² + V·h (matmul weights: QKV, attention output, MLP in and out, and the tied output
+N = 12·L·h² + V·h at MLP width 4h (matmul weights: QKV, attention output, MLP in and out, and the tied output
 projection; V the padded vocabulary) and T the tokens per step. For S2: N = 3,407,872, T = 8192:
 167.5 + 25.8 = 193.3 GFLOP per step.
 
