@@ -2,9 +2,10 @@
 
     python tools/prepare_data.py                       # = make data
     python tools/prepare_data.py data.source=corpus.jsonl data.dir=data/mine data.vocab_size=4096
-    python tools/prepare_data.py data.source=shards/ data.text_key=content data.dir=data/mine   # *.jsonl(.gz), *.txt
-    python tools/prepare_data.py data.source=code.jsonl data.dir=data/code data.tokenizer=data/mine/tokenizer.model
-    python tools/prepare_data.py 'data.blend=[0.7,data/mine,0.3,data/code]'   # checks a blend's directories
+    python tools/prepare_data.py data.source=shards/ data.text_key=content data.dir=data/shards   # *.jsonl(.gz), *.txt
+    python tools/prepare_data.py data.source=code.jsonl data.dir=data/code data.vocab_size=4096 \
+        data.tokenizer=data/mine/tokenizer.model                      # encoded with mine's tokenizer: blendable
+    python tools/prepare_data.py 'data.blend=[0.7,data/mine,0.3,data/code]' data.vocab_size=4096   # checks a blend
 
 Writes tokenizer.model, tokens.bin/.idx and meta.json into data.dir; steps whose output is
 already valid are skipped (see megatron_mini.data.prepare). With data.blend, builds nothing: each of its
