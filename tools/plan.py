@@ -9,8 +9,9 @@ ZeRO, recompute, sp, embedding_stage), its memory per rank and predicted step ti
 The positional arguments are train.py's keys (model, gbs, mbs, precision, seed, ...) and the cluster's:
 cluster=a100-80gb|h100-80gb|jean-zay-a100 (conf/cluster/), or cluster.gpu, cluster.gpus,
 cluster.gpus_per_node, cluster.intra_node_gbps, cluster.inter_node_gbps, cluster.efficiency,
-cluster.memory_gib. --layout explains one layout (and where it ranks); --csv writes every layout;
---plot draws predicted step time against memory per rank, one point per layout.
+cluster.memory_gib, cluster.reserve_gib (3: the GiB of each GPU a layout may not fill). --layout explains one
+layout (and where it ranks); --csv writes every layout; --plot draws predicted step time against memory per rank,
+one point per layout.
 """
 from __future__ import annotations
 
