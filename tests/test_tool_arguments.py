@@ -334,6 +334,9 @@ def test_benches_refuse_an_unwritable_output_before_running(tool, argv, work, tm
     ("bench_kernels", ["--ops", ","], "--ops names none of", "run"),       # (ran nothing, then "every path ran")
     ("bench_gpu", ["--rows", ","], "at least one of each", "_init_one_rank_group"),
     ("bench_gpu", ["--models", " "], "at least one of each", "_init_one_rank_group"),
+    # (docs/benchmarks.md's older commands name a row `compile`, since renamed: the refusal names it)
+    ("bench_gpu", ["--rows", "default,compile"], "unknown --rows ['compile']", "_init_one_rank_group"),
+    ("bench_gpu", ["--models", "small,large"], "unknown --models ['large']", "_init_one_rank_group"),
     ("bench_gpu", ["--trace", "t.json"], "name the row to profile", "_init_one_rank_group"),   # (was ignored)
     ("bench_gpu", ["--peak-tflops", "-1"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
     ("bench_gpu", ["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),

@@ -443,8 +443,10 @@ def main(argv=None) -> int:
     refuse_unwritable(ap, "--trace", args.trace)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
-    if not rows or not keys or [r for r in rows if r not in ROWS] or [k for k in keys if k not in MODELS]:
-        ap.error(f"--rows from {ROWS}; --models from {list(MODELS)} (at least one of each)")
+    unknown = [f"unknown {flag} {bad}" for flag, bad in (("--rows", [r for r in rows if r not in ROWS]),
+                                                          ("--models", [k for k in keys if k not in MODELS])) if bad]
+    if not rows or not keys or unknown:
+        ap.error("; ".join(unknown + [f"--rows from {ROWS}; --models from {list(MODELS)} (at least one of each)"]))
     if args.profile and args.profile not in ROWS:
         ap.error(f"--profile ROW: one of {ROWS}")
     if args.trace and not args.profile:
