@@ -638,6 +638,8 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
     Too few processes is said once the launch it advises (dp = 1) would pass the model's and the batch's checks."""
     check_layout_free(cfg)
     m = cfg.model
+    # (hidden_size is a multiple of num_heads, check_heads: heads that divide by tp make it and the MLP width,
+    # ffn_mult x hidden_size, divide by tp too)
     if m.num_heads % cfg.tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by tp={cfg.tp}.")
     if m.padded_vocab_size % cfg.tp:
@@ -646,8 +648,6 @@ def validate(cfg: TrainConfig, world_size: int, consumed_samples: int | None = 0
             f"{m.vocab_pad_multiple}) is not divisible by tp={cfg.tp}; "
             f"set model.vocab_pad_multiple to a multiple of {cfg.tp}."
         )
-    if m.ffn_hidden_size % cfg.tp:
-        raise ConfigError(f"The MLP width {m.ffn_hidden_size} is not divisible by tp={cfg.tp}.")
     if cfg.sp and m.seq_len % cfg.tp:
         raise ConfigError(f"Sequence parallelism needs model.seq_len={m.seq_len} divisible by tp={cfg.tp}.")
     partition(m.num_layers, cfg.pp * cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks)
