@@ -564,3 +564,29 @@ def test_a_checkpoint_file_that_verifies_but_holds_other_tensors_is_one_line(tin
         assert err.count("\n") == 1 and err.startswith(said) and err.endswith(
             "): a damaged checkpoint, or one of other code\n"), (tool, err)
     assert not (tmp_path / "hf").exists()
+
+
+def test_tools_refuse_a_missing_garbled_or_other_size_tokenizer(tiny_checkpoint, small_data, tmp_path, capsys):
+    """--tokenizer naming no file, a file that is no sentencepiece model, or another run's tokenizer of another
+    vocabulary size (it would map the model's ids past its end, or to other text) is one line and exit 2 from
+    generate.py and export_hf.py, naming the path, before any export is written."""
+    from megatron_mini.data import Tokenizer, read_corpus, train_tokenizer
+    other = tmp_path / "other.model"
+    docs = list(read_corpus(small_data.source)[0])[:10]
+    train_tokenizer(docs, 400, 200_000, small_data.tokenizer_seed, other)
+    assert Tokenizer(other).vocab_size == 400 != small_data.vocab_size
+    garbled = tmp_path / "garbled.model"
+    garbled.write_bytes(b"not a sentencepiece model")
+    missing = tmp_path / "missing.model"
+    for path, fact in ((missing, f"tokenizer not found at {missing}; pass --tokenizer PATH"),
+                       (garbled, f"{garbled}: not a valid sentencepiece model"),
+                       (other, f"{other}: 400 tokens, but the checkpoint's model.vocab_size is "
+                               f"{small_data.vocab_size}; pass the run's tokenizer with --tokenizer PATH")):
+        assert generate.main([tiny_checkpoint, "--tokenizer", str(path), "--device", "cpu",
+                              "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and fact in err, (fact, err)
+        assert export_hf.main([tiny_checkpoint, str(tmp_path / "hf"), "--tokenizer", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and fact in err, (fact, err)
+        assert not (tmp_path / "hf").exists()
