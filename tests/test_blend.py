@@ -455,6 +455,25 @@ def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data,
         load_eval_sets(dataclasses.replace(small_data, eval=[str(tmp_path)]), SEQ, small_data.vocab_size, tok)
 
 
+def test_an_evaluation_set_shorter_than_one_sample_is_refused(small_data, tmp_path):
+    """A data.eval directory whose documents hold fewer tokens than one sample (seq_len + 1) is one DataError naming
+    its tokens file, before any process group (prepare_run), not GPTDataset's ValueError as a traceback."""
+    from megatron_mini.dataset import load_eval_sets
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("x = 1\n")
+    short = dataclasses.replace(small_data, source=str(tmp_path / "corpus"), dir=str(tmp_path / "short"),
+                                tokenizer=str(Path(small_data.dir) / "tokenizer.model"))
+    prepare(short)
+    tokens = json.loads(Path(short.dir, "meta.json").read_text())["num_tokens"]
+    assert tokens < SEQ + 1
+    tok = Tokenizer(Path(small_data.dir) / "tokenizer.model")
+    with pytest.raises(DataError) as err:
+        load_eval_sets(dataclasses.replace(small_data, eval=[short.dir]), SEQ, small_data.vocab_size, tok)
+    text = str(err.value)
+    assert text.startswith(f"{short.dir}/") and f"hold {tokens} tokens, fewer than one sample" in text, text
+    assert text.endswith("data.eval needs at least one sample") and "\n" not in text, text
+
+
 @pytest.mark.parametrize("blend, error", [
     (["1", "A", "1"], r"data\.blend=\['1', 'A', '1'\] must be weight, directory pairs, as in data\.blend=\[0\.7,"),
     ([], r"data\.blend=\[\] must be weight, directory pairs"),
