@@ -705,7 +705,8 @@ def test_a_checkpoint_of_the_older_format_is_refused_by_name(uninterrupted, tmp_
             check()
 
 
-@pytest.mark.parametrize("damage", ["a shard dropped", "a range cut short", "no shapes", "a file without checksum"])
+@pytest.mark.parametrize("damage", ["a shard dropped", "a range cut short", "a range that starts late", "no shapes",
+                                    "a file without checksum"])
 def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
     """meta.json's index must place every value of every tensor in a checksummed file: a damaged one is a
     CheckpointError at verify (before any rank reads a tensor, so resume=auto skips it), not a KeyError later."""
@@ -722,6 +723,9 @@ def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
     elif damage == "a range cut short":
         name, (lo, hi) = next(iter(meta["shards"][optim]["ranges"].items()))
         meta["shards"][optim]["ranges"][name] = [lo, hi - 1]
+    elif damage == "a range that starts late":        # (it ends where the tensor does: a gap, not a short count)
+        name, (lo, hi) = next(iter(meta["shards"][optim]["ranges"].items()))
+        meta["shards"][optim]["ranges"][name] = [lo + 1, hi]
     elif damage == "no shapes":
         meta["tensors"] = {}
     else:
