@@ -590,3 +590,23 @@ def test_tools_refuse_a_missing_garbled_or_other_size_tokenizer(tiny_checkpoint,
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and fact in err, (fact, err)
         assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("section, value", [("precision", "bf16"), ("optimizer", ["adamw"])])
+def test_tools_refuse_a_meta_json_whose_config_section_is_no_mapping(section, value, tiny_checkpoint, tmp_path, capsys):
+    """A checkpoint whose meta.json holds a config section that is no mapping (precision: bf16, as the command line
+    spells it, written there by hand; no checksum covers meta.json): one line naming meta.json and the section's
+    type, exit 2 from generate.py, evaluate.py and export_hf.py, not a TypeError's traceback."""
+    import shutil
+    copy = tmp_path / "step_000001"
+    shutil.copytree(tiny_checkpoint, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["config"][section] = value
+    (copy / "meta.json").write_text(json.dumps(meta))
+    for tool, argv in ((generate, ["--device", "cpu", "--max-new-tokens", "1"]), (evaluate, ["--device", "cpu"]),
+                       (export_hf, [str(tmp_path / "hf")])):
+        assert tool.main([str(copy), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: {copy}/meta.json: unreadable (TypeError: {section.capitalize()}Config must be a "
+                       f"mapping, not {type(value).__name__})\n"), err
+    assert not (tmp_path / "hf").exists()
