@@ -102,6 +102,22 @@ def test_compare_runs_refuses_an_unwritable_suffix(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]          # neither c.txt nor c.csv
 
 
+@pytest.mark.parametrize("argv, fact", [
+    (["--labels", "a,b"], "--labels has 2 labels for 1 runs"),
+    (["--smooth", "1"], "--smooth 1.0 must be in [0, 1)"),
+    (["--smooth", "-0.5"], "--smooth -0.5 must be in [0, 1)"),
+])
+def test_compare_runs_bad_arguments(argv, fact, tmp_path, monkeypatch, capsys):
+    """--labels of another count than the runs, or a smoothing outside [0, 1) (1 would hold the first value
+    forever), is one line and exit 2, before any run is read or a file written."""
+    run = _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compare_runs, "read_run", lambda spec: pytest.fail("a run was read"))
+    assert _exit_code(compare_runs, [run, "-o", "c.png", *argv]) == 2
+    assert fact in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plan, "plan", lambda base: pytest.fail("planned before refusing --plot"))
