@@ -638,6 +638,12 @@ def test_other_source_is_not_overwritten(prepared, tmp_path):
         load_datasets(dataclasses.replace(cfg, source=str(other)), SEQ, seed=1, vocab_size=VOCAB)
     sibling = str(Path(cfg.dir).parent / f"other-v{VOCAB}")
     assert f"data.source={other} data.dir={sibling} data.vocab_size={VOCAB}" in str(err.value)
+    named = tmp_path / f"other-v{VOCAB}"          # data.dir bears the name the hint gives a new build: not offered
+    shutil.copytree(cfg.dir, named)
+    with pytest.raises(DataError, match="holds the corpus") as err:
+        load_datasets(dataclasses.replace(cfg, source=str(other), dir=str(named)), SEQ, seed=1, vocab_size=VOCAB)
+    assert f"{named} is left as it is" in str(err.value)
+    assert f"data.dir={named}-new data.vocab_size={VOCAB} and run with data.dir={named}-new" in str(err.value)
 
 
 def test_prepare_never_builds_over_other_data(copy_of, tmp_path):
