@@ -258,6 +258,20 @@ def test_a_group_choice_from_another_config_dir_is_not_blamed(small_data, tmp_pa
         assert_one_error(r, facts, "python")
 
 
+def test_a_sweep_that_a_config_file_asks_for_is_refused(small_data, tmp_path):
+    """hydra.mode: MULTIRUN in a --config-dir config (no flag of the command line asks for it, so HydraCommandLine.run
+    cannot see it) is refused as the entry point starts (composed), one line and exit 2, before any run directory
+    is made: every job of the sweep would share one run_dir and process group."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "sweeping.yaml").write_text(f"defaults:\n  - config\n  - _self_\nhydra:\n  mode: MULTIRUN\n  sweep:\n"
+                                        f"    dir: {tmp_path / 'sweep'}\n")
+    r = python_train(["--config-dir", str(conf), "--config-name", "sweeping",
+                      *model_args(small_data, tmp_path / "run")])
+    assert_one_error(r, ["multirun (-m) is not supported"], "python")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_primary_config_without_the_schema_is_typed_by_it(tmp_path):
     """--config-path to a directory whose config does not start from base_config (a run's recorded .hydra/, a user's
     own) composed a plain dict: `AttributeError: 'dict' object has no attribute 'resume'`, a traceback. It is typed by
