@@ -180,7 +180,7 @@ def layouts(base: PlanConfig) -> tuple[list, Counter]:
 
 
 _REASONS = [("rampup_batch_size=", "a rampup_batch_size batch not divisible by mbs x dp, or of too few microbatches"),
-            ("not divisible by tp", "a width (heads, MLP, vocabulary) not divisible by tp"),
+            ("not divisible by tp", "a width (heads, vocabulary) not divisible by tp"),
             ("Cannot split the model evenly", "the blocks do not split evenly over pp x vpp stages"),
             ("Interleaved 1F1B", "interleaving needs at least pp microbatches"),
             ("is not divisible by mbs x dp", "gbs not divisible by mbs x dp"),
