@@ -386,8 +386,9 @@ def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, t
     """AutoTokenizer loads the export's tokenizer.json, which gives sentencepiece's ids for source files, runs of
     spaces, tabs, newlines and byte-fallback text (a "</s>" in a text is characters in both), and decodes them back;
     its EOS is the run's (it loaded a GPT2Tokenizer made from tokenizer.model, which dropped spaces and put its EOS
-    past the vocabulary). A sentencepiece model of other settings (a dummy prefix) gets no tokenizer.json, nor does
-    any where protobuf, which reads the settings, is missing."""
+    past the vocabulary). A sentencepiece model of other settings (a dummy prefix) or with user-defined pieces (which
+    it keeps whole, where a BPE would merge them) gets no tokenizer.json, nor does any where protobuf, which reads the
+    settings, is missing."""
     from sentencepiece import sentencepiece_model_pb2
     from megatron_mini.data import Tokenizer, read_corpus
     ckpt, hf, tok = exported[1]
@@ -407,6 +408,10 @@ def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, t
     from megatron_mini.hf import hf_tokenizer
     assert hf_tokenizer(Tokenizer(tmp_path / "prefixed.model"), 32) == \
         "a sentencepiece model of other settings than a BPE that reads each character alone"
+    proto.normalizer_spec.add_dummy_prefix = False      # (a data.tokenizer of the user's own: a symbol kept whole)
+    proto.pieces[-1].type = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    (tmp_path / "symbols.model").write_bytes(proto.SerializeToString())
+    assert hf_tokenizer(Tokenizer(tmp_path / "symbols.model"), 32) == "a sentencepiece model with user-defined pieces"
     import sentencepiece
     monkeypatch.delattr(sentencepiece, "sentencepiece_model_pb2")
     monkeypatch.setitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", None)     # (an import that fails)
