@@ -1,7 +1,8 @@
-"""Smoke tests of the GPU benchmark tools: tools/bench_kernels.py and tools/bench_gpu.py run in --smoke
+"""Smoke tests of the benchmark tools: tools/bench_kernels.py and tools/bench_gpu.py run in --smoke
 mode (tiny shapes, no torch.compile; on a CPU through the Triton interpreter, on the GPU when there is
 one) in subprocesses, and their tables, JSON and doc sections hold the expected rows with finite
 numbers (every LayerNorm, add+LayerNorm and attention row, and the kernels=triton training row);
+tools/bench_train.py (make bench) runs its four sections and its figures that no clock sets are right;
 tools/baseline_gpt2.py's new device/dtype/compile options keep its CPU defaults; the docs/benchmarks.md
 writers of bench_gpu and bench_train keep what a run did not redo. No speed is checked here (only a
 GPU says that).
@@ -9,6 +10,7 @@ GPU says that).
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -112,6 +114,34 @@ def test_bench_kernels_reports_cuda_graph_times_beside_do_bench(monkeypatch):
 
 
 @needs_triton
+def test_bench_train_smoke(tmp_path):
+    """tools/bench_train.py --smoke (all four sections, one measured step a row, into a doc of its own) runs,
+    and what it reports that timing does not set agrees with an independent count: dp=2 ends at the one device's
+    loss; the tp=2 ledger's all-reduce bytes are the analytic m (4L + 2) s b h 4; every pipeline row's measured
+    peak of in-flight microbatches is the schedule simulator's (GPipe: all m); the memory table counts the
+    model's analytic parameters, with Adam's fp32 state (8 bytes a parameter, 12 with bf16's fp32 master) / dp
+    under ZeRO-1."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench.workload import GBS, MBS, SMOKE
+    doc = tmp_path / "benchmarks.md"
+    out = _run(["tools/bench_train.py", "--smoke", "--steps", "1", "--doc", str(doc)])
+    assert all(f"Section {n}" in doc.read_text() for n in (1, 2, 3, 4))
+    losses = re.search(r"framework (\d+\.\d+), dp=2 (\d+\.\d+)\.", out)
+    assert losses and losses[1] == losses[2], out
+    m, L, s, h = GBS // MBS, SMOKE.num_layers, SMOKE.seq_len, SMOKE.hidden_size
+    tp_ledger = re.search(r"^\s*tp\.all_reduce\s+\d+\s+([\d.]+)\s", out, re.M)     # (tp=2's table comes first)
+    assert tp_ledger and tp_ledger[1] == f"{m * (4 * L + 2) * s * MBS * h * 4 / 2**20:.1f}", out
+    in_flight = re.findall(r"^\s*(gpipe|1f1b)\s+(\d+)\s+[\d.]+ / [\d.]+\s+(\d+ / \d+)\s+(\d+ / \d+)\s", out, re.M)
+    assert len(in_flight) == 6 and all(measured == simulated for _, _, measured, simulated in in_flight), in_flight
+    assert all(measured == f"{m} / {m}" for schedule, m, measured, _ in in_flight if schedule == "gpipe")
+    memory = re.findall(r"^\s*(fp32|bf16)\s+([01])\s+(\d)\s+([\d,]+)\s.*\s([\d.]+)\s*$", out, re.M)
+    assert len(memory) == 10, out
+    for dtype, zero, dp, params, per_param in memory:
+        assert int(params.replace(",", "")) == SMOKE.num_params()
+        state = 8 if dtype == "fp32" else 12
+        assert float(per_param) == pytest.approx(state / (int(dp) if zero == "1" else 1), abs=0.005)
+
+
 def test_bench_gpu_smoke(tmp_path):
     doc = tmp_path / "doc.md"
     out = _run(["tools/bench_gpu.py", "--smoke", "--out", str(tmp_path), "--doc", str(doc)])
