@@ -121,7 +121,6 @@ def test_bench_train_smoke(tmp_path):
     peak of in-flight microbatches is the schedule simulator's (GPipe: all m); the memory table counts the
     model's analytic parameters, with Adam's fp32 state (8 bytes a parameter, 12 with bf16's fp32 master) / dp
     under ZeRO-1."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
     from bench.workload import GBS, MBS, SMOKE
     doc = tmp_path / "benchmarks.md"
     out = _run(["tools/bench_train.py", "--smoke", "--steps", "1", "--doc", str(doc)])
