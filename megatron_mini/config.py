@@ -422,16 +422,21 @@ def config_keys(schema=None, prefix: str = "") -> list:
     return keys
 
 
-def boolean_keys(schema=None, prefix: str = "") -> set:
-    """The dotted keys of `schema` (TrainConfig by default) that hold a bool."""
+def typed_keys(types: tuple, schema=None, prefix: str = "") -> set:
+    """The dotted keys of `schema` (TrainConfig by default) whose field's type is one of `types` (as annotated)."""
     keys = set()
     for f in dataclasses.fields(schema or TrainConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
-            keys |= boolean_keys(type(default), f"{prefix}{f.name}.")
-        elif f.type in (bool, "bool", "Optional[bool]"):
+            keys |= typed_keys(types, type(default), f"{prefix}{f.name}.")
+        elif f.type in types:
             keys.add(prefix + f.name)
     return keys
+
+
+def boolean_keys(schema=None) -> set:
+    """The dotted keys of `schema` (TrainConfig by default) that hold a bool."""
+    return typed_keys((bool, "bool", "Optional[bool]"), schema)
 
 
 def split_override(arg: str) -> tuple[str, str, str]:
@@ -492,15 +497,22 @@ def structured(given, schema=None):
         raise ConfigError(f"{key}: {text}" if key and key not in text else text) from None
 
 
+@functools.lru_cache(maxsize=None)
+def _integer_keys() -> frozenset:
+    return frozenset(typed_keys((int, "int")))
+
+
 def check_ranges(cfg: TrainConfig, section: str = "") -> None:
-    """The RANGES rules of the keys under `section` ("" = all); every value must be a finite number (inf passed the
-    ranges: an fp16 loss scale of inf skipped every step and never reached its minimum; a checkpoint's meta.json may
-    hold a string); no data path is empty."""
+    """The RANGES rules of the keys under `section` ("" = all); every value must be a finite number, an integer
+    where its field is an int, never a bool, as Hydra holds train.py's (inf passed the ranges: an fp16 loss scale
+    of inf skipped every step and never reached its minimum; a checkpoint's meta.json may hold a string, a 2.0 or a
+    true); no data path is empty."""
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
-            if not isinstance(value, numbers.Real):
-                raise ConfigError(f"{key}={value!r} must be a number {requirement}.")
+            integer = key in _integer_keys()
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+                raise ConfigError(f"{key}={value!r} must be {'an integer' if integer else 'a number'} {requirement}.")
             if isinstance(value, float) and not math.isfinite(value):   # (an int of any size is finite)
                 raise ConfigError(f"{key}={value} must be a finite number {requirement}.")
             if not ok(value):

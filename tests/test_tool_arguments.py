@@ -527,7 +527,11 @@ def test_a_doc_section_whose_markers_are_not_a_pair_is_refused(doc, tmp_path, ca
                                    "checkpoint, or a damaged one)."),
     ({"model": {"init_std": "0.02"}}, "/meta.json: its config's model.init_std='0.02' must be a number > 0."),
     ({"data": {"val_fraction": 0}}, "/meta.json: its config's data.val_fraction=0 must be in (0, 1)."),
-], ids=["more-layers", "fewer-layers", "other-mlp", "heads-3", "text-seq-len", "text-init-std", "val-fraction-0"])
+    # (JSON's 2.0 and true, which Hydra refuses for an int: a traceback in the model, and a model of 1 head loaded)
+    ({"model": {"num_layers": 2.0}}, "/meta.json: its config's model.num_layers=2.0 must be an integer >= 1."),
+    ({"model": {"num_heads": True}}, "/meta.json: its config's model.num_heads=True must be an integer >= 1."),
+], ids=["more-layers", "fewer-layers", "other-mlp", "heads-3", "text-seq-len", "text-init-std", "val-fraction-0",
+        "float-layers", "bool-heads"])
 def test_a_checkpoints_config_that_does_not_fit_it_is_one_line(tiny_checkpoint, edit, fact, tmp_path, capsys):
     """meta.json's config, which no checksum covers, edited by hand: a model whose tensors are not the checkpoint's, or
     a value train.py refuses. generate.py, evaluate.py and export_hf.py each say so in one line naming the checkpoint
