@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ranks import spawn
 from harness import assert_same_training, small_config, train_on_a_fake_clock, train_on_ranks
 from megatron_mini.config import ConfigError, ModelConfig
+from megatron_mini import hardware
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
 from megatron_mini.mesh import choose_device, ranks_per_gpu
@@ -160,7 +161,8 @@ print(json.dumps([before, faults()]))
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's malloc's")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 35),
+                    reason="glibc's malloc takes a 48 MiB M_MMAP_THRESHOLD from 2.35 on")
 def test_a_cpu_rank_reuses_the_memory_of_freed_tensors():
     """training.setup_device on the CPU has malloc keep freed blocks (hardware.reuse_freed_host_memory): a big
     tensor freed and allocated again costs no page faults, where it cost one per 4 KiB page (a 16 MiB
@@ -173,6 +175,46 @@ def test_a_cpu_rank_reuses_the_memory_of_freed_tensors():
     if before < 1000:
         pytest.skip(f"this system faults a new 48 MiB block in {before} times (huge pages?): nothing to compare")
     assert after < 100, (before, after)
+
+
+MMAP, TRIM = hardware.M_MMAP_THRESHOLD, hardware.M_TRIM_THRESHOLD
+
+
+class _Mallopt:
+    """glibc's mallopt (malloc.c) as far as reuse_freed_host_memory reaches it: M_MMAP_THRESHOLD refused above
+    `mmap_max` (HEAP_MAX_SIZE / 2 before 2.35; None: no limit), M_TRIM_THRESHOLD always taken; `takes_nothing`: musl's
+    stub, which returns 0. `settings`: what took."""
+
+    def __init__(self, mmap_max=None, takes_nothing=False):
+        self.mmap_max, self.takes_nothing, self.settings = mmap_max, takes_nothing, {}
+
+    def mallopt(self, param, value):
+        if self.takes_nothing or (param == MMAP and self.mmap_max and value > self.mmap_max):
+            return 0
+        self.settings[param] = value
+        return 1
+
+
+@pytest.mark.parametrize("libc, took, settings", [
+    (_Mallopt(), True, {MMAP: 1 << 30, TRIM: 1 << 30}),                  # glibc >= 2.35
+    (_Mallopt(mmap_max=32 << 20), True, {MMAP: 32 << 20, TRIM: 1 << 30}),  # glibc < 2.35: the largest it takes
+    (_Mallopt(takes_nothing=True), False, {}),                           # musl
+    (TypeError("LoadLibrary() argument 1 must be str, not None"), False, None),   # Windows' ctypes.CDLL(None)
+    (OSError("no such library"), False, None),
+], ids=["glibc", "glibc-2.34", "musl", "windows", "no-libc"])
+def test_reuse_freed_host_memory_never_sets_the_trim_threshold_alone(libc, took, settings, monkeypatch):
+    """hardware.reuse_freed_host_memory with the C libraries' mallopt: a glibc before 2.35 refuses an mmap threshold
+    of 1 GiB, so the largest it takes, 32 MiB, is set, never M_TRIM_THRESHOLD alone (which fixes the mmap threshold
+    where it stands: 3.2M page faults in 20 steps of a 1-rank run, against 1.4M without either); a libc whose mallopt
+    takes nothing, or none to load, changes nothing and is no error."""
+    def cdll(name):
+        if isinstance(libc, Exception):
+            raise libc
+        return libc
+    monkeypatch.setattr(hardware.ctypes, "CDLL", cdll)
+    assert hardware.reuse_freed_host_memory() is took
+    if settings is not None:
+        assert libc.settings == settings
 
 
 def test_peak_table_and_tf32():
