@@ -147,9 +147,11 @@ from megatron_mini.config import TrainConfig
 from megatron_mini.training import setup_device
 
 def faults():
-    # a 48 MiB tensor written after three of that size were freed: above glibc's largest dynamic mmap threshold
-    # (32 MiB), so without the setting each is a new mapping that the kernel faults in page by page
-    for _ in range(3):
+    # a 48 MiB tensor written after eight of that size were freed: above glibc's largest dynamic mmap threshold
+    # (32 MiB), so without the setting each is a new mapping that the kernel faults in page by page; with it, the
+    # first few may each leave a hole in the heap that the next (memaligned: a little larger) does not fit, where
+    # small blocks (the triton interpreter's) were placed after it: with three, 3 runs in 16 faulted 12288 times
+    for _ in range(8):
         torch.ones(12 << 20)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(12 << 20)
