@@ -60,7 +60,6 @@ def test_loss_scale_grows_no_further_than_its_cap():
     assert s.scale == MAX_LOSS_SCALE == 2.0 ** 64
 
 
-
 @pytest.mark.parametrize("dtype,clip", [("fp16", 1.0), ("bf16", 1e3)])
 def test_an_optimizer_step_is_adamw_of_the_unscaled_clipped_gradient(dtype, clip):
     """Optimizer.step against AdamW in fp64: the fused kernel's grad_scale divides the main grads by the fp16 loss
