@@ -213,21 +213,22 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
 
 def _meta_lacks(meta: dict) -> str | None:
     """What of the keys training and inference read a meta.json lacks (or holds with the wrong type)."""
-    def count(key, within=meta):
-        return isinstance(within.get(key), int) and not isinstance(within[key], bool) and within[key] >= 0
+    def count(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
     config = meta.get("config")
     model = config.get("model") if isinstance(config, dict) else None
     data = config.get("data") if isinstance(config, dict) else None
     saved = meta.get("data", {})
-    for what, ok in (("step (a count)", count("step")), ("consumed_samples (a count)", count("consumed_samples")),
+    for what, ok in (("step (a count)", count(meta.get("step"))),
+                     ("consumed_samples (a count)", count(meta.get("consumed_samples"))),
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
                      ("data (a mapping)", isinstance(saved, dict)),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
                      ("optimizer.step_count (a count)", isinstance(meta.get("optimizer"), dict)
-                      and count("step_count", meta["optimizer"])),
+                      and count(meta["optimizer"].get("step_count"))),
                      ("data.tokenizer_sha256 (a string)", not isinstance(saved, dict)
                       or isinstance(saved.get("tokenizer_sha256"), (str, type(None))))):
         if not ok:
