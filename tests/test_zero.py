@@ -234,6 +234,69 @@ def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
 
 
+def _train_in_small_buckets(cfg):
+    """train(cfg) with DP buckets of 3000 elements, not 1M (which holds the test model whole: one bucket per chunk,
+    reduced as its backward ends), recording each bucket's reduction: (this rank's history, {"buckets": how many,
+    "launches": reductions started, "early": of them, during the backward (all its gradients in, the rest of the
+    backward still to run), "late": gradients that reached a bucket after its reduction started})."""
+    from megatron_mini import data_parallel
+    from megatron_mini.training import train
+
+    buffer = data_parallel.GradBuffer
+    buffer.__init__.__defaults__ = (3000,)                              # bucket_numel
+    launch, ready, finish = buffer._launch, buffer._main_grad_ready, buffer.finish_grad_sync
+    seen, launched, syncing = set(), set(), [False]
+    found = {"launches": 0, "early": 0, "late": []}
+
+    def counted_launch(self, bucket):
+        seen.add(bucket)
+        launched.add(bucket)
+        found["launches"] += 1
+        found["early"] += not syncing[0]
+        launch(self, bucket)
+
+    def checked_ready(self, p):
+        if self.bucket_of[p] in launched:
+            found["late"].append(self.names[p])
+        ready(self, p)
+
+    def synced(self):
+        syncing[0] = True
+        finish(self)
+        syncing[0] = False
+        launched.difference_update(self.buckets)
+
+    buffer._launch, buffer._main_grad_ready, buffer.finish_grad_sync = counted_launch, checked_ready, synced
+    return train(cfg), dict(found, buckets=len(seen))
+
+
+SMALL_BUCKETS_RUN = dict(gbs=6, mbs=1, steps=4)
+
+
+@pytest.fixture(scope="module")
+def small_buckets_reference(small_data, tmp_path_factory):
+    return train_on_ranks(1, small_config(small_data, tmp_path_factory.mktemp("single"), **SMALL_BUCKETS_RUN))
+
+
+@pytest.mark.parametrize("layout", [dict(vpp=2), dict(vpp=2, zero=1), dict(pp=2, zero=1)],
+                         ids=["pp1-vpp2-dp3", "pp1-vpp2-dp3-zero", "pp2-dp3-zero"])
+def test_small_buckets_reduce_during_the_backward_and_train_the_same_model(layout, small_data, small_buckets_reference,
+                                                                         tmp_path):
+    """With many DP buckets (as a real model has) each one's all-reduce or ZeRO-1 reduce-scatter starts during the
+    chunk's last backward, once every gradient of it is in, and no gradient reaches it later (at pp=1 vpp=2 the
+    word embedding in chunk 0's buffer also takes the head's gradient, from chunk 1's backward); dp=3 pads buckets
+    (every parameter of the test model has an even size) and cuts parameters at shard boundaries (at pp=2 the tied
+    embedding's bucket on the first and the last stage alike). The run trains the same model as one process."""
+    from ranks import spawn
+
+    runs = spawn(3 * layout.get("pp", 1), _train_in_small_buckets,
+                 small_config(small_data, tmp_path, **SMALL_BUCKETS_RUN, **layout), init_group=False)
+    for _, found in runs:
+        assert found["buckets"] > 10 and found["late"] == [], found
+        assert found["launches"] == found["early"] == SMALL_BUCKETS_RUN["steps"] * found["buckets"], found
+    assert_same_training(small_buckets_reference, runs[0][0])
+
+
 @pytest.mark.parametrize("world, layout", [
     (4, {"tp": 2, "pp": 2, "sp": True}),                       # TP slices, replicated ones, the tied embedding's copy
     (2, {"zero": 1, "precision.dtype": "bf16"}),                              # fp32 masters sharded over DP
