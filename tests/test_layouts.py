@@ -1,7 +1,8 @@
 """Layout invariance: every layout trains the same model as tp=pp=dp=1 (fp32, 20 steps).
 
 Per-step losses within 1e-5 (relative) and final weights within 1e-5, for tensor, sequence,
-pipeline (every schedule and embedding placement) and data parallelism and their mixes.
+pipeline (every schedule and embedding placement, uneven stages, fewer microbatches than stages) and data
+parallelism and their mixes.
 """
 import pytest
 
@@ -37,12 +38,16 @@ LAYOUTS = {
     "pp4-layer": dict(pp=4, embedding_stage="layer", model__num_layers=6),
     "pp4-vpp2-own": dict(pp=4, vpp=2, embedding_stage="own", model__num_layers=6),
     "pp3-vpp2": dict(pp=3, vpp=2, model__num_layers=6),      # 4 microbatches: groups of 4, not of pp
+    "pp3-first2": dict(pp=3, pipeline_first_blocks=2),        # stages of 2+3+3 blocks; 4 microbatches over 3
+    "pp2-vpp2-uneven": dict(pp=2, vpp=2, pipeline_first_blocks=1, pipeline_last_blocks=1),    # 1+3+3+1 blocks
+    "pp4-mbs4": dict(pp=4, mbs=4),                            # 2 microbatches, fewer than the stages
+    "pp1-vpp3-own": dict(vpp=3, embedding_stage="own"),       # hand-overs in process; the head reads chunk 0's
     "tp2-pp2-dp2-sp": dict(tp=2, pp=2, sp=True),
 }
 GBS = 8   # 4 microbatches of 2 at dp=1
 WORLD = {"tp2": 2, "tp4": 4, "tp2-sp": 2, "tp4-sp": 4, "tp2-dp2-sp": 4, "pp2-1f1b": 2, "pp4-1f1b": 4,
          "pp4-gpipe": 4, "pp4-vpp2": 4, "pp2-vpp2-own": 2, "pp4-layer": 4, "pp4-vpp2-own": 4, "pp3-vpp2": 3,
-         "tp2-pp2-dp2-sp": 8}
+         "pp3-first2": 3, "pp2-vpp2-uneven": 2, "pp4-mbs4": 4, "pp1-vpp3-own": 1, "tp2-pp2-dp2-sp": 8}
 
 
 def _config(small_data, run_dir, layout):
