@@ -122,6 +122,17 @@ def reuse_freed_host_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, REUSED_BLOCK_BYTES))
 
 
+def configure_device(device: torch.device, tf32: bool = False) -> None:
+    """The process-wide settings of computing on `device`, as train.py's ranks have them (training.setup_device) and
+    the tools that run a model (generate.py, evaluate.py, the benches' processes): on CUDA, fp32 matmuls on TF32
+    tensor cores when `tf32` (set_tf32; False: IEEE fp32, torch's default); on the CPU, the memory of freed tensors
+    kept for the next ones (reuse_freed_host_memory)."""
+    if device.type == "cuda":
+        set_tf32(tf32)
+    elif device.type == "cpu":
+        reuse_freed_host_memory()
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """All the memory of `device`: a GPU's, or the host's physical memory for the CPU (None where the system does
     not say)."""

@@ -31,7 +31,7 @@ from . import checkpoint, replicas
 from .comm import Group, Ledger
 from .errors import CommError
 from .files import DirectoryLock, atomic_write
-from .hardware import device_memory_bytes, reuse_freed_host_memory, set_tf32
+from .hardware import configure_device, device_memory_bytes
 from .kernels import attention_unsupported, interpreter_unsupported, interpreting
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
@@ -50,9 +50,9 @@ from .rng import RNGTracker
 
 
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
-    """This rank's device and the process-group backend (mesh.choose_device), and the fp32 matmul
-    precision on CUDA: TF32 tensor cores unless precision.tf32=false; on the CPU, freed tensors' memory is
-    reused (hardware.reuse_freed_host_memory)."""
+    """This rank's device and the process-group backend (mesh.choose_device), set up as hardware.configure_device
+    says: on CUDA, fp32 matmuls on TF32 tensor cores unless precision.tf32=false; on the CPU, freed tensors' memory
+    reused."""
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
     if cfg.kernels not in ("auto", "torch"):
@@ -71,10 +71,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
                               f"kernels=layer_norm or cross_entropy for the other Triton kernels).")
-    if device.type == "cuda":
-        set_tf32(cfg.precision.tf32)
-    elif device.type == "cpu":
-        reuse_freed_host_memory()
+    configure_device(device, cfg.precision.tf32)
     return device, backend
 
 

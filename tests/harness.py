@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,47 @@ from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, Train
 # (there are no wheels for macOS or Windows); kernels=torch, which they are compared with, runs everywhere.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (installed on Linux only)")
+
+
+# glibc's malloc takes an M_MMAP_THRESHOLD above 32 MiB (hardware.REUSED_BLOCK_BYTES) from 2.35 on
+needs_glibc_2_35 = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 35),
+    reason="glibc's malloc takes a 48 MiB M_MMAP_THRESHOLD from 2.35 on")
+
+# (in a process of its own: the allocator's settings are the process's)
+NEW_BLOCK_FAULTS = """
+import json, resource, torch
+
+def faults():
+    # a 48 MiB tensor written after eight of that size were freed: above glibc's largest dynamic mmap threshold
+    # (32 MiB), so without the setting each is a new mapping that the kernel faults in page by page; with it, the
+    # first few may each leave a hole in the heap that the next (memaligned: a little larger) does not fit, where
+    # small blocks (the triton interpreter's) were placed after it: with three, 3 runs in 16 faulted 12288 times
+    for _ in range(8):
+        torch.ones(12 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(12 << 20)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+before = faults()
+{setup}
+print(json.dumps([before, faults()]))
+"""
+
+
+def new_block_faults(setup: str) -> int:
+    """The page faults of writing a new 48 MiB tensor after the Python code `setup` ran, in a process of its own
+    (the repository and tools/ importable); the test skips where such a tensor faults fewer than 1000 times before
+    `setup` (huge pages?): nothing to compare."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", NEW_BLOCK_FAULTS.replace("{setup}", setup)], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.path.join(repo, "tools")])})
+    assert proc.returncode == 0, proc.stderr
+    before, after = json.loads(proc.stdout.splitlines()[-1])
+    if before < 1000:
+        pytest.skip(f"this system faults a new 48 MiB block in {before} times (huge pages?): nothing to compare")
+    return after
 
 
 def small_config(data: DataConfig, run_dir, **overrides) -> TrainConfig:

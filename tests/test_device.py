@@ -3,11 +3,7 @@ number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP cou
 peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
 import json
-import os
-import platform
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,7 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ranks import spawn
-from harness import assert_same_training, small_config, train_on_a_fake_clock, train_on_ranks
+from harness import (assert_same_training, needs_glibc_2_35, new_block_faults, small_config,
+                     train_on_a_fake_clock, train_on_ranks)
 from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini import hardware
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
@@ -140,43 +137,14 @@ def test_set_tf32_returns_the_previous_setting_and_leaves_every_reader_working()
         torch.set_float32_matmul_precision(raw)
 
 
-# (in a process of its own: the allocator's settings are the process's)
-NEW_BLOCK_FAULTS = """
-import json, resource, torch
-from megatron_mini.config import TrainConfig
-from megatron_mini.training import setup_device
-
-def faults():
-    # a 48 MiB tensor written after eight of that size were freed: above glibc's largest dynamic mmap threshold
-    # (32 MiB), so without the setting each is a new mapping that the kernel faults in page by page; with it, the
-    # first few may each leave a hole in the heap that the next (memaligned: a little larger) does not fit, where
-    # small blocks (the triton interpreter's) were placed after it: with three, 3 runs in 16 faulted 12288 times
-    for _ in range(8):
-        torch.ones(12 << 20)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(12 << 20)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-before = faults()
-setup_device(TrainConfig(device="cpu"))
-print(json.dumps([before, faults()]))
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 35),
-                    reason="glibc's malloc takes a 48 MiB M_MMAP_THRESHOLD from 2.35 on")
+@needs_glibc_2_35
 def test_a_cpu_rank_reuses_the_memory_of_freed_tensors():
     """training.setup_device on the CPU has malloc keep freed blocks (hardware.reuse_freed_host_memory): a big
     tensor freed and allocated again costs no page faults, where it cost one per 4 KiB page (a 16 MiB
     [tokens, vocab] tensor per microbatch made 12K-42K faults a step of a `make train` rank)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", NEW_BLOCK_FAULTS], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": repo})
-    assert proc.returncode == 0, proc.stderr
-    before, after = json.loads(proc.stdout.splitlines()[-1])
-    if before < 1000:
-        pytest.skip(f"this system faults a new 48 MiB block in {before} times (huge pages?): nothing to compare")
-    assert after < 100, (before, after)
+    assert new_block_faults("from megatron_mini.config import TrainConfig\n"
+                            "from megatron_mini.training import setup_device\n"
+                            "setup_device(TrainConfig(device='cpu'))") < 100
 
 
 MMAP, TRIM = hardware.M_MMAP_THRESHOLD, hardware.M_TRIM_THRESHOLD

@@ -1,12 +1,13 @@
 """Bad arguments to the command-line tools (tools/plot_schedule.py, export_hf.py, evaluate.py, compare_runs.py,
 plan.py, generate.py, the benches' output options) give one line on stderr and a non-zero exit, no traceback;
-an output file that cannot be written is refused before any work; generate.py notes a cut prompt."""
+an output file that cannot be written is refused before any work; generate.py notes a cut prompt; generate.py and
+evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
 import json
 
 import pytest
 import torch
 
-from harness import pretend_read_only, small_config, train_on_ranks
+from harness import needs_glibc_2_35, new_block_faults, pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
 
 import compare_runs  # tools/, on pytest's pythonpath
@@ -408,6 +409,15 @@ def test_generate_without_new_tokens_times_nothing(tiny_checkpoint, capsys, monk
     out, err = capsys.readouterr()
     assert out == "def f(\n" and "prefill" not in err and "tokens/s" not in err, (out, err)
     assert calls == [0]                                 # the call itself, no one-token warmup
+
+
+@needs_glibc_2_35
+@pytest.mark.parametrize("tool, argv", [("evaluate", ["--samples", "2"]), ("generate", ["--max-new-tokens", "2"])])
+def test_checkpoint_tools_reuse_the_memory_of_freed_tensors_on_the_cpu(tool, argv, tiny_checkpoint):
+    """generate.py and evaluate.py set up the CPU as train.py's ranks (hardware.configure_device): after them a big
+    tensor freed and allocated again costs no page faults, where without it each cost one per 4 KiB page."""
+    argv = [tiny_checkpoint, "--device", "cpu", *argv]
+    assert new_block_faults(f"import {tool}\nassert {tool}.main({argv!r}) == 0") < 100
 
 
 def test_generate_times_prefill_and_decode_apart(tiny_checkpoint, monkeypatch):

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
+from megatron_mini.hardware import configure_device
 from megatron_mini.inference import CheckpointError, generate, open_checkpoint
 
 
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    configure_device(args.device)      # (as train.py's ranks: on the CPU freed memory reused; no TF32 on CUDA)
     try:
         ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))
     except CheckpointError as e:
