@@ -1,6 +1,7 @@
 """Rows measured side by side. Every configuration of a section is built once and kept alive:
 single-process ones in this process (2 intra-op threads), multi-rank ones in persistent pools of
-spawned gloo ranks (1 thread each) that wait on a queue between commands. After one warmup step each,
+spawned gloo ranks (1 thread each) that wait on a queue between commands; each process set up as
+train.py's CPU ranks (hardware.configure_device: freed memory reused). After one warmup step each,
 the rows are measured in interleaved rounds (row A one step, row B one step, ..., order reversed every
 round), so the noise of a shared machine hits every row alike; a row's figure is the median of its
 steps. A multi-rank step is the slowest rank's wall time (ranks start each command from a barrier).
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 
 from bench.meters import measured_step
 from bench.workload import BaselineRunner, LibRunner, lib_cfg
+from megatron_mini.hardware import configure_device
 
 
 def handle(state: dict, op: str, args: tuple):
@@ -58,6 +60,7 @@ class Local:
 
     def __init__(self, threads: int = 2):
         torch.set_num_threads(threads)
+        configure_device(torch.device("cpu"))
         self.desc, self.world = f"1 process x {threads} threads", 1
         self.state = {"world": 1, "meshes": {}, "objs": {}}
 
@@ -73,6 +76,7 @@ def _pool_rank(rank: int, world: int, port: int, commands, results):
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       WANDB_MODE="disabled")
     torch.set_num_threads(1)
+    configure_device(torch.device("cpu"))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=3600))
     state = {"world": world, "meshes": {}, "objs": {}}

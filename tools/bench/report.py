@@ -257,7 +257,8 @@ unless stated, synthetic tokens, CPU, gloo.
 
 **Method.** All rows of a section are built once and kept alive (single-process rows in the bench
 process with `torch.set_num_threads(2)`, multi-rank rows in persistent spawned gloo pools with one
-thread per rank), warmed up with one step, then measured in interleaved rounds (one step per row,
+thread per rank; every process's malloc keeps freed memory, as train.py's CPU ranks', `hardware.configure_device`),
+warmed up with one step, then measured in interleaved rounds (one step per row,
 order reversed every round) so that the load of a shared machine falls on every row alike. A row's
 figure is the median of its steps; a multi-rank step is the slowest rank's wall time. The machine is
 shared with other developers' test runs: compare rows within a section (ratios), not across runs.
