@@ -178,7 +178,8 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
     share[0], share[0] + share[1], ... (sorted by name) have their recorded sha256: rank r of a job of n
     hashes its 1/n of the bytes (agree_verify); share=(0, 0) hashes none, (0, 1) all."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory.")
+        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "no such checkpoint directory"
+        raise CheckpointError(f"{path}: {what}.")
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise CheckpointError(f"{path} is not a checkpoint (no meta.json); a checkpoint directory looks like "
                               f"runs/NAME/checkpoints/step_000100.")

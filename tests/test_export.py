@@ -598,10 +598,12 @@ def test_head_logits_gathered_over_tp(sp):
 
 def test_bad_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    for path in (tmp_path / "missing", tmp_path / "empty"):
+    (tmp_path / "notes.txt").write_text("a file")
+    for path, fact in ((tmp_path / "missing", "no such checkpoint directory"), (tmp_path / "empty", "no meta.json"),
+                       (tmp_path / "notes.txt", "is a file, not a checkpoint directory")):
         assert export_hf.main([str(path), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
+        assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err and fact in err, err
     (tmp_path / "empty" / "meta.json").write_text('{"config": {}}')
     (tmp_path / "empty" / "model_pp00_tp00.pt").write_bytes(b"not a torch file")
     assert generate.main([str(tmp_path / "empty")]) == 2
