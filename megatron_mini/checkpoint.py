@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
-from .config import ConfigError, RunError, TrainConfig
+from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
@@ -213,30 +213,61 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
 
 
 def _meta_lacks(meta: dict) -> str | None:
-    """What of the keys training and inference read a meta.json lacks (or holds with the wrong type)."""
-    def count(value):
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
+    """What of the keys training and inference read a meta.json lacks (or holds with the wrong type: JSON's true is
+    no count, nor 2.0 a number of layers)."""
     config = meta.get("config")
     model = config.get("model") if isinstance(config, dict) else None
     data = config.get("data") if isinstance(config, dict) else None
     saved = meta.get("data", {})
-    for what, ok in (("step (a count)", count(meta.get("step"))),
-                     ("consumed_samples (a count)", count(meta.get("consumed_samples"))),
+    optimizer = meta.get("optimizer") if isinstance(meta.get("optimizer"), dict) else {}
+    for what, ok in (("step (a count)", _count(meta.get("step"))),
+                     ("consumed_samples (a count)", _count(meta.get("consumed_samples"))),
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
                      ("data (a mapping)", isinstance(saved, dict)),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
-                     ("optimizer.step_count (a count)", isinstance(meta.get("optimizer"), dict)
-                      and count(meta["optimizer"].get("step_count"))),
+                     ("optimizer.step_count (a count)", _count(optimizer.get("step_count"))),
+                     ("optimizer.scaler (null, or the fp16 loss scaler's state)",
+                      "scaler" in optimizer and isinstance(optimizer["scaler"], (dict, type(None)))),
                      ("data.tokenizer_sha256 (a string)", not isinstance(saved, dict)
                       or isinstance(saved.get("tokenizer_sha256"), (str, type(None))))):
         if not ok:
             return what
-    missing = [f"config.model.{k}" + (" (a number)" if k in model else "") for k in MODEL_KEYS
-               if not isinstance(model.get(k), numbers.Real)]       # (init_from compares seq_len: 16 < "32" raised)
+    lacks = _scaler_lacks(optimizer["scaler"]) if optimizer["scaler"] is not None else None
+    if lacks:
+        return lacks
+    integers = integer_keys()           # (init_from compares seq_len: 16 < "32" raised)
+    missing = [f"config.model.{k}" + ((" (an integer)" if f"model.{k}" in integers else " (a number)") * (k in model))
+               for k in MODEL_KEYS if not _number(model.get(k), f"model.{k}" in integers)]
     return ", ".join(missing) or None
+
+
+def _count(value) -> bool:
+    """An int >= 0, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value, integer: bool) -> bool:
+    """A finite number (an int where `integer`), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, int if integer else numbers.Real) and (
+        isinstance(value, int) or math.isfinite(value))        # (an int of any size is finite)
+
+
+def _scaler_lacks(scaler: dict) -> str | None:
+    """What of the fp16 loss scaler's state (optimizer.DynamicLossScaler.state_dict) `scaler` lacks or holds with the
+    wrong type: resumed, a scale of "65536" was a TypeError at the first step, and one of NaN skipped every step
+    without end (NaN is never at the minimum scale: max_skips_at_min_scale never stopped it). skips_at_min and
+    skipped_steps may be absent (checkpoints written before they were kept)."""
+    scale = scaler.get("scale")
+    for key, what, ok in (("scale", "a number in (0, 2**64]", _number(scale, False) and 0 < scale <= MAX_LOSS_SCALE),
+                          ("clean_steps", "a count", _count(scaler.get("clean_steps"))),
+                          ("hysteresis_left", "an integer", _number(scaler.get("hysteresis_left"), True)),
+                          ("skips_at_min", "a count", _count(scaler.get("skips_at_min", 0))),
+                          ("skipped_steps", "a count", _count(scaler.get("skipped_steps", 0)))):
+        if not ok:
+            return f"optimizer.scaler.{key} ({what})"
+    return None
 
 
 def present(path: str) -> dict:

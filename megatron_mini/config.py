@@ -498,7 +498,8 @@ def structured(given, schema=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _integer_keys() -> frozenset:
+def integer_keys() -> frozenset:
+    """The dotted keys of TrainConfig that hold an int (model.num_layers, ...)."""
     return frozenset(typed_keys((int, "int")))
 
 
@@ -510,7 +511,7 @@ def check_ranges(cfg: TrainConfig, section: str = "") -> None:
     for key, (ok, requirement) in RANGES.items():
         if key.startswith(section):
             value = _get(cfg, key)
-            integer = key in _integer_keys()
+            integer = key in integer_keys()
             if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
                 raise ConfigError(f"{key}={value!r} must be {'an integer' if integer else 'a number'} {requirement}.")
             if isinstance(value, float) and not math.isfinite(value):   # (an int of any size is finite)

@@ -776,6 +776,61 @@ def test_the_data_entry_of_meta_json(uninterrupted, tmp_path):
             == kept
 
 
+SCALER = {"scale": 65536.0, "clean_steps": 3, "hysteresis_left": -1, "skips_at_min": 0, "skipped_steps": 2}
+
+
+@pytest.mark.parametrize("edit, lacks", [
+    ({"scaler": {**SCALER, "scale": "65536"}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "scale": float("nan")}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "scale": float("inf")}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "scale": -1.0}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "scale": 0}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "scale": True}}, "optimizer.scaler.scale (a number in (0, 2**64])"),
+    ({"scaler": {**SCALER, "clean_steps": True}}, "optimizer.scaler.clean_steps (a count)"),
+    ({"scaler": {**SCALER, "clean_steps": 1.5}}, "optimizer.scaler.clean_steps (a count)"),
+    ({"scaler": {**SCALER, "hysteresis_left": "2"}}, "optimizer.scaler.hysteresis_left (an integer)"),
+    ({"scaler": {**SCALER, "skipped_steps": -1}}, "optimizer.scaler.skipped_steps (a count)"),
+    ({"scaler": [65536.0]}, "optimizer.scaler (null, or the fp16 loss scaler's state)"),
+    ({"scaler": "drop"}, "optimizer.scaler (null, or the fp16 loss scaler's state)"),
+    ({"model": {"num_heads": True}}, "config.model.num_heads (an integer)"),
+    ({"model": {"num_layers": 8.0}}, "config.model.num_layers (an integer)"),
+    ({"model": {"ln_eps": True}}, "config.model.ln_eps (a number)"),
+    ({"model": {"ln_eps": float("nan")}}, "config.model.ln_eps (a number)"),
+], ids=["scale-text", "scale-nan", "scale-inf", "scale-negative", "scale-0", "scale-true", "clean-steps-true",
+        "clean-steps-float", "hysteresis-text", "skipped-negative", "scaler-list", "scaler-missing",
+        "heads-true", "layers-float", "ln-eps-true", "ln-eps-nan"])
+def test_a_wrongly_typed_counter_or_model_key_of_meta_json_is_one_line(edit, lacks, uninterrupted, tmp_path):
+    """meta.json's optimizer counters (the fp16 loss scaler's state among them) and model keys, which no checksum
+    covers, hold what the code that writes them writes, or the checkpoint is a CheckpointError at verify (one line;
+    resume=auto skips it), as its other keys: JSON's true is an int to Python (a num_heads of true was one head), a
+    scale of "65536" or NaN was taken as it was. A scaler's state in range, one of a checkpoint older than its
+    skips_at_min and skipped_steps, and none (bf16, fp32) verify."""
+    import json
+    import shutil
+
+    from megatron_mini import checkpoint
+    ckpt = tmp_path / "step_000005"
+    shutil.copytree(os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005"), ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["optimizer"]["scaler"] is None          # (fp32: no loss scale)
+    older = {k: v for k, v in SCALER.items() if k not in ("skips_at_min", "skipped_steps")}
+    for scaler in (None, SCALER, older, {**SCALER, "scale": 1}):
+        (ckpt / "meta.json").write_text(json.dumps({**meta, "optimizer": {**meta["optimizer"], "scaler": scaler}}))
+        assert checkpoint.verify(str(ckpt))["optimizer"]["scaler"] == scaler
+    damaged = json.loads(json.dumps(meta))
+    for key, value in edit.items():
+        if key == "model":
+            damaged["config"]["model"].update(value)
+        elif value == "drop":
+            damaged["optimizer"].pop(key)
+        else:
+            damaged["optimizer"][key] = value
+    (ckpt / "meta.json").write_text(json.dumps(damaged))
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.verify(str(ckpt))
+    assert str(err.value) == f"{ckpt}/meta.json has no {lacks} (not a megatron_mini checkpoint, or a damaged one)."
+
+
 def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     """atomic_write on a full disk (fsync raising ENOSPC), or on one out of inodes (the temporary file not even
     created): that error is raised (not the removal's of a temporary file that never was, "No such file or

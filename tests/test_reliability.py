@@ -165,7 +165,7 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-meta-no-config", 1, [f"resume={no_config}"], [f"{no_config}/meta.json has no config (not a "]),
         ("resume-meta-text-step", 1, [f"resume={text_step}"], [f"{text_step}/meta.json has no step (a count)"]),
         ("init-from-meta-text-seq-len", 1, [f"init_from={text_seq_len}", "model.seq_len=16"],
-         [f"{text_seq_len}/meta.json has no config.model.seq_len (a number) (not a megatron_mini checkpoint"]),
+         [f"{text_seq_len}/meta.json has no config.model.seq_len (an integer) (not a megatron_mini checkpoint"]),
         ("resume-meta-text-step-count", 2, [f"resume={text_step_count}", "steps=5"],
          [f"{text_step_count}/meta.json has no optimizer.step_count (a count)"]),
         ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],

@@ -533,13 +533,15 @@ def test_a_doc_section_whose_markers_are_not_a_pair_is_refused(doc, tmp_path, ca
                                    "['blocks.1.attn.proj.bias', "),
     ({"model": {"ffn_mult": 2}}, ": blocks.0.mlp.fc1.weight has shape (256, 64), the config's {model} needs (128, 64)"),
     ({"model": {"num_heads": 3}}, "/meta.json: its config's model.hidden_size=64 is not divisible by num_heads=3."),
-    ({"model": {"seq_len": "32"}}, "/meta.json has no config.model.seq_len (a number) (not a megatron_mini "
+    ({"model": {"seq_len": "32"}}, "/meta.json has no config.model.seq_len (an integer) (not a megatron_mini "
                                    "checkpoint, or a damaged one)."),
     ({"model": {"init_std": "0.02"}}, "/meta.json: its config's model.init_std='0.02' must be a number > 0."),
     ({"data": {"val_fraction": 0}}, "/meta.json: its config's data.val_fraction=0 must be in (0, 1)."),
     # (JSON's 2.0 and true, which Hydra refuses for an int: a traceback in the model, and a model of 1 head loaded)
-    ({"model": {"num_layers": 2.0}}, "/meta.json: its config's model.num_layers=2.0 must be an integer >= 1."),
-    ({"model": {"num_heads": True}}, "/meta.json: its config's model.num_heads=True must be an integer >= 1."),
+    ({"model": {"num_layers": 2.0}}, "/meta.json has no config.model.num_layers (an integer) (not a megatron_mini "
+                                     "checkpoint, or a damaged one)."),
+    ({"model": {"num_heads": True}}, "/meta.json has no config.model.num_heads (an integer) (not a megatron_mini "
+                                     "checkpoint, or a damaged one)."),
 ], ids=["more-layers", "fewer-layers", "other-mlp", "heads-3", "text-seq-len", "text-init-std", "val-fraction-0",
         "float-layers", "bool-heads"])
 def test_a_checkpoints_config_that_does_not_fit_it_is_one_line(tiny_checkpoint, edit, fact, tmp_path, capsys):
