@@ -47,6 +47,7 @@ import json
 import math
 import numbers
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -371,6 +372,19 @@ def removed(e: BaseException) -> bool:
     return isinstance(e, FileNotFoundError) or (isinstance(e, RuntimeError) and "No such file" in str(e))
 
 
+def unreadable(e: BaseException) -> bool:
+    """Whether `e` is the machine failing to read a checkpoint's file, not what the file holds: an OSError (EIO,
+    EACCES, ...), a MemoryError, or torch's RuntimeError for either (its memory map: "unable to open file <...>",
+    "unable to mmap ..."; its CPU allocator: "DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, (OSError, MemoryError)) or isinstance(e, RuntimeError) and (
+        str(e).startswith(("unable to open file", "unable to mmap")) or "can't allocate memory" in str(e))
+
+
+# what torch.load and the slicing of its tensors raise for a file that verifies but holds other objects than meta.json
+# lists (other code's, or one put together by hand), besides the failures of the machine (unreadable)
+NOT_THE_TENSORS = (RuntimeError, pickle.UnpicklingError, EOFError, LookupError, TypeError, ValueError, AttributeError)
+
+
 def is_run_dir(path: str) -> bool:
     """A directory without meta.json: a run directory (chosen() reads its newest intact checkpoint)."""
     return os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json"))
@@ -585,8 +599,10 @@ def failure_of(fn, *args) -> str | None:
 
 
 def describe(e: Exception) -> str:
-    """`Type: message` of an exception, on one line, at most 300 characters of the message."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    """`Type: message` of an exception, on one line, at most 300 characters of the message (`Type` without one: a
+    MemoryError)."""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Save:
@@ -817,9 +833,11 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
     except CheckpointError as e:
         failure = str(e)
     except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
-        if isinstance(e, OSError) or removed(e):   # (verified, then gone: a checkpoint its keep_checkpoints pruned)
+        if removed(e):              # (verified, then gone: a checkpoint its keep_checkpoints pruned)
             failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job "
                        f"still running may have been pruned since: start again to take what is there now.")
+        elif unreadable(e):         # (the disk or the memory: not another model's checkpoint)
+            failure = f"{path} could not be read ({describe(e)})."
         else:
             failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or "
                        f"of older code; resume from another checkpoint, or start a new run under another run_name.")

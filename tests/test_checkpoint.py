@@ -244,6 +244,67 @@ def test_an_unreadable_file_is_a_checkpoint_error(uninterrupted, monkeypatch):
         checkpoint.verify(path)
 
 
+MACHINE_FAILURES = [(OSError(5, "Input/output error"), "OSError: [Errno 5] Input/output error"),
+                    (PermissionError(13, "Permission denied"), "PermissionError: [Errno 13] Permission denied"),
+                    (MemoryError(), "MemoryError"),
+                    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                  "memory: you tried to allocate 1125899906842624 bytes."), "RuntimeError: [enforce"),
+                    (RuntimeError("unable to mmap 1024 bytes from file <m.pt>: Cannot allocate memory (12)"),
+                     "RuntimeError: unable to mmap 1024 bytes")]
+NOT_THE_TENSORS = [(__import__("pickle").UnpicklingError("Weights only load failed."), "UnpicklingError: Weights"),
+                   (RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory"),
+                    "RuntimeError: PytorchStreamReader failed")]
+
+
+def _raising(error):
+    """A stand-in for checkpoint._load_mapped (each checkpoint file's torch.load) that raises `error`."""
+    def load(path):
+        raise error
+    return load
+
+
+def _load_errors(cfg, path, errors) -> list:
+    """The CheckpointError of a Trainer of `cfg` loading checkpoint `path` while its files' torch.load raises each of
+    `errors`, in turn."""
+    from harness import make_trainer
+
+    from megatron_mini import checkpoint
+    trainer, said = make_trainer(cfg), []
+    for error in errors:
+        checkpoint._load_mapped = _raising(error)        # (this spawned rank's module)
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            trainer.load(path)
+        said.append(str(err.value))
+    return said
+
+
+def test_a_checkpoint_that_the_machine_cannot_read_is_not_called_damaged(uninterrupted, monkeypatch, small_data,
+                                                                         tmp_path):
+    """A file of a verified checkpoint that cannot be read, for the disk (EIO, a permission) or the memory (Python's
+    MemoryError, torch's allocator, its mmap), is said as what it is by the tools (inference.read_checkpoint) and by
+    a resume (checkpoint.load, on every rank), not as a damaged checkpoint or one of another model; a file that holds
+    other objects keeps that message, and a failure of neither kind (a bug) is not taken for one."""
+    from megatron_mini import checkpoint, inference
+    path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
+    for error, said in MACHINE_FAILURES + NOT_THE_TENSORS:
+        monkeypatch.setattr(checkpoint, "_load_mapped", _raising(error))
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            inference.read_checkpoint(path)
+        damaged = f"{path}: its files do not hold the tensors its meta.json lists ({said}"
+        read = f"{path}: its files could not be read ({said}"
+        assert str(err.value).startswith(read if (error, said) in MACHINE_FAILURES else damaged), str(err.value)
+    monkeypatch.setattr(checkpoint, "_load_mapped", _raising(ZeroDivisionError("a bug")))
+    with pytest.raises(ZeroDivisionError):
+        inference.read_checkpoint(path)
+    monkeypatch.undo()
+    cases = MACHINE_FAILURES + NOT_THE_TENSORS
+    messages = spawn(1, _load_errors, small_config(small_data, tmp_path), path, [e for e, _ in cases])[0]
+    for (error, said), message in zip(cases, messages, strict=True):
+        read = f"{path} could not be read ({said}"
+        fits = f"{path} does not fit this run's model ({said}"
+        assert message.startswith(read if (error, said) in MACHINE_FAILURES else fits), message
+
+
 def _save_once(cfg, path):
     """One step, then a save with the ledger reset: (rank, the save's collectives)."""
     from harness import make_trainer
