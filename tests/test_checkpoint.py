@@ -96,6 +96,35 @@ def test_fp16_resume_keeps_the_loss_scalers_counts(small_data, tmp_path):
     assert saved[0] == saved[1] and saved[0]["skips_at_min"] == 3 and saved[0]["scale"] == 2.0 ** 37
 
 
+def test_fp16_resumes_bitwise_right_after_a_skipped_step(small_data, tmp_path):
+    """An fp16 run resumed from any step of its loss scaler's life continues bitwise as the run never stopped: losses,
+    skipped steps, the scaler's state and the final weights. Scale 2^40 overflows; with hysteresis 2 the first
+    overflow only counts down (step 1: saved mid-hysteresis), the second backs off by 2^-24 to 2^16 (step 2: saved
+    right after a skipped step), then the steps are clean and the scale doubles after every 2 of them (step 3: saved
+    one clean step into the growth interval). Resumed from steps 1 and 3 (step 2's scale: the test above): one that
+    lost hysteresis_left or clean_steps would back off or grow at another step."""
+    from megatron_mini.checkpoint import load_model_tensors, read_meta
+    fp16 = dict(steps=4, save_interval=1, keep_checkpoints=4, gbs=4,
+                **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 40,
+                   "precision.loss_scale_backoff_factor": 2.0 ** -24, "precision.loss_scale_growth_interval": 2})
+    full = train_on_ranks(1, small_config(small_data, tmp_path / "full", **fp16))
+    scalers = [read_meta(str(tmp_path / "full" / "checkpoints" / f"step_{k:06d}"))["optimizer"]["scaler"]
+               for k in (1, 2, 3, 4)]
+    assert [(s["scale"], s["hysteresis_left"], s["clean_steps"], s["skipped_steps"]) for s in scalers] == [
+        (2.0 ** 40, 1, 0, 1), (2.0 ** 16, 0, 0, 2), (2.0 ** 16, 0, 1, 2), (2.0 ** 17, 2, 0, 2)]
+    end = load_model_tensors(str(tmp_path / "full" / "checkpoints" / "step_000004"))
+    for k in (1, 3):
+        step = str(tmp_path / "full" / "checkpoints" / f"step_{k:06d}")
+        resumed = train_on_ranks(1, small_config(small_data, tmp_path / f"from{k}", resume=step, **fp16))
+        assert resumed["loss"] == full["loss"][k:], k
+        assert resumed["summary"]["skipped_steps"] == full["summary"]["skipped_steps"] == 2, k
+        last = str(tmp_path / f"from{k}" / "checkpoints" / "step_000004")
+        assert read_meta(last)["optimizer"] == read_meta(str(tmp_path / "full" / "checkpoints" / "step_000004"))[
+            "optimizer"], k
+        weights = load_model_tensors(last)
+        assert all(weights[name].equal(end[name]) for name in end), k
+
+
 def test_a_branch_from_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupted, small_data, tmp_path):
     """resume=PATH to step 5 of a run that reached step 10 (a rollback, as after a loss spike): step 10 is
     renamed step_000010.superseded (kept whole; no resume=auto or pruning counts it), the new branch's saves
