@@ -492,7 +492,7 @@ def check_compatible(resume: Resume, cfg: TrainConfig, data: dict) -> None:
     startable = not init_changes(resume.meta, cfg)[0] and saved.get("tokenizer_sha256") in (
         None, data.get("tokenizer_sha256"))                              # (check_init: another seed and data may be)
     blends = (saved.get("blend"), data.get("blend"))      # (how a blend's shares and directories read; none: data.dir)
-    mixture = ("corpus_sha256", "num_tokens") if any(blends) and saved.get("corpus_sha256") != \
+    mixture = ("corpus_sha256", "num_tokens", "tokens_fingerprint") if any(blends) and saved.get("corpus_sha256") != \
         data.get("corpus_sha256") else ()           # (its shares and corpora: a directory's spelling may change)
     if mixture:
         diffs.append("data.blend: " + " -> ".join(str(b or "data.dir") for b in blends))

@@ -267,7 +267,7 @@ def _validation_set(ckpt: Checkpoint, data) -> object:
     cfg = ckpt.cfg
     _, val, run_tok = load_datasets(data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
     saved, now = ckpt.meta.get("data") or {}, data_identity(data, run_tok.sha256)
-    changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens") if key in saved
+    changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens", "tokens_fingerprint") if key in saved
                and saved[key] != now.get(key)]
     if changed:
         where = f"data.blend={list(cfg.data.blend)}" if cfg.data.blend else f"data.dir={cfg.data.dir}"

@@ -367,7 +367,8 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     assert len(notes) == 1 and notes[0].startswith(f"not evaluated: {tmp_path}/gone: no such directory")
     ckpt.cfg.data = rebuilt = blend_of(code, (0.7, first), (0.3, second))   # (another mixture than it records)
     with pytest.raises(DataError, match=re.escape(f"data.blend={rebuilt.blend}: is not the data {ckpt.path} was "
-                                                  f"trained on (another corpus_sha256 than it records")):
+                                                  f"trained on (another corpus_sha256, tokens_fingerprint than it "
+                                                  f"records")):
         evaluation_sets(ckpt, tok, [])
 
 

@@ -921,6 +921,46 @@ def test_a_wrongly_typed_counter_or_model_key_of_meta_json_is_one_line(edit, lac
     assert str(err.value) == f"{ckpt}/meta.json has no {lacks} (not a megatron_mini checkpoint, or a damaged one)."
 
 
+def test_a_resume_onto_token_files_of_other_content_is_refused(uninterrupted, tmp_path):
+    """A data.dir whose tokens.bin was replaced by one of the same size and other content (here its tokens rotated
+    by one: valid ids, the same meta.json and tokens.idx) is refused by a resume (check_compatible, by
+    dataset.data_identity's tokens_fingerprint), and so is a tokens.idx that cuts the tokens into other documents (as
+    many, and valid); the same build copied elsewhere is the same data. Before the fingerprint, both resumed onto
+    other samples without a word."""
+    import dataclasses
+    import shutil
+
+    import numpy as np
+
+    from megatron_mini import checkpoint
+    from megatron_mini.config import ConfigError
+    from megatron_mini.data import Tokenizer
+    from megatron_mini.dataset import data_identity, load_datasets
+    cfg, _ = uninterrupted
+    path = os.path.join(cfg.run_dir, "checkpoints", "step_000005")
+    resume = checkpoint.Resume(path, checkpoint.read_meta(path), [])
+    copy = tmp_path / "data"
+    shutil.copytree(cfg.data.dir, copy)
+    moved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(copy)))
+    sha = Tokenizer(copy / "tokenizer.model").sha256
+    checkpoint.check_compatible(resume, moved, data_identity(moved.data, sha))
+    for name, dtype in (("tokens.bin", np.uint16), ("tokens.idx", np.int64)):
+        shutil.copy(os.path.join(cfg.data.dir, name), copy / name)
+        values = np.memmap(copy / name, dtype=dtype, mode="r+", offset=0 if dtype == np.uint16 else 24)
+        if dtype == np.uint16:
+            values[:] = np.roll(np.array(values), 1)
+        else:               # sizes [n], offsets [n]: the first document's last token the second's first
+            n = len(values) // 2
+            values[0], values[1], values[n + 1] = values[0] - 1, values[1] + 1, values[n + 1] - 1
+        values.flush()
+        del values
+        load_datasets(moved.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)     # (a valid build)
+        with pytest.raises(ConfigError, match=r"another model or data than this run asks for: data "
+                                              r"tokens_fingerprint: [0-9a-f]{16} -> [0-9a-f]{16}\."):
+            checkpoint.check_compatible(resume, moved, data_identity(moved.data, sha))
+        shutil.copy(os.path.join(cfg.data.dir, name), copy / name)
+
+
 def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     """atomic_write on a full disk (fsync raising ENOSPC), or on one out of inodes (the temporary file not even
     created): that error is raised (not the removal's of a temporary file that never was, "No such file or

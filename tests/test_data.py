@@ -84,6 +84,55 @@ def test_dataset_round_trip(prepared):
     assert meta["corpus_sha256"] == info["corpus_sha256"] and meta["python"] == info["python"]
 
 
+def test_a_fingerprint_reads_64_blocks_of_a_large_file_and_all_of_a_small_one(tmp_path, monkeypatch):
+    """data.fingerprint: the same bytes, the same fingerprint; a byte changed in the first, a middle or the last of its
+    64 blocks of 64 KiB, or one byte more, another; a file of at most 4 MiB is read whole (any byte counts), a larger
+    one 4 MiB of it, whatever its size."""
+    size = data.FINGERPRINT_BLOCKS * data.FINGERPRINT_BLOCK + 12345
+    raw = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    middle = 32 * (size - data.FINGERPRINT_BLOCK) // (data.FINGERPRINT_BLOCKS - 1)      # (block 33's first byte)
+    path = tmp_path / "tokens.bin"
+
+    def of(content: bytes) -> str:
+        path.write_bytes(content)
+        return data.fingerprint(path)
+
+    def flipped(content: bytes, at: int) -> bytes:
+        return content[:at] + bytes([content[at] ^ 1]) + content[at + 1:]
+    base = of(raw)
+    assert of(raw) == base and of(raw + b"x") != base
+    for at in (0, middle + 5, size - 1):                  # in the first, the 33rd and the last block
+        assert of(flipped(raw, at)) != base, at
+    read = []
+    monkeypatch.setattr(data, "open", lambda *a, **k: _Counted(open(*a, **k), read), raising=False)
+    data.fingerprint(path)
+    assert sum(read) == data.FINGERPRINT_BLOCKS * data.FINGERPRINT_BLOCK
+    monkeypatch.undo()
+    small = raw[:data.FINGERPRINT_BLOCKS * data.FINGERPRINT_BLOCK]
+    assert of(flipped(small, len(small) // 2 + 7)) != of(small)      # (between the blocks of a larger file)
+
+
+class _Counted:
+    """A file that adds the size of each read to `sizes`."""
+
+    def __init__(self, f, sizes: list):
+        self.f, self.sizes = f, sizes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def seek(self, at):
+        return self.f.seek(at)
+
+    def read(self, n=-1):
+        out = self.f.read(n)
+        self.sizes.append(len(out))
+        return out
+
+
 def test_encoding_does_not_depend_on_workers(prepared, tmp_path):
     cfg, _ = prepared
     tok = Tokenizer(Path(cfg.dir) / "tokenizer.model")
