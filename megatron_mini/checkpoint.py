@@ -27,9 +27,10 @@ hashes and the index (gathered onto it as text), renames the directory to `step_
 (tmp + rename) and removes all but the newest `keep` checkpoints and the milestones. A failure on any rank (a full
 disk, no permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays
 on the last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind
-`latest`. With async_save the files are written by a thread of each rank while training goes on from the host
-copies (`Save`), and the agreement and publication wait for the first step at whose end no rank is still writing
-(a count in the step's loss all-reduce), as Megatron's async save finalizes.
+`latest`: its step_N.tmp is removed when the run starts again (remove_interrupted, with a note in the log). With
+async_save the files are written by a thread of each rank while training goes on from the host copies (`Save`), and
+the agreement and publication wait for the first step at whose end no rank is still writing (a count in the step's
+loss all-reduce), as Megatron's async save finalizes.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
@@ -87,6 +88,17 @@ class Resume:
     notes: list                 # what was skipped to get here, for the log
     skipped: tuple = ()         # newer checkpoints that failed verification
     superseded: tuple = ()      # newer checkpoints of the run directory that a resume=PATH branches away from
+
+
+def remove_interrupted(run_dir: str) -> list:
+    """Remove the step_N.tmp directories of `run_dir`: the files of saves that a crash or a kill interrupted, never
+    published (resume=auto passes over them: no meta.json, no step_N name); call at a start, when no save is in
+    flight. Returns notes."""
+    notes = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.tmp"))):
+        shutil.rmtree(path)
+        notes.append(f"removed {path}, the partial files of a save that a crash interrupted")
+    return notes
 
 
 def set_aside(resume: Resume) -> list:
@@ -709,10 +721,9 @@ class Save:
         os.replace(self.tmp, self.path)
         root = os.path.dirname(self.path)
         atomic_write(os.path.join(root, "latest"), os.path.basename(self.path))
-        stale = glob.glob(os.path.join(root, "step_*.tmp"))        # saves that a crash interrupted
-        pruned = [old for old in checkpoints_of(os.path.dirname(root))[self.keep:] if not _is_milestone(old)]
-        for old in pruned + stale:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in checkpoints_of(os.path.dirname(root))[self.keep:]:
+            if not _is_milestone(old):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -441,21 +441,22 @@ def _owes_evaluation(cfg: TrainConfig, resume: checkpoint.Resume | None) -> bool
 def _tidy_run_dir(cfg: TrainConfig, resume: checkpoint.Resume | None, mesh: ParallelMesh,
                   device: torch.device) -> tuple[list, int, RunLogger]:
     """Rank 0's writes to the run directory before the first step, once every rank has built its model and loaded
-    what it resumes from; returns (notes on checkpoints set aside, lines of metrics.jsonl moved aside, the run's
-    RunLogger) on rank 0, ([], 0, a no-op RunLogger) on the others. In order: the config; a branch's record (before
-    the checkpoints it branches away from are set aside: a restart after a kill in between branches again);
-    metrics.jsonl cut at the start, since the lines past it are another attempt's (a crashed run's after its
-    checkpoint, a branch's older future, or on a fresh start every line, of an attempt that died before its first
-    checkpoint), so that this run's lines are the file's and a torn last line is not glued to its first; then
-    metrics.jsonl opened (RunLogger; wandb started). A failure (a full disk, a permission) stops every rank with
-    rank 0's message, rather than rank 0 alone while the others wait in the next collective."""
+    what it resumes from; returns (notes on checkpoints set aside and interrupted saves removed, lines of metrics.jsonl
+    moved aside, the run's RunLogger) on rank 0, ([], 0, a no-op RunLogger) on the others. In order: the config; a
+    branch's record (before the checkpoints it branches away from are set aside: a restart after a kill in between
+    branches again), and the saves a crash interrupted removed; metrics.jsonl cut at the start, since the lines past
+    it are another attempt's (a crashed run's after its checkpoint, a branch's older future, or on a fresh start every
+    line, of an attempt that died before its first checkpoint), so that this run's lines are the file's and a torn
+    last line is not glued to its first; then metrics.jsonl opened (RunLogger; wandb started). A failure (a full
+    disk, a permission) stops every rank with rank 0's message, rather than rank 0 alone while the others wait in the
+    next collective."""
     step, done = resume.meta["step"] if resume else -1, {"moved": [], "cut": 0}
 
     def tidy():
         _write_config(cfg)
         if resume and resume.superseded:
             record_branch(cfg.run_dir, step)
-        done["moved"] = checkpoint.set_aside(resume) if resume else []
+        done["moved"] = (checkpoint.set_aside(resume) if resume else []) + checkpoint.remove_interrupted(cfg.run_dir)
         done["cut"] = cut_metrics(cfg.run_dir, step, _owes_evaluation(cfg, resume))
         done["logger"] = RunLogger(cfg.run_dir, cfg.wandb, dataclasses.asdict(cfg), enabled=True)
     found = checkpoint.first_failure(checkpoint.failure_of(tidy) if mesh.rank == 0 else None, mesh, device)
@@ -807,6 +808,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     elif run.init:
         log.info(f"init_from: the weights of {run.init.path} (step {run.init.meta['step']} of the run that saved it); "
                  f"the optimizer, the step count and the data start anew{''.join(f'; {n}' for n in run.init.notes)}")
+    for note in [] if run.resume else moved:          # (a fresh start's: an attempt that saved nothing whole)
+        log.info(note)
     if cut:
         past = f"past step {trainer.step}" if run.resume else "of an earlier attempt (it left no checkpoint)"
         log.info(f"moved {cut} line{'s' * (cut != 1)} of metrics.jsonl {past} to metrics.superseded.jsonl")

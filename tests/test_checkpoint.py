@@ -206,18 +206,23 @@ def test_a_branch_that_fails_to_start_a_rank_leaves_the_run_as_it_was(world, wha
 
 
 def test_a_fresh_start_moves_an_earlier_attempts_metrics_aside(small_data, tmp_path):
-    """A run directory whose first attempt died before its first checkpoint, its metrics.jsonl ending in a line a
-    kill cut short: the new run starts at step 0, metrics.jsonl holds its own lines alone (the torn one not glued
-    to its first), and the earlier attempt's are in metrics.superseded.jsonl."""
+    """A run directory whose first attempt died before its first checkpoint (in its first save), its metrics.jsonl
+    ending in a line a kill cut short: the new run starts at step 0, metrics.jsonl holds its own lines alone (the torn
+    one not glued to its first), the earlier attempt's are in metrics.superseded.jsonl, and its half-written save is
+    removed, with a line in the log."""
     import json
     run = tmp_path / "run"
-    run.mkdir()
+    (run / "checkpoints" / "step_000002.tmp").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002.tmp" / "model_pp00_tp00.pt").write_bytes(b"PK\3\4")
     earlier = json.dumps({"step": 1, "loss": 9.0}) + "\n" + '{"step": 2, "lo'
     (run / "metrics.jsonl").write_text(earlier)
     history = train_on_ranks(1, small_config(small_data, run, steps=3, log_interval=1, resume="auto"))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == list(zip((1, 2, 3), history["loss"]))
     assert (run / "metrics.superseded.jsonl").read_text() == earlier + "\n"
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000003"]
+    assert f" removed {run}/checkpoints/step_000002.tmp, the partial files of a save that a crash interrupted\n" in \
+        (run / "logs" / "rank0000.log").read_text()
 
 
 def test_a_second_branch_past_the_same_step_sets_its_newer_checkpoint_aside_too(uninterrupted, small_data, tmp_path):

@@ -466,12 +466,14 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, t
     """Rank 0, the writer, dies (SIGKILL) in the middle of the second save, after writing one file (its 8th
     fsync: the run directory's lock, the run's config, the first save's 3 files (weights, optimizer, tokenizer),
     meta.json and `latest`, then the second save's weights): the half-written step_000004.tmp is never taken; the
-    restarted job resumes from step 2 and ends as the uninterrupted run."""
+    restarted job removes it, saying so, resumes from step 2 and ends as the uninterrupted run."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=6"]
     r = finish(start(torchrun_argv(2, args, "--max-restarts=1"), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=8)))
     assert r.rc == 0, r
     assert f"resumed from {run_dir}/checkpoints/step_000002" in r.out, r
+    assert f"resume: removed {run_dir}/checkpoints/step_000004.tmp, the partial files of a save that a crash " \
+           f"interrupted" in r.out, r
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     _same_weights(run_dir / "checkpoints" / "step_000006", uninterrupted / "step_000006")
 
