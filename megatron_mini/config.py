@@ -258,6 +258,8 @@ class TrainConfig:
     vpp: int = 1
     sp: bool = False
     zero: int = 0                    # 0 or 1
+    ddp_bucket_numel: int = 1_000_000  # fp32 main-grad elements per DP bucket (Megatron's --ddp-bucket-size): a
+                                     # bucket closes at the parameter that takes it to this many or more
     schedule: Schedule = Schedule["1f1b"]   # interleaved when vpp > 1
     embedding_stage: EmbeddingStage = EmbeddingStage.none
     pipeline_first_blocks: int = 0   # explicit block count of the first block stage (0: balanced)
@@ -371,6 +373,7 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "precision.loss_scale_hysteresis": _GE1, "precision.min_loss_scale": _GT0, "precision.max_skips_at_min_scale": _GE1,
     "tp": _GE1, "pp": _GE1, "vpp": _GE1, "zero": (lambda v: v in (0, 1), "0 (off) or 1 (ZeRO-1)"),
+    "ddp_bucket_numel": (_GE1[0], ">= 1 (fp32 main-grad elements per DP bucket)"),
     "pipeline_first_blocks": (_GE0[0], ">= 0 (0: balanced)"), "pipeline_last_blocks": (_GE0[0], ">= 0 (0: balanced)"),
     "mbs": _GE1, "gbs": _GE1, "steps": _GE1, "log_interval": _GE1,
     "eval_interval": (_GE0[0], ">= 0 (0: no evaluation)"), "eval_iters": _GE1,

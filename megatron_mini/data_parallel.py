@@ -64,8 +64,10 @@ def _call(buffer: weakref.ref, method: str, p: nn.Parameter) -> None:
 
 
 class GradBuffer:
-    def __init__(self, named_params: list, mesh: ParallelMesh, dtype: torch.dtype, zero: bool,
-                 bucket_numel: int = 1_000_000):
+    def __init__(self, named_params: list, mesh: ParallelMesh, dtype: torch.dtype, zero: bool, bucket_numel: int):
+        """`named_params` in forward order; a bucket closes at the parameter that brings it to `bucket_numel`
+        elements or more (TrainConfig.ddp_bucket_numel), then is padded to a multiple of dp. Where the buckets
+        end moves ZeRO-1's shards, never what a checkpoint holds (by global name: Optimizer.saved_state)."""
         self.mesh, self.zero, self.dp = mesh, zero, mesh.dp
         named_params = list(reversed(named_params))
         tied = [(n, p) for n, p in named_params if p.spec.tied and mesh.pp > 1]

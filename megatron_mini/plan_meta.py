@@ -164,7 +164,10 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
         (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
         whole = chunk.has_embedding and chunk.has_head
         layer = chunk.to(dtype).train() if whole else chunk.layers[0]
-        buffer = GradBuffer(list(chunk.named_global_parameters()), mesh, dtype, zero=False)   # noqa: F841 (hooks)
+        # (kept for its hooks, which move each gradient into a main grad; at dp = 1, never synced, its buckets
+        # change nothing measured)
+        buffer = GradBuffer(list(chunk.named_global_parameters()), mesh, dtype, zero=False,  # noqa: F841
+                            bucket_numel=cfg.ddp_bucket_numel)
         tokens = torch.zeros(cfg.mbs, cfg.model.seq_len, dtype=torch.long, device=META)
 
         def activation():

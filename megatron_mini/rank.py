@@ -35,7 +35,7 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
         chunk.to(dtype)
         params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in params)
-        buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1))
+        buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1, bucket_numel=cfg.ddp_bucket_numel))
     for chunk in chunks:            # every chunk waits for the weights it uses, whichever buffer holds them
         for buf in buffers:
             buf.wait_before(chunk.param_users())

@@ -22,7 +22,7 @@ def test_a_dropped_model_frees_its_buffers():
     import gc
     import weakref
 
-    from megatron_mini.config import ModelConfig
+    from megatron_mini.config import ModelConfig, TrainConfig
     from megatron_mini.data_parallel import GradBuffer
     from megatron_mini.mesh import ParallelMesh
     from megatron_mini.model import ParallelContext, build_chunks
@@ -32,7 +32,8 @@ def test_a_dropped_model_frees_its_buffers():
 
     def build_and_train():
         (chunk,) = build_chunks(model, ParallelContext.one_device(cpu), [(0, 3)], 1, cpu)
-        buf = GradBuffer(list(chunk.named_global_parameters()), mesh, torch.float32, zero=False)
+        buf = GradBuffer(list(chunk.named_global_parameters()), mesh, torch.float32, zero=False,
+                         bucket_numel=TrainConfig.ddp_bucket_numel)
         ids = torch.randint(0, 100, (2, 9))
         chunk(ids[:, :-1], ids[:, 1:]).backward()
         assert buf.grads_flat.abs().sum() > 0
@@ -41,3 +42,20 @@ def test_a_dropped_model_frees_its_buffers():
     refs = build_and_train()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "ddp_bucket_numel=0 must be >= 1 (fp32 main-grad elements per DP bucket)."),
+    (-4, "ddp_bucket_numel=-4 must be >= 1 (fp32 main-grad elements per DP bucket)."),
+    (2.5, "ddp_bucket_numel=2.5 must be an integer >= 1 (fp32 main-grad elements per DP bucket)."),
+    (True, "ddp_bucket_numel=True must be an integer >= 1 (fp32 main-grad elements per DP bucket)."),
+], ids=["zero", "negative", "fraction", "bool"])
+def test_a_bucket_size_below_one_element_is_refused(value, message):
+    """ddp_bucket_numel is a whole number of elements, at least 1: anything else is one line before any process
+    group exists (validate, on every rank), naming the key and its unit."""
+    from megatron_mini.config import ConfigError, TrainConfig, validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(TrainConfig(ddp_bucket_numel=value), 1)
+    assert str(refused.value) == message
+    assert validate(TrainConfig(ddp_bucket_numel=1), 1) == 1

@@ -7,7 +7,7 @@ import torch
 
 from ranks import spawn
 from harness import make_trainer, small_config, train_on_ranks
-from megatron_mini.config import PrecisionConfig, register_configs
+from megatron_mini.config import PrecisionConfig, TrainConfig, register_configs
 from megatron_mini.optimizer import DynamicLossScaler
 
 
@@ -77,7 +77,7 @@ def test_an_optimizer_step_is_adamw_of_the_unscaled_clipped_gradient(dtype, clip
     for n, p in params:
         p.spec = ParamSpec(no_weight_decay=n == "bias")
     mesh = ParallelMesh(1, 1, 1)
-    buffer = GradBuffer(params, mesh, dt, zero=False)
+    buffer = GradBuffer(params, mesh, dt, zero=False, bucket_numel=TrainConfig.ddp_bucket_numel)
     # eps of the order of the clipped gradient's elements: Adam is scale-free but for eps, which so tells a gradient
     # left loss-scaled or unclipped from the right one; and each step's gradient of another size (another clip)
     o = OptimizerConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-2, grad_clip=clip)
@@ -341,7 +341,8 @@ def test_fp32_main_grads_beat_bf16_accumulation():
     def accumulated(use_buffer):
         w = torch.nn.Parameter(weight.clone())
         w.spec = ParamSpec()
-        buffer = GradBuffer([("w", w)], ParallelMesh(1, 1, 1), torch.bfloat16, zero=False) if use_buffer else None
+        buffer = GradBuffer([("w", w)], ParallelMesh(1, 1, 1), torch.bfloat16, zero=False,
+                            bucket_numel=TrainConfig.ddp_bucket_numel) if use_buffer else None
         for x in inputs:
             (x @ w).float().square().sum().backward()
         return (buffer.grads_flat.view(w.shape) if use_buffer else w.grad).double()

@@ -7,6 +7,8 @@ import torch
 
 from harness import assert_same_training, final_weights, small_config, train_on_ranks
 
+SMALL_BUCKETS = 3000      # ddp_bucket_numel of the tests that cut the test model into many buckets (default 1M: one)
+
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero1_matches_plain_dp(dp, small_data, tmp_path):
@@ -119,7 +121,7 @@ def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
     waited for before the layer ahead of its first user has started (so the later ones overlap the earlier
     layers). The rank as build_rank builds it, on the meta device over a virtual dp=2 group (records, moves
     nothing), with small buckets that cut across layers."""
-    from megatron_mini import comm, data_parallel
+    from megatron_mini import comm
     from megatron_mini.config import ModelConfig, TrainConfig
     from megatron_mini.mesh import ParallelMesh
     from megatron_mini.rank import build_rank
@@ -128,10 +130,9 @@ def test_zero1_each_layer_waits_for_its_own_weights(layout, monkeypatch):
     meta = torch.device("meta")
     kw = ORDER_LAYOUTS[layout]
     cfg = TrainConfig(model=ModelConfig(name="t", num_layers=4, hidden_size=32, num_heads=2, seq_len=8, vocab_size=96),
-                      zero=1, gbs=4, mbs=1, **kw)
+                      zero=1, ddp_bucket_numel=SMALL_BUCKETS, gbs=4, mbs=1, **kw)
     pp = kw.get("pp", 1)
     mesh = ParallelMesh(1, pp, 2, virtual_rank=2 * (pp - 1))                    # dp rank 0 of the last stage
-    monkeypatch.setattr(data_parallel.GradBuffer.__init__, "__defaults__", (3000,))     # bucket_numel
     chunks, buffers, _ = build_rank(cfg, mesh, RNGTracker(0, 0, meta), meta)
     layers = [layer for chunk in chunks for layer in chunk.layers]               # forward order
     events, launches, handles = [], [], {}
@@ -235,15 +236,15 @@ def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
 
 
 def _train_in_small_buckets(cfg):
-    """train(cfg) with DP buckets of 3000 elements, not 1M (which holds the test model whole: one bucket per chunk,
-    reduced as its backward ends), recording each bucket's reduction: (this rank's history, {"buckets": how many,
-    "launches": reductions started, "early": of them, during the backward (all its gradients in, the rest of the
-    backward still to run), "late": gradients that reached a bucket after its reduction started})."""
+    """train(cfg) in small DP buckets (cfg.ddp_bucket_numel: SMALL_BUCKETS; the default 1M holds the test model whole:
+    one bucket per chunk, reduced as its backward ends), recording each bucket's reduction: (this rank's history,
+    {"buckets": how many, "launches": reductions started, "early": of them, during the backward (all its gradients
+    in, the rest of the backward still to run), "late": gradients that reached a bucket after its reduction
+    started})."""
     from megatron_mini import data_parallel
     from megatron_mini.training import train
 
     buffer = data_parallel.GradBuffer
-    buffer.__init__.__defaults__ = (3000,)                              # bucket_numel
     launch, ready, finish = buffer._launch, buffer._main_grad_ready, buffer.finish_grad_sync
     seen, launched, syncing = set(), set(), [False]
     found = {"launches": 0, "early": 0, "late": []}
@@ -290,7 +291,8 @@ def test_small_buckets_reduce_during_the_backward_and_train_the_same_model(layou
     from ranks import spawn
 
     runs = spawn(3 * layout.get("pp", 1), _train_in_small_buckets,
-                 small_config(small_data, tmp_path, **SMALL_BUCKETS_RUN, **layout), init_group=False)
+                 small_config(small_data, tmp_path, ddp_bucket_numel=SMALL_BUCKETS, **SMALL_BUCKETS_RUN, **layout),
+                 init_group=False)
     for _, found in runs:
         assert found["buckets"] > 10 and found["late"] == [], found
         assert found["launches"] == found["early"] == SMALL_BUCKETS_RUN["steps"] * found["buckets"], found
@@ -324,7 +326,7 @@ def test_the_clipping_norm_is_the_exact_norm_of_the_gradient():
     """The global gradient norm that clips (and is logged as grad_norm) is the L2 norm of the fp32 main grads to
     fp32 precision, against an fp64 sum, for a tensor of a gpt2-small embedding's order (8M elements). torch's
     fp32 norm on CPU sums in order: 2e-3 low for 38M elements, so a clipped gradient's norm exceeded grad_clip."""
-    from megatron_mini.config import OptimizerConfig, PrecisionConfig
+    from megatron_mini.config import OptimizerConfig, PrecisionConfig, TrainConfig
     from megatron_mini.data_parallel import GradBuffer
     from megatron_mini.mesh import ParallelMesh
     from megatron_mini.optimizer import Optimizer
@@ -334,7 +336,7 @@ def test_the_clipping_norm_is_the_exact_norm_of_the_gradient():
     for _, p in params:
         p.spec = ParamSpec()
     mesh = ParallelMesh(1, 1, 1)
-    buffer = GradBuffer(params, mesh, torch.float32, zero=False)
+    buffer = GradBuffer(params, mesh, torch.float32, zero=False, bucket_numel=TrainConfig.ddp_bucket_numel)
     optimizer = Optimizer([buffer], mesh, OptimizerConfig(), PrecisionConfig(), zero=False)
     torch.manual_seed(0)
     buffer.grads_flat.copy_(torch.randn(buffer.grads_flat.numel()) * 1e-3)
