@@ -212,7 +212,7 @@ def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    dtype), each schedule's idle time per (kind, pp, vpp)."""
+    ddp_bucket_numel, dtype), each schedule's idle time per (kind, pp, vpp)."""
 
     def __init__(self, layers: dict | None = None):
         self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
@@ -259,7 +259,7 @@ class Planner:
         GradBuffers and Optimizer built on meta (recompute and the schedule change neither)."""
         model_key = (cfg.tp, cfg.pp, cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks,
                      dp, cfg.precision.dtype, pp_rank, dataclasses.astuple(cfg.model))
-        key = model_key + (cfg.zero, cfg.gbs)           # (the loss all-reduce carries a loss per sample)
+        key = model_key + (cfg.zero, cfg.ddp_bucket_numel, cfg.gbs)   # (the loss all-reduce: a loss per sample)
         if key not in self._ranks:
             layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
             mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)

@@ -40,6 +40,7 @@ GRID = {                                   # name: (world size, layout)
     "pp2": (2, dict(pp=2)),
     "pp2-vpp2-own": (4, dict(pp=2, vpp=2, embedding_stage="own")),
     "dp2-zero-selective": (2, dict(zero=1, recompute="selective")),
+    "dp3-zero-small-buckets": (3, dict(zero=1, ddp_bucket_numel=3000, gbs=12)),   # many buckets, padded to 3
     "tp2-pp2-sp-bf16": (4, dict(tp=2, pp=2, sp=True, **{"precision.dtype": "bf16"})),
     "pp2-dropout": (2, dict(pp=2, **{"model.dropout": 0.1})),      # on the CPU: SDPA's math path
     "tp2-layer_norm": (2, dict(tp=2, kernels="layer_norm")),        # the replicated gradients averaged over TP
@@ -80,6 +81,18 @@ def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
         assert abs(plan.memory["activations"] - activations) <= 0.1 * activations, \
             (pp_rank, plan.memory["activations"], activations)
     assert beside_gemms == (cfg.tp > 1)               # a column-parallel linear's backward overlaps its collectives
+
+
+def test_a_planner_lays_out_each_configs_buckets(small_data, tmp_path):
+    """A Planner that measured a rank in the default buckets measures it in another ddp_bucket_numel as a new
+    Planner does (its cache of ranks tells them apart): the DP reduction and ZeRO-1 gather, once per bucket."""
+    one = small_config(small_data, tmp_path, zero=1)
+    small = dataclasses.replace(one, ddp_bucket_numel=3000)
+    planner = Planner()
+    _, in_one, _ = planner.rank_state(one, 2, 0)
+    state = planner.rank_state(small, 2, 0)
+    assert state == Planner().rank_state(small, 2, 0)
+    assert in_one[("dp", "reduce_scatter")][0] == 1 and state[1][("dp", "reduce_scatter")][0] > 10
 
 
 @pytest.mark.parametrize("kind, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("gpipe", 3, 1), ("1f1b", 4, 2),
