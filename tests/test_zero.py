@@ -32,6 +32,42 @@ def test_zero1_checkpoint_resumes_without_zero(small_data, tmp_path):
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
 
 
+def _optimizer_pieces(checkpoint: str) -> set:
+    """{(name, lo, hi)}: the flat ranges of the parameters' optimizer state that a checkpoint's files hold."""
+    import json
+    with open(os.path.join(checkpoint, "meta.json")) as f:
+        shards = json.load(f)["shards"]
+    return {(name, lo, hi) for shard in shards.values() for name, (lo, hi) in shard.get("ranges", {}).items()}
+
+
+IN_SMALL_BUCKETS = dict(steps=6, gbs=12, zero=1)        # (gbs: whole microbatches of mbs=2 at dp=2 and dp=3)
+
+
+@pytest.fixture(scope="module")
+def zero1_in_small_buckets(small_data, tmp_path_factory):
+    """IN_SMALL_BUCKETS at dp=2 in buckets of SMALL_BUCKETS elements, saving at step 3 (and at the end)."""
+    return train_on_ranks(2, small_config(small_data, tmp_path_factory.mktemp("small-buckets"), save_interval=3,
+                                          ddp_bucket_numel=SMALL_BUCKETS, **IN_SMALL_BUCKETS))
+
+
+@pytest.mark.parametrize("world, buckets", [(3, 5000), (2, 1_000_000)], ids=["dp3-buckets-5000", "dp2-one-bucket"])
+def test_zero1_resumes_in_other_buckets(world, buckets, zero1_in_small_buckets, small_data, tmp_path):
+    """ddp_bucket_numel moves ZeRO-1's shards (each bucket is cut into dp shards, so where the buckets end is where
+    the shards do), but a checkpoint keeps each parameter's Adam state and weights by global name, whatever bucket
+    and shard held them: a dp=2 ZeRO-1 run in buckets of SMALL_BUCKETS elements, resumed from step 3 in other
+    buckets (at dp=3 padded and cut mid-parameter elsewhere; at dp=2 the default's one bucket), continues the
+    uninterrupted run (losses and final weights to fp32 rounding), and its checkpoint's shards are cut elsewhere."""
+    full = zero1_in_small_buckets
+    step3 = os.path.join(full["checkpoint"], "..", "step_000003")
+    resumed = train_on_ranks(world, small_config(small_data, tmp_path, resume=step3, ddp_bucket_numel=buckets,
+                                                 **IN_SMALL_BUCKETS))
+    assert torch.allclose(torch.tensor(full["loss"][3:]), torch.tensor(resumed["loss"]), rtol=1e-6, atol=0)
+    weights = final_weights(resumed)
+    for name, w in final_weights(full).items():
+        assert torch.allclose(w, weights[name], rtol=0, atol=1e-6), name
+    assert _optimizer_pieces(full["checkpoint"]) != _optimizer_pieces(resumed["checkpoint"])
+
+
 RECOMPUTE_RUN = dict(steps=6, **{"model.dropout": 0.1})
 RECOMPUTE_LAYOUTS = {"tp1": {}, "tp2-sp": dict(tp=2, sp=True)}   # dropout on the default stream at tp=1
 
