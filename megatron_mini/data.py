@@ -7,12 +7,14 @@ Files in DataConfig.dir, each written atomically (tmp file + os.replace):
   tokens.bin       every document's tokens followed by EOS, back to back (uint16 if the vocab fits, else int32)
   tokens.idx       header <8s magic, u32 version, u8 dtype code, 3 pad bytes, u64 num_docs>, then
                    int64 sizes[num_docs] (tokens per document, EOS included), int64 offsets[num_docs] (in tokens)
-  meta.json        tokenizer sha256, vocab size, documents, tokens, source, python version, corpus sha256, dtype
+  meta.json        tokenizer sha256, vocab size, documents, tokens, source, python version, corpus sha256, dtype,
+                   tokens_fingerprint (of tokens.bin and .idx: written last, so files it does not describe are seen)
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -440,6 +442,12 @@ class IndexedDataset:
     def span(self, start: int, length: int) -> np.ndarray:
         return self.tokens[start:start + length]
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """tokens_fingerprint of its files, read once: open_checked compares it with meta.json's, and
+        dataset.data_identity records it in each checkpoint."""
+        return tokens_fingerprint(self.bin_path, self.idx_path)
+
 
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 1 << 16       # (4 MiB read at most, a file of any size)
 
@@ -459,6 +467,13 @@ def fingerprint(path) -> str:
             f.seek(start)
             digest.update(f.read(size if whole else FINGERPRINT_BLOCK))
     return digest.hexdigest()
+
+
+def tokens_fingerprint(bin_path, idx_path) -> str:
+    """sha256 of the fingerprints of tokens.bin and tokens.idx, together: what the samples are cut from, which the
+    corpus sha256 and token count of meta.json do not pin (the files may be replaced without it). meta.json records
+    it (prepare), and so does each checkpoint (dataset.data_identity)."""
+    return hashlib.sha256((fingerprint(bin_path) + fingerprint(idx_path)).encode()).hexdigest()
 
 
 def _consistent(sizes: np.ndarray, offsets: np.ndarray) -> bool:
@@ -749,17 +764,21 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
         tok = Tokenizer(tok_path)
         print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
     try:
-        meta = open_checked(out, tok)[1]
+        ds, meta = open_checked(out, tok)
         cached = (meta.get("corpus_sha256"), meta.get("source")) == (info["corpus_sha256"], info["source"])
     except DataError:
         cached = False
     if cached:
         print(f"tokens: cached {out / 'tokens.bin'} ({meta['num_tokens']:,} tokens)")
+        if "tokens_fingerprint" not in meta:         # (a build of before meta.json recorded it: recorded now)
+            meta["tokens_fingerprint"] = ds.fingerprint
+            atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
     else:
         n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers, info["num_docs"])
         meta = {**info, "num_docs": n_docs, "num_tokens": n_tokens, "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size))}
-        atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+                "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size)),
+                "tokens_fingerprint": tokens_fingerprint(out / "tokens.bin", out / "tokens.idx")}
+        atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())     # (last: it vouches for the rest)
     print(f"data ready in {out} ({time.time() - t0:.1f} s)")
     return meta
 
@@ -906,7 +925,9 @@ def _copy_stands_in(cfg: DataConfig, tok: Tokenizer) -> bool:
 
 
 def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
-    """The dataset in `out`, checked against its meta.json and the tokenizer that must have encoded it."""
+    """The dataset in `out`, checked against its meta.json and the tokenizer that must have encoded it: its token
+    files must be those meta.json was written for (its tokens_fingerprint, where it records one: a build of before
+    it does not, and is read as before)."""
     meta = read_json(out / "meta.json")
     if not isinstance(meta, dict):
         raise DataError(out / "meta.json", "missing or not valid JSON")
@@ -919,6 +940,11 @@ def open_checked(out: Path, tok: Tokenizer) -> tuple[IndexedDataset, dict]:
     if (meta.get("num_docs"), meta.get("num_tokens")) != (len(ds), ds.num_tokens):
         raise DataError(out / "meta.json", f"says {meta.get('num_docs')} documents / {meta.get('num_tokens')} tokens, "
                         f"{ds.idx_path.name} has {len(ds)} / {ds.num_tokens}")
+    recorded = meta.get("tokens_fingerprint")
+    if recorded is not None and recorded != ds.fingerprint:
+        raise DataError(out, f"its tokens.bin and tokens.idx are not the files its meta.json was written for "
+                        f"(tokens_fingerprint {ds.fingerprint[:12]}, meta.json's {str(recorded)[:12]}): another "
+                        f"build's copied over them, or a preparation stopped before it wrote meta.json")
     return ds, meta
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ConfigError, DataConfig
-from .data import (DataError, IndexedDataset, Tokenizer, check_holds, fingerprint, open_checked, read_json,
-                   rebuild_command)
+from .data import DataError, IndexedDataset, Tokenizer, check_holds, open_checked, read_json, rebuild_command
 
 
 class ShortSplit(ValueError):
@@ -385,14 +384,16 @@ def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: To
     return sets
 
 
-def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
+def data_identity(cfg: DataConfig, datasets: tuple) -> dict:
     """What the train/validation split and the token ids depend on, besides seed and val_fraction, recorded in each
     checkpoint (a resume must read the same data): the tokenizer, the corpus (a blend's: its shares and corpora), its
     token count and the fingerprint of its token files (a blend's: with its shares); and {data.eval's directory: its
-    corpus sha256}, which a resume may change."""
+    corpus sha256}, which a resume may change. `datasets`: load_datasets' (train, val, tokenizer) of cfg, whose
+    IndexedDatasets hold the fingerprints that opening them compared with meta.json (each read once)."""
+    train, _, tokenizer = datasets[:3]
     metas = [(share, directory, directory_meta(directory)) for share, directory in cfg.parts()]
-    tokens = [tokens_fingerprint(directory) for _, directory in cfg.parts()]
-    identity = {"tokenizer_sha256": tokenizer_sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
+    tokens = [part.indexed.fingerprint for part in (train.datasets if isinstance(train, BlendedDataset) else [train])]
+    identity = {"tokenizer_sha256": tokenizer.sha256, "corpus_sha256": metas[0][2].get("corpus_sha256"),
                 "num_tokens": metas[0][2].get("num_tokens"), "tokens_fingerprint": tokens[0]}
     if cfg.eval:                         # (a resume may change these: checkpoint.evaluation_changes notes it)
         identity["eval"] = eval_corpora(cfg)
@@ -405,10 +406,3 @@ def data_identity(cfg: DataConfig, tokenizer_sha256: str) -> dict:
             "num_tokens": sum(meta.get("num_tokens") or 0 for *_, meta in metas),
             "tokens_fingerprint": sha256([[str(share), t] for (share, _, _), t in zip(metas, tokens)]),
             "blend": [f"{float(share):.12g} {directory}" for share, directory, _ in metas]}
-
-
-def tokens_fingerprint(directory) -> str:
-    """data.fingerprint of a prepared directory's tokens.bin and tokens.idx, together: what its samples are cut from,
-    which its meta.json's corpus sha256 and token count do not pin (the files may be replaced without it)."""
-    return hashlib.sha256("".join(fingerprint(Path(directory) / name) for name in ("tokens.bin", "tokens.idx"))
-                          .encode()).hexdigest()

@@ -265,8 +265,8 @@ def _validation_set(ckpt: Checkpoint, data) -> object:
     """The run's validation set, read from `data` (its DataConfig, paths located), which must hold the corpus and
     tokenizer the checkpoint records."""
     cfg = ckpt.cfg
-    _, val, run_tok = load_datasets(data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
-    saved, now = ckpt.meta.get("data") or {}, data_identity(data, run_tok.sha256)
+    datasets = load_datasets(data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    saved, now = ckpt.meta.get("data") or {}, data_identity(data, datasets)
     changed = [key for key in ("tokenizer_sha256", "corpus_sha256", "num_tokens", "tokens_fingerprint") if key in saved
                and saved[key] != now.get(key)]
     if changed:
@@ -274,7 +274,7 @@ def _validation_set(ckpt: Checkpoint, data) -> object:
         raise DataError(where, f"is not the data {ckpt.path} was trained on (another {', '.join(changed)} than "
                         f"it records: rebuilt since?), so its validation documents are not the run's; name "
                         f"prepared directories to evaluate instead", rebuild=None)
-    return val
+    return datasets[1]
 
 
 def _candidates(path: str) -> list:

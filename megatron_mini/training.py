@@ -130,7 +130,7 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                               f"{', read before a directory of data.blend repeats' if cfg.data.blend else ''}), so "
                               f"every step would read "
                               f"some of them more than once: lower gbs, or train on a larger corpus.")
-        data = data_identity(cfg.data, datasets[2].sha256)
+        data = data_identity(cfg.data, datasets)
         resume = init = None
         # rank 0's start is every rank's (agree_on_run_dir): the others list nothing of their own (a node's stale
         # listing, or its own copy of the data, failed it alone, the others waiting); the files' sha256 are checked

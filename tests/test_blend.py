@@ -142,8 +142,7 @@ def test_a_blend_of_one_directory_reads_as_data_dir(small_data, blend_dirs):
         load_datasets(blend_of(small_data, (2, blend_dirs[0])), SEQ, 5, small_data.vocab_size)
     for a, b in zip(plain[:2], one[:2]):
         assert len(a) == len(b) and all(np.array_equal(a[i], b[i]) for i in range(0, 3 * len(a), 97))
-    sha = plain[2].sha256
-    assert data_identity(small_data, sha) == data_identity(blend_of(small_data, (2, blend_dirs[0])), sha)
+    assert data_identity(small_data, plain) == data_identity(blend_of(small_data, (2, blend_dirs[0])), one)
 
 
 def test_a_blends_samples_are_its_directories_own(small_data, blend_dirs):
@@ -162,7 +161,7 @@ def test_a_blends_samples_are_its_directories_own(small_data, blend_dirs):
                 part, j = blend.locate(i)
                 if part is blend.datasets[d]:
                     assert np.array_equal(blend[i], plain[j])
-    identity = data_identity(cfg, tok.sha256)
+    identity = data_identity(cfg, (train, val, tok))
     assert identity["blend"] == [f"0.7 {first}", f"0.3 {second}"]
     assert identity["num_tokens"] == sum(json.loads(Path(d, "meta.json").read_text())["num_tokens"]
                                          for d in (first, second))
@@ -244,15 +243,17 @@ def test_a_resume_with_another_mixture_is_refused(small_data, blend_dirs, tmp_pa
     cfg = small_config(blend_of(small_data, (0.7, blend_dirs[0]), (0.3, blend_dirs[1])), tmp_path, steps=1, gbs=8)
     path = train_on_ranks(1, cfg)["checkpoint"]
     resume = checkpoint.Resume(path, checkpoint.read_meta(path), [])
-    sha = Tokenizer(Path(blend_dirs[0]) / "tokenizer.model").sha256
+
+    def identity(data):
+        return data_identity(data, load_datasets(data, SEQ, 5, small_data.vocab_size))
     for first in (blend_dirs[0], blend_dirs[0] + "/", os.path.relpath(blend_dirs[0])):
         same = blend_of(small_data, (0.7, first), (0.3, blend_dirs[1]))
-        checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=same), data_identity(same, sha))
+        checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=same), identity(same))
     for data, new in ((blend_of(small_data, (1, blend_dirs[0]), (1, blend_dirs[1])), f"['0.5 {blend_dirs[0]}', "),
                       (small_data, "data.dir")):
         with pytest.raises(ConfigError, match=re.escape(f"data.blend: ['0.7 {blend_dirs[0]}', '0.3 {blend_dirs[1]}']"
                                                         f" -> {new}")) as err:
-            checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=data), data_identity(data, sha))
+            checkpoint.check_compatible(resume, dataclasses.replace(cfg, data=data), identity(data))
         assert str(err.value).endswith(f"(init_from={resume.path} starts it from these weights).")
         assert "corpus_sha256" not in str(err.value)
 
@@ -600,10 +601,15 @@ def test_a_corpus_is_blended_once(small_data, blend_dirs, tmp_path):
 
 def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blend_dirs, tmp_path):
     """An id past the vocabulary in the second directory's tokens.bin: the DataError names that file, the blend's
-    sample and the directory's, and the command that rebuilds that directory (with the tokenizer it was given)."""
+    sample and the directory's, and the command that rebuilds that directory (with the tokenizer it was given). (A
+    build of before meta.json recorded its tokens_fingerprint, or one damaged between the blocks that it reads: its
+    ids are checked as they are read.)"""
     first, second, _ = blend_dirs
     copy = tmp_path / "code"
     shutil.copytree(second, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["tokens_fingerprint"]
+    (copy / "meta.json").write_text(json.dumps(meta))
     cfg = blend_of(small_data, (0.7, first), (0.3, copy))
     train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
     i = next(i for i in range(3, 20) if train.locate(i)[0] is train.datasets[1])

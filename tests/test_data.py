@@ -581,6 +581,25 @@ def _meta_without_source(out):
     return "meta.json"
 
 
+def _other_tokens(out):
+    """tokens.bin of another build of as many tokens (here its own rotated by one: valid ids, the same size), copied
+    over it: its meta.json's counts still hold."""
+    values = np.memmap(out / "tokens.bin", dtype=np.uint16, mode="r+")
+    values[:] = np.roll(np.array(values), 1)
+    values.flush()
+    return ""
+
+
+def _other_documents(out):
+    """tokens.idx that cuts the same tokens into as many other documents (the first one token shorter, the second one
+    longer): what a preparation stopped before it wrote meta.json may leave."""
+    values = np.memmap(out / "tokens.idx", dtype=np.int64, mode="r+", offset=24)
+    n = len(values) // 2
+    values[0], values[1], values[n + 1] = values[0] - 1, values[1] + 1, values[n + 1] - 1
+    values.flush()
+    return ""
+
+
 def _garbage_meta(out):
     (out / "meta.json").write_text('{"num_docs": ')
     return "meta.json"
@@ -607,11 +626,14 @@ def _missing(name):
 
 # the problem the message names, where a case checks it
 PROBLEMS = {"_empty_idx": "truncated header", "_meta_counts": "says 41 documents / ",
-            "_garbage_meta": "missing or not valid JSON", "_meta_without_source": "names no source corpus: damaged"}
+            "_garbage_meta": "missing or not valid JSON", "_meta_without_source": "names no source corpus: damaged",
+            "_other_tokens": "its tokens.bin and tokens.idx are not the files its meta.json was written for",
+            "_other_documents": "its tokens.bin and tokens.idx are not the files its meta.json was written for"}
 
 
 @pytest.mark.parametrize("corrupt", [_corrupt_bin, _corrupt_idx, _bad_magic, _bad_version, _bad_offsets,
-                                     _empty_idx, _meta_counts, _meta_without_source, _garbage_meta, _other_tokenizer,
+                                     _empty_idx, _meta_counts, _meta_without_source, _other_tokens, _other_documents,
+                                     _garbage_meta, _other_tokenizer,
                                      _garbage_tokenizer, _missing("tokens.bin"), _missing("tokens.idx"),
                                      _missing("meta.json"), _missing("tokenizer.model")],
                          ids=lambda f: f.__name__.strip("_"))
@@ -1031,6 +1053,35 @@ def test_second_prepare_is_cached(prepared, capsys):
     out = capsys.readouterr().out
     assert "tokenizer: cached" in out and "tokens: cached" in out
     assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
+
+
+def test_a_build_records_its_tokens_fingerprint_which_a_start_reads_once(copy_of, monkeypatch, capsys):
+    """meta.json records the tokens_fingerprint of the files it was written for, the value that data_identity puts in
+    checkpoints; a start (load_datasets, then data_identity) reads each token file's blocks once. A directory prepared
+    before meta.json recorded it opens as before, other token files too (a resume still compares them), and a
+    prepare over it records it without encoding again (tokens.bin and .idx untouched)."""
+    from megatron_mini.dataset import data_identity
+    out = Path(copy_of.dir)
+    meta = json.loads((out / "meta.json").read_text())
+    read = []
+    monkeypatch.setattr(data, "fingerprint", lambda path, f=data.fingerprint: read.append(Path(path).name) or f(path))
+    datasets = load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
+    assert data_identity(copy_of, datasets)["tokens_fingerprint"] == meta["tokens_fingerprint"]
+    assert sorted(read) == ["tokens.bin", "tokens.idx"]
+    del meta["tokens_fingerprint"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    tokens = (out / "tokens.bin").read_bytes()
+    _other_tokens(out)
+    load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
+    (out / "tokens.bin").write_bytes(tokens)
+    files = {name: (out / name).stat().st_mtime_ns for name in ("tokens.bin", "tokens.idx")}
+    capsys.readouterr()
+    recorded = prepare(copy_of)["tokens_fingerprint"]
+    assert "tokens: cached" in capsys.readouterr().out
+    assert json.loads((out / "meta.json").read_text()) == {**meta, "tokens_fingerprint": recorded}
+    assert recorded == data_identity(copy_of, load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB))[
+        "tokens_fingerprint"]
+    assert files == {name: (out / name).stat().st_mtime_ns for name in ("tokens.bin", "tokens.idx")}
 
 
 def test_one_preparation_at_a_time_and_what_a_killed_one_left(copy_of, prepared, capsys):

@@ -90,12 +90,19 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         damage(path)
         return path
 
-    bad_tokens = tmp / "bad_tokens"
-    shutil.copytree(data.dir, bad_tokens)
-    tokens = np.memmap(bad_tokens / "tokens.bin", dtype=np.uint16, mode="r+")
-    tokens[::50] = 60000                                  # ids past the 512-token vocabulary, same file size
-    tokens.flush()
-    del tokens
+    bad_tokens, other_tokens = tmp / "bad_tokens", tmp / "other_tokens"
+    for directory in (bad_tokens, other_tokens):
+        shutil.copytree(data.dir, directory)
+        tokens = np.memmap(directory / "tokens.bin", dtype=np.uint16, mode="r+")
+        if directory == bad_tokens:
+            tokens[::50] = 60000                          # ids past the 512-token vocabulary, same file size
+        else:
+            tokens[:] = np.roll(np.array(tokens), 1)      # another build's tokens, as many
+        tokens.flush()
+        del tokens
+    # (a build of before meta.json recorded its tokens_fingerprint, or one damaged between the blocks that it reads:
+    # its ids are checked as they are read)
+    _edit_meta(lambda meta: meta.pop("tokens_fingerprint"))(bad_tokens)
     not_a_dir = tmp / "a_file"
     not_a_dir.write_text("x")
     empty = tmp / "empty"
@@ -152,6 +159,8 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("unwritable-run-dir", 1, [f"run_dir={not_a_dir}/run"], [f"run_dir={not_a_dir}/run cannot be written"]),
         ("token-ids", 1, [f"data.dir={bad_tokens}"], [f"{bad_tokens}/tokens.bin: holds token id 60000, outside the "
                                                      f"vocabulary of 512", "rebuild it with:"]),
+        ("token-files", 1, [f"data.dir={other_tokens}"], [f"{other_tokens}: its tokens.bin and tokens.idx are not the "
+                                                          f"files its meta.json was written for", "rebuild it with:"]),
         ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
         ("resume-run-dir", 1, [f"resume={broken_run}"],
          [f"{broken_run} has checkpoints but none is complete and intact (skipped {broken_run}/checkpoints/"
@@ -237,7 +246,7 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo"
                "loss-scale-inf", "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
-               "token-ids", "resume-empty-dir", "resume-run-dir", "bool-given-a-number",
+               "token-ids", "token-files", "resume-empty-dir", "resume-run-dir", "bool-given-a-number",
                "resume-truncated", "resume-flipped-byte", "resume-bad-meta", "resume-no-optimizer",
                "resume-meta-no-config", "resume-meta-text-step", "init-from-meta-text-seq-len",
                "resume-meta-text-step-count", "resume-renamed-tensor", "resume-garbled-optimizer",
