@@ -166,6 +166,12 @@ class DataConfig:
             raise ConfigError(f"data.blend mixes directories already prepared, each with the tokenizer it was encoded "
                               f"with (one for all): {unread[0]} would be unread; leave it out.")
 
+    def check_dirs_on_disk(self) -> None:
+        """check_dirs_on_disk of data.blend's directories and of data.eval's, which a run reads."""
+        if self.blend is not None:
+            check_dirs_on_disk("data.blend", [d for _, d in self.parts()], ", with the sum of its weights")
+        check_dirs_on_disk("data.eval", self.eval_dirs())
+
     def eval_dirs(self, key: str = "data.eval") -> list[str]:
         """data.eval's directories ([] without it); ConfigError for an empty list, an empty name, or one named twice
         (by `key`: data.eval, or a tool's argument that gave them)."""
@@ -179,16 +185,25 @@ class DataConfig:
         return [_spelled(d) for d in dirs]
 
 
+def check_dirs_on_disk(key: str, dirs: list, hint: str = "") -> None:
+    """ConfigError where two of `dirs` (of config key `key`) are one directory on this machine's file system (a link
+    to another, an absolute and a relative path): checked by what reads them (DataConfig.check_dirs_on_disk), never of
+    a checkpoint's config by a tool that reads no data, on a machine where the run's paths may be others' or none."""
+    _check_dirs(key, dirs, hint, os.path.realpath)
+
+
 def _spelled(directory) -> str:
     """A directory's name as a run uses it (its metrics' keys: loss/<dir>, eval_loss/<dir>), whatever the spelling:
     "./data/web/" is "data/web" (".." is kept: a link may stand before it)."""
     return str(PurePath(directory))
 
 
-def _check_dirs(key: str, dirs: list, hint: str) -> None:
-    """ConfigError where `dirs` (of config key `key`) holds an empty name, or a directory twice (a link to it too)."""
+def _check_dirs(key: str, dirs: list, hint: str, same_path=os.path.normpath) -> None:
+    """ConfigError where `dirs` (of config key `key`) holds an empty name, or a directory twice: by its name
+    (`same_path` os.path.normpath: A and ./A/, a check of values that a checkpoint's config passes on any machine), or
+    on this machine's file system (os.path.realpath: a link to it too; check_dirs_on_disk)."""
     for d in dirs:
-        same = [x for x in dirs if os.path.realpath(x) == os.path.realpath(d)]
+        same = [x for x in dirs if same_path(x) == same_path(d)]
         if not d or len(same) > 1:
             twice = f"{d} twice" + (f" (as {' and '.join(same)})" if len(set(same)) > 1 else "")
             raise ConfigError(f"{key} names {twice if d else 'an empty directory'}: give each prepared directory "
@@ -540,6 +555,7 @@ def check_layout_free(cfg: TrainConfig) -> None:
     the lr and loss-scale bounds, the model's shape."""
     _choices(cfg)
     check_ranges(cfg)
+    cfg.data.check_dirs_on_disk()
     if not cfg.run_name.strip() or set(cfg.run_name.replace("\\", "/").split("/")) & {"", ".", ".."}:
         raise ConfigError(f"run_name={cfg.run_name!r} must name a directory below runs/ (no empty, '.' or '..' "
                           f"part); to put a run elsewhere, set run_dir=PATH.")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .checkpoint import CheckpointError
-from .config import ConfigError, TrainConfig, check_heads, check_ranges
+from .config import ConfigError, TrainConfig, check_dirs_on_disk, check_heads, check_ranges
 from .data import DataError, Tokenizer
 from .dataset import BlendedDataset, data_identity, load_datasets, load_eval_sets
 from .errors import first_line
@@ -57,7 +57,9 @@ def config_from_dict(d: dict, cls=TrainConfig):
 
 
 # the config keys (sections) the tools read from a checkpoint's meta.json, which no checksum covers: checked as
-# train.py checks them (a hand-edited value was a traceback in the model or the data split, or a broken export)
+# train.py checks them (a hand-edited value was a traceback in the model or the data split, or a broken export); their
+# values alone: the data paths are the run's machine's, which this one may lack or hold as other files (config's
+# check_dirs_on_disk is for what reads them)
 READ_KEYS = ("model.", "data.", "seed", "mbs", "gbs", "eval_iters")
 
 
@@ -240,7 +242,8 @@ def evaluation_sets(ckpt: Checkpoint, tok: Tokenizer, dirs: list) -> tuple[dict,
     cfg, seq_len, vocab_size = ckpt.cfg, ckpt.cfg.model.seq_len, ckpt.cfg.model.vocab_size
     if dirs:
         given = dataclasses.replace(cfg.data, eval=list(dirs))
-        given.eval_dirs("evaluate.py's DIRS")                   # (a directory twice: named as the user gave it)
+        key = "evaluate.py's DIRS"                 # (a directory twice: named as the user gave it, or a link to it)
+        check_dirs_on_disk(key, given.eval_dirs(key))
         return load_eval_sets(given, seq_len, vocab_size, tok, "the directories evaluate.py reads and the run's"), []
     data = dataclasses.replace(cfg.data, tokenizer=None, dir=_located(cfg.data.dir), blend=cfg.data.blend and [
         _located(v) if i % 2 else v for i, v in enumerate(cfg.data.blend)], eval=cfg.data.eval and [

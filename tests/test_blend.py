@@ -19,7 +19,7 @@ import pytest
 
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini import checkpoint
-from megatron_mini.config import ConfigError, DataConfig, check_ranges
+from megatron_mini.config import ConfigError, DataConfig, check_ranges, validate
 from megatron_mini.data import DataError, Tokenizer, prepare
 from megatron_mini.dataset import BlendedDataset, blend_note, check_token_ids, data_identity, load_datasets
 from megatron_mini.inference import find_tokenizer, read_checkpoint
@@ -592,11 +592,42 @@ def test_a_corpus_is_blended_once(small_data, blend_dirs, tmp_path):
     (tmp_path / "link").symlink_to(second)
     with pytest.raises(ConfigError, match=rf"data\.blend names {re.escape(second)} twice \(as {re.escape(second)} "
                                           rf"and {re.escape(str(tmp_path / 'link'))}\)"):
-        blend_of(small_data, (1, first), (1, second), (1, tmp_path / "link")).parts()
+        validate(small_config(blend_of(small_data, (1, first), (1, second), (1, tmp_path / "link")), tmp_path), 1)
     shutil.copytree(second, tmp_path / "copy")
     with pytest.raises(DataError, match=rf"data\.blend: {re.escape(str(tmp_path / 'copy'))}: holds the corpus of "
                                         rf"{re.escape(second)} \(the same sha256\): give each corpus once"):
         load_datasets(blend_of(small_data, (1, second), (1, tmp_path / "copy")), SEQ, 5, small_data.vocab_size)
+
+
+def test_the_tools_read_a_checkpoint_whose_data_paths_are_others_here(small_data, blend_dirs, tmp_path, capsys):
+    """A blend's checkpoint (data.blend and data.eval of two directories) read on a machine where those paths are
+    absent, or where they are one directory (here links to one): generate.py and export_hf.py read no data and
+    evaluate.py reads the directories it is given, so each runs as on the run's machine; before, the tools compared
+    the saved paths on this machine's file system (check_ranges) and refused the checkpoint ("data.blend names ...
+    twice"). A run on this machine is still refused such a blend."""
+    import evaluate
+    import export_hf
+    import generate
+    data = tmp_path / "data"
+    for name, directory in (("a", blend_dirs[0]), ("b", blend_dirs[1])):
+        shutil.copytree(directory, data / name)
+    a, b = str(data / "a"), str(data / "b")
+    cfg = small_config(dataclasses.replace(blend_of(small_data, (1, a), (1, b)), eval=[a, b]), tmp_path / "run",
+                       steps=1, gbs=2, **{"model.num_layers": 2})
+    moved = tmp_path / "elsewhere" / "step_000001"
+    shutil.copytree(train_on_ranks(1, cfg)["checkpoint"], moved)
+    shutil.rmtree(data)
+    data.mkdir()
+    for case in ("absent", "one directory"):
+        if case == "one directory":
+            (data / "a").symlink_to(blend_dirs[0])
+            (data / "b").symlink_to(blend_dirs[0])
+            with pytest.raises(ConfigError, match=rf"data\.blend names {re.escape(a)} twice"):
+                validate(cfg, 1)                                  # (train.py's first check)
+        assert generate.main([str(moved), "--prompt", "def", "--max-new-tokens", "2", "--device", "cpu"]) == 0, case
+        assert export_hf.main([str(moved), str(tmp_path / case / "hf")]) == 0, case
+        assert evaluate.main([str(moved), blend_dirs[1], "--samples", "2", "--device", "cpu"]) == 0, case
+        assert "error" not in capsys.readouterr().err, case
 
 
 def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blend_dirs, tmp_path):

@@ -34,6 +34,7 @@ def main(dict_cfg) -> None:
         check_booleans(command_line.argv)
         cfg = structured(dict_cfg)
         check_ranges(cfg, "data.")
+        cfg.data.check_dirs_on_disk()
         if cfg.data.blend is None:
             prepare(cfg.data)
         else:                              # (the samples of the mixture it prints: a run's seq_len and seed)
