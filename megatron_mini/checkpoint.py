@@ -93,11 +93,16 @@ class Resume:
 def remove_interrupted(run_dir: str) -> list:
     """Remove the step_N.tmp directories of `run_dir`: the files of saves that a crash or a kill interrupted, never
     published (resume=auto passes over them: no meta.json, no step_N name); call at a start, when no save is in
-    flight. Returns notes."""
+    flight. Returns notes; one that cannot be removed (EBUSY on NFS, while a process of the killed job still holds a
+    file) is a note too, not a failed start: it is no part of any checkpoint."""
     notes = []
     for path in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.tmp"))):
-        shutil.rmtree(path)
-        notes.append(f"removed {path}, the partial files of a save that a crash interrupted")
+        what = f"{path}, the partial files of a save that a crash interrupted"
+        try:
+            shutil.rmtree(path)
+            notes.append(f"removed {what}")
+        except OSError as e:
+            notes.append(f"could not remove {what} ({describe(e)}): remove it by hand")
     return notes
 
 

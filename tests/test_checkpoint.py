@@ -225,6 +225,41 @@ def test_a_fresh_start_moves_an_earlier_attempts_metrics_aside(small_data, tmp_p
         (run / "logs" / "rank0000.log").read_text()
 
 
+def _train_beside_a_busy_leftover(cfg, busy: str) -> dict:
+    """train(cfg) on this spawned rank, where removing the directory `busy` fails as on NFS while a process of the
+    killed job still holds one of its files open (EBUSY, its .nfs file)."""
+    import errno
+    import shutil
+
+    from harness import _train
+    rmtree = shutil.rmtree
+
+    def busy_rmtree(path, *args, **kwargs):
+        if str(path) == busy:
+            raise OSError(errno.EBUSY, "Device or resource busy", os.path.join(busy, ".nfs0000000000000001"))
+        return rmtree(path, *args, **kwargs)
+    shutil.rmtree = busy_rmtree
+    return _train(cfg)
+
+
+def test_a_leftover_save_that_cannot_be_removed_is_noted_not_a_failed_start(small_data, tmp_path):
+    """A start removes what interrupted saves left (checkpoint.remove_interrupted); one that it cannot remove (here
+    EBUSY) is a line in the log and stays, the others are removed and the run trains: it is no part of any
+    checkpoint (resume=auto passes over it), so it never stopped a start before a start removed them."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_00000{step}.tmp").mkdir(parents=True)
+    busy = str(run / "checkpoints" / "step_000001.tmp")
+    history = spawn(1, _train_beside_a_busy_leftover, small_config(small_data, run, steps=2, resume="auto"), busy,
+                    init_group=False)[0]
+    assert len(history["loss"]) == 2
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000001.tmp", "step_000002"]
+    log = (run / "logs" / "rank0000.log").read_text()
+    assert f" could not remove {busy}, the partial files of a save that a crash interrupted (OSError: [Errno 16] " \
+           f"Device or resource busy: '{busy}/.nfs0000000000000001'): remove it by hand\n" in log, log
+    assert f" removed {run}/checkpoints/step_000002.tmp, the partial files of a save that a crash interrupted\n" in log
+
+
 def test_a_second_branch_past_the_same_step_sets_its_newer_checkpoint_aside_too(uninterrupted, small_data, tmp_path):
     """Two rollbacks to step 5, each past a step 10: the second step_000010 goes aside as
     step_000010.superseded-2, beside the first branch's step_000010.superseded, and branches.json records both
