@@ -198,10 +198,10 @@ def _spelled(directory) -> str:
     return str(PurePath(directory))
 
 
-def _check_dirs(key: str, dirs: list, hint: str, same_path=os.path.normpath) -> None:
+def _check_dirs(key: str, dirs: list, hint: str, same_path=_spelled) -> None:
     """ConfigError where `dirs` (of config key `key`) holds an empty name, or a directory twice: by its name
-    (`same_path` os.path.normpath: A and ./A/, a check of values that a checkpoint's config passes on any machine), or
-    on this machine's file system (os.path.realpath: a link to it too; check_dirs_on_disk)."""
+    (`same_path` _spelled: A and ./A/, not link/../A and A, a check of values that a checkpoint's config passes on any
+    machine), or on this machine's file system (os.path.realpath: a link to it too; check_dirs_on_disk)."""
     for d in dirs:
         same = [x for x in dirs if same_path(x) == same_path(d)]
         if not d or len(same) > 1:

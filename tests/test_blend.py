@@ -599,6 +599,22 @@ def test_a_corpus_is_blended_once(small_data, blend_dirs, tmp_path):
         load_datasets(blend_of(small_data, (1, second), (1, tmp_path / "copy")), SEQ, 5, small_data.vocab_size)
 
 
+def test_a_name_through_a_links_parent_is_another_directory(small_data, tmp_path):
+    """link/../x and x, where link is a link to real/sub: two directories (real/x and x), which data.blend and data.eval
+    each take, by name (a checkpoint's config, read anywhere) and on this file system (a run), as the names a run's
+    metrics use (config._spelled keeps "..", a link may stand before it); "x" and "./x/" are one, refused by name."""
+    for d in ("x", "real/sub", "real/x"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    dirs = [f"{tmp_path}/link/../x", f"{tmp_path}/x"]
+    assert len({os.path.realpath(d) for d in dirs}) == 2
+    data = dataclasses.replace(small_data, blend=["1", dirs[0], "1", dirs[1]], eval=dirs)
+    assert [d for _, d in data.parts()] == data.eval_dirs() == dirs
+    data.check_dirs_on_disk()
+    with pytest.raises(ConfigError, match=r"data\.eval names .*/x twice"):
+        dataclasses.replace(small_data, eval=[dirs[1], f"{tmp_path}/./x/"]).eval_dirs()
+
+
 def test_the_tools_read_a_checkpoint_whose_data_paths_are_others_here(small_data, blend_dirs, tmp_path, capsys):
     """A blend's checkpoint (data.blend and data.eval of two directories) read on a machine where those paths are
     absent, or where they are one directory (here links to one): generate.py and export_hf.py read no data and
