@@ -8,11 +8,14 @@ import signal  # noqa: E402
 
 import torch  # noqa: E402
 
-# A shell starts a background job (`make test &`, nohup) with SIGINT ignored, which every process it starts
-# inherits, and the library leaves a signal it was started ignoring ignored (launch.StopRequest.taken): the tests of
-# Ctrl-C then saw none. They test the library's answer to a Ctrl-C, so the session takes SIGINT as a terminal's does.
+# A shell starts a background job (`make test &`) with SIGINT ignored, and nohup (`nohup make test &`) SIGHUP too,
+# which every process it starts inherits, and the library leaves a signal it was started ignoring ignored
+# (launch.StopRequest.taken): the tests of Ctrl-C and of a closed terminal then saw none. They test the library's
+# answer to those, so the session takes SIGINT and SIGHUP as a terminal's process does.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
