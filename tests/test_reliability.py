@@ -283,13 +283,17 @@ def test_one_process_needs_no_port(small_data, tmp_path):
 
 def test_a_rank_that_never_comes_is_one_line(small_data, tmp_path):
     """A job whose other rank never starts (a task that died before it ran) ends each rank that waited, after
-    timeout_s, with one line naming the address and the ways out, not a rendezvous traceback."""
+    timeout_s, with one line naming the address and the ways out, not a rendezvous traceback. Rank 0 (which hosts
+    the rendezvous) and rank 1 (which finds no host) run side by side, each at a port of its own, so neither meets
+    the other."""
     port = free_port()
-    for rank in (0, 1):
-        r = python_train([*model_args(small_data, tmp_path / f"run{rank}"), "timeout_s=3"],
-                         env(RANK=rank, WORLD_SIZE=2, MASTER_PORT=port))
-        assert_one_error(r, [f"rank {rank}: joining the process group of 2 ranks at 127.0.0.1:{port} failed",
-                             "raise timeout_s=3"], "python", code=1, quick=False)
+    ports = [port, next(p for p in iter(free_port, None) if p != port)]
+    procs = [start([PYTHON, "train.py", *model_args(small_data, tmp_path / f"run{rank}"), "timeout_s=3"],
+                   env(RANK=rank, WORLD_SIZE=2, MASTER_PORT=ports[rank])) for rank in (0, 1)]
+    for rank, proc in enumerate(procs):
+        address = f"127.0.0.1:{ports[rank]}"
+        assert_one_error(finish(proc), [f"rank {rank}: joining the process group of 2 ranks at {address} failed",
+                                        "raise timeout_s=3"], "python", code=1, quick=False)
 
 
 @pytest.mark.parametrize("layout, message", [
