@@ -302,9 +302,10 @@ def test_an_evaluation_set_is_read_the_same_by_every_run(small_data, blend_dirs,
 def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_path, capsys, monkeypatch):
     """tools/evaluate.py on one process gives the losses a tp=2 run of a blend logged at its last evaluation: the
     validation set's (val_loss: the blend's validation samples) and a data.eval set's (eval_loss/<dir>), over the
-    same eval_iters x gbs samples by default; --samples 0 reads a set's epoch. The run's relative paths are found
-    from the repository root too; a data.eval set removed since is a note. A directory of another tokenizer, or a
-    run directory whose data was rebuilt, is one error line."""
+    same eval_iters x gbs samples by default; --samples 0 reads a set's epoch (thousands of samples: here --batch 64
+    at a time, not the default, the run's mbs of 2). The run's relative paths are found from the repository root too;
+    a data.eval set removed since is a note. A directory of another tokenizer, or a run directory whose data was
+    rebuilt, is one error line."""
     import evaluate
     from megatron_mini import inference
     from megatron_mini.inference import evaluation_sets, load_model, mean_losses
@@ -332,8 +333,9 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
                              f"{second} {logged[f'val_loss/{second}']:.4f}) | perplexity ") and \
         "| 16 samples of 32 " in out[0]
     assert out[1].startswith(f"{second}: loss {logged[f'eval_loss/{second}']:.4f} | ") and len(out) == 2
-    assert evaluate.main([cfg.run_dir, "--samples", "0", "--device", "cpu"]) == 0    # every validation sample: the
-    out = capsys.readouterr().out.splitlines()             # blend's directories whole (its epoch ends before)
+    # every validation sample: the blend's directories whole (its epoch ends before)
+    assert evaluate.main([cfg.run_dir, "--samples", "0", "--batch", "64", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
     parts = sets["validation"].datasets
     assert [line.split(": loss ")[0] for line in out] == [f"validation ({first})", f"validation ({second})", second]
     for line, part in zip(out, parts):
@@ -342,7 +344,7 @@ def test_evaluate_gives_a_checkpoints_logged_losses(small_data, blend_dirs, tmp_
     assert out[0].startswith(f"validation ({first}): loss {whole:.4f} | "), out[0]
     blend = sets["validation"]                             # (its epoch leaves a directory part read)
     assert any((blend.which(0, len(blend)) == d).sum() < len(part) for d, part in enumerate(parts))
-    assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--device", "cpu"]) == 0
+    assert evaluate.main([history["checkpoint"], second, "--samples", "0", "--batch", "64", "--device", "cpu"]) == 0
     epoch = len(evaluation_sets(ckpt, tok, [second])[0][second])
     assert f"{second}: loss " in (out := capsys.readouterr().out) and f"| {epoch:,} samples of 32 tokens (its epoch)" \
         in out
