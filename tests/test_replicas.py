@@ -170,8 +170,9 @@ def test_tp_ranks_whose_layer_norm_rounds_otherwise_keep_equal_copies(small_data
     this CPU): its LayerNorm gradients, and through its dx every replicated parameter's, round otherwise than rank
     0's; the replicas drift apart in the first step and the check after it stops the run. Averaged over TP they stay
     equal, and the run trains as with equal tiles (within fp32 rounding)."""
+    # (2 microbatches a step, not 8: each LayerNorm runs in Triton's interpreter, the test's cost)
     cfg = small_config(small_data, tmp_path / "a", tp=2, kernels="layer_norm", steps=2, replica_check_interval=1,
-                       **{"model.num_layers": 1})
+                       gbs=4, **{"model.num_layers": 1})
     drifted = spawn(2, _train_with_other_tiles_on_rank_1, cfg, False, init_group=False)[0]
     assert isinstance(drifted, str) and drifted.startswith(
         "rank 0 found copies of the weights that differ between ranks: the TP group (ranks 0, 1) holds "), drifted
