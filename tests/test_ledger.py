@@ -58,7 +58,7 @@ def _tp_activation_bytes(cfg):
 def test_tp2_step(kernels, small_data, tmp_path):
     """With the Triton LayerNorm (autotuned per rank) the replicated parameters' gradients are averaged over TP
     once a step: one all-reduce of 2L+1 LayerNorms (w, b), 2L row-parallel biases and the positions."""
-    cfg = small_config(small_data, tmp_path, tp=2, kernels=kernels)
+    cfg = small_config(small_data, tmp_path, tp=2, kernels=kernels, gbs=4)   # m = 2: per microbatch is not per step
     m, L, h = cfg.gbs // cfg.mbs, cfg.model.num_layers, cfg.model.hidden_size
     act, tokens = _tp_activation_bytes(cfg), cfg.model.seq_len * cfg.mbs * F32
     # per microbatch: forward g (embedding) + 2 g per block; backward 2 f per block + f (head)
