@@ -68,7 +68,7 @@ def test_zero1_resumes_in_other_buckets(world, buckets, zero1_in_small_buckets, 
     assert _optimizer_pieces(full["checkpoint"]) != _optimizer_pieces(resumed["checkpoint"])
 
 
-RECOMPUTE_RUN = dict(steps=6, **{"model.dropout": 0.1})
+RECOMPUTE_RUN = dict(steps=3, **{"model.dropout": 0.1})   # (a mask replayed wrong differs from step 1)
 RECOMPUTE_LAYOUTS = {"tp1": {}, "tp2-sp": dict(tp=2, sp=True)}   # dropout on the default stream at tp=1
 
 
