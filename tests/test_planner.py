@@ -162,16 +162,24 @@ def test_every_valid_layout_is_enumerated_once(small_data, tmp_path):
     assert refused[NODE] == 2 and sum(refused.values()) > 2      # tp = 8, 16
 
 
+@pytest.fixture(scope="module")
+def one_process_plan(small_data, tmp_path_factory):
+    """(base, plan(base) in this process) for 32 GPUs: what the workers must plan (whether a GPU is visible only
+    chooses how plan() starts its workers)."""
+    base = _cluster_config(small_data, tmp_path_factory.mktemp("plan"), 32)
+    return base, plan(base, workers=1)
+
+
 @pytest.mark.parametrize("gpu_visible", [False, True], ids=["fork", "spawn"])
-def test_workers_plan_what_one_process_plans(small_data, tmp_path, monkeypatch, gpu_visible):
+def test_workers_plan_what_one_process_plans(one_process_plan, monkeypatch, gpu_visible):
     """Workers forked (CPU-only machines) or spawned (a GPU visible: torch refuses autograd in a child forked
     after a backward there) plan bit for bit what one process plans (spawned workers hash strings with
     another seed: no float sum may follow a set's order)."""
     if not gpu_visible and torch.cuda.is_available():
         pytest.skip("plan() never forks where a GPU is visible (a backward here may have started autograd's threads)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_visible)
-    base = _cluster_config(small_data, tmp_path, 32)
-    one, two = plan(base, workers=1), plan(base, workers=2)
+    base, one = one_process_plan
+    two = plan(base, workers=2)
     assert len(one.estimates) >= 32                       # enough for plan() to use the two workers
     assert [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in one.estimates] == \
         [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in two.estimates]
