@@ -709,7 +709,8 @@ def test_planned_memory_holds_what_a_real_step_allocates(world, layout, small_da
     12-16% under (30% with full recomputation); with vpp = 2 they are two chunks, two backward passes, and nothing
     waits. There the peak is the embedding's backward, after the blocks' saved tensors are freed: a plan that added
     it to every block's saved tensors was 1.13x over at 8 blocks, 1.27x at 16."""
-    cfg = small_config(small_data, tmp_path, **layout)
+    # 2 microbatches a step, as many in flight at pp <= 2 as 8 (the GPipe case keeps its gbs=8: all 8)
+    cfg = small_config(small_data, tmp_path, **{"gbs": 4, **layout})
     dp = world // (cfg.tp * cfg.pp)
     for pp_rank, tp_rank, dp_rank, allocated in spawn(world, _step_allocations, cfg):
         if tp_rank or dp_rank:
