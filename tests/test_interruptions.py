@@ -38,7 +38,7 @@ def test_a_failed_save_keeps_the_last_good_checkpoint(small_data, tmp_path, hook
 def test_fp16_that_cannot_recover_stops(small_data, tmp_path):
     args = [*model_args(small_data, tmp_path / "run"), "precision=fp16", "precision.initial_loss_scale=4",
             "precision.max_skips_at_min_scale=3", "optimizer.lr=10000", "optimizer.warmup_steps=0",
-            "optimizer.min_lr=0", "steps=40"]
+            "optimizer.min_lr=0", "steps=40", "gbs=4", "mbs=2"]
     r = torchrun_train(1, args)
     assert_one_error(r, ["Training stopped (fp16): 3 steps in a row overflowed at the minimum loss scale 1",
                          "use precision=bf16"], "torchrun", code=1, quick=False)
