@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import sys
 import time
@@ -353,9 +354,9 @@ def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_
 def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              num_samples: int = 1, eos_id: int | None = None, generator: torch.Generator | None = None,
              kv_cache: bool = True, timing: dict | None = None, top_p: float = 1.0) -> list:
-    """Continue the prompt `ids` num_samples times: a list of num_samples lists of at most max_new_tokens
-    new ids, each ending at its first eos_id (kept). Greedy when temperature == 0, else sampled from
-    sampling_logits (top_k=0 and top_p=1 keep all).
+    """Continue the prompt `ids` (one prompt: a sequence of int ids) num_samples times, the batch: a list of
+    num_samples lists of at most max_new_tokens new ids, each ending at its first eos_id (kept). Greedy when
+    temperature == 0, else sampled from sampling_logits (top_k=0 and top_p=1 keep all).
     `timing`, when given and max_new_tokens > 0, receives the seconds to the first new token (the prompt's
     prefill) and after it ("prefill_s", "decode_s": the device synchronised at both).
 
@@ -365,11 +366,16 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     so past the window the context is between seq_len // 2 and seq_len tokens and costs one half-window
     prefill per seq_len // 2 new tokens. Without the cache (kv_cache=False) every token reruns the last
     seq_len tokens: the same tokens as the cache while the text fits the window, a window that slides
-    one token at a time beyond it.
+    one token at a time beyond it. (Hugging Face's GPT-2 generate() stops there: an IndexError past its
+    n_positions, the token after the one predicted from a full window.)
     """
     device = next(model.parameters()).device
     seq_len = model.layers[0].position_embeddings.shape[0]
     vocab = model.layers[-1].vocab_size
+    try:
+        ids = [operator.index(i) for i in ids]              # (0-d int tensors too; not a float, nor a batch's row)
+    except TypeError:
+        ids = None
     bad = [f"{name}={value} must be >= {low}" for name, value, low in
            (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
             ("num_samples", num_samples, 1)) if not value >= low]           # (NaN is not >= anything)
@@ -377,13 +383,16 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         bad.append(f"top_p={top_p} must be in (0, 1]")
     if temperature == math.inf:
         bad.append("temperature=inf: every token would be equally likely")
-    if not len(ids):
+    if ids is None:
+        bad.append("the prompt must be one sequence of int token ids (prompts of different lengths are not batched: "
+                   "the batch is its num_samples continuations)")
+    elif not len(ids):
         bad.append("the prompt is empty (start from [eos_id] for none)")
     elif not all(0 <= i < vocab for i in ids):
         bad.append(f"prompt ids must be in [0, {vocab}): got {[i for i in ids if not 0 <= i < vocab][:5]}")
     if bad:
         raise ValueError("generate(): " + "; ".join(bad))
-    x = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # [n, t]
+    x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # [n, t]
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     cache, feed = (KVCache() if kv_cache else None), x[:, -seq_len:]             # feed: what the model runs next
     clock = _Clock(device) if timing is not None else None

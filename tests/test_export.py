@@ -522,7 +522,9 @@ def test_generation_stops_once_every_sample_has_ended(monkeypatch):
 
 def test_generate_refuses_bad_arguments():
     """One ValueError naming every bad argument; a prompt id in the padded rows (96..127) is refused too,
-    where it would have been embedded from an untrained row."""
+    where it would have been embedded from an untrained row, and a prompt that is not one sequence of int ids: a
+    batch of prompts (a TypeError in a comparison, or a tensor's "ambiguous" RuntimeError) or floats (cut to ints).
+    A 1-D tensor is a prompt."""
     model = _random_model()
     for kwargs, message in (({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
                             ({"top_k": -1, "num_samples": 0}, "top_k=-1 must be >= 0; num_samples=0 must be >= 1"),
@@ -532,11 +534,16 @@ def test_generate_refuses_bad_arguments():
                             ({"temperature": float("nan")}, "temperature=nan must be >= 0"),
                             ({"temperature": float("inf")}, "temperature=inf"),
                             ({"ids": []}, "the prompt is empty"),
-                            ({"ids": [3, 96, -1, 7]}, r"prompt ids must be in \[0, 96\): got \[96, -1\]")):
+                            ({"ids": [3, 96, -1, 7]}, r"prompt ids must be in \[0, 96\): got \[96, -1\]"),
+                            ({"ids": [[1, 2], [3]]}, "the prompt must be one sequence of int token ids \\(prompts "
+                                                     "of different lengths are not batched"),
+                            ({"ids": torch.tensor([[1, 2], [3, 4]])}, "the prompt must be one sequence of int"),
+                            ({"ids": [1.5, 2]}, "the prompt must be one sequence of int token ids")):
         args = {"ids": [1, 2], "max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=message):
             inference.generate(model, **args)
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
+    assert inference.generate(model, torch.tensor([1, 2]), 3, 0) == inference.generate(model, [1, 2], 3, 0)
 
 
 _TRUE_DIVIDE = torch.Tensor.__truediv__
