@@ -80,16 +80,36 @@ def test_export_matches_megatron_logits(exported, tp):
     assert torch.allclose(loss, expected, rtol=1e-6), (loss.item(), expected.item())
 
 
-def test_greedy_generation_matches_hf(exported):
-    """Greedy with the KV cache = without it = HF's generate, up to a token predicted from a full window."""
-    ckpt, hf, tok = exported[1]
-    model = inference.load_model(ckpt)
-    prompt = tok.encode(PROMPT)
-    n = ckpt.cfg.model.seq_len - len(prompt) + 1
-    ours = inference.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id)
-    assert ours == inference.generate(model, prompt, n, temperature=0, eos_id=tok.eos_id, kv_cache=False)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n - 1, do_sample=False, pad_token_id=tok.eos_id)
-    assert ours[0][:n - 1] == out[0, len(prompt):].tolist()
+def test_greedy_generation_matches_hf():
+    """Greedy decoding with the KV cache = without it = transformers' generate(do_sample=False) of the model as
+    exported (hf_state_dict, hf_config), both in fp64, token for token: from a prompt of one token, of seq_len - 1
+    and between, two samples at once, up to the token predicted from a full window (seq_len - len(prompt) + 1) or
+    to the EOS (here id 0), which ends both. One
+    more would be at position seq_len, past GPT-2's learned positions: transformers' generate fails there (an
+    IndexError in its position embedding), ours goes on with a shorter window (test_kv_cache_greedy_matches_full_
+    forward). The padded rows' logits, 50 times larger than any real one's were they kept, are never picked."""
+    from megatron_mini.config import TrainConfig
+    from megatron_mini.hf import hf_config, hf_state_dict
+    model = _lively_model().double()
+    m = _model_config()
+    ckpt = inference.Checkpoint("random", {}, TrainConfig(model=m),
+                                {name: p.detach() for name, p in model.named_global_parameters()})
+    config = {k: v for k, v in hf_config(ckpt, eos_id=0, dtype=torch.float64).items() if k != "megatron_mini"}
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).double().eval()
+    assert hf.load_state_dict(hf_state_dict(ckpt, torch.float64), strict=False).missing_keys == ["lm_head.weight"]
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+    ended = []
+    for prompt in ([5], [1, 7, 3, 5, 2], list(range(40, 40 + m.seq_len - 1))):
+        n = m.seq_len - len(prompt) + 1
+        ours = inference.generate(model, prompt, n, temperature=0, num_samples=2, eos_id=0)
+        assert ours == inference.generate(model, prompt, n, temperature=0, num_samples=2, eos_id=0, kv_cache=False)
+        out = hf.generate(torch.tensor([prompt] * 2), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert ours == out[:, len(prompt):].tolist(), (prompt, ours[0], out[0, len(prompt):].tolist())
+        ended.append(len(ours[0]) < n)
+    assert ended == [False, True, False]             # (two decode up to the full window, one ends at its EOS)
+    assert len(set(inference.generate(model, [5], m.seq_len, temperature=0)[0])) >= 5
+    with pytest.raises(IndexError):
+        hf.generate(torch.tensor([prompt]), max_new_tokens=n + 1, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("dtype, name, epsilon", [(torch.bfloat16, "bf16", 2 ** -8), (torch.float16, "fp16", 2 ** -11)],
@@ -227,10 +247,12 @@ def test_sampling_is_seeded(exported):
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 20, 0.5), (1.3, 5, 1.0),
-                                                      (1.0, 0, 1e-9), (0.8, 0, 0.999)])
+                                                      (1.0, 0, 1e-9), (0.8, 0, 0.999), (1.0, 1, 1.0),
+                                                      (0.9, 300, 1.0), (1.0, 1000, 0.8)])
 def test_sampling_keeps_the_tokens_hfs_warpers_keep(temperature, top_k, top_p):
     """The logits sampled from (temperature, top_k, then nucleus top_p) keep the tokens that transformers' logits
-    warpers keep, in the order its generate() applies them, with the same probabilities."""
+    warpers keep, in the order its generate() applies them, with the same probabilities (top_k=1: the most likely
+    alone, ties kept; top_k of the vocabulary or more: all)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
     ours = inference.sampling_logits(logits, temperature, top_k, top_p)
@@ -241,7 +263,7 @@ def test_sampling_keeps_the_tokens_hfs_warpers_keep(temperature, top_k, top_p):
         ref = TopPLogitsWarper(top_p)(None, ref)
     assert torch.equal(ours.isfinite(), ref.isfinite())
     kept = ours.isfinite().sum(-1)
-    assert (kept >= 1).all() and (kept < 300).any() == (top_k > 0 or top_p < 1)
+    assert (kept >= 1).all() and (kept < 300).any() == (0 < top_k < 300 or top_p < 1)
     torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1), rtol=1e-12, atol=1e-15)
     half = inference.sampling_logits(logits.bfloat16(), temperature, top_k, top_p)   # (the nucleus cut in fp32)
     assert half.dtype == torch.float32
@@ -264,20 +286,25 @@ def test_a_nucleus_keeps_tied_tokens_together(top_p, kept):
         assert torch.equal(row, expected[order]), (row, expected[order])
 
 
-def test_a_tiny_nucleus_samples_the_greedy_tokens(exported):
-    """top_p so small that only the most likely token is left: sampling gives greedy's tokens, whatever the seed
-    (with the KV cache and without); top_p=1 with the same seed is top_k's sampling alone."""
-    ckpt, _, tok = exported[1]
-    model = inference.load_model(ckpt)
-    greedy = inference.generate(model, [tok.eos_id], 12, temperature=0)
+def test_a_tiny_nucleus_samples_the_greedy_tokens():
+    """top_p so small that only the most likely token is left, or top_k=1: sampling gives greedy's tokens, whatever
+    the seed (with the KV cache and without); top_p=1, or top_k at least the vocabulary, with the same seed is
+    sampling from all the tokens. No sample is a padded vocabulary row (50 times larger logits were they kept)."""
+    model = _lively_model()
+    greedy = inference.generate(model, [5], 24, temperature=0)
+    assert len(set(greedy[0])) >= 5
     for seed, kv_cache in ((0, True), (1, False)):
-        assert inference.generate(model, [tok.eos_id], 12, temperature=1.0, top_p=1e-6, kv_cache=kv_cache,
-                                  generator=torch.Generator().manual_seed(seed)) == greedy
+        for cut in ({"top_p": 1e-6}, {"top_k": 1}):
+            assert inference.generate(model, [5], 24, temperature=1.0, kv_cache=kv_cache,
+                                      generator=torch.Generator().manual_seed(seed), **cut) == greedy
 
-    def sample(**top_p):
-        return inference.generate(model, [tok.eos_id], 10, temperature=1.0, top_k=20, num_samples=2,
-                                  generator=torch.Generator().manual_seed(3), **top_p)
-    assert sample() == sample(top_p=1.0) != greedy * 2
+    def sample(**cut):
+        return inference.generate(model, [5], 24, temperature=2.0, num_samples=4,
+                                  generator=torch.Generator().manual_seed(3), **cut)
+    every = sample()
+    assert every == sample(top_p=1.0) == sample(top_k=96) == sample(top_k=1000) != greedy * 4
+    assert every != sample(top_k=10) and max(max(row) for row in every) < 96
+    assert len(set(sum(every, []))) > 24                       # (most tokens are likely: none would be masked)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False])
@@ -433,15 +460,35 @@ def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkey
     assert run.returncode == 0 and run.stdout.startswith("def main("), run.stderr[-2000:]
 
 
+def _model_config(seq_len: int = 32) -> ModelConfig:
+    """2 blocks, hidden 64, 4 heads, vocabulary 96 padded to 128."""
+    return ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=96,
+                       vocab_pad_multiple=64)
+
+
 def _random_model(tp: int = 1, sp: bool = False, seq_len: int = 32):
-    """A random-initialised 2-block model (seq_len 32, vocabulary 96 padded to 128), eval mode, this rank's
-    part at tp (the same full weights at every tp: the init depends on the seed and global names only)."""
-    model = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=96,
-                        vocab_pad_multiple=64)
+    """A random-initialised _model_config model, eval mode, this rank's part at tp (the same full weights at every
+    tp: the init depends on the seed and global names only)."""
+    model = _model_config(seq_len)
     mesh, cpu = ParallelMesh(tp, 1, 1), torch.device("cpu")
     ctx = ParallelContext(mesh.tp_group, RNGTracker(1234, mesh.tp_rank, cpu), sp)
     (chunk,) = build_chunks(model, ctx, [(0, model.num_layers + 2)], 1234, cpu)
     return chunk.eval()
+
+
+def _lively_model(seq_len: int = 32):
+    """_random_model (tp=1) with its matrices drawn again, far from init (embeddings std 1, the blocks' 0.3), and its
+    padded vocabulary rows (96..127) 50 times larger: its greedy continuations change tokens, so each window
+    predicts its own (init's repeat the prompt's last token, whatever the window: tied embeddings, small blocks),
+    and a padded row's logit, were it kept, would beat every real one."""
+    model = _random_model(seq_len=seq_len)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_global_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3 if name.startswith("blocks.") else 1.0, generator=generator)
+        model.layers[0].word_embeddings.weight[96:] *= 50
+    return model
 
 
 def _rel_err(a, b) -> float:
@@ -466,19 +513,37 @@ def test_kv_cache_logits_match_full_forward():
         inference.logits(model, torch.cat([ids, ids], 1))
 
 
+def _greedy_by_windows(model, prompt: list, n: int, kv_cache: bool) -> list:
+    """n greedy tokens, each the argmax of a full forward over its window of the text, the window that
+    generate() documents: the last seq_len tokens without the cache; with it, the text from where the window
+    starts, which moves to the last seq_len // 2 tokens when the text passes seq_len tokens from it."""
+    seq_len, text = model.layers[0].position_embeddings.shape[0], list(prompt)
+    start = max(0, len(text) - seq_len)
+    for _ in range(n):
+        if len(text) - start > seq_len:
+            start = len(text) - (seq_len // 2 if kv_cache else seq_len)
+        text.append(inference.logits(model, torch.tensor([text[start:]]))[0, -1].argmax().item())
+    return text[len(prompt):]
+
+
 def test_kv_cache_greedy_matches_full_forward():
-    """Greedy with and without the cache agree while the text fits the window; past it the cache
-    re-prefills the last half window, and decoding goes on for as many tokens as asked."""
-    model = _random_model()
+    """Greedy with and without the cache agree while the text fits the window (the last token predicted from a full
+    window); past it decoding goes on for as many tokens as asked: with the cache each token is the full forward's
+    of the window that starts at the last re-prefill of half a window, without it of the last seq_len tokens, from
+    prompts of one token, of seq_len - 1, and of 2 seq_len (cut to its last seq_len). The model's continuations
+    change tokens (_lively_model): each window predicts its own."""
+    model = _lively_model()
     prompt = [1, 7, 3, 5, 2]
     n = 32 - len(prompt) + 1                                     # the last token is predicted from a full window
     cached = inference.generate(model, prompt, n, temperature=0, num_samples=2)
     assert cached == inference.generate(model, prompt, n, temperature=0, num_samples=2, kv_cache=False)
     assert cached[0] == cached[1] and len(cached[0]) == n
-    longer = inference.generate(model, prompt, 3 * 32, temperature=0)[0]
-    assert longer[:n] == cached[0] and len(longer) == 3 * 32
-    text = torch.tensor([prompt + longer])
-    assert longer[n] == inference.logits(model, text[:, len(prompt) + n - 16:len(prompt) + n])[0, -1].argmax().item()
+    for prompt in ([1, 7, 3, 5, 2], [5], list(range(40, 71)), list(range(96)) * 2 + [3, 4]):
+        for kv_cache in (True, False):
+            longer = inference.generate(model, prompt, 80, temperature=0, kv_cache=kv_cache)[0]
+            assert longer == _greedy_by_windows(model, prompt, 80, kv_cache), (prompt, kv_cache)
+        assert len(set(longer)) >= 5, longer
+    assert longer != inference.generate(model, prompt, 80, temperature=0)[0]     # (the windows differ past seq_len)
 
 
 def test_kv_cache_with_a_one_token_window():
