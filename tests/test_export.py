@@ -1,12 +1,16 @@
-"""megatron_mini.inference / megatron_mini.hf and their command lines (tools/generate.py, tools/export_hf.py):
-a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's logits (fp32,
-max abs diff <= 1e-5) and greedy continuations; the KV cache gives the full forward's logits and tokens."""
+"""megatron_mini.inference / megatron_mini.hf and their command lines (tools/generate.py, tools/export_hf.py,
+tools/evaluate.py): a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's
+logits (fp32: max abs diff <= 1e-5; fp64: 1e-6 of the largest) and validation loss; greedy decoding gives
+transformers' generate() tokens; the KV cache gives the full forward's logits and tokens."""
+import copy
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,15 +34,18 @@ import generate  # noqa: E402
 PROMPT = "def main(args):\n    "
 
 
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+
+
 @pytest.fixture(scope="module")
 def exported(small_data, tmp_path_factory):
-    """{tp: (Checkpoint, HF model, Tokenizer)}: 3-step runs at tp=1 and tp=2, each exported and loaded.
+    """{layout: (Checkpoint, HF model, Tokenizer)}: 3-step runs of LAYOUTS, each exported and loaded.
     vocab_pad_multiple=96 pads the 512-token vocabulary to 576 rows."""
     runs = {}
-    for tp in (1, 2):
-        root = tmp_path_factory.mktemp(f"export_tp{tp}")
-        cfg = small_config(small_data, root / "run", steps=3, tp=tp, **{"model.vocab_pad_multiple": 96})
-        history = train_on_ranks(tp, cfg)
+    for name, layout in LAYOUTS.items():
+        root = tmp_path_factory.mktemp(f"export_{name}")
+        cfg = small_config(small_data, root / "run", steps=3, **layout, **{"model.vocab_pad_multiple": 96})
+        history = train_on_ranks(cfg.tp * cfg.pp, cfg)
         out = root / "hf"
         assert export_hf.main([history["checkpoint"], str(out)]) == 0
         model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True,
@@ -47,32 +54,41 @@ def exported(small_data, tmp_path_factory):
         modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
         assert len(set(modes.values())) == 1, modes                      # the weights too (safetensors made them 0600)
         ckpt = inference.read_checkpoint(history["checkpoint"])
-        assert ckpt.meta["layout"]["tp"] == tp
+        assert ckpt.meta["layout"] == {"tp": cfg.tp, "pp": cfg.pp, "dp": 1}
         tok = inference.find_tokenizer(ckpt)
         assert (out / "tokenizer.model").read_bytes() == tok.path.read_bytes()
-        runs[tp] = ckpt, model.eval(), tok
+        runs[name] = ckpt, model.eval(), tok
     return runs
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_export_matches_megatron_logits(exported, tp):
-    ckpt, hf, tok = exported[tp]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_export_matches_megatron_logits(exported, layout):
+    """The export of a tp=2, a pp=2 and a one-device run, of a padded vocabulary: GPT-2's config (context, GELU's
+    tanh form "gelu_new", LayerNorm epsilon, tied embeddings) and weights give megatron_mini's logits, in fp32 (max
+    abs diff <= 1e-5) and in fp64 (both models cast: <= 1e-6 of the largest logit, our fp64 logits returned as fp32;
+    3.6e-8 measured; an export as "gelu", erf's GELU, was 4.5e-6 there and 3.8e-6 in fp32, under fp32's bound)."""
+    ckpt, hf, tok = exported[layout]
     m = ckpt.cfg.model
     assert hf.config.vocab_size == m.vocab_size < m.padded_vocab_size == hf.config.megatron_mini["padded_vocab_size"]
     assert hf.config.eos_token_id == hf.config.bos_token_id == tok.eos_id
-    assert hf.config.megatron_mini["layout"] == {"tp": tp, "pp": 1, "dp": 1, "vpp": 1, "sp": False, "zero": 0,
-                                                 "embedding_stage": "none"}     # the whole layout trained
+    assert (hf.config.n_positions, hf.config.layer_norm_epsilon, hf.config.activation_function) == \
+        (m.seq_len, m.ln_eps, "gelu_new")
+    assert hf.config.megatron_mini["layout"] == {"tp": ckpt.cfg.tp, "pp": ckpt.cfg.pp, "dp": 1, "vpp": 1, "sp": False,
+                                                 "zero": 0, "embedding_stage": "none"}     # the whole layout trained
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr(), "embeddings are not tied"
     ids = torch.randint(0, m.vocab_size, (3, m.seq_len), generator=torch.Generator().manual_seed(0))
     text = torch.tensor([tok.encode(PROMPT * 4)[:m.seq_len]])
     model = inference.load_model(ckpt)
+    model64, hf64 = copy.deepcopy(model).double(), copy.deepcopy(hf).double()
     for batch in (ids, text, text[:, :5]):
         ours = inference.logits(model, batch)
         with torch.no_grad():
-            theirs = hf(batch).logits
+            theirs, theirs64 = hf(batch).logits, hf64(batch).logits
         assert ours.shape == theirs.shape == (*batch.shape, m.vocab_size)
         diff = (ours - theirs).abs().max().item()
         assert diff <= 1e-5, f"logits differ by {diff:.2e}"
+        rel = _rel_err(inference.logits(model64, batch).double(), theirs64)
+        assert rel <= 1e-6, f"fp64 logits differ by {rel:.2e} of the largest"
     labels = ids.roll(-1, dims=1)
     with torch.no_grad():
         loss = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy (sum)
@@ -119,7 +135,7 @@ def test_a_model_loaded_in_half_precision(exported, dtype, name, epsilon, monkey
     the checkpoint's fp32 tensor rounded to `dtype`, the tied embedding one tensor; the fp32 logits are the fp32
     model's to within a few roundings of the type (<= 4 eps of the largest logit: 1.4 eps measured for bf16, 1.1
     for fp16), and generate.py --dtype greedy-decodes what that model decodes in process."""
-    ckpt, _, tok = exported[2]
+    ckpt, _, tok = exported["tp2"]
     monkeypatch.setattr(model_module, "initialize", lambda *a: pytest.fail("load_model initialised the weights"))
     model = inference.load_model(ckpt, dtype=dtype)
     params = dict(model.named_global_parameters())
@@ -147,7 +163,7 @@ def test_a_model_loaded_onto_a_gpu_in_bf16(exported):
     """load_model(device="cuda", dtype=bf16): built and cast on the CPU, then moved parameter by parameter, the tied
     embedding one tensor on the GPU, each weight the checkpoint's rounded; the logits within 4 eps of bf16 of
     the fp32 model's on the CPU."""
-    ckpt, _, _ = exported[2]
+    ckpt, _, _ = exported["tp2"]
     model = inference.load_model(ckpt, "cuda", torch.bfloat16)
     assert model.layers[0].word_embeddings.weight is model.layers[-1].word_embeddings
     for name, p in model.named_global_parameters():
@@ -165,7 +181,7 @@ def test_what_fp16_cannot_hold_is_one_line(exported, monkeypatch, capsys):
     residual stream further) give logits that are not finite, a FloatingPointError: generate.py and evaluate.py
     print one line and exit 2 where they crashed in sampling or printed a nan loss, and fp32 is finite."""
     import evaluate
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
 
     def scaled(factor):
         return dataclasses.replace(ckpt, tensors={k: (v * factor if k.endswith("fc2.weight") else v)
@@ -196,7 +212,7 @@ def test_what_fp16_cannot_hold_is_one_line(exported, monkeypatch, capsys):
 def test_evaluate_in_half_precision(exported, capsys):
     """evaluate.py --dtype bf16: the loss of the model in bf16, within bf16's rounding of fp32's."""
     import evaluate
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     losses = {}
     for name in ("fp32", "bf16"):
         assert evaluate.main([ckpt.path, "--device", "cpu", "--dtype", name]) == 0
@@ -206,13 +222,35 @@ def test_evaluate_in_half_precision(exported, capsys):
     assert 0 < abs(losses["bf16"] - losses["fp32"]) <= 4 * 2 ** -8 * losses["fp32"], losses
 
 
+def test_evaluate_gives_hfs_fp64_loss_in_every_layout(exported, capsys):
+    """tools/evaluate.py's validation loss is the mean cross entropy, computed apart in fp64 (the export's logits,
+    F.cross_entropy), of the windows it reads: the run's eval_iters x gbs validation samples, inputs [:-1] and
+    targets [1:] of each (to 1e-6: fp32 logits); the checkpoints of the tp=2 and pp=2 runs give the one-device run's
+    loss (1e-5: their weights agree as the layouts train the same model), and their perplexity is its exp."""
+    import evaluate
+    losses = {}
+    for layout, (ckpt, hf, tok) in exported.items():
+        (validation,) = inference.evaluation_sets(ckpt, tok, [])[0].values()
+        samples = ckpt.cfg.eval_iters * ckpt.cfg.gbs
+        rows = torch.from_numpy(np.stack([validation[i] for i in range(samples)]))
+        with torch.no_grad():
+            theirs = copy.deepcopy(hf).double()(rows[:, :-1]).logits
+        reference = F.cross_entropy(theirs.flatten(0, 1), rows[:, 1:].flatten()).item()
+        losses[layout] = inference.mean_losses(inference.load_model(ckpt), validation, samples, ckpt.cfg.mbs)[None]
+        assert abs(losses[layout] - reference) <= 1e-6 * reference, (layout, losses[layout], reference)
+    assert all(abs(loss - losses["tp1"]) <= 1e-5 * losses["tp1"] for loss in losses.values()), losses
+    assert evaluate.main([exported["pp2"][0].path, "--device", "cpu"]) == 0           # (mean_losses, as printed)
+    assert capsys.readouterr().out.startswith(f"validation: loss {losses['pp2']:.4f} | perplexity "
+                                              f"{math.exp(losses['pp2']):.2f} | {samples} samples of 32 tokens | ")
+
+
 def test_export_in_half_precision(exported, tmp_path):
     """export_hf.py --dtype bf16: model.safetensors holds the fp32 export's tensors rounded to bf16 (half the bytes),
     config.json says so, and transformers loads it: its logits within 4 bf16 eps of the fp32 export's. fp16 refuses
     a weight past its range, naming it."""
     from safetensors.torch import load_file
     from megatron_mini.hf import hf_state_dict
-    ckpt, hf, _ = exported[1]
+    ckpt, hf, _ = exported["tp1"]
     out = tmp_path / "bf16"
     assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
     saved, full = load_file(out / "model.safetensors"), hf_state_dict(ckpt)
@@ -234,7 +272,7 @@ def test_export_in_half_precision(exported, tmp_path):
 
 
 def test_sampling_is_seeded(exported):
-    ckpt, _, tok = exported[1]
+    ckpt, _, tok = exported["tp1"]
     model = inference.load_model(ckpt)
 
     def sample(seed):
@@ -310,7 +348,7 @@ def test_a_tiny_nucleus_samples_the_greedy_tokens():
 @pytest.mark.parametrize("kv_cache", [True, False])
 def test_generate_cli(exported, kv_cache):
     """Greedy past the context window: the CLI prints what generate() gives in-process, tokens/s on stderr."""
-    ckpt, _, tok = exported[1]
+    ckpt, _, tok = exported["tp1"]
     n = 40
     argv = ([sys.executable, generate.__file__, ckpt.path, "--prompt", PROMPT,
              "--max-new-tokens", str(n), "--temperature", "0", "--device", "cpu"]
@@ -331,7 +369,7 @@ def test_tools_note_a_newer_checkpoint_they_pass_over(exported, tmp_path, capsys
     """A run whose newest checkpoint (the one `latest` names) is corrupt: generate and export take the one
     before, as resume does, and say why on stderr (they took it silently)."""
     import shutil
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     run = tmp_path / "run"
     shutil.copytree(os.path.dirname(os.path.dirname(ckpt.path)), run)
     good, bad = run / "checkpoints" / os.path.basename(ckpt.path), run / "checkpoints" / "step_000009"
@@ -349,7 +387,7 @@ def test_tools_note_a_newer_checkpoint_they_pass_over(exported, tmp_path, capsys
 
 
 def test_export_to_a_directory_it_cannot_make_is_one_line(exported, tmp_path, capsys):
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     (tmp_path / "afile").write_text("keep")
     assert export_hf.main([ckpt.path, str(tmp_path / "afile" / "sub")]) == 2
     err = capsys.readouterr().err
@@ -361,7 +399,7 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     half-way (here after every file is staged, before they are moved) leaves an earlier export whole and no staging
     directory. A directory of other files (no config.json) is refused before anything is written into it."""
     from megatron_mini import hf
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     out = tmp_path / "hf"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"the earlier export")
@@ -392,7 +430,7 @@ def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypa
     file read again: one changed in between does not reach the export."""
     import shutil
 
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     copy = tmp_path / "step"
     shutil.copytree(ckpt.path, copy)
     checked, find = [], inference.find_tokenizer
@@ -418,7 +456,7 @@ def test_the_exported_tokenizer_encodes_as_sentencepiece(exported, small_data, t
     settings, is missing."""
     from sentencepiece import sentencepiece_model_pb2
     from megatron_mini.data import Tokenizer, read_corpus
-    ckpt, hf, tok = exported[1]
+    ckpt, hf, tok = exported["tp1"]
     auto = transformers.AutoTokenizer.from_pretrained(hf.name_or_path, local_files_only=True)
     docs = [doc[:4000] for doc in list(read_corpus(small_data.source)[0])[:20]]
     texts = docs + [PROMPT, "  a   b\t\t\n\n x", "héllo wörld 世界 🎉 \x00\x7f", 'x = "</s>" + "<unk>"', " ", ""]
@@ -449,7 +487,7 @@ def test_exported_readme_example_stays_in_the_context(exported, tmp_path, monkey
     """The README's example, run as written from another directory, loads the export given by a relative
     path and generates within the model's positions (it asked for 50 new tokens whatever the context,
     which overran a 32-position model)."""
-    ckpt, _, _ = exported[1]
+    ckpt, _, _ = exported["tp1"]
     out = tmp_path / "hf"
     monkeypatch.chdir(tmp_path)
     assert export_hf.main([ckpt.path, "hf"]) == 0
