@@ -380,7 +380,7 @@ def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: To
         try:
             sets[directory] = GPTDataset(ds, np.arange(len(ds)), seq_len, EVAL_SEED)
         except ValueError as e:
-            raise DataError(ds.bin_path, f"{e}; data.eval needs at least one sample", rebuild=None) from None
+            raise DataError(ds.bin_path, f"{e}; an evaluation set needs at least one sample", rebuild=None) from None
     return sets
 
 

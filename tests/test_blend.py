@@ -475,7 +475,7 @@ def test_an_evaluation_set_shorter_than_one_sample_is_refused(small_data, tmp_pa
         load_eval_sets(dataclasses.replace(small_data, eval=[short.dir]), SEQ, small_data.vocab_size, tok)
     text = str(err.value)
     assert text.startswith(f"{short.dir}/") and f"hold {tokens} tokens, fewer than one sample" in text, text
-    assert text.endswith("data.eval needs at least one sample") and "\n" not in text, text
+    assert text.endswith("an evaluation set needs at least one sample") and "\n" not in text, text
 
 
 @pytest.mark.parametrize("blend, error", [

@@ -244,6 +244,37 @@ def test_evaluate_gives_hfs_fp64_loss_in_every_layout(exported, capsys):
                                               f"{math.exp(losses['pp2']):.2f} | {samples} samples of 32 tokens | ")
 
 
+def test_evaluate_notes_repeated_samples_and_refuses_a_set_shorter_than_one_sample(exported, small_data, tmp_path,
+                                                                                    capsys):
+    """--samples past a set's samples reads some of them twice (dataset[i] runs on into its next epochs, as a run's
+    evaluation does), which a note says (it said nothing); a directory of fewer tokens than one sample (seq_len + 1) is
+    one error line and exit 2 naming its tokens file, and not data.eval (it named data.eval, which evaluate.py's
+    directories are not)."""
+    import evaluate
+    from megatron_mini.data import prepare
+    ckpt, _, tok = exported["tp1"]
+    dirs = {}
+    for name, text in (("small", PROMPT * 40), ("short", "x = 1\n")):
+        (tmp_path / name / "corpus").mkdir(parents=True)
+        (tmp_path / name / "corpus" / "a.txt").write_text(text)
+        dirs[name] = str(tmp_path / name / "data")
+        prepare(dataclasses.replace(small_data, source=str(tmp_path / name / "corpus"), dir=dirs[name],
+                                    tokenizer=str(tok.path)))
+    n = len(inference.evaluation_sets(ckpt, tok, [dirs["small"]])[0][dirs["small"]])
+    assert 1 < n < 20
+    capsys.readouterr()
+    for samples in (n, n + 1):
+        assert evaluate.main([ckpt.path, dirs["small"], "--samples", str(samples), "--device", "cpu"]) == 0
+        out, err = capsys.readouterr()
+        assert f"| {samples:,} samples of 32 tokens" in out
+        assert (f"note: {dirs['small']}: {samples:,} samples, but it holds {n:,}, so some are read twice or more "
+                f"(--samples 0: each once)\n" in err) == (samples > n), err
+    assert evaluate.main([ckpt.path, dirs["short"], "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].startswith(f"error: {dirs['short']}/tokens.bin: 1 documents hold ")
+    assert err.endswith("fewer than one sample of seq_len + 1 = 33; an evaluation set needs at least one sample\n"), err
+
+
 def test_export_in_half_precision(exported, tmp_path):
     """export_hf.py --dtype bf16: model.safetensors holds the fp32 export's tensors rounded to bf16 (half the bytes),
     config.json says so, and transformers loads it: its logits within 4 bf16 eps of the fp32 export's. fp16 refuses

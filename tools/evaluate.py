@@ -15,7 +15,8 @@ read as data.eval reads it), to within the
 rounding of another layout and precision, and of label smoothing, which is not applied here. The
 directories must be encoded with the run's tokenizer (tools/prepare_data.py data.tokenizer=...). A run's
 relative data paths are read from the current directory, else the repository root; a set of the run's that
-cannot be read (a data.eval directory gone) is a note, the others are evaluated.
+cannot be read (a data.eval directory gone) is a note, the others are evaluated. More samples than a set holds read
+some of them twice or more (its next epochs, as a run's evaluation does): a note says so.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def main(argv=None) -> int:
         sets = whole_sets(sets, names)
     for name, dataset in sets.items():
         samples = len(dataset) if args.samples == 0 else args.samples or cfg.eval_iters * cfg.gbs
+        if samples > len(dataset):         # (dataset[i] runs on into its next epochs, as a run's evaluation does)
+            print(f"note: {name}: {samples:,} samples, but it holds {len(dataset):,}, so some are read twice or more "
+                  f"(--samples 0: each once)", file=sys.stderr)
         start = time.perf_counter()
         try:
             losses = mean_losses(model, dataset, samples, args.batch or cfg.mbs, names)
