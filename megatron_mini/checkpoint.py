@@ -22,15 +22,16 @@ each of tp=4 pp=12's twelve would hold about 190 GiB of host memory). A value is
 by DP rank 0, a TP-replicated parameter by TP rank 0, the tied embedding by the first stage, an fp32 master
 as the weight (12 bytes per parameter in fp32).
 
-Saving: every rank writes its files into `step_N.tmp/`, hashing them as it writes; rank 0 writes meta.json with the
-hashes and the index (gathered onto it as text), renames the directory to `step_N/`, then rewrites `latest`
-(tmp + rename) and removes all but the newest `keep` checkpoints and the milestones. A failure on any rank (a full
-disk, no permission, whatever it raises) is agreed on by every rank: the temp directory is removed, `latest` stays
-on the last good checkpoint and every rank raises RunError. A crash never leaves a half-written checkpoint behind
-`latest`: its step_N.tmp is removed when the run starts again (remove_interrupted, with a note in the log). With
-async_save the files are written by a thread of each rank while training goes on from the host copies (`Save`), and
-the agreement and publication wait for the first step at whose end no rank is still writing (a count in the step's
-loss all-reduce), as Megatron's async save finalizes.
+Saving: every rank writes its files into `step_N.tmp/` (made by rank 0: `step_N.tmp-2/` beside a leftover that could
+not be removed), hashing them as it writes; rank 0 writes meta.json with the hashes and the index (gathered onto it
+as text), renames the directory to `step_N/`, then rewrites `latest` (tmp + rename) and removes all but the newest
+`keep` checkpoints and the milestones. A failure on any rank (a full disk, no permission, whatever it raises) is
+agreed on by every rank: the temp directory is removed, `latest` stays on the last good checkpoint and every rank
+raises RunError. A crash never leaves a half-written checkpoint behind `latest`: its step_N.tmp is removed when the
+run starts again (remove_interrupted, with a note in the log). With async_save the files are written by a thread of
+each rank while training goes on from the host copies (`Save`), and the agreement and publication wait for the first
+step at whose end no rank is still writing (a count in the step's loss all-reduce), as Megatron's async save
+finalizes.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import math
 import numbers
@@ -63,6 +65,7 @@ from .files import VANISHED_RETRIES, atomic_write, kept_build
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
+STEP_TMP = re.compile(r"step_\d+\.tmp(-\d+)?$")    # a save's directory until it is published (Save._make_dir)
 FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
 TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint written since 2026-12-06
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
@@ -91,12 +94,14 @@ class Resume:
 
 
 def remove_interrupted(run_dir: str) -> list:
-    """Remove the step_N.tmp directories of `run_dir`: the files of saves that a crash or a kill interrupted, never
-    published (resume=auto passes over them: no meta.json, no step_N name); call at a start, when no save is in
-    flight. Returns notes; one that cannot be removed (EBUSY on NFS, while a process of the killed job still holds a
-    file) is a note too, not a failed start: it is no part of any checkpoint."""
+    """Remove the step_N.tmp (and step_N.tmp-K: Save._make_dir) directories of `run_dir`: the files of saves that a
+    crash or a kill interrupted, never published (resume=auto passes over them: no meta.json, no step_N name); call
+    at a start, when no save is in flight. Returns notes; one that cannot be removed (EBUSY on NFS, while a process
+    of the killed job still holds a file) is a note too, not a failed start: it is no part of any checkpoint (nor
+    does it stop the save of its step: Save._make_dir)."""
     notes = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.tmp"))):
+    leftovers = glob.glob(os.path.join(run_dir, "checkpoints", "step_*.tmp*"))
+    for path in sorted(p for p in leftovers if STEP_TMP.search(p)):
         what = f"{path}, the partial files of a save that a crash interrupted"
         try:
             shutil.rmtree(path)
@@ -636,7 +641,6 @@ class Save:
         `tokenizer`: the run's tokenizer.model (its bytes), which rank 0 writes beside the weights (TOKENIZER): the
         checkpoint's tools read it whatever became of the data directory, and a copied checkpoint carries it."""
         self.path, self.mesh, self.device = path, mesh, buffers[0].grads_flat.device
-        self.tmp = path + ".tmp"
         self.last_good = _read_latest(os.path.dirname(path)) or "none"
         self.meta = {"format": FORMAT, **progress,
                      "world_size": mesh.world_size, "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
@@ -645,8 +649,11 @@ class Save:
             self.meta["milestone"] = True
         self.keep, self.index, self.tensors, self.digests, self.files = keep, {}, {}, {}, {}
         self.tokenizer = tokenizer
-        self._check(failure_of(self._make_dir) if mesh.rank == 0 else None,
-                    "creating its directory")        # (an all-reduce that rank 0 joins once the directory exists)
+        self.tmp = None         # rank 0 makes it and names it to the others (once it exists: a broadcast it joins then)
+        made = json.loads(first_text(json.dumps(self._made()) if mesh.rank == 0 else "", mesh.world_group,
+                                     self.device))
+        self.tmp = made["tmp"]
+        self._fail((0, made["failure"]) if made["failure"] else None, "creating its directory")
         self.failure = failure_of(self._copy, buffers, optimizer)   # (host copies: an OOM is a failure as a full disk)
         self.thread = None
         if background and self.failure is None:
@@ -655,9 +662,25 @@ class Save:
         elif self.failure is None:
             self._write()
 
+    def _made(self) -> dict:
+        """(rank 0) {"tmp": the new directory for this save's files (None when it could not be made), "failure": why
+        not, or None}."""
+        failure = failure_of(self._make_dir)
+        return {"tmp": self.tmp if failure is None else None, "failure": failure}
+
     def _make_dir(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        os.makedirs(self.tmp)
+        """Make a new, empty self.tmp: step_N.tmp; where what an interrupted save of step N left there cannot be
+        removed (remove_interrupted only noted it: EBUSY on NFS while a process of the killed job still holds a
+        file), step_N.tmp-2, -3, ... (it is no part of any checkpoint: the save goes on beside it, published as
+        step_N by a rename all the same)."""
+        for k in itertools.count(1):
+            self.tmp = self.path + ".tmp" + (f"-{k}" if k > 1 else "")
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            try:
+                os.makedirs(self.tmp)
+                return
+            except FileExistsError:
+                continue
 
     def _copy(self, buffers: list, optimizer) -> None:
         """This rank's weights and optimizer state, copied to the host, and its part of meta.json's index."""
@@ -696,11 +719,15 @@ class Save:
 
     def _check(self, failure: str | None, what: str) -> None:
         """Every rank raises RunError when any rank's `failure` is not None."""
-        found = first_failure(failure, self.mesh, self.device)
+        self._fail(first_failure(failure, self.mesh, self.device), what)
+
+    def _fail(self, found: tuple[int, str] | None, what: str) -> None:
+        """RunError for `found` (the first failed rank and its failure, the same on every rank), if any; rank 0
+        removes the save's directory."""
         if found is None:
             return
         first, why = found
-        if self.mesh.rank == 0:
+        if self.mesh.rank == 0 and self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
         raise RunError(f"Saving checkpoint {self.path} failed on rank {first} while {what}: {why}. "
                        f"Its partial files were removed; checkpoints/latest still names the last good checkpoint "

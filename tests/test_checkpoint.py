@@ -227,17 +227,20 @@ def test_a_fresh_start_moves_an_earlier_attempts_metrics_aside(small_data, tmp_p
 
 def _train_beside_a_busy_leftover(cfg, busy: str) -> dict:
     """train(cfg) on this spawned rank, where removing the directory `busy` fails as on NFS while a process of the
-    killed job still holds one of its files open (EBUSY, its .nfs file)."""
+    killed job still holds one of its files open (EBUSY, its .nfs file): shutil.rmtree raises, or with
+    ignore_errors leaves it (and its file) where it is."""
     import errno
     import shutil
 
     from harness import _train
     rmtree = shutil.rmtree
 
-    def busy_rmtree(path, *args, **kwargs):
+    def busy_rmtree(path, ignore_errors=False, *args, **kwargs):
         if str(path) == busy:
+            if ignore_errors:
+                return None
             raise OSError(errno.EBUSY, "Device or resource busy", os.path.join(busy, ".nfs0000000000000001"))
-        return rmtree(path, *args, **kwargs)
+        return rmtree(path, ignore_errors, *args, **kwargs)
     shutil.rmtree = busy_rmtree
     return _train(cfg)
 
@@ -245,19 +248,30 @@ def _train_beside_a_busy_leftover(cfg, busy: str) -> dict:
 def test_a_leftover_save_that_cannot_be_removed_is_noted_not_a_failed_start(small_data, tmp_path):
     """A start removes what interrupted saves left (checkpoint.remove_interrupted); one that it cannot remove (here
     EBUSY) is a line in the log and stays, the others are removed and the run trains: it is no part of any
-    checkpoint (resume=auto passes over it), so it never stopped a start before a start removed them."""
+    checkpoint (resume=auto passes over it), so it never stopped a start before a start removed them. Nor does it
+    stop the save of its own step (the step a crash in its save resumes to redo), hours later: the ranks write that
+    one into step_N.tmp-2, rank 0's choice, published as step_N all the same (pp=2: each rank writes files of its
+    own there). A start removes such a step_N.tmp-2 as it removes a step_N.tmp."""
     run = tmp_path / "run"
-    for step in (1, 2):
-        (run / "checkpoints" / f"step_00000{step}.tmp").mkdir(parents=True)
-    busy = str(run / "checkpoints" / "step_000001.tmp")
-    history = spawn(1, _train_beside_a_busy_leftover, small_config(small_data, run, steps=2, resume="auto"), busy,
-                    init_group=False)[0]
+    for leftover in ("step_000001.tmp", "step_000001.tmp-2", "step_000002.tmp"):
+        (run / "checkpoints" / leftover).mkdir(parents=True)
+    busy = str(run / "checkpoints" / "step_000002.tmp")
+    (run / "checkpoints" / "step_000002.tmp" / "model_pp00_tp00.pt").write_bytes(b"PK\3\4")
+    cfg = small_config(small_data, run, steps=2, resume="auto", pp=2)
+    history = spawn(2, _train_beside_a_busy_leftover, cfg, busy, init_group=False)[0]
     assert len(history["loss"]) == 2
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000001.tmp", "step_000002"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000002", "step_000002.tmp"]
+    assert os.listdir(busy) == ["model_pp00_tp00.pt"]
+    assert sorted(os.listdir(run / "checkpoints" / "step_000002")) == [
+        "meta.json", "model_pp00_tp00.pt", "model_pp01_tp00.pt", "optim_pp00_tp00_dp00.pt", "optim_pp01_tp00_dp00.pt",
+        "tokenizer.model"]
+    from megatron_mini.checkpoint import verify
+    verify(str(run / "checkpoints" / "step_000002"))
     log = (run / "logs" / "rank0000.log").read_text()
     assert f" could not remove {busy}, the partial files of a save that a crash interrupted (OSError: [Errno 16] " \
            f"Device or resource busy: '{busy}/.nfs0000000000000001'): remove it by hand\n" in log, log
-    assert f" removed {run}/checkpoints/step_000002.tmp, the partial files of a save that a crash interrupted\n" in log
+    for removed in ("step_000001.tmp", "step_000001.tmp-2"):
+        assert f" removed {run}/checkpoints/{removed}, the partial files of a save that a crash interrupted\n" in log
 
 
 def test_a_second_branch_past_the_same_step_sets_its_newer_checkpoint_aside_too(uninterrupted, small_data, tmp_path):
@@ -396,9 +410,9 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
     optimizer state is tiled by its TP slices' flat ranges with no gap or overlap (with ZeRO-1 every DP rank
     writes its shard), and the files' tensors are 12 bytes per parameter in fp32 (the weight is its own master)
     and 14 in bf16 (2 + an fp32 master and two moments). The save's only collectives carry text: the failures'
-    all-gathers (empty) and the index's gather onto rank 0 (10 to 20 KB here), and the replica check's hashes (one
-    all-gather of 8 bytes per tensor a group shares: replicas.py): no tensor is gathered onto a writer
-    (gathering the weights alone would be 4 bytes per parameter)."""
+    all-gathers (empty), the name of its directory (rank 0's broadcast), the index's gather onto rank 0 (10 to 20
+    KB here), and the replica check's hashes (one all-gather of 8 bytes per tensor a group shares: replicas.py): no
+    tensor is gathered onto a writer (gathering the weights alone would be 4 bytes per parameter)."""
     import json
 
     import torch
@@ -438,9 +452,12 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
                                    for r in range(tp if tp_dim is not None else 1))
     for rank, ledger, hashes in results:
         assert {g: ledger.pop((g, "all_gather")) for g in hashes} == {g: (1, n) for g, n in hashes.items()}, rank
-        assert set(ledger) == {("world", op) for op in ("all_reduce", "all_gather", "gather")}, (rank, ledger)
-        # four failure checks, all empty: of the run's own writes (Trainer.save), then the save's three
-        assert ledger[("world", "all_gather")] == (4, 4 * 4), (rank, ledger)
+        assert set(ledger) == {("world", op) for op in ("all_reduce", "all_gather", "gather", "broadcast")}, \
+            (rank, ledger)
+        # three failure checks, all empty: of the run's own writes (Trainer.save), then the save's two; before them
+        # rank 0 names the directory it made (two broadcasts: its length, then the text)
+        assert ledger[("world", "all_gather")] == (3, 3 * 4), (rank, ledger)
+        assert ledger[("world", "broadcast")][0] == 2, (rank, ledger)
         assert ledger[("world", "gather")][0] == 1, (rank, ledger)             # the index, once, onto rank 0
         assert sum(n for _, n in ledger.values()) < cfg.model.num_params(), (rank, ledger)   # < 1/4 of fp32 weights
 
@@ -453,8 +470,9 @@ def _raising(error):
 
 
 def _save_failing(cfg, path, where):
-    """One step, then a save in which one rank fails in a way that is neither a full disk nor torch's: rank 1
-    cannot copy its optimizer state to the host (MemoryError), or rank 0 cannot write meta.json (ValueError).
+    """One step, then a save in which one rank fails in a way that is neither a full disk nor torch's: rank 0 cannot
+    make the save's directory (PermissionError), rank 1 cannot copy its optimizer state to the host (MemoryError), or
+    rank 0 cannot write meta.json (ValueError).
     Returns the RunError's message on this rank."""
     from harness import make_trainer
 
@@ -462,6 +480,8 @@ def _save_failing(cfg, path, where):
     from megatron_mini.config import RunError
     trainer = make_trainer(cfg)
     trainer.train_step()
+    if where == "creating" and trainer.mesh.rank == 0:
+        checkpoint.os.makedirs = _raising(PermissionError(13, "Permission denied"))
     if where == "writing" and trainer.mesh.rank == 1:
         trainer.optimizer.saved_state = _raising(MemoryError("cannot allocate 1.2 GiB"))
     if where == "publishing" and trainer.mesh.rank == 0:          # (meta.json alone: the tokenizer's file is written
@@ -472,7 +492,9 @@ def _save_failing(cfg, path, where):
     return str(caught.value)
 
 
-@pytest.mark.parametrize("where,rank,why", [("writing", 1, "its files: MemoryError: cannot allocate 1.2 GiB"),
+@pytest.mark.parametrize("where,rank,why", [("creating", 0, "its directory: PermissionError: [Errno 13] Permission "
+                                                                "denied"),
+                                            ("writing", 1, "its files: MemoryError: cannot allocate 1.2 GiB"),
                                             ("publishing", 0, "it: ValueError: not JSON")])
 def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, small_data, tmp_path):
     """Whatever one rank raises while saving, every rank raises the same RunError naming it (none waits in the next
@@ -481,7 +503,7 @@ def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, 
     messages = spawn(2, _save_failing, cfg, str(tmp_path), where)
     assert messages[0] == messages[1], messages
     assert f"failed on rank {rank} while {where} {why}. Its partial files were removed" in messages[0], messages
-    assert os.listdir(tmp_path / "checkpoints") == [], os.listdir(tmp_path / "checkpoints")
+    assert not list((tmp_path / "checkpoints").glob("*")), list((tmp_path / "checkpoints").glob("*"))
 
 
 def _train_with_a_full_disk_on_rank_0(cfg):
