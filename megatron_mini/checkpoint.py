@@ -62,6 +62,7 @@ from . import comm
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
+from .rank import DTYPES
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
 STEP_DIR = re.compile(r"step_(\d+)$")
@@ -247,6 +248,8 @@ def _meta_lacks(meta: dict) -> str | None:
                      ("consumed_samples (a count)", _count(meta.get("consumed_samples"))),
                      ("config", isinstance(config, dict)), ("config.model", isinstance(model, dict)),
                      ("config.seed", isinstance(config, dict) and "seed" in config),
+                     ("config.precision.dtype (fp32, bf16 or fp16)", isinstance(config, dict)
+                      and isinstance(config.get("precision"), dict) and config["precision"].get("dtype") in DTYPES),
                      ("config.data.val_fraction", isinstance(data, dict) and "val_fraction" in data),
                      ("data (a mapping)", isinstance(saved, dict)),
                      (f"format {FORMAT}", meta.get("format") == FORMAT),
@@ -776,6 +779,7 @@ class ShardReader:
         self.weights, self.pieces = {}, {}      # {name: {tp rank: file}}, {name: {tp rank: [(lo, hi, file)]}}
         try:
             self.tp = meta["layout"]["tp"]
+            self.dtype = DTYPES[meta["config"]["precision"]["dtype"]]    # the weights' (the optimizer's: fp32)
             self.specs = {name: (tuple(shape), ParamSpec(tp_dim=dim, tp_groups=groups))
                           for name, (shape, dim, groups) in meta["tensors"].items()}
             for file, shard_ in meta["shards"].items():         # (each tensor is saved by one stage)
@@ -827,14 +831,28 @@ class ShardReader:
         first `rows` rows where they are asked for."""
         shape = self._local_shape(name)
         if key == "weight":
-            t = self._file(self.weights[name][tp_rank])[name].view(shape)
+            file = self.weights[name][tp_rank]
+            t = self._tensor(file, name, self._file(file)[name], self.dtype, shape)
         else:
-            states = [self._file(file)[name] for _, _, file in self.pieces[name][tp_rank]]
+            pieces = self.pieces[name][tp_rank]
+            states = [self._file(file)[name] for _, _, file in pieces]
             if key == "master" and "master" not in states[0]:     # fp32 weights, their own master
                 return self.saved(name, "weight", tp_rank).float()
-            flats = [state[key] for state in states]
+            flats = [self._tensor(file, f"{name}'s {key}", state[key], torch.float32, (hi - lo,))
+                     for (lo, hi, file), state in zip(pieces, states)]
             t = (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
         return t[:self.rows[name]] if name in self.rows else t
+
+    def _tensor(self, file: str, what: str, t, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """`t`, the value `what` of `file`, once it is a tensor of `dtype` and `shape`, as a save writes it; a
+        CheckpointError otherwise: copied into the model, int64 or complex values would become weights silently (a
+        cast), a tensor of another shape but as many values scrambled (a view)."""
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            found = f"{_dtype_name(t.dtype)} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(f"{self.path}: its files do not hold the tensors its meta.json lists ({file}: "
+                                  f"{what} is {found}, not {_dtype_name(dtype)} {list(shape)}): a damaged checkpoint, "
+                                  f"or one of other code")
+        return t
 
     def full(self, name: str, key: str = "weight") -> torch.Tensor:
         """The full (tp=1) value."""
@@ -848,6 +866,11 @@ class ShardReader:
         if spec.tp_dim is None or tp == self.tp:
             return self.saved(name, key, 0 if spec.tp_dim is None else tp_rank)
         return shard(self.full(name, key), spec, tp, tp_rank)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """'int64' for torch.int64."""
+    return str(dtype).removeprefix("torch.")
 
 
 def load_model_tensors(path: str) -> dict:

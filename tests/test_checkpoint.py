@@ -388,6 +388,41 @@ def test_a_checkpoint_that_the_machine_cannot_read_is_not_called_damaged(uninter
         assert message.startswith(read if (error, said) in MACHINE_FAILURES else fits), message
 
 
+def _load_error(cfg, path) -> str:
+    """The CheckpointError of a Trainer of `cfg` loading checkpoint `path` (its resume)."""
+    from harness import make_trainer
+
+    from megatron_mini.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError) as err:
+        make_trainer(cfg).load(path)
+    return str(err.value)
+
+
+def test_a_resume_refuses_optimizer_state_of_another_dtype(uninterrupted, small_data, tmp_path):
+    """An optimizer file that verifies but holds a moment as int64 (a checkpoint converted by other code: its
+    exp_avg_sq of ~1e-8 all 0, whose update is then lr * exp_avg / eps, 1e6 times too large) is one CheckpointError
+    naming the file, the tensor, its dtype and the float32 a save writes; it was cast into the fp32 state silently."""
+    import json
+    import shutil
+
+    import torch
+
+    from megatron_mini.checkpoint import sha256_file
+    path = tmp_path / "step_000005"
+    shutil.copytree(os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005"), path)
+    optim = path / "optim_pp00_tp00_dp00.pt"
+    saved = torch.load(optim, weights_only=True)
+    saved["head.ln_f.bias"]["exp_avg_sq"] = saved["head.ln_f.bias"]["exp_avg_sq"].long()
+    torch.save(saved, optim)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][optim.name] = sha256_file(str(optim))
+    (path / "meta.json").write_text(json.dumps(meta))
+    message = spawn(1, _load_error, small_config(small_data, tmp_path / "run"), str(path))[0]
+    assert message == (f"{path}: its files do not hold the tensors its meta.json lists ({optim.name}: head.ln_f.bias's "
+                       f"exp_avg_sq is int64 [64], not float32 [64]): a damaged checkpoint, or one of other code"), \
+        message
+
+
 def _save_once(cfg, path):
     """One step, then a save with the ledger reset: (rank, the save's collectives)."""
     from harness import make_trainer

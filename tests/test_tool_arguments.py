@@ -565,18 +565,31 @@ def test_a_checkpoints_config_that_does_not_fit_it_is_one_line(tiny_checkpoint, 
     assert not (tmp_path / "hf").exists()
 
 
+FC1 = "blocks.0.mlp.fc1.weight"          # [4h, h] = [256, 64]
+
+
 @pytest.mark.parametrize("damage, fact", [
     (lambda saved: saved.update({"head.ln_f.b": saved.pop("head.ln_f.bias")}), "(KeyError: 'head.ln_f.bias')"),
-    (lambda saved: saved.update({"head.ln_f.bias": torch.zeros(7)}), "(RuntimeError: shape '[64]' is invalid for "
-                                                                     "input of size 7)"),
+    (lambda saved: saved.update({"head.ln_f.bias": torch.zeros(7)}),
+     "(model_pp00_tp00.pt: head.ln_f.bias is float32 [7], not float32 [64])"),
+    (lambda saved: saved.update({FC1: saved[FC1].t().contiguous()}),
+     f"(model_pp00_tp00.pt: {FC1} is float32 [64, 256], not float32 [256, 64])"),
+    (lambda saved: saved.update({"head.ln_f.bias": saved["head.ln_f.bias"].long()}),
+     "(model_pp00_tp00.pt: head.ln_f.bias is int64 [64], not float32 [64])"),
+    (lambda saved: saved.update({"head.ln_f.bias": saved["head.ln_f.bias"].to(torch.complex64)}),
+     "(model_pp00_tp00.pt: head.ln_f.bias is complex64 [64], not float32 [64])"),
+    (lambda saved: saved.update({"head.ln_f.bias": saved["head.ln_f.bias"].tolist()}),
+     "(model_pp00_tp00.pt: head.ln_f.bias is list, not float32 [64])"),
     (lambda saved: b"not a torch file", "(RuntimeError: "),
-], ids=["renamed-tensor", "other-shape", "not-a-torch-file"])
+], ids=["renamed-tensor", "other-shape", "transposed", "int64", "complex", "list", "not-a-torch-file"])
 def test_a_checkpoint_file_that_verifies_but_holds_other_tensors_is_one_line(tiny_checkpoint, damage, fact, tmp_path,
                                                                              capsys):
     """A weights file whose sha256 meta.json records, but that holds other tensors than meta.json's index lists (a
     checkpoint put together by hand, or of other code): generate.py, evaluate.py and export_hf.py each say so in one
     line naming the checkpoint and exit 2, as train.py's resume does (it was a KeyError, a RuntimeError or torch.load's
-    traceback)."""
+    traceback). A tensor of another dtype or shape is named with both and what the index has: int64 or complex
+    values were cast into weights silently (load_model_tensors' .float()), a transposed weight (as many values) was
+    read scrambled (a view)."""
     import shutil
     from megatron_mini.checkpoint import sha256_file
     path = tmp_path / "step_000001"
@@ -624,11 +637,19 @@ def test_tools_refuse_a_missing_garbled_or_other_size_tokenizer(tiny_checkpoint,
         assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("section, value", [("precision", "bf16"), ("optimizer", ["adamw"])])
-def test_tools_refuse_a_meta_json_whose_config_section_is_no_mapping(section, value, tiny_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("section, value, said", [
+    ("precision", "bf16", " has no config.precision.dtype (fp32, bf16 or fp16) (not a megatron_mini checkpoint, or a "
+                          "damaged one)."),
+    ("precision", {"dtype": "fp8"}, " has no config.precision.dtype (fp32, bf16 or fp16) (not a megatron_mini "
+                                    "checkpoint, or a damaged one)."),
+    ("optimizer", ["adamw"], ": unreadable (TypeError: OptimizerConfig must be a mapping, not list)"),
+], ids=["precision-no-mapping", "precision-other-dtype", "optimizer-no-mapping"])
+def test_tools_refuse_a_meta_json_whose_config_section_is_no_mapping(section, value, said, tiny_checkpoint, tmp_path,
+                                                                     capsys):
     """A checkpoint whose meta.json holds a config section that is no mapping (precision: bf16, as the command line
-    spells it, written there by hand; no checksum covers meta.json): one line naming meta.json and the section's
-    type, exit 2 from generate.py, evaluate.py and export_hf.py, not a TypeError's traceback."""
+    spells it, written there by hand; no checksum covers meta.json), or a precision.dtype of none of the weights'
+    dtypes (that the checkpoint's files are read as: checkpoint.ShardReader): one line naming meta.json and what it
+    lacks, exit 2 from generate.py, evaluate.py and export_hf.py, not a TypeError's or a KeyError's traceback."""
     import shutil
     copy = tmp_path / "step_000001"
     shutil.copytree(tiny_checkpoint, copy)
@@ -639,6 +660,5 @@ def test_tools_refuse_a_meta_json_whose_config_section_is_no_mapping(section, va
                        (export_hf, [str(tmp_path / "hf")])):
         assert tool.main([str(copy), *argv]) == 2
         err = capsys.readouterr().err
-        assert err == (f"error: {copy}/meta.json: unreadable (TypeError: {section.capitalize()}Config must be a "
-                       f"mapping, not {type(value).__name__})\n"), err
+        assert err == f"error: {copy}/meta.json{said}\n", err
     assert not (tmp_path / "hf").exists()
