@@ -879,15 +879,20 @@ def load_model_tensors(path: str) -> dict:
     return {name: reader.full(name).float() for name in reader.names()}
 
 
+BUG = "(a bug in megatron_mini, not the checkpoint's doing: that rank shows its traceback)"
+
+
 def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool = False,
          seq_len: int | None = None) -> dict:
     """Restore weights and optimizer state (any layout); returns meta. (The dropout streams are keyed by
     sample and layer, rng.py: there is no RNG state to restore.) `weights_only` (init_from): the weights and
     their fp32 masters, the optimizer otherwise as new; with `seq_len`, the first seq_len rows of the position
     embeddings (check_init: no more than the checkpoint's). Tensors that do not fit this model (a name missing,
-    another shape: a checkpoint of another model or of older code) are one CheckpointError on every rank,
-    whichever ranks found it."""
-    failure = meta = None
+    another shape: a checkpoint of another model or of older code: NOT_THE_TENSORS), and files that cannot be read
+    (unreadable), are one CheckpointError on every rank, whichever ranks found it. Any other exception (a bug) is
+    raised as it is on its rank, with its traceback, and the others raise a RunError naming it (none waits in a
+    collective until timeout_s)."""
+    failure = meta = bug = None
     try:
         meta = read_meta(path)
         reader = ShardReader(path, meta, {POSITIONS: seq_len} if weights_only and seq_len else None)
@@ -898,7 +903,7 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
         raise
     except CheckpointError as e:
         failure = str(e)
-    except Exception as e:     # noqa: BLE001 - any rank's failure, whatever its kind, is every rank's (below)
+    except (OSError, MemoryError, *NOT_THE_TENSORS) as e:
         if removed(e):              # (verified, then gone: a checkpoint its keep_checkpoints pruned)
             failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job "
                        f"still running may have been pruned since: start again to take what is there now.")
@@ -907,7 +912,13 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
         else:
             failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or "
                        f"of older code; resume from another checkpoint, or start a new run under another run_name.")
+    except Exception as e:     # noqa: BLE001 - a bug: told to every rank, then raised on this one (below)
+        bug, failure = e, f"could not load {path}: {describe(e)} {BUG}"
     found = first_failure(failure, mesh, device)
+    if bug is not None:
+        raise bug
+    if found and found[1].endswith(BUG):
+        raise RunError(f"rank {found[0]} {found[1]}", reporter=found[0])
     if found:
         raise CheckpointError(found[1])
     for buf in buffers:     # ZeRO-1: each rank set its own shard from the fp32 master; the others come from theirs

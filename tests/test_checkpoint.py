@@ -388,6 +388,32 @@ def test_a_checkpoint_that_the_machine_cannot_read_is_not_called_damaged(uninter
         assert message.startswith(read if (error, said) in MACHINE_FAILURES else fits), message
 
 
+def _load_with_a_bug(cfg, path, buggy: int) -> tuple:
+    """A Trainer of `cfg` loading checkpoint `path`, where rank `buggy`'s torch.load of its files raises what no
+    checkpoint makes it raise (a bug of ours): the error's type, message and reporter on this rank."""
+    from harness import make_trainer
+
+    from megatron_mini import checkpoint
+    trainer = make_trainer(cfg)
+    if trainer.mesh.rank == buggy:
+        checkpoint._load_mapped = _raising(ZeroDivisionError("a bug"))
+    with pytest.raises(Exception) as caught:
+        trainer.load(path)
+    return type(caught.value).__name__, str(caught.value), getattr(caught.value, "reporter", None)
+
+
+def test_a_bug_while_loading_a_checkpoint_is_not_called_another_model(uninterrupted, small_data, tmp_path):
+    """A failure that is neither the machine's nor a checkpoint that does not fit (a bug in our code, here a
+    ZeroDivisionError on rank 1) is raised as it is on its rank, with its traceback, and the other ranks raise a
+    RunError naming it, reported by that rank: none waits in a collective, and none says "does not fit this run's
+    model", which sent a user to look for another checkpoint (it was every rank's CheckpointError)."""
+    from megatron_mini.checkpoint import BUG
+    path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
+    errors = spawn(2, _load_with_a_bug, small_config(small_data, tmp_path), path, 1)
+    assert errors == [("RunError", f"rank 1 could not load {path}: ZeroDivisionError: a bug {BUG}", 1),
+                      ("ZeroDivisionError", "a bug", None)], errors
+
+
 def _load_error(cfg, path) -> str:
     """The CheckpointError of a Trainer of `cfg` loading checkpoint `path` (its resume)."""
     from harness import make_trainer
