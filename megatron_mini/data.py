@@ -715,17 +715,19 @@ def prepare(cfg: DataConfig) -> dict:
     try:
         with DirectoryLock(out, "another preparation", waiting=lambda holder: print(
                 f"{out} is being prepared by another process ({holder}): waiting for it to finish", flush=True)):
-            _refuse_other_data(cfg, out, given)      # (what the other built too)
+            held = _held_build(out)                  # (what the other built too; opened once, for both)
+            _refuse_other_data(cfg, out, given, held)
             for name, size in remove_left_temporaries(out, _FILES):
                 print(f"removed {out / name} ({size:,} bytes), left by a preparation that was killed")
-            return _build(cfg, out, given)
+            return _build(cfg, out, given, held)
     except BaseException:
         remove_empty_dirs(out, existing)
         raise
 
 
-def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
-    """prepare()'s work in the directory `out`, which exists (`given`: data.tokenizer's)."""
+def _build(cfg: DataConfig, out: Path, given: Tokenizer | None, held: tuple | None) -> dict:
+    """prepare()'s work in the directory `out`, which exists (`given`: data.tokenizer's; `held`: the valid build
+    there, _held_build's). Where `out` holds a build's files and they are encoded again, one line says why."""
     t0 = time.time()
     docs, info = read_corpus(cfg.source, cfg.text_key)
     left_out = [f"{docs.empty:,} empty document{'s' * (docs.empty != 1)}"] * bool(docs.empty) + [
@@ -735,13 +737,12 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
     docs_text = f"{info['num_docs']:,} document{'s' * (info['num_docs'] != 1)}"
     print(f"corpus: {docs_text}, {info['num_chars']:,} characters from {info['source']} "
           f"({python}sha256 {info['corpus_sha256'][:12]}){'; left out: ' + ', '.join(left_out) if left_out else ''}")
-    held = _held_build(out)
-    if held and held[1].get("corpus_sha256") != info["corpus_sha256"]:
-        if is_superseded_build(out, held[1]["corpus_sha256"]):
-            print(f"{out} is a build kept for the corpus as it read before (sha256 {held[1]['corpus_sha256'][:12]}): "
+    if held and held[2].get("corpus_sha256") != info["corpus_sha256"]:
+        if is_superseded_build(out, held[2]["corpus_sha256"]):
+            print(f"{out} is a build kept for the corpus as it read before (sha256 {held[2]['corpus_sha256'][:12]}): "
                   f"read as it is, not built again")
-            return held[1]
-        _keep_superseded(cfg, out, held[1]["corpus_sha256"])
+            return held[2]
+        _keep_superseded(cfg, out, held[2]["corpus_sha256"])
     spaced, first = docs.spaced
     if spaced:
         print(f"note: {spaced:,} document{'s hold' if spaced != 1 else ' holds'} U+2581 ('{SPACE_SYMBOL}', the first "
@@ -763,17 +764,15 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
         train_tokenizer(docs, cfg.vocab_size, cfg.tokenizer_sample_chars, cfg.tokenizer_seed, tok_path, trained_on)
         tok = Tokenizer(tok_path)
         print(f"tokenizer: trained {tok_path} ({tok.vocab_size} tokens) in {time.time() - t:.1f} s")
-    try:
-        ds, meta = open_checked(out, tok)
-        cached = (meta.get("corpus_sha256"), meta.get("source")) == (info["corpus_sha256"], info["source"])
-    except DataError:
-        cached = False
-    if cached:
+    ds, meta, why = _encoded(out, tok, held, info)
+    if meta is not None:
         print(f"tokens: cached {out / 'tokens.bin'} ({meta['num_tokens']:,} tokens)")
         if "tokens_fingerprint" not in meta:         # (a build of before meta.json recorded it: recorded now)
             meta["tokens_fingerprint"] = ds.fingerprint
             atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
     else:
+        if why:
+            print(f"tokens: encoding the corpus again, {why}")
         n_docs, n_tokens = encode_corpus(docs, tok, out / "tokens", cfg.num_workers, info["num_docs"])
         meta = {**info, "num_docs": n_docs, "num_tokens": n_tokens, "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256, "dtype": str(token_dtype(tok.vocab_size)),
@@ -781,6 +780,32 @@ def _build(cfg: DataConfig, out: Path, given: Tokenizer | None) -> dict:
         atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())     # (last: it vouches for the rest)
     print(f"data ready in {out} ({time.time() - t0:.1f} s)")
     return meta
+
+
+def _encoded(out: Path, tok: Tokenizer, held: tuple | None, info: dict) -> tuple:
+    """(dataset, meta.json, None) of the tokens in `out` where they are the corpus `info` (read_corpus's) encoded
+    with `tok`: `held` (_held_build's) where it is of `tok`, else `out` opened again (a tokenizer.model missing or
+    broken there, trained again: its tokens may be of the same one). Else (None, None, why they are not: first a
+    corpus that reads otherwise; None where `out` holds none of a build's tokens.bin, tokens.idx, meta.json)."""
+    now = (info["corpus_sha256"], info["source"])
+    found = held
+    if held is None or held[0].sha256 != tok.sha256 and _corpus_of(held[2]) == now:
+        try:
+            found = (tok, *open_checked(out, tok))
+        except DataError as e:
+            there = any((out / name).exists() for name in ("tokens.bin", "tokens.idx", "meta.json"))
+            return None, None, f"{e.what}: {e.problem}" if there else None
+    _, ds, meta = found
+    if _corpus_of(meta) != now:
+        sha, source = _corpus_of(meta)
+        return None, None, (f"{out / 'meta.json'}: its tokens are of the corpus {source} as it read before (sha256 "
+                            f"{str(sha)[:12]}), which now reads {info['corpus_sha256'][:12]}")
+    return ds, meta, None
+
+
+def _corpus_of(meta: dict) -> tuple:
+    """(corpus sha256, source) of a build's meta.json."""
+    return meta.get("corpus_sha256"), meta.get("source")
 
 
 def _given_tokenizer(cfg: DataConfig) -> Tokenizer | None:
@@ -810,11 +835,11 @@ def _copy_tokenizer(given: Tokenizer, tok_path: Path) -> Tokenizer:
     return Tokenizer(tok_path)
 
 
-def _held_build(out: Path) -> tuple[Tokenizer, dict] | None:
-    """(tokenizer, meta.json) of the valid build in `out`, or None (no build, or a broken or partial one)."""
+def _held_build(out: Path) -> tuple[Tokenizer, IndexedDataset, dict] | None:
+    """(tokenizer, dataset, meta.json) of the valid build in `out`, or None (no build, or a broken or partial one)."""
     try:
         tok = Tokenizer(out / "tokenizer.model")
-        return tok, open_checked(out, tok)[1]
+        return tok, *open_checked(out, tok)
     except DataError:
         return None
 
@@ -849,16 +874,17 @@ def _keep_superseded(cfg: DataConfig, out: Path, corpus_sha256: str) -> None:
           f"that read it (data.dir={keep}); remove it when none does")
 
 
-def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None) -> None:
+def _refuse_other_data(cfg: DataConfig, out: Path, given: Tokenizer | None, held: tuple | None) -> None:
     """prepare() rebuilds a directory in place for its own source and vocabulary (a corpus that changed,
     another Python's standard library: the valid build it replaces kept, _keep_superseded; a broken or partial
     build), never over a valid build of another corpus, text_key or vocabulary (check_holds): runs and their
     checkpoints may read it (data.dir's default names only the vocabulary); nor, over a valid build, another
     tokenizer than data.tokenizer's (`given`), a trained one over a given one, or one trained with other tokenizer_*
-    settings (the build's token ids then mean what another data's checkpoints were trained on)."""
-    if (held := _held_build(out)) is None:
+    settings (the build's token ids then mean what another data's checkpoints were trained on). `held`: the valid
+    build in `out` (_held_build), or None."""
+    if held is None:
         return
-    tok, meta = held
+    tok, _, meta = held
     check_holds(cfg, tok, meta, {"data.vocab_size": cfg.vocab_size}, training=False, given=given)
     record = read_json(out / "tokenizer.json") or {}
     recorded = record.get("given")

@@ -637,15 +637,25 @@ PROBLEMS = {"_empty_idx": "truncated header", "_meta_counts": "says 41 documents
                                      _garbage_tokenizer, _missing("tokens.bin"), _missing("tokens.idx"),
                                      _missing("meta.json"), _missing("tokenizer.model")],
                          ids=lambda f: f.__name__.strip("_"))
-def test_bad_files_give_one_line_error(copy_of, corrupt):
+def test_bad_files_give_one_line_error(copy_of, corrupt, capsys):
+    """A damaged build is one line naming the file and its problem, and the rebuild command; that command repairs it,
+    saying why it encodes the corpus again (the problem a start names), or reusing the tokens where only the
+    tokenizer was damaged (trained again as it was: its tokens are of it)."""
     name = corrupt(Path(copy_of.dir))
     with pytest.raises(DataError) as err:
         load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{Path(copy_of.dir) / name}: {PROBLEMS.get(corrupt.__name__, '')}")
-    assert msg.endswith(f"rebuild it with: python tools/prepare_data.py data.source={copy_of.source} "
-                        f"data.dir={copy_of.dir} data.vocab_size={VOCAB}")
+    rebuild = f"; rebuild it with: python tools/prepare_data.py data.source={copy_of.source} data.dir={copy_of.dir} " \
+              f"data.vocab_size={VOCAB}"
+    assert msg.endswith(rebuild)
+    capsys.readouterr()
     prepare(copy_of)   # the rebuild command's work repairs it
+    said = capsys.readouterr().out
+    if corrupt in (_other_tokenizer, _garbage_tokenizer) or name == "tokenizer.model":
+        assert "tokens: cached" in said and "encoding" not in said, said
+    else:
+        assert f"tokens: encoding the corpus again, {msg.removesuffix(rebuild)}\n" in said, said
     load_datasets(copy_of, SEQ, seed=1, vocab_size=VOCAB)
 
 
@@ -747,6 +757,7 @@ def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_bui
     cfg = DataConfig(source=str(corpus), dir=str(tmp_path / "out"), vocab_size=VOCAB, val_fraction=0.1,
                      num_workers=1)
     old = prepare(cfg)
+    assert "tokens: encoding" not in capsys.readouterr().out                 # (a first build: nothing to say why)
     before = {p.name: p.read_bytes() for p in Path(cfg.dir).iterdir() if not p.name.startswith(".")}
     first = sorted(corpus.iterdir())[0]
     first.write_text(first.read_text() + "\nchanged = True\n")
@@ -761,8 +772,10 @@ def test_a_build_of_a_corpus_that_reads_otherwise_now_is_kept_beside_its_new_bui
     new = prepare(cfg)
     keep = tmp_path / f"out.superseded-{old['corpus_sha256'][:12]}"
     assert new["corpus_sha256"] != old["corpus_sha256"]
-    assert f"kept the build of the corpus as it read before (sha256 {old['corpus_sha256'][:12]}) in {keep}" in \
-        capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"kept the build of the corpus as it read before (sha256 {old['corpus_sha256'][:12]}) in {keep}" in said
+    assert f"tokens: encoding the corpus again, {cfg.dir}/meta.json: its tokens are of the corpus {corpus} as it " \
+           f"read before (sha256 {old['corpus_sha256'][:12]}), which now reads {new['corpus_sha256'][:12]}\n" in said
     assert {p.name: p.read_bytes() for p in keep.iterdir()} == before
     assert (keep / "tokens.bin").stat().st_ino == inode                              # linked, not copied
     assert json.loads((Path(cfg.dir) / "meta.json").read_text()) == new
@@ -1046,13 +1059,36 @@ def test_resume_continues_at_the_next_sample(prepared):
         consumed += gbs
 
 
-def test_second_prepare_is_cached(prepared, capsys):
+def test_second_prepare_is_cached(prepared, monkeypatch, capsys):
+    """A prepare of a valid build changes nothing, and opens it once (checks its index, reads its tokens_fingerprint's
+    blocks): what it refuses (another corpus, vocabulary or tokenizer) and what it reuses are that one build's (it
+    was opened three times)."""
     cfg, meta = prepared
     files = {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
+    read = []
+    monkeypatch.setattr(data, "fingerprint", lambda path, f=data.fingerprint: read.append(Path(path).name) or f(path))
     assert prepare(cfg) == meta
     out = capsys.readouterr().out
     assert "tokenizer: cached" in out and "tokens: cached" in out
     assert files == {p: p.stat().st_mtime_ns for p in Path(cfg.dir).iterdir()}
+    assert sorted(read) == ["tokens.bin", "tokens.idx"]
+
+
+def test_a_build_whose_tokenizer_is_trained_anew_says_why_it_encodes_again(copy_of, monkeypatch, capsys):
+    """A valid build whose tokenizer is trained again (its record is of older training settings:
+    _TOKENIZER_SETTINGS) into another one (here from a sample of 100,000 characters, not the whole corpus) is encoded
+    again, and prepare says why: its tokens.bin is of the tokenizer it replaced (it was encoded again without a
+    word)."""
+    out = Path(copy_of.dir)
+    old = json.loads((out / "meta.json").read_text())["tokenizer_sha256"]
+    monkeypatch.setattr(data, "_TOKENIZER_SETTINGS", data._TOKENIZER_SETTINGS + 1)
+    monkeypatch.setattr(data, "train_tokenizer", lambda docs, vocab, chars, seed, path, record, f=data.train_tokenizer:
+                        f(docs, vocab, 100_000, seed, path, record))
+    capsys.readouterr()
+    new = prepare(copy_of)["tokenizer_sha256"]
+    assert new != old
+    assert f"tokens: encoding the corpus again, {out}/tokens.bin: encoded with another tokenizer (sha256 {old[:12]} " \
+           f"in meta.json, {out}/tokenizer.model has {new[:12]})\n" in capsys.readouterr().out
 
 
 def test_a_build_records_its_tokens_fingerprint_which_a_start_reads_once(copy_of, monkeypatch, capsys):
