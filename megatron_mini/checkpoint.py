@@ -732,9 +732,10 @@ class Save:
         first, why = found
         if self.mesh.rank == 0 and self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        raise RunError(f"Saving checkpoint {self.path} failed on rank {first} while {what}: {why}. "
-                       f"Its partial files were removed; checkpoints/latest still names the last good checkpoint "
-                       f"({self.last_good}).", reporter=first)
+        latest = "Its partial files were removed; checkpoints/latest" if self.tmp is not None else \
+            "Checkpoints/latest"                # (its directory was not made: no file of it was written)
+        raise RunError(f"Saving checkpoint {self.path} failed on rank {first} while {what}: {why}. {latest} still "
+                       f"names the last good checkpoint ({self.last_good}).", reporter=first)
 
     def finish(self) -> str:
         """Wait for this rank's files, agree on every rank's, gather the index onto rank 0, which writes

@@ -559,11 +559,14 @@ def _save_failing(cfg, path, where):
                                             ("publishing", 0, "it: ValueError: not JSON")])
 def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, small_data, tmp_path):
     """Whatever one rank raises while saving, every rank raises the same RunError naming it (none waits in the next
-    collective until timeout_s), and nothing of the save is left."""
+    collective until timeout_s), and nothing of the save is left; where its directory could not be made, the message
+    speaks of no partial files removed."""
     cfg = small_config(small_data, tmp_path / "run", gbs=4)
     messages = spawn(2, _save_failing, cfg, str(tmp_path), where)
     assert messages[0] == messages[1], messages
-    assert f"failed on rank {rank} while {where} {why}. Its partial files were removed" in messages[0], messages
+    removed = "Checkpoints/latest" if where == "creating" else "Its partial files were removed; checkpoints/latest"
+    assert f"failed on rank {rank} while {where} {why}. {removed} still names the last good checkpoint (none)." in \
+        messages[0], messages
     assert not list((tmp_path / "checkpoints").glob("*")), list((tmp_path / "checkpoints").glob("*"))
 
 
