@@ -492,3 +492,32 @@ def test_cpu_peak_memory_is_the_peak_rss_on_linux_and_on_macos(monkeypatch):
         m.setattr(sys, "platform", "darwin")
         assert meter.peak_memory_gib() == before
     del held
+
+
+def test_a_start_that_evaluates_its_checkpoint_first_keeps_that_steps_train_row(tmp_path):
+    """A run stopped at step 5 (its checkpoint owes step 5's evaluation), resumed (step 5 evaluated first, steps 6-7
+    trained), killed, and resumed from step 5 again (evaluated first once more): read from its logged entries in
+    order (wandb's segments), step 5 keeps the train metrics the first start logged, as metrics.jsonl, which each
+    start cuts (cut_metrics), keeps them. Before, the second evaluation of step 5, a step below the last logged,
+    replaced the whole row: step 5's loss was gone."""
+    from megatron_mini.logger import cut_metrics
+    run_dir, entries = str(tmp_path / "run"), []
+
+    def start(logged, cut_at=None):
+        if cut_at is not None:
+            cut_metrics(run_dir, cut_at, evaluates_it=True)
+        logger = RunLogger(run_dir, WandbConfig(mode="disabled"), {}, enabled=True)
+        for step, metrics in logged:
+            logger.log(step, metrics)
+            entries.append((step, metrics))
+        logger.finish()
+
+    def trained(steps, offset):
+        return [(s, {"loss": 5.0 / s + offset, "grad_norm": 1.0 + s + offset}) for s in steps]
+    start([(0, {"val_loss": 6.0})] + trained(range(1, 6), 0.0))
+    start([(5, {"val_loss": 4.5, "eval_loss/data/code": 5.5})] + trained(range(6, 8), 1.0), cut_at=5)
+    start([(5, {"val_loss": 4.5, "eval_loss/data/code": 5.5})] + trained(range(6, 9), 2.0), cut_at=5)
+    rows = compare_runs.merge_history(entries)
+    assert rows == compare_runs.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert rows[5] == {"step": 5, "loss": 1.0, "grad_norm": 6.0, "val_loss": 4.5, "eval_loss/data/code": 5.5}
+    assert [row["step"] for row in rows] == list(range(9)) and rows[8]["loss"] == 5.0 / 8 + 2.0

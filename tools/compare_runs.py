@@ -56,16 +56,26 @@ def merge_history(entries) -> list[dict]:
     """Rows by step from (step, metrics) pairs in the order they were logged.
 
     Entries at the same step are merged; a step lower than one already seen means the run was
-    resumed from an earlier checkpoint, so the rows from that step on are replaced.
+    resumed from an earlier checkpoint, so the rows from that step on are replaced; but an evaluation
+    (is_evaluation) there is of the checkpoint's own step, which the resumed run evaluates first and
+    does not train again: that row keeps its train metrics (as logger.cut_metrics keeps its line).
     """
     rows: dict[int, dict] = {}
     last = None
     for step, metrics in entries:
         if last is not None and step < last:
+            kept = {k: v for k, v in rows.get(step, {}).items() if not is_evaluation([k])}
             rows = {s: r for s, r in rows.items() if s < step}
+            if is_evaluation(metrics) and kept:
+                rows[step] = kept
         rows.setdefault(step, {"step": step}).update(metrics)
         last = step
     return [rows[s] for s in sorted(rows)]
+
+
+def is_evaluation(keys) -> bool:
+    """Whether the logged keys are an evaluation's (val_loss, val_loss/<dir>, eval_loss/<dir>)."""
+    return bool(keys) and all(k == "val_loss" or k.startswith(("val_loss/", "eval_loss/")) for k in keys)
 
 
 def iter_wandb_records(path: str):
