@@ -572,6 +572,7 @@ def _steps(trainer: Trainer, run: Run, logger: RunLogger, log: logging.Logger, h
     while trainer.step < cfg.steps:
         with memory.first_step(), profiler.step(trainer.step + 1):     # (the memory of the first step only)
             out = trainer.train_step(stop)
+        interval_start += profiler.take_overhead()     # (the profiler's start, stop and files: not the step's time)
         warm = warm or (time.time(), trainer.consumed_samples)
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])

@@ -100,10 +100,10 @@ def train_on_ranks(world_size: int, cfg: TrainConfig) -> dict:
 
 def train_on_a_fake_clock(cfg: TrainConfig, first_step: float = 1.0) -> dict:
     """train(cfg) on this spawned rank, on a clock where a training step takes 1 s (the first `first_step`: a GPU's
-    compilation and autotuning) and an evaluation or a save 100 s."""
+    compilation and autotuning) and an evaluation, a save or the writing of a profile (profile.*) 100 s."""
     import time
     import types
-    from megatron_mini import training
+    from megatron_mini import profiling, training
     clock = [0.0]
 
     def taking(seconds, fn):
@@ -112,6 +112,8 @@ def train_on_a_fake_clock(cfg: TrainConfig, first_step: float = 1.0) -> dict:
             return fn(*args, **kwargs)
         return timed
     training.time = types.SimpleNamespace(**{**vars(time), "time": lambda: clock[0]})
+    profiling.time = types.SimpleNamespace(**{**vars(time), "perf_counter": lambda: clock[0]})
+    profiling.StepProfiler._write = taking(100.0, profiling.StepProfiler._write)
     for name, seconds in (("train_step", 1.0), ("evaluate", 100.0), ("save", 100.0)):
         setattr(training.Trainer, name, taking(seconds, getattr(training.Trainer, name)))
     step, steps = training.Trainer.train_step, []

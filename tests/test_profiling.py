@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from harness import small_config, train_on_ranks
+from ranks import spawn
+from harness import small_config, train_on_a_fake_clock, train_on_ranks
 from megatron_mini.config import ConfigError, ProfileConfig, TrainConfig, validate
 from megatron_mini.profiling import StepProfiler
 
@@ -173,3 +174,14 @@ def test_a_profiled_run_traces_its_ranks_steps_and_schedule_and_trains_the_same(
     assert f"profile: steps 3-4 of rank 1 in {where}/rank0001.json.gz" in log
     log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
     assert f"profile: rank 1 traces steps 3-4 into {tmp_path / 'run' / 'profile'}/ (not this one)" in log
+
+
+def test_step_lines_leave_out_the_profilers_own_time(small_data, tmp_path):
+    """Each step line's tokens/s is its steps' own: the profiler's start and stop, and the writing of its trace and
+    tables after the window's last step (seconds: that step's line showed 1/40 of a tiny model's rate), are not
+    charged to the step."""
+    cfg = small_config(small_data, tmp_path, steps=6, log_interval=1, **{"profile.start": 3, "profile.steps": 2})
+    spawn(1, train_on_a_fake_clock, cfg, init_group=False)
+    assert sorted(os.listdir(tmp_path / "profile" / "step_000003-000004")) == ["rank0000.json.gz", "rank0000.txt"]
+    rates = [r["tokens_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    assert rates == [cfg.gbs * cfg.model.seq_len / 1.0] * cfg.steps
