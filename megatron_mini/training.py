@@ -663,8 +663,8 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     trained = "no train loss" if math.isnan(trainer.loss) else f"final train loss {trainer.loss:.4f}"
     ended = "stopped" if stopped_by else "done"          # (a stop's own line, above, says how to continue)
     log.info(f"{ended}: {steps_run} step{'s' * (steps_run != 1)} in {format_duration(elapsed)} | {trained} | "
-             f"{val_text} | {rate.text(r, ', ')} (evaluation and "
-             f"checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
+             f"{val_text} | {rate.text(r, ', ')} (the first step's warm-up, evaluations "
+             f"and checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
     sync = logger.wandb_segments if logger.wandb_path and logger.mode == "offline" else None
     for line in closing_lines(trainer.last_checkpoint, os.path.join(cfg.run_dir, "metrics.jsonl"), logger.wandb_path,
                               sync):
