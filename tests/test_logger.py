@@ -521,3 +521,24 @@ def test_a_start_that_evaluates_its_checkpoint_first_keeps_that_steps_train_row(
     assert rows == compare_runs.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert rows[5] == {"step": 5, "loss": 1.0, "grad_norm": 6.0, "val_loss": 4.5, "eval_loss/data/code": 5.5}
     assert [row["step"] for row in rows] == list(range(9)) and rows[8]["loss"] == 5.0 / 8 + 2.0
+
+
+def test_compare_runs_says_which_runs_train_other_tokens_a_step(tmp_path, capsys):
+    """The gap vs ref is taken at the same step: a run whose steps train another batch than the reference's (gbs x
+    seq_len, as the .hydra/config.yaml training writes says) gets a line saying the comparison is not after the
+    same tokens; a run of the reference's batch, and a directory without the file, get none."""
+    from omegaconf import OmegaConf
+    specs = []
+    for name, gbs, seq_len in (("ref", 32, 128), ("same", 32, 128), ("wide", 64, 128), ("long", 32, 256),
+                               ("unknown", None, None)):
+        specs.append(jsonl_run(tmp_path / name, [(s, {"loss": 5.0 - s / 10}) for s in range(1, 4)]))
+        if gbs:
+            cfg = TrainConfig(gbs=gbs)
+            cfg.model.seq_len = seq_len
+            os.makedirs(tmp_path / name / ".hydra")
+            (tmp_path / name / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    assert compare_runs.main(specs + ["-o", str(tmp_path / "compare.png")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "a step against" in line]
+    assert notes == [f"{name}: {batch} a step against the reference's gbs 32 x seq_len 128: the gap vs ref and the "
+                     f"curves compare them at the same step, not after the same tokens"
+                     for name, batch in (("wide", "gbs 64 x seq_len 128"), ("long", "gbs 32 x seq_len 256"))]

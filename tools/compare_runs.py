@@ -7,7 +7,9 @@ A RUN is a run directory (with wandb/ and/or metrics.jsonl), a wandb run directo
 (wandb/offline-run-*/ or wandb/run-*/), or `wandb:entity/project/run_id` (online API).
 A run directory's metrics.jsonl is preferred; its wandb record files are used when there is no
 metrics.jsonl or when they hold every step of it and more. The table's "source" column says which.
-The first RUN is the reference for the "gap" columns. The table is also saved as FILE.csv.
+The first RUN is the reference for the "gap" columns, taken at the same step: a run directory whose steps train
+other tokens than the reference's (its .hydra/config.yaml: gbs, seq_len, rampup_batch_size) gets a line saying so.
+The table is also saved as FILE.csv.
 Runs with data.eval sets (eval_loss/<dir>: the same samples whatever a run's data mixture, seed or layout)
 get a column each, their final value, and a panel of their curves below the losses.
 """
@@ -45,6 +47,7 @@ class Run:
     label: str
     rows: list[dict]  # one dict per step, sorted by step, each with a "step" key
     source: str       # "wandb", "metrics.jsonl" or "wandb api"
+    batch: str | None = None   # the tokens of a step, "gbs 32 x seq_len 128" (batch_of; None: not known)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that have `key`."""
@@ -167,11 +170,35 @@ def read_run(spec: str) -> Run:
         rows = read_jsonl(jsonl)
         if rows:
             from_jsonl = Run(from_wandb.label if from_wandb else dir_name, rows, "metrics.jsonl")
-    if from_wandb and (not from_jsonl or _steps(from_wandb) > _steps(from_jsonl)):
-        return from_wandb  # wandb covers strictly more, e.g. metrics.jsonl was removed and the run resumed
-    if from_jsonl:
-        return from_jsonl  # a resume may change wandb.*, so wandb may hold only part of the run
+    run = from_wandb if from_wandb and (not from_jsonl or _steps(from_wandb) > _steps(from_jsonl)) else from_jsonl
+    # (wandb when it covers strictly more, e.g. metrics.jsonl was removed and the run resumed; else metrics.jsonl: a
+    # resume may change wandb.*, so wandb may hold only part of the run)
+    if run:
+        run.batch = batch_of(spec)
+        return run
     raise RunError(f"{spec}: no logged history (neither wandb run data nor a non-empty metrics.jsonl)")
+
+
+def batch_of(run_dir: str) -> str | None:
+    """The tokens a step of the run directory trains, as its .hydra/config.yaml (the latest start's) gives them:
+    "gbs 32 x seq_len 128", with its rampup_batch_size if any; None without that file."""
+    import yaml
+    try:
+        with open(os.path.join(run_dir, ".hydra", "config.yaml"), encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+        batch, ramp = f"gbs {cfg['gbs']} x seq_len {cfg['model']['seq_len']}", cfg.get("rampup_batch_size")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    return batch + (f" (rampup_batch_size {ramp})" if ramp else "")
+
+
+def batch_notes(runs: list[Run]) -> list[str]:
+    """A line for each run whose steps train other tokens than the reference's (the first run): its gap vs ref, and
+    the plot's curves, compare the runs at the same step, not after the same tokens."""
+    ref = runs[0].batch
+    return [f"{run.label}: {run.batch} a step against the reference's {ref}: the gap vs ref and the curves compare "
+            f"them at the same step, not after the same tokens" for run in runs[1:]
+            if ref and run.batch and run.batch != ref]
 
 
 def distinct_labels(runs: list[Run], specs: list[str]) -> list[str]:
@@ -413,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         run.label = label
     rows, names = table(runs, args.smooth), columns(runs)
     print_table(rows, names)
+    for note in batch_notes(runs):
+        print(note)
     plot(runs, args.output, args.smooth)
     write_output(table_path, lambda path: save_csv(rows, names, path))
     print(f"wrote {args.output} and {table_path}")
