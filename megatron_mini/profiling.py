@@ -52,10 +52,10 @@ def kernel_kind(name: str) -> str:
 
 
 def busy(prof, cuda: bool) -> list:
-    """[(name, calls, self ms)] of the profile's CUDA kernels (`cuda`) or CPU ops, the longest first (on a CPU
-    the ranges of record_function count the host's time between their ops). On CUDA a range also comes back as a
-    device event as long as the kernels it spans (kineto's gpu_user_annotation: "step 4", "forward(c0, mb3)"):
-    no kernel, left out, as torch's own table leaves it out of its "Self CUDA time total"."""
+    """[(name, calls, self ms)] of the profile's CUDA kernels (`cuda`) or CPU ops, the longest first. The ranges of
+    record_function ("step 4", "forward(c0, mb3)", the schedule's ProfilerStep#N) are left out, as torch's own table
+    leaves them out of its "Self CUDA time total": on CUDA each comes back as a device event as long as the kernels
+    it spans (kineto's gpu_user_annotation), on a CPU its self time is the host's between its ops (Python's)."""
     from torch.autograd import DeviceType
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
 
@@ -64,8 +64,8 @@ def busy(prof, cuda: bool) -> list:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         return e.self_cpu_time_total
     events = [(e.key, e.count, self_us(e) / 1e3) for e in prof.key_averages() if e.device_type == kind
-              and self_us(e) > 0 and not e.key.startswith("ProfilerStep")       # (the schedule's own ranges)
-              and not (cuda and getattr(e, "is_user_annotation", False))]
+              and self_us(e) > 0 and not getattr(e, "is_user_annotation", False)
+              and not e.key.startswith("ProfilerStep")]     # (a torch whose averages do not say is_user_annotation)
     return sorted(events, key=lambda e: e[2], reverse=True)
 
 

@@ -207,3 +207,24 @@ def test_the_gpus_ranges_are_no_kernels():
     assert kernels == [("sm90_xmma_gemm", 1, 0.7), ("ncclDevKernel_AllReduce", 1, 0.2)]
     total = re.search(r"Self CUDA time total: ([\d.]+)us", events.key_averages().table()).group(1)
     assert sum(ms for _, _, ms in kernels) == pytest.approx(float(total) / 1e3, rel=1e-12)
+
+
+def test_a_cpu_profiles_busy_time_is_its_ops_not_the_time_between_them(tmp_path):
+    """On a CPU a record_function range's self time is the host's between its ops (Python's): the header's busy time
+    and the tables are the ops' alone. Before, they had the ranges too ("step 2" a row of the table), so a CPU was
+    always as busy as the wall time (a step that slept 50 ms beside one small matmul, 100% busy)."""
+    profiler = StepProfiler(ProfileConfig(start=2, steps=2), str(tmp_path), 0, torch.device("cpu"), 0, 4,
+                            logging.getLogger("test"))
+    x = torch.ones(64, 64)
+    try:
+        for step in range(1, 5):
+            with profiler.step(step):
+                x = (x @ x).clamp(max=1.0)
+                time.sleep(0.05)
+    finally:
+        profiler.close()
+    text = (tmp_path / "profile" / "step_000002-000003" / "rank0000.txt").read_text()
+    wall, ops = map(float, re.match(r"profile of steps 2-3 on rank 0: ([\d.]+) ms a step \(wall, profiler on\); "
+                                    r"CPU ops busy ([\d.]+) ms a step", text).groups())
+    assert wall >= 50 and ops < 25, text
+    assert "aten::mm" in text and "| step 2 |" not in text, text
