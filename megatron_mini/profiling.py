@@ -170,8 +170,8 @@ class StepProfiler:
 
     def take_overhead(self) -> float:
         """The seconds the profiler itself took in the steps since the last call (its start, the transitions of its
-        schedule, its stop and the writing of its files: at the window's last step seconds, 40x a tiny model's
-        step), which a step line's rate leaves out; the profiled steps' own slowdown stays in."""
+        schedule, and after the window's last step its stop and the writing of its files: seconds, 40 times a step
+        of the tests' small model), which a step line's rate leaves out; the profiled steps' own slowdown stays in."""
         seconds, self.overhead = self.overhead, 0.0
         return seconds
 
