@@ -105,6 +105,52 @@ def test_an_optimizer_step_is_adamw_of_the_unscaled_clipped_gradient(dtype, clip
         assert torch.equal(p.detach(), master.to(dt))                         # the 16-bit weights: the masters'
 
 
+def _steps_beside_torch_adamw(cfg, steps):
+    """Train `steps` steps on one rank; before each update, give the same gradients to an fp64 copy of the model
+    under torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW, its parameters grouped by Megatron's rule (no
+    weight decay for biases and other 1-D parameters: LayerNorm). Returns ({name: no_weight_decay}, [(torch's
+    total norm, ours)], {name: the largest |ours - torch's|})."""
+    trainer = make_trainer(cfg)
+    named = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_global_parameters()]
+    ref = {n: torch.nn.Parameter(p.detach().double().clone()) for n, p in named}
+    o = cfg.optimizer
+    adam = torch.optim.AdamW([{"params": [ref[n] for n, p in named if p.ndim > 1], "weight_decay": o.weight_decay},
+                              {"params": [ref[n] for n, p in named if p.ndim == 1], "weight_decay": 0.0}],
+                             betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    step, norms = trainer.optimizer.step, []
+
+    def step_beside(lr, weight_norm=False):
+        for n, p in named:
+            ref[n].grad = p.main_grad.double()
+        norms.append([torch.nn.utils.clip_grad_norm_(list(ref.values()), o.grad_clip).item()])
+        for group in adam.param_groups:
+            group["lr"] = lr
+        adam.step()
+        out = step(lr, weight_norm)
+        norms[-1].append(out[0])
+        return out
+    trainer.optimizer.step = step_beside
+    for _ in range(steps):
+        trainer.train_step()
+    return ({n: p.spec.no_weight_decay for n, p in named}, norms,
+            {n: (p.detach().double() - ref[n].detach()).abs().max().item() for n, p in named})
+
+
+def test_the_models_updates_are_torch_adamw_with_megatrons_weight_decay(small_data, tmp_path):
+    """The whole model (fp32, one rank) for 4 steps against torch.optim.AdamW in fp64 on the same gradients,
+    clipped by torch.nn.utils.clip_grad_norm_ at every step: the same global norm, the same weights to fp32
+    rounding. Weight decay as Megatron's (and nanoGPT's): on the matrices, the word and position embeddings
+    included; not on biases and LayerNorm."""
+    cfg = small_config(small_data, tmp_path, steps=4, **{"optimizer.grad_clip": 0.2})
+    no_decay, norms, worst = spawn(1, _steps_beside_torch_adamw, cfg, cfg.steps)[0]
+    assert not no_decay["embedding.word_embeddings.weight"] and not no_decay["embedding.position_embeddings"]
+    assert no_decay["head.ln_f.weight"] and no_decay["blocks.0.ln1.bias"] and no_decay["blocks.0.mlp.fc2.bias"]
+    assert all(torch_norm > cfg.optimizer.grad_clip for torch_norm, _ in norms), norms     # (clipped throughout)
+    for torch_norm, ours in norms:
+        assert ours == pytest.approx(torch_norm, rel=1e-6), norms
+    assert max(worst.values()) < 1e-6, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
 def test_learning_rate_schedule():
     """Warmup lr/w, 2 lr/w, ..., lr (once), then a cosine or a line down to exactly min_lr at the last step
     (or at update decay_steps - 1, whatever `steps`), min_lr after it; constant: lr after the warmup."""
