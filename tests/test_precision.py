@@ -308,7 +308,11 @@ def test_skipped_fp16_steps_do_not_spend_the_warmup(small_data, tmp_path):
         applied += not skipped
 
 
-def _step_with_injected_inf(cfg, poisoned_rank):
+def _step_with_injected_value(cfg, poisoned_rank, value):
+    """One clean step, then the gradients of another batch with `value` (inf, nan) in an element of the (reduced)
+    gradient that `poisoned_rank` owns, and Optimizer.step on them: (its return value, or the FloatingPointError's
+    message, whether the weights and Adam's state are as they were, whether Adam's step count is, the fp16 scaler's
+    state before and after (None without one))."""
     import torch.distributed as dist
 
     trainer = make_trainer(cfg)
@@ -316,26 +320,40 @@ def _step_with_injected_inf(cfg, poisoned_rank):
     trainer.optimizer.finish_param_gather()  # (ZeRO-1: the step's weight gathers are still in flight)
     before = [t.clone() for buf in trainer.buffers for t in (buf.params_flat,)]
     state = [(r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone()) for r in trainer.optimizer.ranges]
-    steps, scaler = trainer.optimizer.step_count, trainer.optimizer.scaler.state_dict()
+    scaler = trainer.optimizer.scaler
+    steps, scaler_before = trainer.optimizer.step_count, scaler and scaler.state_dict()
     batch = torch.zeros(cfg.num_microbatches(trainer.mesh.dp), cfg.mbs, cfg.model.seq_len + 1, dtype=torch.long)
-    trainer.engine.train_step(batch, trainer.optimizer.scaler.scale, cfg.gbs * cfg.model.seq_len, 0)
-    if dist.get_rank() == poisoned_rank:              # an element of the (reduced) gradient this rank owns
-        trainer.optimizer.ranges[0].grad[3] = float("inf")
-    _, skipped, _ = trainer.optimizer.step(lr=1e-3)
+    trainer.engine.train_step(batch, scaler.scale if scaler else 1.0, cfg.gbs * cfg.model.seq_len, 0)
+    if dist.get_rank() == poisoned_rank:
+        trainer.optimizer.ranges[0].grad[3] = value
+    try:
+        result = trainer.optimizer.step(lr=1e-3)
+    except FloatingPointError as e:
+        result = str(e)
     unchanged = all(torch.equal(a, buf.params_flat) for a, buf in zip(before, trainer.buffers))
     unchanged &= all(torch.equal(m, r.master) and torch.equal(a, r.exp_avg) and torch.equal(v, r.exp_avg_sq)
                      for (m, a, v), r in zip(state, trainer.optimizer.ranges))
-    return skipped, unchanged, trainer.optimizer.step_count == steps, scaler, trainer.optimizer.scaler.state_dict()
+    return result, unchanged, trainer.optimizer.step_count == steps, scaler_before, scaler and scaler.state_dict()
 
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_injected_inf_skips_the_step_on_every_rank(zero, small_data, tmp_path):
     cfg = small_config(small_data, tmp_path, tp=2, pp=2, zero=zero, gbs=8, **{"precision.dtype": "fp16",
                                                                               "precision.initial_loss_scale": 1024.0})
-    results = spawn(8 if zero else 4, _step_with_injected_inf, cfg, 3)
-    for skipped, unchanged, same_step_count, scaler_before, scaler_after in results:
+    results = spawn(8 if zero else 4, _step_with_injected_value, cfg, 3, float("inf"))
+    for (_, skipped, _), unchanged, same_step_count, scaler_before, scaler_after in results:
         assert skipped and unchanged and same_step_count
         assert scaler_after["hysteresis_left"] == scaler_before["hysteresis_left"] - 1
+
+
+def test_a_nan_gradient_in_bf16_stops_every_rank_before_the_update(small_data, tmp_path):
+    """Without a loss scaler (bf16; fp32 alike) a gradient element that is nan on one rank while the loss is finite
+    is no step to skip: every rank raises the same FloatingPointError (the norm's all-reduce carries it to all;
+    training.train makes it one message), and no weight or Adam state has moved (Megatron's
+    check_for_nan_in_grad raises too)."""
+    cfg = small_config(small_data, tmp_path, tp=2, pp=2, gbs=8, **{"precision.dtype": "bf16"})
+    for result, unchanged, same_step_count, _, _ in spawn(4, _step_with_injected_value, cfg, 3, float("nan")):
+        assert result == "the gradient norm is not finite" and unchanged and same_step_count
 
 
 @pytest.fixture(scope="module")
