@@ -307,8 +307,9 @@ def learning_rate(update: int, o: OptimizerConfig, steps: int) -> float:
         sqrt:   lr - (lr - min_lr) sqrt(p)  (WSD's "1 - sqrt" cooldown)     constant: lr
 
     An fp16 step skipped on an overflow applies no update and does not advance the schedule (as Megatron's),
-    so warmup is not spent on them. A fixed decay_steps (Megatron's lr-decay-iters) keeps the schedule when a
-    resumed run raises `steps`."""
+    so warmup is not spent on them. Megatron's OptimizerParamScheduler is this schedule one update later: its
+    first update takes init_lr (0 by default), its peak is update w and its min_lr update D. A fixed
+    decay_steps (Megatron's lr-decay-iters) keeps the schedule when a resumed run raises `steps`."""
     if update < o.warmup_steps:
         return o.lr * (update + 1) / o.warmup_steps
     if o.decay_style == "constant":
