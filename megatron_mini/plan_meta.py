@@ -6,11 +6,13 @@
 - activations: the bytes autograd saves (meter.SavedTensorMeter) over one forward of each layer kind,
   summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
 - backward: what one layer's forward and backward allocate on top of what it saves (meter.AllocationMeter: the
-  gradients of the logits and of the word embedding, a checkpoint's recomputed forward), the largest of the
-  rank's layer kinds, allocated while the others' saved tensors are held; in a chunk that holds both the embedding
-  and the head (pp = vpp = 1), where the head's gradient of the tied word embedding waits for the embedding's, also
-  a block's backward with that gradient held, and the peak of the embedding's backward, where the two are summed
-  (the chunk's absolute peak, measured on that chunk with up to two blocks, whose saved tensors are freed by then);
+  gradients of the logits and of the word embedding, a checkpoint's recomputed forward), at each backward of the
+  rank's schedule on top of the saved tensors then in flight (_backward_extra: a block's or the head's with all of
+  them held, the embedding's once its chunk's blocks have freed that microbatch's), less the activation peak, at
+  the largest; in a chunk that holds both the embedding and the head (pp = vpp = 1), where the head's gradient of
+  the tied word embedding waits for the embedding's, also a block's backward with that gradient held, and the peak
+  of the embedding's backward, where the two are summed (the chunk's absolute peak, measured on that chunk with up
+  to two blocks, whose saved tensors are freed by then);
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
@@ -108,17 +110,21 @@ class RankFacts:
 @functools.lru_cache(maxsize=256)
 def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     """(the distinct vectors of in-flight microbatches per chunk right after each forward of the rank's
-    schedule, in the order they first occur; the pipeline sends and receives counted by direction): the
-    activation peak of any per-chunk sizes is the largest dot product with one of those vectors."""
-    live, vectors, sends = [0] * vpp, {}, Counter()
+    schedule; the distinct (chunk, such a vector) right before each backward, its own microbatch counted; both in
+    the order they first occur; the pipeline sends and receives counted by direction): the activation peak of any
+    per-chunk sizes is the largest dot product with one of the first vectors, the backward's peaks those with
+    the second."""
+    live, vectors, backwards, sends = [0] * vpp, {}, {}, Counter()
     for a in build_schedule(kind, pp, vpp, m, rank):          # the actions in the engine's order
-        if a.op in ("forward", "backward"):
-            live[a.chunk] += 1 if a.op == "forward" else -1
-            if a.op == "forward":
-                vectors.setdefault(tuple(live), None)
+        if a.op == "forward":
+            live[a.chunk] += 1
+            vectors.setdefault(tuple(live), None)
+        elif a.op == "backward":
+            backwards.setdefault((a.chunk, tuple(live)), None)
+            live[a.chunk] -= 1
         else:
             sends[a.op.split("_")[0]] += 1
-    return list(vectors), dict(sends)
+    return list(vectors), list(backwards), dict(sends)
 
 
 def math_attention(cfg: TrainConfig) -> bool:
@@ -209,6 +215,27 @@ def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
                - layers["head"].activation_bytes, tied.activation_bytes + tied.backward_bytes - chunk.activation_bytes)
 
 
+def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) -> list:
+    """Per chunk [a, b) of `stages` (`chunks`: their Facts), what its backward allocates on top of the saved tensors
+    alive when it starts (every (chunk, microbatch) in flight, its own microbatch included): the largest backward
+    of its blocks and head, which run with all of those held; the embedding's, which runs last, once the chunk's
+    blocks have freed what this microbatch saved for them (its [V/tp, h] weight gradient on top of the others in
+    flight: an own embedding stage, or the first chunk's after its blocks); a chunk holding the whole model
+    (pp = vpp = 1): also _tied_backward."""
+    L, emb = cfg.model.num_layers, layers["embedding"]
+    out = []
+    for (a, b), chunk in zip(stages, chunks):
+        n = blocks_in(L, a, b)
+        extra = max([layers["first"].backward_bytes] * (n > 0) + [layers["block"].backward_bytes] * (n > 1)
+                    + [layers["head"].backward_bytes] * (b == L + 2) + [0])
+        if a == 0:
+            extra = max(extra, emb.activation_bytes + emb.backward_bytes - chunk.activation_bytes)
+        if "tied" in layers:
+            extra = max(extra, chunk.backward_bytes, _tied_backward(cfg, layers, chunk))
+        out.append(extra)
+    return out
+
+
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
@@ -281,7 +308,7 @@ class Planner:
 
     def _peak(self, cfg: TrainConfig, dp: int, pp_rank: int, chunks: list) -> tuple:
         """(activation bytes, (chunk, microbatch) pairs in flight) at the peak of the rank's schedule."""
-        vectors, _ = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
+        vectors, _, _ = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
         sizes, peak = [c.activation_bytes for c in chunks], (0, 0)
         for v in vectors:
             live = sum(n * b for n, b in zip(v, sizes))
@@ -308,14 +335,14 @@ class Planner:
         """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
         memory, with_sp, without_sp = self.rank_state(cfg, dp, pp_rank)
         layers = self.layer_facts(cfg)
-        chunks = _chunk_facts(cfg, layers, local_stage_layers(cfg, pp_rank))
-        backward = max(c.backward_bytes for c in chunks)
-        if "tied" in layers:                                        # one chunk holds the whole model
-            backward = max(backward, _tied_backward(cfg, layers, chunks[0]))
+        stages = local_stage_layers(cfg, pp_rank)
+        chunks = _chunk_facts(cfg, layers, stages)
         act_bytes = (cfg.model.seq_len // (cfg.tp if cfg.sp else 1)) * cfg.mbs * cfg.model.hidden_size \
             * DTYPES[cfg.precision.dtype].itemsize               # the engine's p2p message (its act_shape)
-        _, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
+        _, backwards, sends = _schedule_shape(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(dp), pp_rank)
         peak, peak_pairs = self._peak(cfg, dp, pp_rank, chunks)
+        sizes, extra = [c.activation_bytes for c in chunks], _backward_extra(cfg, layers, stages, chunks)
+        backward = max([sum(n * b for n, b in zip(v, sizes)) + extra[c] - peak for c, v in backwards] + [0])
         m = cfg.num_microbatches(dp)                                # each chunk runs every microbatch once
         step = sum(chunks, Facts()) * m
         ledger = _merged(step.ledger, {("pp", op): (n, n * act_bytes) for op, n in sends.items()})

@@ -695,12 +695,14 @@ WIDE = {"model.vocab_pad_multiple": 16384}
                                            (2, dict(tp=2, sp=True, **WIDE)), (1, dict(vpp=2, **WIDE)),
                                            (1, dict(WIDE, **{"model.num_layers": 16})),
                                            (1, dict(WIDE, schedule="gpipe", gbs=8)),
-                                           (1, dict(recompute="full", **{"model.num_layers": 1}))],
+                                           (1, dict(recompute="full", **{"model.num_layers": 1})),
+                                           (4, dict(pp=2, vpp=2, embedding_stage="own", gbs=8, **WIDE))],
                          ids=["pp2", "tp2-sp", "full", "pp2-wide-vocab", "tp2-pp2-wide-vocab", "pp1-wide-vocab",
                               "full-wide-vocab", "bf16-wide-vocab", "tp2-sp-wide-vocab", "pp1-vpp2-wide-vocab",
-                              "pp1-16-blocks-wide-vocab", "pp1-gpipe-wide-vocab", "pp1-one-block-full"])
+                              "pp1-16-blocks-wide-vocab", "pp1-gpipe-wide-vocab", "pp1-one-block-full",
+                              "pp2-vpp2-own-wide-vocab"])
 def test_planned_memory_holds_what_a_real_step_allocates(world, layout, small_data, tmp_path, planner):
-    """The plan's activations and backward working set of a rank are within [0.9, 1.25] of the peak of what a real
+    """The plan's activations and backward working set of a rank are within [0.9, 1.15] of the peak of what a real
     step's forwards and backwards allocate (meter.AllocationMeter on real tensors): on the last stage of a wide
     vocabulary, the logits' fp32 gradients and the head's weight gradient, on the first the word embedding's;
     the plan counted none of them (8x under on the last stage here; 6 GiB under for gpt2-small at mbs 16). Where one
@@ -708,7 +710,10 @@ def test_planned_memory_holds_what_a_real_step_allocates(world, layout, small_da
     backward for the embedding's, and the two are summed into a third [V/tp, h] tensor: a plan of single layers was
     12-16% under (30% with full recomputation); with vpp = 2 they are two chunks, two backward passes, and nothing
     waits. There the peak is the embedding's backward, after the blocks' saved tensors are freed: a plan that added
-    it to every block's saved tensors was 1.13x over at 8 blocks, 1.27x at 16."""
+    it to every block's saved tensors was 1.13x over at 8 blocks, 1.27x at 16. Elsewhere the word embedding's gradient
+    is allocated when the backward reaches the embedding, after the chunk's blocks have freed what that microbatch
+    saved, and with vpp > 1 after the later chunks' backwards: a plan that added it to the rank's activation peak
+    was 1.2x over on pp=2's first stage, 1.5x with an own embedding stage and vpp=2 (now within [0.98, 1.13])."""
     # 2 microbatches a step, as many in flight at pp <= 2 as 8 (the GPipe case keeps its gbs=8: all 8)
     cfg = small_config(small_data, tmp_path, **{"gbs": 4, **layout})
     dp = world // (cfg.tp * cfg.pp)
@@ -717,4 +722,4 @@ def test_planned_memory_holds_what_a_real_step_allocates(world, layout, small_da
             continue
         memory = planner.measure_rank(cfg, dp, pp_rank).memory
         planned = memory["activations"] + memory.get("backward", 0)
-        assert 0.9 * allocated <= planned <= 1.25 * allocated, (pp_rank, memory, allocated)
+        assert 0.9 * allocated <= planned <= 1.15 * allocated, (pp_rank, memory, allocated)
