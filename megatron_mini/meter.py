@@ -18,6 +18,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -69,7 +70,11 @@ class AllocationMeter(TorchDispatchMode):
     """Bytes of the storages that ops allocate while it is on (an op's results that alias no input: not views,
     not in-place), alive at once: `live` now, `peak` at most so far; a storage counts until it is freed (a weakref
     on it; meta storages too). Around a layer's forward and backward its peak is what autograd saves plus the
-    backward's temporaries (the gradients it computes and frees, the recomputed forward of a checkpoint)."""
+    backward's temporaries (the gradients it computes and frees, the recomputed forward of a checkpoint).
+    A result is new only if its storage is no input's: some ops return an input's storage without an alias
+    annotation, _unsafe_view (a matmul of [s, b, h] reshapes its product so: every such product, the logits among
+    them, was counted twice) and c10d's in-place collectives (ZeRO-1's reduce-scatters counted the whole gradient
+    buffer again)."""
 
     def __init__(self):
         super().__init__()
@@ -85,10 +90,11 @@ class AllocationMeter(TorchDispatchMode):
         if not returns:
             return out
         results = out if isinstance(out, (tuple, list)) else (out,)
+        inputs = {_storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         aliases = [r.alias_info for r in returns] if len(returns) == len(results) else \
             [returns[0].alias_info] * len(results)               # one list result (split, unbind, ...)
         for t, alias in zip(results, aliases):
-            if isinstance(t, torch.Tensor) and alias is None:
+            if isinstance(t, torch.Tensor) and alias is None and _storage_id(t) not in inputs:
                 storage = t.untyped_storage()
                 nbytes = storage.nbytes()
                 self.live += nbytes
