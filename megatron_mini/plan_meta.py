@@ -21,7 +21,8 @@
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
 - bubble: schedules.simulate (its idle time is the same for every m >= pp, so it runs at min(m, pp)).
 Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
-math path); the Triton kernels are planned as the torch ones.
+math path), and a dropout as a GPU's fused kernel saves its mask, in 1 byte (bool_dropout_masks: on the CPU in the
+activations' dtype); the Triton kernels are planned as the torch ones.
 """
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ def _fused_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw
     if q.device.type == "meta" and attn_mask is None:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
     return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+_dropout = F.dropout
+
+
+def _fused_dropout_on_meta(input, p=0.5, training=True, inplace=False):
+    """On meta (as on the CPU), F.dropout runs its composite, input x a mask of input's dtype, and saves that mask;
+    on a GPU it runs native_dropout, which saves a bool mask: that op has a meta version."""
+    if input.device.type == "meta" and training and 0 < p < 1 and not inplace:
+        return torch.native_dropout(input, p, True)[0]
+    return _dropout(input, p, training, inplace)
 
 
 @dataclass
@@ -127,6 +139,12 @@ def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     return list(vectors), list(backwards), dict(sends)
 
 
+def bool_dropout_masks(cfg: TrainConfig) -> bool:
+    """Whether cfg's dropouts save 1-byte masks: off the CPU (ATen's dropout takes the fused native_dropout on a GPU);
+    on the CPU each saves its mask in the activations' dtype."""
+    return cfg.device != "cpu" and cfg.model.dropout > 0
+
+
 def math_attention(cfg: TrainConfig) -> bool:
     """Whether cfg's attention runs SDPA's math path, which saves the [s, s] weights and dropout mask: on
     the CPU with dropout (torch's CPU flash kernel takes none), unless the Triton flash attention runs.
@@ -161,6 +179,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
     with _older_objects_frozen(), torch.random.fork_rng(devices=[]), \
             mock.patch.object(F, "scaled_dot_product_attention", sdpa), \
+            mock.patch.object(F, "dropout", _fused_dropout_on_meta if bool_dropout_masks(cfg) else _dropout), \
             mock.patch.object(tensor_parallel, "gemm_into_fp32", lambda device, dtype: "addmm"), \
             mock.patch.object(tensor_parallel, "_ones_row", tensor_parallel._ones_row.__wrapped__):   # (uncached:
         # what a process measured before does not change what it measures)
@@ -253,7 +272,8 @@ class Planner:
         chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for the absolute peak of
         its backward, where the head's and the embedding's gradients of the tied word embedding [V/tp, h] are summed
         into a third such tensor, after the blocks' saved tensors are freed (_tied_backward).
-        Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs)."""
+        Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs, how attention and
+        dropout save)."""
         L = cfg.model.num_layers
         kinds = [("embedding", cfg, 0, 1, False), ("first", cfg, 1, 2, False), ("block", cfg, 1, 2, True),
                  ("head", cfg, L + 1, L + 2, True)]
@@ -262,7 +282,8 @@ class Planner:
             kinds.append(("tied", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)),
                           0, n + 2, False))
         return [(name, (name, cfg.tp, cfg.sp, "none" if name in ("embedding", "head") else cfg.recompute,
-                        cfg.precision.dtype, cfg.mbs, dataclasses.astuple(cfg.model), math_attention(cfg)),
+                        cfg.precision.dtype, cfg.mbs, dataclasses.astuple(cfg.model), math_attention(cfg),
+                        bool_dropout_masks(cfg)),
                  (job, (first, end), residual)) for name, job, first, end, residual in kinds]
 
     def layer_facts(self, cfg: TrainConfig) -> dict:

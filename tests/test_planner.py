@@ -408,6 +408,28 @@ def test_plan_measures_the_largest_and_the_slowest_rank(small_data, tmp_path, pl
         assert [r.pp_rank for r in e.ranks] == [0, 1, 3]
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_a_gpu_plans_block_saves_what_korthikanti_counts(tp, sp, dropout):
+    """What the plan of a GPU run saves per block is Korthikanti et al. 2022's count (Table 2), s b h (34 + 5 a s / h)
+    bytes in 16 bits, less what a fused (flash) attention does not save, 5 a s^2 b (the [s, s] softmax, its dropout
+    mask and output) and, without dropout, the two 1-byte masks on the residual stream (2 s b h), plus what the
+    count leaves out, the log-sum-exp the fused kernel saves (fp32 [b, a, s]) and the LayerNorms' fp32 mean and
+    rstd (2 x 2 x [s, b]); the whole of it over tp with sequence parallelism, without it all but 8 s b h (10 with
+    dropout's masks: the LayerNorms' and the linears' inputs, whole on every rank) and the LayerNorms' statistics.
+    A GPU's dropout saves a bool mask (ATen's fused native_dropout); the plan saved it in bf16, as the CPU's
+    composite does (36 s b h, not 34)."""
+    s, b, h, a = 128, 2, 256, 4
+    model = ModelConfig(num_layers=2, hidden_size=h, num_heads=a, seq_len=s, vocab_size=512, dropout=dropout)
+    cfg = TrainConfig(model=model, tp=tp, sp=sp, mbs=b, gbs=8, device="cuda")
+    cfg.precision.dtype = "bf16"
+    masks = 2 * s * b * h * (dropout > 0)                 # the residual stream's two, 1 byte an element
+    whole = s * b * h * (8 + 24 / tp) + masks if tp > 1 and not sp else (32 * s * b * h + masks) / tp
+    expected = whole + 4 * a * s * b / tp + 16 * s * b / (tp if sp else 1)
+    saved = Planner().layer_facts(cfg)["block"].activation_bytes
+    assert abs(saved - expected) <= 64, (saved, expected)          # (64 bytes: the kernel's scalars)
+
+
 # ----------------------------------------------------------------------------- FLOPs with recomputation
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
