@@ -258,6 +258,24 @@ def test_plot_tool(tmp_path, capsys):
     assert expected == pytest.approx([1 / 4, 1 / 4, 1 / 8])
 
 
+@pytest.mark.parametrize("kind, pp, vpp, m", [("gpipe", 4, 2, 2), ("gpipe", 4, 3, 1), ("gpipe", 4, 2, 4),
+                                             ("1f1b", 4, 1, 2), ("1f1b", 4, 2, 6), ("gpipe", 3, 1, 1)])
+def test_plot_tool_says_why_a_bubble_is_above_the_textbook(kind, pp, vpp, m, tmp_path, capsys):
+    """The bubble the tool states is the simulator's, next to (p-1)/(v m); where it is above that (GPipe with vpp > 1
+    and m < pp: rank 0 waits for the last rank's hand-over) it says why (it stated 1.25 against "textbook 3/4"
+    and nothing more), and where they are equal it adds nothing."""
+    import plot_schedule as tool
+
+    assert tool.main(["--pp", str(pp), "--vpp", str(vpp), "-m", str(m), "--schedule", kind,
+                      "-o", str(tmp_path / "s.png")]) == 0
+    printed = capsys.readouterr().out
+    stated = float(re.search(r"bubble fraction ([0-9.]+)", printed).group(1))
+    assert stated == pytest.approx(simulate(kind, pp, vpp, m).bubble, abs=1e-6)
+    above = stated > (pp - 1) / (vpp * m) + 1e-6
+    assert above == (kind == "gpipe" and vpp > 1 and m < pp)
+    assert ("above it: with m=" in printed) == above, printed
+
+
 @pytest.mark.parametrize("vpp", [2, 4, 6])
 def test_plot_tool_gives_each_chunk_its_own_grey(vpp, tmp_path, monkeypatch):
     """The strip under a block says its model chunk: every chunk's strips one colour, no two chunks the same, and

@@ -42,9 +42,14 @@ def schedule_name(kind: str, vpp: int) -> str:
     return "GPipe" if kind == "gpipe" else kind
 
 
-def bubble_formula(pp: int, vpp: int, m: int) -> str:
-    """The textbook bubble fraction, as text (every schedule reaches it when m >= pp)."""
-    return f"(p-1)/(v·m) = {pp - 1}/{vpp * m}" if vpp > 1 else f"(p-1)/m = {pp - 1}/{m}"
+def bubble_formula(pp: int, vpp: int, m: int, bubble: float) -> str:
+    """The textbook bubble fraction, as text, and why the schedule's `bubble` is above it where it is (every
+    schedule reaches it when m >= pp; GPipe with vpp > 1 and fewer microbatches does not)."""
+    text = f"(p-1)/(v·m) = {pp - 1}/{vpp * m}" if vpp > 1 else f"(p-1)/m = {pp - 1}/{m}"
+    if bubble > (pp - 1) / (vpp * m) + 1e-9:
+        text += (f"; above it: with m={m} < pp={pp} rank 0 runs out of chunk-0 microbatches before the last rank "
+                 f"hands it the first one for chunk 1")
+    return text
 
 
 def _lighter(colour, amount: float = 0.55):
@@ -73,7 +78,7 @@ def draw(ax, result: SimResult, kind: str, pp: int, vpp: int, m: int) -> None:
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     ax.set_xlim(0, result.makespan)
     ax.set_title(f"{schedule_name(kind, vpp)}: pp={pp}, vpp={vpp}, m={m}; bubble {result.bubble:.4f} "
-                 f"(textbook {bubble_formula(pp, vpp, m)}); peak in-flight (chunk, microbatch) per rank "
+                 f"(textbook {bubble_formula(pp, vpp, m, result.bubble)}); peak in-flight (chunk, microbatch) per rank "
                  f"{result.peak_in_flight}", fontsize=10, loc="left")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     results = plot(args.panels, args.output)
     for (kind, pp, vpp, m), result in zip(args.panels, results):
         print(f"{schedule_name(kind, vpp)} pp={pp} vpp={vpp} m={m}: bubble fraction {result.bubble:.6f} "
-              f"(textbook {bubble_formula(pp, vpp, m)}); peak in-flight microbatches per rank "
+              f"(textbook {bubble_formula(pp, vpp, m, result.bubble)}); peak in-flight microbatches per rank "
               f"{result.peak_in_flight}" + (" (counted per model chunk)" if vpp > 1 else ""))
     print(f"wrote {args.output}")
     return 0
