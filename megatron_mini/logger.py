@@ -296,7 +296,7 @@ def format_duration(seconds: float) -> str:
 
 class Throughput:
     """Tokens/s, model TFLOP/s per GPU (per rank on a CPU, or where ranks share a GPU) and MFU over a logging
-    interval, and peak memory.
+    interval, and this rank's peak memory.
 
     TFLOP/s per rank = ModelConfig.flops_per_token() x tokens/s / world size (model FLOPs:
     recomputation is not counted); MFU = the device's TFLOP/s (ranks_per_device x the rank's, where
@@ -304,8 +304,9 @@ class Throughput:
     unknown (a CPU)."""
 
     def __init__(self, cfg: TrainConfig, world_size: int, device: torch.device, backend: str,
-                 ranks_per_device: float = 1.0):
+                 ranks_per_device: float = 1.0, *, rank: int):
         self.flops_per_token, self.world_size, self.device = cfg.model.flops_per_token(), world_size, device
+        self.rank = rank                                # (whose peak memory this is: the console shows rank 0's)
         self.ranks_per_device = ranks_per_device
         self.peak = peak_tflops(device, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)
         self.dtype = math_dtype(cfg.precision.dtype, cfg.precision.tf32)
@@ -332,6 +333,10 @@ class Throughput:
         mfu = f"{sep}MFU {100 * rate['mfu']:.1f}%" if "mfu" in rate else ""
         return f"{rate['tokens_per_s']:,.0f} tok/s{sep}{rate['tflops']:.3g} TFLOP/s/{self.per}{mfu}"
 
+    def memory_text(self, rate: dict) -> str:
+        """'peak mem X GiB (rank N)': this rank's alone (the console's lines are rank 0's), not the job's largest."""
+        return f"peak mem {rate['peak_mem_gib']:.2f} GiB (rank {self.rank})"
+
     def peak_memory_gib(self) -> float:
         """Peak memory of this rank: CUDA memory allocated by torch, or the process's peak RSS on a CPU."""
         if self.device.type == "cuda":
@@ -353,5 +358,5 @@ def step_line(step: int, cfg: TrainConfig, out: dict, rate: dict, throughput: Th
     return (f"step {step:>5}/{cfg.steps} | loss {out['loss']:.4f} | lr {out['lr']:.2e}{gbs} | "
             f"grad norm {out['grad_norm']:.3f} | "
             f"{throughput.text(rate)} | "
-            f"peak mem {rate['peak_mem_gib']:.2f} GiB | elapsed {format_duration(elapsed)} | "
+            f"{throughput.memory_text(rate)} | elapsed {format_duration(elapsed)} | "
             f"ETA {format_duration(eta)}{scale}")

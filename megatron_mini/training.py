@@ -664,7 +664,7 @@ def _summarize(trainer: Trainer, logger: RunLogger, log: logging.Logger, history
     ended = "stopped" if stopped_by else "done"          # (a stop's own line, above, says how to continue)
     log.info(f"{ended}: {steps_run} step{'s' * (steps_run != 1)} in {format_duration(elapsed)} | {trained} | "
              f"{val_text} | {rate.text(r, ', ')} (the first step's warm-up, evaluations "
-             f"and checkpoints included) | peak mem {r['peak_mem_gib']:.2f} GiB")
+             f"and checkpoints included) | {rate.memory_text(r)}")
     sync = logger.wandb_segments if logger.wandb_path and logger.mode == "offline" else None
     for line in closing_lines(trainer.last_checkpoint, os.path.join(cfg.run_dir, "metrics.jsonl"), logger.wandb_path,
                               sync):
@@ -836,7 +836,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     memory.start()
 
     sharing = ranks_per_gpu(run.device, gpu_slot()[1], torch.cuda.device_count())
-    rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing)
+    rate = Throughput(cfg, world_size, run.device, run.backend, ranks_per_device=sharing, rank=rank)
     if (note := rate.missing_peak_note()) is not None:
         log.info(f"note: {note}")
     if stop.deadline is not None:

@@ -220,11 +220,11 @@ def test_a_gpu_missing_from_the_table_says_why_there_is_no_mfu(monkeypatch):
                                  ("NVIDIA GeForce RTX 4090", 165.2, False)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         cfg = TrainConfig(precision=PrecisionConfig(dtype="fp32", peak_tflops=peak))
-        note = Throughput(cfg, 1, cuda, "nccl").missing_peak_note()
+        note = Throughput(cfg, 1, cuda, "nccl", rank=0).missing_peak_note()
         assert (note is not None) == expected, (name, peak, note)
         if expected:
             assert name in note and "precision.peak_tflops" in note and "tf32 peak" in note, note
-    assert Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo").missing_peak_note() is None
+    assert Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo", rank=0).missing_peak_note() is None
 
 
 def test_flops_per_token_equals_torch_flop_count():
@@ -242,7 +242,8 @@ def test_flops_per_token_equals_torch_flop_count():
 
 def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path):
     """On 2 ranks (dp=2): tokens/s is the run's tokens (steps x gbs x seq_len) over its time, and TFLOP/s per
-    rank is the README's FLOPs per token x tokens/s / 2 ranks."""
+    rank is the README's FLOPs per token x tokens/s / 2 ranks. The peak memory of a line is its rank's, and says
+    so: the console's (rank 0's) is summary.json's, rank 1's log has its own (it read as the job's)."""
     cfg = small_config(small_data, tmp_path, steps=2, log_interval=1, **{"precision.peak_tflops": 0.001})
     started = time.perf_counter()
     history = train_on_ranks(2, cfg)
@@ -259,6 +260,10 @@ def test_console_reports_tflops_mfu_and_memory(small_data, tmp_path):
     log = (tmp_path / "logs" / "rank0000.log").read_text()
     lines = re.findall(r"^\S+ \S+ ((?:step|done:) .*(?:tok/s|included).*)$", log, re.M)
     assert len(lines) == 3 and all(" TFLOP/s/rank" in line and "MFU " in line for line in lines), lines
+    assert lines[-1].endswith(f"| peak mem {s['peak_mem_gib']:.2f} GiB (rank 0)"), lines
+    assert all(re.search(r"\| peak mem \d+\.\d\d GiB \(rank 0\)( \||$)", line) for line in lines), lines
+    other = (tmp_path / "logs" / "rank0001.log").read_text()
+    assert len(re.findall(r"\| peak mem \d+\.\d\d GiB \(rank 1\)( \||$)", other, re.M)) == 3, other
 
 
 def test_step_lines_leave_out_evaluation_and_save_time(small_data, tmp_path):
@@ -295,7 +300,7 @@ def test_mfu_of_a_gpu_that_ranks_share():
     from megatron_mini.logger import Throughput
     cfg = TrainConfig()
     cfg.precision.peak_tflops = 100.0
-    r = Throughput(cfg, 4, torch.device("cpu"), "gloo", ranks_per_device=4)(tokens=10_000, seconds=2.0)
+    r = Throughput(cfg, 4, torch.device("cpu"), "gloo", ranks_per_device=4, rank=0)(tokens=10_000, seconds=2.0)
     assert r["tflops"] == pytest.approx(cfg.model.flops_per_token() * 5_000 / 4 / 1e12, rel=1e-12)
     assert r["mfu"] == pytest.approx(4 * r["tflops"] / 100.0, rel=1e-12)
 

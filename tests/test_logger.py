@@ -482,7 +482,7 @@ def test_cpu_peak_memory_is_the_peak_rss_on_linux_and_on_macos(monkeypatch):
         pytest.skip(f"launched by a process whose peak RSS, {inherited / 2**20:.1f} GiB, this one's ru_maxrss keeps")
     held = bytearray(lift)
     held[::4096] = b"\1" * len(range(0, lift, 4096))                     # (touched: resident)
-    meter = Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo")
+    meter = Throughput(TrainConfig(), 1, torch.device("cpu"), "gloo", rank=0)
     before = vm_hwm_gib()
     peak = meter.peak_memory_gib()
     assert 0.99 * before <= peak <= vm_hwm_gib()
