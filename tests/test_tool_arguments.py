@@ -2,6 +2,7 @@
 plan.py, generate.py, the benches' output options) give one line on stderr and a non-zero exit, no traceback;
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt; generate.py and
 evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
+import argparse
 import json
 
 import pytest
@@ -210,6 +211,32 @@ def test_tools_create_the_missing_directories_of_an_output(tool, tmp_path, monke
 def test_tools_help_says_missing_directories_are_created(module, argv, capsys):
     assert _exit_code(module, argv + ["--help"]) == 0
     assert "missing directories are created" in " ".join(capsys.readouterr().out.split())
+
+
+def _shown(default) -> str:
+    """A default as a help text writes it (1.0 as 1)."""
+    return format(default, "g") if isinstance(default, float) else str(default)
+
+
+class _Parsed(Exception):
+    """Raised in place of a tool's parse_args: carries the parser the tool built."""
+
+
+@pytest.mark.parametrize("module", [generate, evaluate, export_hf, compare_runs, plot_schedule, plan],
+                         ids=lambda m: m.__name__)
+def test_tools_help_gives_every_options_default(module, monkeypatch):
+    """The tools that README.md's "Tools" shows: an option that has a default (argparse's own value, not None or a
+    flag's) says it in its --help (plan's --top 10, plot_schedule's --vpp, --schedule and -o, the --dtype of
+    generate, evaluate and export_hf were silent), so the README need not repeat them."""
+    def capture(parser, *args, **kwargs):
+        raise _Parsed(parser)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(_Parsed) as parsed:       # (the parser the tool builds, before it parses anything)
+        module.main([])
+    silent = [a.option_strings[-1] for a in parsed.value.args[0]._actions
+              if a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and a.nargs != 0
+              and not (a.help and "default" in a.help and _shown(a.default) in a.help)]
+    assert not silent, silent
 
 
 def _failing_write(errno: int, reason: str):

@@ -412,7 +412,7 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Compare the loss curves of training runs.")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN",
                         help="run directory, wandb run directory, or wandb:entity/project/run_id")
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png",

@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="train.py keys and cluster keys, key=value")
     ap.add_argument("--layout", help="explain one layout, e.g. tp=4,pp=12,zero=1,embedding_stage=layer")
-    ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list")
+    ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list (default 10)")
     ap.add_argument("--csv", help=f"write every layout to this CSV file ({CREATED})")
     ap.add_argument("--plot", help=f"draw step time against memory per rank into this PNG ({CREATED})")
     args = ap.parse_args(argv)
