@@ -14,7 +14,8 @@
   terminal or ssh session gone), which torchrun forwards to its workers as it gets them, or SIGUSR1 (Slurm's
   `--signal=USR1@SECONDS` warning) sets a flag that the training loop shares with every rank at the end of a
   step; then all of them save and exit. A second SIGINT interrupts at once. Its deadline (exit_after_minutes,
-  a job's time limit less a margin) asks the same once it has passed.
+  a job's time limit less a margin) asks the same once it has passed. train() takes the signals once the ranks have
+  met; until then SIGTERM, SIGINT and SIGHUP end a rank of a job at once (StopRequest.take).
 * `stop_on_signals()`: outside training (tools/prepare_data.py), SIGTERM, SIGINT and SIGHUP raise `Stopped`, so
   that what the command was writing is taken away as it unwinds, not left on disk by SIGTERM's default action;
   `signals_held()` keeps them out of code that must not be cut in two.
@@ -200,10 +201,17 @@ class StopRequest:
     REASONS = tuple(s.name for s in SIGNALS) + (TIME_LIMIT,)      # (what `asked` returns)
 
     def __init__(self, deadline: float | None = None, take_signals: bool = True):
-        self.requested, self.name, self.deadline = False, None, deadline
-        self.previous = {signum: signal.getsignal(signum) for signum in self.taken()} if take_signals else {}
-        for signum in self.previous:
-            signal.signal(signum, self._handle)
+        self.requested, self.name, self.deadline, self.previous = False, None, deadline, {}
+        if take_signals:
+            self.take()
+
+    def take(self, signals: tuple = SIGNALS, handler=None) -> None:
+        """From now on, `signals` are requests to stop, or call `handler` (SIG_DFL: end the process at once); close()
+        gives each the handler it had before the first call. Only in the main thread (the only one where Python
+        takes signals)."""
+        for signum in self.taken(signals):
+            self.previous.setdefault(signum, signal.getsignal(signum))
+            signal.signal(signum, self._handle if handler is None else handler)
 
     def asked(self) -> str | None:
         """Why this rank asks the run to stop: the first signal's name, TIME_LIMIT once the deadline has passed,

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, val
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
                       load_datasets, load_eval_sets, split_notes, trained_eval_notes)
-from .launch import RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
+from .launch import STOPPING, RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line, strict_json
 from .profiling import StepProfiler
 from .memory_report import MemoryReport
@@ -691,9 +692,15 @@ def train(cfg: TrainConfig) -> dict:
     rank, world_size, _, _ = launch_env()
     follow_parent()
     run = prepare_run(cfg, rank, world_size)
-    stop = StopRequest(deadline, take_signals=threading.current_thread() is threading.main_thread())
+    # a stop signal is a request once the ranks have met (_train); until then it ends a rank of a job at once: a rank
+    # that took it as a request waited in the rendezvous for the others it ended (a SIGINT's KeyboardInterrupt does
+    # not interrupt that wait either), until torchrun's SIGKILL 30 s later (without torchrun: timeout_s)
+    stop = StopRequest(deadline, take_signals=False)
+    main_thread = threading.current_thread() is threading.main_thread()     # (only there can Python take signals)
+    if main_thread and world_size > 1:
+        stop.take(STOPPING, signal.SIG_DFL)
     try:
-        return _train(cfg, run, rank, world_size, stop)
+        return _train(cfg, run, rank, world_size, stop, main_thread)
     except CommError:
         if stop.requested:              # the launcher is tearing the job down: the cause is elsewhere
             raise Terminated() from None
@@ -763,9 +770,11 @@ def agree_on_run_dir(cfg: TrainConfig, run: Run, mesh: ParallelMesh, device: tor
     return seen[0][0]
 
 
-def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest) -> dict:
+def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopRequest, main_thread: bool) -> dict:
     history = {"loss": [], "val_loss": [], "grad_norm": [], "summary": None, "checkpoint": None}
     init_process_group(run.device, run.backend, cfg.timeout_s)
+    if main_thread:
+        stop.take()
     agree_on_config(cfg, run.data, run.device)
     mesh = ParallelMesh(cfg.tp, cfg.pp, run.dp, timeout_s=cfg.timeout_s)
     refused = checkpoint.first_failure(run.refused, mesh, run.device)      # before anything touches the run dir

@@ -12,6 +12,8 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_CRASH_SIGNAL=SIGSTOP                    ... or stops itself there instead (the test resumes it)
   HOOK_DRIFT_RANK=r                            rank r's F.layer_norm scales its output by 1 + 2^-20: a kernel
                                                whose rounding differs from the other ranks'
+  HOOK_STOP_RANK=r                             rank r stops itself (SIGSTOP) as it starts, before it imports
+                                               anything: the test decides what becomes of it
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ if os.environ.get("RANK") is not None:
             if _calls[0] == _at:
                 os.kill(os.getpid(), _sig)
         os.fsync = _crashing_fsync
+    if os.environ.get("HOOK_STOP_RANK") == _rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
     if os.environ.get("HOOK_DRIFT_RANK") == _rank:
         import torch.nn.functional as _F
         _layer_norm = _F.layer_norm

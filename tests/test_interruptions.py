@@ -442,6 +442,33 @@ def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
                      code=1, quick=False)
 
 
+@pytest.mark.parametrize("end", ["SIGKILL to rank 1", "SIGINT to torchrun"])
+def test_a_job_stopped_before_its_ranks_meet_ends_at_once(small_data, tmp_path, hooks, end):
+    """Rank 0 waits in the rendezvous for rank 1, which has not started (stopped as it starts); then rank 1 dies
+    (kill -9), or Ctrl-C to torchrun, which forwards it to both: the job ends at once, rank 1's end its root cause.
+    Rank 0 took torchrun's SIGTERM (or the SIGINT) as a request to stop after a step, and could not act on it in the
+    wait either: torchrun killed it 30 s later."""
+    run_dir = tmp_path / "run"
+    with running(torchrun_argv(2, [*model_args(small_data, run_dir), "timeout_s=120"]),
+                 env(hooks, HOOK_STOP_RANK=1)) as proc:
+        _wait_for(proc, run_dir / ".lock")                  # rank 0 has the run directory: it goes on to meet rank 1
+        rank0, rank1 = _workers(proc)
+        _wait_stopped(rank1, "rank 1 (as it starts)")
+        time.sleep(1.0)                                     # (rank 0 reads the data, then waits for rank 1)
+        if end == "SIGKILL to rank 1":
+            os.kill(rank1, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+            os.kill(rank1, signal.SIGCONT)                  # (rank 1 then ends on it as it starts)
+        ended = time.monotonic()
+        r = finish(proc)
+    assert time.monotonic() - ended < 15, r
+    assert r.rc != 0 and not _alive(rank0), r
+    if end == "SIGKILL to rank 1":
+        cause = r.err.split("Root Cause (first observed failure):")[-1]
+        assert re.search(r"rank\s*: 1 ", cause) and re.search(r"exitcode\s*: -9 ", cause), r
+
+
 def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
     """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
     last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
