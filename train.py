@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
+from megatron_mini.dataset import load_run_data
 from megatron_mini.errors import CommError, ConfigError, RunError
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
 
@@ -33,8 +34,9 @@ def main(dict_cfg: DictConfig) -> None:
         # a bad config is refused in well under a second: torch is not loaded yet (a ramp's batches: from sample 0
         # unless the run may resume, when train() checks them from its checkpoint's)
         validate(cfg, launch_env()[1], consumed_samples=0 if cfg.resume == "never" else None)
+        datasets = load_run_data(cfg)      # (no torch either: a data directory missing or broken is refused as fast)
         from megatron_mini.training import train
-        train(cfg)
+        train(cfg, datasets)
     except ConfigError as e:               # every rank finds the same problem before any collective
         fail(str(e), code=2)
     except RunError as e:                  # every rank knows; one of them says what it was

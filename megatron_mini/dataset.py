@@ -384,6 +384,22 @@ def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: To
     return sets
 
 
+def load_run_data(cfg) -> tuple:
+    """(train, val, tokenizer, {data.eval's directory: its set}) of the run config `cfg` (load_datasets and
+    load_eval_sets), whose training set must hold a global batch; a ConfigError (DataError) otherwise. No torch:
+    train.py loads them before it imports torch (seconds), so a data directory missing or broken is refused in under
+    one."""
+    datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
+    datasets += (load_eval_sets(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, datasets[2]),)
+    if cfg.gbs > len(datasets[0]):          # (every rank reads the whole global batch: get_batch)
+        raise ConfigError(f"gbs={cfg.gbs} is more samples than the training set holds ({len(datasets[0]):,} "
+                          f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens"
+                          f"{', read before a directory of data.blend repeats' if cfg.data.blend else ''}), so "
+                          f"every step would read some of them more than once: lower gbs, or train on a larger "
+                          f"corpus.")
+    return datasets
+
+
 def data_identity(cfg: DataConfig, datasets: tuple) -> dict:
     """What the train/validation split and the token ids depend on, besides seed and val_fraction, recorded in each
     checkpoint (a resume must read the same data): the tokenizer, the corpus (a blend's: its shares and corpora), its

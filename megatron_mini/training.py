@@ -37,7 +37,7 @@ from .kernels import attention_unsupported, interpreter_unsupported, interpretin
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
-                      load_datasets, load_eval_sets, split_notes, trained_eval_notes)
+                      load_run_data, split_notes, trained_eval_notes)
 from .launch import STOPPING, RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line, strict_json
 from .profiling import StepProfiler
@@ -104,8 +104,9 @@ def check_run_dir(run_dir: str) -> None:
                           f"run_name=NAME or run_dir=PATH.") from None
 
 
-def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
-    """Everything that can be wrong before the first collective, the same on every rank; rank 0 also
+def prepare_run(cfg: TrainConfig, rank: int, world_size: int, datasets: tuple | None = None) -> Run:
+    """Everything that can be wrong before the first collective, the same on every rank (`datasets`: load_run_data's,
+    where the caller has loaded them); rank 0 also
     takes the run directory's lock (before anything reads the run's checkpoints) and finds what the run starts
     from (resume, init_from: every rank's, agree_on_run_dir). A lock another run holds, or a start refused, is
     rank 0's alone to find: kept in Run.refused, it stops every rank together once they have met (_train), not
@@ -123,14 +124,8 @@ def prepare_run(cfg: TrainConfig, rank: int, world_size: int) -> Run:
                 raise
             refused = str(e)
     try:
-        datasets = load_datasets(cfg.data, cfg.model.seq_len, cfg.seed, cfg.model.vocab_size)
-        datasets += (load_eval_sets(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, datasets[2]),)
-        if cfg.gbs > len(datasets[0]):          # (every rank reads the whole global batch: get_batch)
-            raise ConfigError(f"gbs={cfg.gbs} is more samples than the training set holds ({len(datasets[0]):,} "
-                              f"samples of seq_len + 1 = {cfg.model.seq_len + 1} tokens"
-                              f"{', read before a directory of data.blend repeats' if cfg.data.blend else ''}), so "
-                              f"every step would read "
-                              f"some of them more than once: lower gbs, or train on a larger corpus.")
+        if datasets is None:
+            datasets = load_run_data(cfg)
         data = data_identity(cfg.data, datasets)
         resume = init = None
         # rank 0's start is every rank's (agree_on_run_dir): the others list nothing of their own (a node's stale
@@ -685,13 +680,14 @@ def closing_lines(last_checkpoint: str | None, metrics: str, wandb_path: str | N
     return lines
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train on every rank of the job; returns the history (losses per step, eval losses, summary)."""
+def train(cfg: TrainConfig, datasets: tuple | None = None) -> dict:
+    """Train on every rank of the job; returns the history (losses per step, eval losses, summary). `datasets`:
+    dataset.load_run_data(cfg)'s, where the caller has loaded them (train.py, before it imports torch)."""
     minutes = cfg.exit_after_minutes                                  # (counted from here, set-up included)
     deadline = time.monotonic() + 60 * minutes if minutes else None
     rank, world_size, _, _ = launch_env()
     follow_parent()
-    run = prepare_run(cfg, rank, world_size)
+    run = prepare_run(cfg, rank, world_size, datasets)
     # a stop signal is a request once the ranks have met (_train); until then it ends a rank of a job at once: a rank
     # that took it as a request waited in the rendezvous for the others it ended (a SIGINT's KeyboardInterrupt does
     # not interrupt that wait either), until torchrun's SIGKILL 30 s later (without torchrun: timeout_s)

@@ -23,7 +23,8 @@ import sys
 
 import pytest
 
-from commandline import (QUICK_S, REPO, assert_one_error, assert_torchrun_report, env, model_args, python_train,
+import commandline
+from commandline import (PYTHON, QUICK_S, REPO, assert_one_error, assert_torchrun_report, env, model_args, python_train,
                          torchrun_train)
 
 SLOW_START_S = 4       # how late the slowed ranks start (a sleeper is killed by torchrun when a peer fails)
@@ -64,13 +65,16 @@ def test_rejected_config_leaves_run_dir_alone(small_data, tmp_path):
 
 
 def test_missing_dataset_names_prepare_command(small_data, tmp_path):
+    """Refused before train.py imports torch (seconds) or creates the run directory."""
     missing = tmp_path / "no-data-here"
     args = model_args(small_data, tmp_path / "run") + [f"data.dir={missing}"]
-    r = python_train(args)
+    r = commandline.finish(commandline.start([PYTHON, "-X", "importtime", "train.py", *args], env()))
     assert_one_error(r, [f"{missing}: no such directory (a mistyped path, or data not prepared there yet); prepare "
                          f"it with: python tools/prepare_data.py", f"data.dir={missing}", "data.vocab_size=512"],
                      "python")
     assert not missing.exists()                       # nothing was built behind the user's back
+    assert not re.search(r"\| +torch$", r.err, re.M), "train.py imported torch before it refused the data directory"
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("override, facts", [
