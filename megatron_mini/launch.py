@@ -4,7 +4,8 @@
   `gpu_slot()`: which of the GPUs this process sees are its own.
 * `fail(message, code, reporter)`: the one way a rank ends on an error it can explain. The reporting
   rank (0 by default) prints `error: <message>` at once; the others wait, so that when every rank
-  knows the same problem the message is printed once (torchrun stops them when the reporter exits).
+  knows the same problem the message is printed once (torchrun stops them when the reporter exits; ranks started
+  without it, in a gloo group, see it end and exit with it: `reporter_ended`).
   reporter=None prints at once on this rank, for failures that are not shared (a collective that
   timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE), so the
   "Root Cause" section of torchrun's report names it instead of `error_file: <N/A>`.
@@ -34,6 +35,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 from .errors import ConfigError, first_line
@@ -153,12 +155,36 @@ def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
         rank = launch_env()[0]
     except ConfigError:                                 # (the launcher's variables are what failed)
         rank = reporter
-    if reporter is not None and rank != reporter:
-        time.sleep(OTHER_RANKS_WAIT_S)
+    said = reporter is not None and rank != reporter and reporter_ended(reporter, OTHER_RANKS_WAIT_S)
     write_error_file(message)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if not said:
+        print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
+
+
+def reporter_ended(reporter: int, seconds: float) -> bool:
+    """Wait up to `seconds` for rank `reporter` to end, which it does once it has printed the error this rank would:
+    True as soon as it has, where the ranks were started without torchrun (as srun starts them: nothing stops the
+    others when the reporter exits) and their process group is gloo's (a receive from it fails as its connections
+    close); False after `seconds` otherwise (torchrun stops this rank first, as soon as the reporter exits: its
+    report then names one failure, not this one too; no group yet; NCCL's, which sees no peer end)."""
+    dist = sys.modules.get("torch.distributed")
+    if "TORCHELASTIC_RUN_ID" in os.environ or dist is None or not dist.is_initialized() or \
+            dist.get_backend() != "gloo":
+        time.sleep(seconds)
+        return False
+    import torch
+    ended = threading.Event()
+
+    def receive():
+        try:
+            dist.recv(torch.empty(1), src=reporter)     # (never sent)
+        except Exception as e:     # noqa: BLE001 - its connection closed, not the group's timeout_s passed
+            if re.search(r"connection (closed|reset)", str(e), re.I):
+                ended.set()
+    threading.Thread(target=receive, daemon=True).start()
+    return ended.wait(seconds)
 
 
 def follow_parent() -> None:
