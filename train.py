@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
 from megatron_mini.dataset import load_run_data
 from megatron_mini.errors import CommError, ConfigError, RunError
-from megatron_mini.launch import HydraCommandLine, Terminated, fail, launch_env
+from megatron_mini.launch import HydraCommandLine, Terminated, fail, follow_parent, launch_env
 
 register_configs()
 command_line = HydraCommandLine(multirun=False)     # (a sweep is refused: each run is a job of its own ranks)
@@ -48,4 +48,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    follow_parent()      # (first: a torchrun worker whose launcher dies as it imports torch, seconds, stops too)
     command_line.run(main)

@@ -10,7 +10,8 @@
   timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE), so the
   "Root Cause" section of torchrun's report names it instead of `error_file: <N/A>`.
 * `follow_parent()`: a torchrun worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
-  stops (after saving, see `StopRequest`) instead of training on as an orphan.
+  stops (after saving, see `StopRequest`) instead of training on as an orphan. Asked for as early as it can be
+  (train.py: before torch is imported): a launcher that died before is not seen (its pid is read there).
 * `StopRequest`: SIGTERM (preemption, Slurm's warning, the launcher going away), SIGINT (Ctrl-C), SIGHUP (the
   terminal or ssh session gone), which torchrun forwards to its workers as it gets them, or SIGUSR1 (Slurm's
   `--signal=USR1@SECONDS` warning) sets a flag that the training loop shares with every rank at the end of a

@@ -14,6 +14,7 @@ read from environment variables, acting only in processes that torchrun started 
                                                whose rounding differs from the other ranks'
   HOOK_STOP_RANK=r                             rank r stops itself (SIGSTOP) as it starts, before it imports
                                                anything: the test decides what becomes of it
+  HOOK_STOP_AT=module                          ... or as it first imports `module` (megatron_mini.training)
 """
 from __future__ import annotations
 
@@ -58,8 +59,17 @@ if os.environ.get("RANK") is not None:
             if _calls[0] == _at:
                 os.kill(os.getpid(), _sig)
         os.fsync = _crashing_fsync
-    if os.environ.get("HOOK_STOP_RANK") == _rank:
+    if os.environ.get("HOOK_STOP_RANK") == _rank and not os.environ.get("HOOK_STOP_AT"):
         os.kill(os.getpid(), signal.SIGSTOP)
+    if os.environ.get("HOOK_STOP_RANK") == _rank and os.environ.get("HOOK_STOP_AT"):
+        import builtins
+        _import = builtins.__import__
+        def _stopping_import(name, *args, **kwargs):
+            if name == os.environ["HOOK_STOP_AT"]:
+                builtins.__import__ = _import
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return _import(name, *args, **kwargs)
+        builtins.__import__ = _stopping_import
     if os.environ.get("HOOK_DRIFT_RANK") == _rank:
         import torch.nn.functional as _F
         _layer_norm = _F.layer_norm

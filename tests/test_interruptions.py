@@ -432,6 +432,33 @@ def _pending(pid: int, signum: int) -> bool:
                for field in ("SigPnd", "ShdPnd"))
 
 
+def test_a_worker_whose_launcher_dies_while_it_starts_stops(small_data, tmp_path, hooks):
+    """kill -9 of torchrun while its worker starts (stopped as it imports megatron_mini.training, which imports
+    torch: seconds, a minute from a shared file system): continued, the worker ends at once, trained nothing. It
+    asked for the parent-death signal only in train(), after the imports, and then compared its parent's pid, read
+    there, with itself: init's by then, so it trained on as an orphan."""
+    run_dir = tmp_path / "run"
+    with running(torchrun_argv(1, [*model_args(small_data, run_dir), "steps=400"]),
+                 env(hooks, HOOK_STOP_RANK=0, HOOK_STOP_AT="megatron_mini.training")) as proc:
+        deadline = time.monotonic() + 60
+        while not _workers(proc) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = _workers(proc)
+        try:
+            _wait_stopped(worker, "the worker (as it imports megatron_mini.training)")
+            proc.kill()
+            proc.wait()
+            os.kill(worker, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while _alive(worker) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(worker), "the worker outlived its launcher by 20 s"
+        finally:
+            if _alive(worker):
+                os.kill(worker, signal.SIGKILL)
+    assert not (run_dir / "checkpoints").exists()
+
+
 def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
     """kill -STOP of one of 2 ranks: the other's collective fails after timeout_s with a message naming the rank,
     the collective and its group; torchrun then sends the stopped rank SIGTERM, which it cannot act on while stopped
