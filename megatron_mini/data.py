@@ -809,8 +809,8 @@ def _corpus_of(meta: dict) -> tuple:
 
 
 def _given_tokenizer(cfg: DataConfig) -> Tokenizer | None:
-    """data.tokenizer's tokenizer (None without one), checked before the corpus is read: it exists, is one, and has
-    data.vocab_size tokens."""
+    """data.tokenizer's tokenizer (None without one), checked before the corpus is read: it exists, is one, has
+    data.vocab_size tokens and an EOS (encode_corpus ends each document with it)."""
     if not cfg.tokenizer:
         return None
     try:
@@ -820,6 +820,10 @@ def _given_tokenizer(cfg: DataConfig) -> Tokenizer | None:
     if given.vocab_size != cfg.vocab_size:
         raise DataError(f"data.tokenizer={cfg.tokenizer}", f"has {given.vocab_size} tokens, but data.vocab_size="
                         f"{cfg.vocab_size}; set data.vocab_size={given.vocab_size}", rebuild=None)
+    if given.eos_id < 0:             # (its -1 overflowed a uint16 tokens.bin, or became an id outside the vocabulary)
+        raise DataError(f"data.tokenizer={cfg.tokenizer}", "has no EOS piece (eos_id -1), which ends each document "
+                        "in tokens.bin; give a sentencepiece model trained with an eos_id, or leave data.tokenizer "
+                        "out to train one", rebuild=None)
     return given
 
 

@@ -827,6 +827,25 @@ def test_a_corpus_encoded_with_a_given_tokenizer(prepared, tmp_path, capsys):
             prepare(dataclasses.replace(other, tokenizer=str(tmp_path / bad), source=str(tmp_path / "no-corpus")))
 
 
+def test_a_given_tokenizer_without_eos_is_refused_before_encoding(prepared, tmp_path):
+    """Each document ends with EOS in tokens.bin: a data.tokenizer without one (eos_id -1, here the given model with
+    its </s> made an ordinary piece) is refused in one line; its -1 overflowed the uint16 array in an encoding
+    process (a traceback), and in an int32 one became an id the run then refused as outside the vocabulary."""
+    from sentencepiece import sentencepiece_model_pb2
+    cfg, _ = prepared
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((Path(cfg.dir) / "tokenizer.model").read_bytes())
+    proto.trainer_spec.eos_id, proto.pieces[1].type = -1, proto.SentencePiece.USER_DEFINED
+    (tmp_path / "no-eos.model").write_bytes(proto.SerializeToString())
+    assert Tokenizer(tmp_path / "no-eos.model").eos_id == -1
+    with pytest.raises(DataError, match=rf"^data\.tokenizer={tmp_path / 'no-eos.model'}: has no EOS piece \(eos_id "
+                                        r"-1\), which ends each document in tokens\.bin; give a sentencepiece model "
+                                        r"trained with an eos_id, or leave data\.tokenizer out to train one$"):
+        prepare(DataConfig(source=cfg.source, dir=str(tmp_path / "out"), vocab_size=VOCAB,
+                           tokenizer=str(tmp_path / "no-eos.model"), num_workers=1))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_given_tokenizer_is_never_swapped_in_a_valid_build(prepared, small_data, tmp_path):
     """Over a valid build, prepare neither trains a tokenizer where data.tokenizer gave one (the rebuild command
     gives it again), nor copies another given one over its tokenizer: runs, and checkpoints that other data's runs
