@@ -1014,6 +1014,39 @@ def test_an_epochs_order_is_its_seeded_permutation_held_in_int32():
         assert np.array_equal(order, np.random.default_rng([1234, 5]).permutation(n))
 
 
+def test_samples_of_documents_of_any_length_are_windows_of_their_concatenation(tmp_path):
+    """Token t of the file is t (so a sample shows where it was cut). Documents of 1, 2, seq_len, seq_len + 1 and many
+    samples' tokens, a random subset of them (runs broken by held-out ones): dataset[i] for two epochs is, by a plain
+    re-derivation, window p_e[k] = tokens [p_e[k] seq, p_e[k] seq + seq + 1) of the subset's concatenation, p_e =
+    rng([seed, e]).permutation(n), n = (tokens - 1) // seq, i = e n + k; each epoch reads its n windows once and the
+    last (tokens - 1) mod seq tokens never; the train/validation split (by documents, and of one document by tokens)
+    shares no token; a set of seq tokens is no sample."""
+    from megatron_mini.dataset import GPTDataset, split
+    seq, rng = 8, np.random.default_rng(0)
+    sizes = rng.choice([1, 2, seq, seq + 1, 5 * seq + 3], size=300)
+    data.write_indexed(tmp_path / "t", np.split(np.arange(sizes.sum()), np.cumsum(sizes)[:-1]), np.uint16)
+    ds = IndexedDataset(tmp_path / "t")
+    alone = [np.flatnonzero(sizes == size)[:1] for size in (seq, seq + 1)]      # (no sample; exactly one)
+    for ids in (np.arange(len(sizes)), np.sort(rng.choice(len(sizes), 120, replace=False)), *alone):
+        flat = np.concatenate([np.arange(ds.offsets[i], ds.offsets[i] + ds.sizes[i]) for i in ids])
+        if len(flat) <= seq:
+            with pytest.raises(ValueError, match="fewer than one sample"):
+                GPTDataset(ds, ids, seq, 5)
+            continue
+        gpt, n = GPTDataset(ds, ids, seq, 5), (len(flat) - 1) // seq
+        assert len(gpt) == n and gpt.num_tokens == len(flat)
+        for e in (0, 1):
+            order = np.random.default_rng([5, e]).permutation(n)
+            got = np.stack([gpt[e * n + k] for k in range(n)])
+            np.testing.assert_array_equal(got, [flat[w * seq:w * seq + seq + 1] for w in order])
+            assert np.array_equal(np.unique(got), flat[:n * seq + 1])          # all but the last (tokens-1) mod seq
+    data.write_indexed(tmp_path / "one", [np.arange(1000)], np.uint16)
+    for d in (ds, IndexedDataset(tmp_path / "one")):
+        train, val = split(d, 0.2, seq, 3)
+        read = [np.unique(np.stack([part[i] for i in range(len(part))])) for part in (train, val)]
+        assert not np.intersect1d(*read).size and len(read[0]) > 3 * len(read[1]) > 0
+
+
 def test_a_validation_set_of_most_of_the_tokens_is_noted(tmp_path):
     """The split draws documents: where the one held out is a corpus's largest (92% of its tokens), start-up says
     so, naming the directory (a blend's too); a split near val_fraction, or a corpus of one document (split by
