@@ -55,7 +55,9 @@ def busy(prof, cuda: bool) -> list:
     """[(name, calls, self ms)] of the profile's CUDA kernels (`cuda`) or CPU ops, the longest first. The ranges of
     record_function ("step 4", "forward(c0, mb3)", the schedule's ProfilerStep#N) are left out, as torch's own table
     leaves them out of its "Self CUDA time total": on CUDA each comes back as a device event as long as the kernels
-    it spans (kineto's gpu_user_annotation), on a CPU its self time is the host's between its ops (Python's)."""
+    it spans (kineto's gpu_user_annotation), on a CPU its self time is the host's between its ops (Python's). They
+    are told apart by is_user_annotation, which not every torch >= 2.4 gives its averages: there only ProfilerStep#N
+    is left out, and the step's own ranges are rows (and in a CPU's sum) as before."""
     from torch.autograd import DeviceType
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
 
