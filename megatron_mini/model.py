@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from .comm import Group, Ledger
 from .config import Kernels, ModelConfig, Recompute, TrainConfig
 from .hardware import gpu_key
+from .kernels import attention_unsupported, triton_installed
 from .rng import RNGTracker
 from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, full_shape, gather_from_tensor_parallel_region, init_full,
@@ -39,32 +40,42 @@ class TritonOps:
     everywhere; kernels=triton the Triton kernels (on CPU through the interpreter); kernels=layer_norm,
     attention or cross_entropy the Triton kernel of that op only; kernels=auto torch, except where
     `make bench-kernels` measured the Triton kernel faster than every torch path on this GPU at this size
-    (TRITON_WINS), so auto is never slower than kernels=torch."""
+    (TRITON_WINS) and it can run there, so auto is never slower than kernels=torch, nor refused."""
     layer_norm: bool = False
     attention: bool = False
     cross_entropy: bool = False
 
 
-# (op, GPU, size, dtype, dropout) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
+# (op, GPU, size, dtype, variant) where a Triton kernel beat every torch path, fwd+bwd, in `make bench-kernels`
 # (docs/benchmarks.md): op "layer_norm" (size: hidden), "attention" (size: head dim) or "cross_entropy"
 # (size: the vocabulary columns of a rank, padded vocabulary / tp; the bench measures one rank against
 # F.cross_entropy, and at tp > 1 the torch path is the unfused vocab-parallel one), GPU a key of
 # hardware.GPUS, dtype the run's precision.dtype ("bf16", "fp16", "fp32": the kernels' fp32 path is another
-# one), dropout whether the op draws a dropout mask (attention with model.dropout > 0; always False for the
-# others). Only what was measured: `bench-kernels` times bf16 without dropout. On an H100 (2026-11-24) the
-# cross-entropy at 50,304 columns took 1.83 ms fwd+bwd against torch.compile's 2.28 and eager's 13.9 (at
-# 8,192 it lost to torch.compile, 0.78 against 0.43); the LayerNorms and the attention lost at every size.
+# one), variant whether the op runs its other kernel variant: the attention with dropout (model.dropout > 0),
+# the cross-entropy with label smoothing (model.label_smoothing > 0); always False for the LayerNorm. Only what
+# was measured: `bench-kernels` times bf16 without dropout or label smoothing, 16384 rows (tokens) a call. On an
+# H100 (2026-11-24) the cross-entropy at 50,304 columns took 1.83 ms fwd+bwd against torch.compile's 2.28 and
+# eager's 13.9 (at 8,192 it lost to torch.compile, 0.78 against 0.43); the LayerNorms and the attention lost at
+# every size.
 TRITON_WINS: frozenset = frozenset({("cross_entropy", "h100-80gb", 50304, "bf16", False)})
 
 
-def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device, tp: int, dtype: str) -> TritonOps:
-    sizes = {"layer_norm": model.hidden_size, "attention": model.hidden_size // model.num_heads,
-             "cross_entropy": model.padded_vocab_size // tp}
+def select_triton_ops(kernels: Kernels, model: ModelConfig, device: torch.device, tp: int, dtype: str,
+                      mbs: int) -> TritonOps:
+    """TritonOps for `kernels`; under auto, an op's TRITON_WINS entry is taken where triton is installed and, for
+    the attention, where the kernel takes the shape (attention_unsupported, with mbs x heads per TP rank)."""
+    head_dim = model.hidden_size // model.num_heads
+    sizes = {"layer_norm": model.hidden_size, "attention": head_dim, "cross_entropy": model.padded_vocab_size // tp}
     if kernels != "auto":
         return TritonOps(**{op: kernels in ("triton", op) for op in sizes})
     gpu = gpu_key(device)
-    return TritonOps(**{op: (op, gpu, size, dtype, op == "attention" and model.dropout > 0) in TRITON_WINS
-                        for op, size in sizes.items()})
+    if gpu is None or not triton_installed():
+        return TritonOps()
+    variant = {"layer_norm": False, "attention": model.dropout > 0, "cross_entropy": model.label_smoothing > 0}
+    wins = {op: (op, gpu, size, dtype, variant[op]) in TRITON_WINS for op, size in sizes.items()}
+    if attention_unsupported(head_dim, model.seq_len, model.dropout, mbs * model.num_heads // tp):
+        wins["attention"] = False
+    return TritonOps(**wins)
 
 
 def tp_ranks_may_round_apart(kernels: Kernels, tp: int, sp: bool) -> bool:

@@ -151,7 +151,7 @@ def math_attention(cfg: TrainConfig) -> bool:
     Elsewhere it is planned as a fused kernel."""
     cpu = torch.device("cpu")
     return cfg.device == "cpu" and cfg.model.dropout > 0 and \
-        not select_triton_ops(cfg.kernels, cfg.model, cpu, cfg.tp, cfg.precision.dtype).attention
+        not select_triton_ops(cfg.kernels, cfg.model, cpu, cfg.tp, cfg.precision.dtype, cfg.mbs).attention
 
 
 @contextlib.contextmanager

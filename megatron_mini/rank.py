@@ -27,7 +27,7 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
     dtype = DTYPES[cfg.precision.dtype]
     if chunks is None:
         ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
-                              select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype),
+                              select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype, cfg.mbs),
                               compiles(cfg, device))
         chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
     seen, buffers = set(), []

@@ -14,7 +14,6 @@ import atexit
 import dataclasses
 import gc
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ from .comm import Group, Ledger
 from .errors import CommError
 from .files import DirectoryLock, atomic_write
 from .hardware import configure_device, device_memory_bytes
-from .kernels import attention_unsupported, interpreter_unsupported, interpreting
+from .kernels import attention_unsupported, interpreter_unsupported, interpreting, triton_installed
 from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, validate
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
@@ -57,7 +56,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
     if cfg.kernels not in ("auto", "torch"):
-        if importlib.util.find_spec("triton") is None:
+        if not triton_installed():
             raise ConfigError(f"kernels={cfg.kernels} needs the triton package (Linux with a GPU); use kernels=torch "
                               "or auto.")
         if device.type == "cpu" and not interpreting():
@@ -67,7 +66,7 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if device.type == "cpu" and (why := interpreter_unsupported()):
             raise ConfigError(f"kernels={cfg.kernels}: {why}; or use kernels=torch.")
     m = cfg.model
-    if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype).attention:
+    if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype, cfg.mbs).attention:
         why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout, cfg.mbs * m.num_heads // cfg.tp)
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "

@@ -19,18 +19,19 @@ from megatron_mini.model import TritonOps, compiles, select_triton_ops
                                           ("cross_entropy", (False, False, True))])
 def test_kernels_setting_picks_the_ops(kernels, ops):
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=128)
-    assert select_triton_ops(kernels, cfg, torch.device("cpu"), 1, "bf16") == TritonOps(*ops)
+    assert select_triton_ops(kernels, cfg, torch.device("cpu"), 1, "bf16", 4) == TritonOps(*ops)
 
 
 def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
-    """kernels=auto: torch, except (op, GPU, size, dtype, dropout) in TRITON_WINS; sizes are hidden for
+    """kernels=auto: torch, except (op, GPU, size, dtype, variant) in TRITON_WINS; sizes are hidden for
     LayerNorm, head dim for attention and a rank's vocabulary columns (padded vocabulary / tp) for the
     cross-entropy; a win measured in bf16 without dropout says nothing of fp32 or of attention dropout."""
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=100)   # padded to 128
     monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
+    monkeypatch.setattr(model, "triton_installed", lambda: True)      # (where it is not: the next test)
 
     def auto(tp=1, dtype="bf16"):
-        return select_triton_ops("auto", cfg, torch.device("cpu"), tp, dtype)
+        return select_triton_ops("auto", cfg, torch.device("cpu"), tp, dtype, 4)
     assert auto() == TritonOps(False, False, False)
     monkeypatch.setattr(model, "TRITON_WINS", frozenset({("layer_norm", "h100", 64, "bf16", False),
                                                          ("attention", "h100", 64, "bf16", False),
@@ -46,6 +47,36 @@ def test_auto_takes_triton_only_where_measured_faster(monkeypatch):
     assert auto() == TritonOps(False, False, True)                   # the dropout variant was not measured
     monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 64, "bf16", False)}))
     assert auto(tp=2) == TritonOps(False, False, True)
+
+
+def test_auto_is_torch_where_the_measured_kernel_cannot_run_as_measured(monkeypatch):
+    """kernels=auto falls back to torch, never to an error: without the triton package (import at the first
+    forward failed), where the Triton attention cannot take the shape (training refused "kernels=auto: the
+    Triton attention supports ..."), and for a variant the bench did not time (a win without label smoothing
+    says nothing of the smoothed cross-entropy, as one without dropout says nothing of the attention's)."""
+    import sys
+
+    from megatron_mini.kernels import MAX_BATCH_HEADS, MAX_DROPOUT_SEQ
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=2, seq_len=16, vocab_size=128)
+    monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("attention", "h100", 32, "bf16", False),
+                                                         ("attention", "h100", 32, "bf16", True),
+                                                         ("cross_entropy", "h100", 128, "bf16", False)}))
+    monkeypatch.setattr(model, "triton_installed", lambda: True)
+
+    def auto(mbs=4, **changes):
+        return select_triton_ops("auto", dataclasses.replace(cfg, **changes), torch.device("cpu"), 1, "bf16", mbs)
+    assert auto() == TritonOps(False, True, True)
+    assert auto(label_smoothing=0.1) == TritonOps(False, True, False)
+    assert auto(dropout=0.1) == TritonOps(False, True, True)
+    assert auto(dropout=0.1, seq_len=MAX_DROPOUT_SEQ + 1) == TritonOps(False, False, True)
+    assert auto(mbs=MAX_BATCH_HEADS // 2 + 1) == TritonOps(False, False, True)     # b x heads past CUDA's grid
+    monkeypatch.undo()
+    monkeypatch.setattr(model, "gpu_key", lambda device: "h100")
+    monkeypatch.setattr(model, "TRITON_WINS", frozenset({("cross_entropy", "h100", 128, "bf16", False)}))
+    monkeypatch.setitem(sys.modules, "triton", None)     # (as import and find_spec read a package not installed)
+    assert auto() == TritonOps(False, False, False)
+    assert select_triton_ops("triton", cfg, torch.device("cpu"), 1, "bf16", 4) == TritonOps(True, True, True)
 
 
 def test_compile_unset_means_on_cuda_where_a_chunk_is_one_graph():

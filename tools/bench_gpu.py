@@ -124,7 +124,7 @@ def triton_ops(cfg, device) -> list:
     """The ops that run Triton kernels under cfg on `device` (the Trainer's choice, model.select_triton_ops)."""
     from megatron_mini.model import select_triton_ops
     return [op for op, on in dataclasses.asdict(select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp,
-                                                                  cfg.precision.dtype)).items() if on]
+                                                                  cfg.precision.dtype, cfg.mbs)).items() if on]
 
 
 def build(row: str, model, mbs: int, m: int, device, smoke: bool):

@@ -20,6 +20,7 @@ can import it (and ask `interpreting()`). On CPU the kernels run under the Trito
 set TRITON_INTERPRET=1 before importing a submodule.
 """
 import functools
+import importlib.util
 import inspect
 import os
 import re
@@ -44,6 +45,11 @@ def attention_unsupported(head_dim: int, seq_len: int, dropout: float, batch_hea
     if dropout > 0 and seq_len > MAX_DROPOUT_SEQ:
         return f"supports dropout up to seq_len {MAX_DROPOUT_SEQ} (int32 RNG offsets), and seq_len = {seq_len}"
     return None
+
+
+def triton_installed() -> bool:
+    """Whether the triton package can be imported (found, not imported: Linux wheels only)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
