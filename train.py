@@ -8,17 +8,19 @@ Hydra composes conf/config.yaml with the command line into one typed TrainConfig
 (megatron_mini/config.py). Every failure the run can explain ends every rank with one line,
 `error: ...`, which torchrun's report also names as the root cause (megatron_mini.launch.fail):
 Hydra's own messages (a wrong type, a value outside a choice), unknown keys, and the library's
-ConfigError / RunError / CommError.
+ConfigError / RunError / CommError. Any other exception is a bug: its traceback, on its rank's stderr, is the
+root cause of torchrun's report too.
 """
 import os
+import traceback
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
 from megatron_mini.dataset import load_run_data
-from megatron_mini.errors import CommError, ConfigError, RunError
-from megatron_mini.launch import HydraCommandLine, Terminated, fail, follow_parent, launch_env
+from megatron_mini.errors import CommError, ConfigError, RunError, first_line
+from megatron_mini.launch import HydraCommandLine, Terminated, fail, follow_parent, launch_env, write_error_file
 
 register_configs()
 command_line = HydraCommandLine(multirun=False)     # (a sweep is refused: each run is a job of its own ranks)
@@ -41,10 +43,13 @@ def main(dict_cfg: DictConfig) -> None:
         fail(str(e), code=2)
     except RunError as e:                  # every rank knows; one of them says what it was
         fail(str(e), code=1, reporter=e.reporter)
-    except CommError as e:                 # this rank's collective failed: say so at once
-        fail(str(e), code=1, reporter=None)
+    except CommError as e:                 # this rank's collective failed: say so at once (unless a peer ended)
+        fail(str(e), code=1, reporter=None, peer_ended=e.peer_ended)
     except Terminated:                     # stopped by the launcher because of another rank's failure
         os._exit(143)
+    except Exception as e:                 # a bug: its traceback is torchrun's root cause too (Hydra prints it)
+        write_error_file(first_line(e), traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The failures a run explains in one line (train.py and launch.fail turn them into `error: ...`); no torch
 here, so that train.py refuses a bad config before it imports torch."""
+import re
 
 
 class ConfigError(Exception):
@@ -18,6 +19,16 @@ class RunError(Exception):
 class CommError(RuntimeError):
     """A collective or transfer that failed: a peer died, or stalled past the groups' timeout (comm.py
     names the rank, the op and the group)."""
+
+    @property
+    def peer_ended(self) -> bool:
+        """Whether a peer closed its connection (peer_closed): it ended, and why is its to say."""
+        return peer_closed(self)
+
+
+def peer_closed(e: BaseException) -> bool:
+    """Whether the failed transfer `e` (gloo's) found its peer's connection closed or reset: that process ended."""
+    return re.search(r"connection (closed|reset)", str(e), re.I) is not None
 
 
 def first_line(e: BaseException) -> str:

@@ -7,8 +7,9 @@
   knows the same problem the message is printed once (torchrun stops them when the reporter exits; ranks started
   without it, in a gloo group, see it end and exit with it: `reporter_ended`).
   reporter=None prints at once on this rank, for failures that are not shared (a collective that
-  timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE), so the
-  "Root Cause" section of torchrun's report names it instead of `error_file: <N/A>`.
+  timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE, `write_error_file`, which
+  train.py also gives a bug's traceback), so the "Root Cause" section of torchrun's report names it instead of
+  `error_file: <N/A>`; a rank whose peer ended (`peer_ended`) leaves that section to the peer.
 * `follow_parent()`: a torchrun worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
   stops (after saving, see `StopRequest`) instead of training on as an orphan. Asked for as early as it can be
   (train.py: before torch is imported): a launcher that died before is not seen (its pid is read there).
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 
-from .errors import ConfigError, first_line
+from .errors import ConfigError, first_line, peer_closed
 from .files import DirectoryLock, atomic_write
 
 # how long ranks other than 0 wait before printing a shared error themselves (rank 0 usually exits
@@ -134,28 +135,36 @@ def gpu_slot() -> tuple[int, int]:
     return local_rank, local_world_size
 
 
-def write_error_file(message: str) -> None:
-    """Hand `message` to torchrun (its per-rank error file), which shows it as the root cause. Whole or not at all
-    (files.atomic_write): torchrun's agent reads it as JSON, and one cut short (this rank killed while it wrote,
-    as torchrun stops the others when one fails) made the agent itself fail, so --max-restarts never restarted."""
+def write_error_file(message: str, traceback: str | None = None) -> None:
+    """Hand `message` (and the `traceback` of an exception no one explains, a bug's) to torchrun (its per-rank error
+    file), which shows it as the root cause: the failure whose file is the earliest (in whole seconds; a rank
+    without one counts from when torchrun saw it end). Whole or not at all (files.atomic_write): torchrun's agent
+    reads it as JSON, and one cut short (this rank killed while it wrote, as torchrun stops the others when one
+    fails) made the agent itself fail, so --max-restarts never restarted."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    try:        # torchrun's format (errors.ErrorHandler); its report shows "py_callstack": our one line
+    try:        # torchrun's format (errors.ErrorHandler, as its errors.record writes); its report shows "py_callstack"
         atomic_write(path, json.dumps({"message": {"message": message, "extraInfo": {
-            "py_callstack": message, "timestamp": str(int(time.time()))}}}))
+            "py_callstack": traceback or message, "timestamp": str(int(time.time()))}}}))
     except OSError:
         pass
 
 
-def fail(message: str, code: int = 2, reporter: int | None = 0) -> None:
-    """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`."""
+def fail(message: str, code: int = 2, reporter: int | None = 0, peer_ended: bool = False) -> None:
+    """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`. `peer_ended`: this
+    rank failed because another one ended (CommError.peer_ended), whose end is the job's root cause: under torchrun,
+    which stops this rank as soon as it sees that end, this rank says nothing for OTHER_RANKS_WAIT_S (at once, its
+    error file was as early as the other's in torchrun's whole seconds, and took the root cause from a crash's
+    traceback)."""
     for signum in StopRequest.taken():      # torchrun stopping the job now ends this rank at once
         signal.signal(signum, signal.SIG_DFL)
     try:
         rank = launch_env()[0]
     except ConfigError:                                 # (the launcher's variables are what failed)
         rank = reporter
+    if peer_ended and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(OTHER_RANKS_WAIT_S)
     said = reporter is not None and rank != reporter and reporter_ended(reporter, OTHER_RANKS_WAIT_S)
     write_error_file(message)
     if not said:
@@ -182,7 +191,7 @@ def reporter_ended(reporter: int, seconds: float) -> bool:
         try:
             dist.recv(torch.empty(1), src=reporter)     # (never sent)
         except Exception as e:     # noqa: BLE001 - its connection closed, not the group's timeout_s passed
-            if re.search(r"connection (closed|reset)", str(e), re.I):
+            if peer_closed(e):
                 ended.set()
     threading.Thread(target=receive, daemon=True).start()
     return ended.wait(seconds)

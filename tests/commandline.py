@@ -15,6 +15,8 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_STOP_RANK=r                             rank r stops itself (SIGSTOP) as it starts, before it imports
                                                anything: the test decides what becomes of it
   HOOK_STOP_AT=module                          ... or as it first imports `module` (megatron_mini.training)
+  HOOK_RAISE_RANK=r, HOOK_RAISE_AT_CALL=n      rank r's F.layer_norm raises ZeroDivisionError at its n-th call:
+                                               a bug that stops one rank mid-step
 """
 from __future__ import annotations
 
@@ -74,6 +76,15 @@ if os.environ.get("RANK") is not None:
         import torch.nn.functional as _F
         _layer_norm = _F.layer_norm
         _F.layer_norm = lambda *args, **kwargs: _layer_norm(*args, **kwargs) * (1 + 2 ** -20)
+    if os.environ.get("HOOK_RAISE_RANK") == _rank:
+        import torch.nn.functional as _F
+        _norm, _norms, _raise_at = _F.layer_norm, [0], int(os.environ["HOOK_RAISE_AT_CALL"])
+        def _raising_layer_norm(*args, **kwargs):
+            _norms[0] += 1
+            if _norms[0] == _raise_at:
+                raise ZeroDivisionError(f"hook: a bug in rank {_rank}'s layer norm")
+            return _norm(*args, **kwargs)
+        _F.layer_norm = _raising_layer_norm
 """
 
 

@@ -483,6 +483,22 @@ def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
     assert re.search(r"exitcode\s*: 143 ", r.err), r           # (rank 1: Terminated, not killed)
 
 
+def test_a_bug_on_one_rank_is_the_root_cause_with_its_traceback(small_data, tmp_path, hooks):
+    """Rank 1 raises an exception no one explains (a bug: the hook's ZeroDivisionError in a layer norm, mid-step):
+    its traceback is on its stderr and is the Root Cause of torchrun's report; rank 0, whose all-reduce then finds
+    rank 1's connection closed, adds no line of its own and is stopped by torchrun. Rank 1 wrote no error file, so
+    rank 0's CommError ('Connection closed by peer') was the root cause; and written at once, rank 0's file was as
+    early as rank 1's in torchrun's whole seconds, where a tie goes to the rank torchrun saw end first."""
+    r = torchrun_train(2, [*model_args(small_data, tmp_path / "run"), "steps=4"],
+                       env(hooks, HOOK_RAISE_RANK=1, HOOK_RAISE_AT_CALL=100))     # (17 calls a forward: mid-run)
+    bug = "ZeroDivisionError: hook: a bug in rank 1's layer norm"
+    own, report = r.err.split("Root Cause (first observed failure):")
+    assert r.rc == 1 and "error: " not in r.all, r
+    assert re.search(r'File "[^"]*megatron_mini/model\.py", line \d+, in forward\n(.*\n)*' + re.escape(bug), own), r
+    assert re.search(r"rank\s*: 1 ", report) and bug in report and "megatron_mini/model.py" in report, r
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: -15 ", own), r    # (rank 0: stopped by torchrun)
+
+
 @pytest.mark.parametrize("end", ["SIGKILL to rank 1", "SIGINT to torchrun"])
 def test_a_job_stopped_before_its_ranks_meet_ends_at_once(small_data, tmp_path, hooks, end):
     """Rank 0 waits in the rendezvous for rank 1, which has not started (stopped as it starts); then rank 1 dies
