@@ -12,7 +12,19 @@ ConfigError / RunError / CommError. Any other exception is a bug: its traceback,
 root cause of torchrun's report too.
 """
 import os
+import sys
 import traceback
+
+
+def quiet_interrupt(kind, value, tb) -> None:
+    """sys.excepthook: Ctrl-C before train() takes it as a request to stop (each rank imports torch, reads the data:
+    seconds) ends the command without a traceback (every rank printed one); Python then ends by SIGINT (a shell's
+    130). Any other exception is printed as always."""
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+
+
+sys.excepthook = quiet_interrupt     # (first: the imports below take seconds too)
 
 import hydra
 from omegaconf import DictConfig, OmegaConf

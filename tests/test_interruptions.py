@@ -526,6 +526,22 @@ def test_a_job_stopped_before_its_ranks_meet_ends_at_once(small_data, tmp_path, 
         assert re.search(r"rank\s*: 1 ", cause) and re.search(r"exitcode\s*: -9 ", cause), r
 
 
+def test_ctrl_c_as_a_run_starts_ends_it_without_a_traceback(small_data, tmp_path, hooks):
+    """Ctrl-C while the command imports torch (stopped there by the hook, given SIGINT, continued), before train()
+    takes it as a request to stop: the command ends at once by SIGINT (a shell's 130), silent (a KeyboardInterrupt
+    traceback into an import, printed by every rank), and trained nothing."""
+    from commandline import PYTHON
+    run_dir = tmp_path / "run"
+    with running([PYTHON, "train.py", *model_args(small_data, run_dir)],
+                 env(hooks, RANK=0, WORLD_SIZE=1, HOOK_STOP_RANK=0, HOOK_STOP_AT="megatron_mini.training")) as proc:
+        _wait_stopped(proc.pid, "the command (as it imports megatron_mini.training)")
+        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGCONT)
+        r = finish(proc, limit=20)
+    assert r.rc == -signal.SIGINT and r.all == "", r
+    assert not run_dir.exists()
+
+
 def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
     """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
     last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
