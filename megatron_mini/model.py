@@ -378,6 +378,8 @@ class Block(Layer):
 
     def forward(self, x, r=None, cache: KVCache | None = None):
         if self.full_recompute and self.training:
+            if r is not None:       # (the sum, unfused: the checkpoint keeps one [s, b, h] input, as Megatron's)
+                x, r = x + r, None
             return recomputed(self._forward, self.rng, x, r)
         return self._forward(x, r, cache)
 

@@ -430,6 +430,18 @@ def test_a_gpu_plans_block_saves_what_korthikanti_counts(tp, sp, dropout):
     assert abs(saved - expected) <= 64, (saved, expected)          # (64 bytes: the kernel's scalars)
 
 
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_a_fully_recomputed_block_saves_its_input_only(tp, sp):
+    """With recompute=full a block keeps what Korthikanti et al. 2022 count for it, its input, 2 s b h bytes in 16
+    bits (over tp with sequence parallelism), as Megatron's full recompute does: the residual a block leaves
+    pending for the next one's fused add is added before the checkpoint (else it saved both, 4 s b h)."""
+    s, b, h = 128, 2, 256
+    model = ModelConfig(num_layers=2, hidden_size=h, num_heads=4, seq_len=s, vocab_size=512)
+    cfg = TrainConfig(model=model, tp=tp, sp=sp, mbs=b, gbs=8, device="cuda", recompute="full")
+    cfg.precision.dtype = "bf16"
+    assert Planner().layer_facts(cfg)["block"].activation_bytes == 2 * s * b * h // tp
+
+
 # ----------------------------------------------------------------------------- FLOPs with recomputation
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
