@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
 from megatron_mini.dataset import load_run_data
-from megatron_mini.errors import CommError, ConfigError, RunError, first_line
+from megatron_mini.errors import CommError, ConfigError, RunError, first_line, peer_closed
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, follow_parent, launch_env, write_error_file
 
 register_configs()
@@ -56,7 +56,7 @@ def main(dict_cfg: DictConfig) -> None:
     except RunError as e:                  # every rank knows; one of them says what it was
         fail(str(e), code=1, reporter=e.reporter)
     except CommError as e:                 # this rank's collective failed: say so at once (unless a peer ended)
-        fail(str(e), code=1, reporter=None, peer_ended=e.peer_ended)
+        fail(str(e), code=1, reporter=None, peer_ended=peer_closed(e))
     except Terminated:                     # stopped by the launcher because of another rank's failure
         os._exit(143)
     except Exception as e:                 # a bug: its traceback is torchrun's root cause too (Hydra prints it)

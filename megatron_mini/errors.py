@@ -20,11 +20,6 @@ class CommError(RuntimeError):
     """A collective or transfer that failed: a peer died, or stalled past the groups' timeout (comm.py
     names the rank, the op and the group)."""
 
-    @property
-    def peer_ended(self) -> bool:
-        """Whether a peer closed its connection (peer_closed): it ended, and why is its to say."""
-        return peer_closed(self)
-
 
 def peer_closed(e: BaseException) -> bool:
     """Whether the failed transfer `e` (gloo's) found its peer's connection closed or reset: that process ended."""

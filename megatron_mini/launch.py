@@ -9,7 +9,7 @@
   reporter=None prints at once on this rank, for failures that are not shared (a collective that
   timed out). The message also goes to torchrun's error file ($TORCHELASTIC_ERROR_FILE, `write_error_file`, which
   train.py also gives a bug's traceback), so the "Root Cause" section of torchrun's report names it instead of
-  `error_file: <N/A>`; a rank whose peer ended (`peer_ended`) leaves that section to the peer.
+  `error_file: <N/A>`; a rank whose peer ended (`peer_closed`) leaves that section to the peer.
 * `follow_parent()`: a torchrun worker whose launcher dies gets SIGTERM (Linux parent-death signal), so it
   stops (after saving, see `StopRequest`) instead of training on as an orphan. Asked for as early as it can be
   (train.py: before torch is imported): a launcher that died before is not seen (its pid is read there).
@@ -135,6 +135,11 @@ def gpu_slot() -> tuple[int, int]:
     return local_rank, local_world_size
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a worker that torchrun's agent started (and stops when another worker fails)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def write_error_file(message: str, traceback: str | None = None) -> None:
     """Hand `message` (and the `traceback` of an exception no one explains, a bug's) to torchrun (its per-rank error
     file), which shows it as the root cause: the failure whose file is the earliest (in whole seconds; a rank
@@ -153,7 +158,7 @@ def write_error_file(message: str, traceback: str | None = None) -> None:
 
 def fail(message: str, code: int = 2, reporter: int | None = 0, peer_ended: bool = False) -> None:
     """Print `error: message` (once per job, see the module doc), tell torchrun, exit with `code`. `peer_ended`: this
-    rank failed because another one ended (CommError.peer_ended), whose end is the job's root cause: under torchrun,
+    rank failed because another one ended (errors.peer_closed), whose end is the job's root cause: under torchrun,
     which stops this rank as soon as it sees that end, this rank says nothing for OTHER_RANKS_WAIT_S (at once, its
     error file was as early as the other's in torchrun's whole seconds, and took the root cause from a crash's
     traceback)."""
@@ -163,7 +168,7 @@ def fail(message: str, code: int = 2, reporter: int | None = 0, peer_ended: bool
         rank = launch_env()[0]
     except ConfigError:                                 # (the launcher's variables are what failed)
         rank = reporter
-    if peer_ended and "TORCHELASTIC_RUN_ID" in os.environ:
+    if peer_ended and under_torchrun():
         time.sleep(OTHER_RANKS_WAIT_S)
     said = reporter is not None and rank != reporter and reporter_ended(reporter, OTHER_RANKS_WAIT_S)
     write_error_file(message)
@@ -180,7 +185,7 @@ def reporter_ended(reporter: int, seconds: float) -> bool:
     close); False after `seconds` otherwise (torchrun stops this rank first, as soon as the reporter exits: its
     report then names one failure, not this one too; no group yet; NCCL's, which sees no peer end)."""
     dist = sys.modules.get("torch.distributed")
-    if "TORCHELASTIC_RUN_ID" in os.environ or dist is None or not dist.is_initialized() or \
+    if under_torchrun() or dist is None or not dist.is_initialized() or \
             dist.get_backend() != "gloo":
         time.sleep(seconds)
         return False
@@ -201,7 +206,7 @@ def follow_parent() -> None:
     """Ask Linux for SIGTERM when the parent (torchrun's agent) dies; exit now if it already has. Only in a
     torchrun worker: the parent of `python train.py` is a shell, which a run started with nohup (or &, disown)
     must outlive."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not under_torchrun():
         return
     if not signal_at_parent_death(signal.SIGTERM, os.getppid()):
         fail("the launcher of this worker exited before training started.", code=1, reporter=None)
