@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
+from .checkpoint_dir import CheckpointError, check_dir, resume_path
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
@@ -72,10 +73,6 @@ TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint writte
 # keys that define the model; a checkpoint resumes only into the same values (README, "Resuming")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "vocab_pad_multiple",
               "ffn_mult", "ln_eps")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that is missing, incomplete, corrupt or not one: a one-line message."""
 
 
 LAST_FORMAT_1 = "290b29e"   # the last commit that reads (and writes) checkpoints without "format": one file per stage
@@ -201,9 +198,7 @@ def verify(path: str, share: tuple = (0, 1)) -> dict:
     """meta.json of the checkpoint `path`, once every file it lists exists and, of those, files
     share[0], share[0] + share[1], ... (sorted by name) have their recorded sha256: rank r of a job of n
     hashes its 1/n of the bytes (agree_verify); share=(0, 0) hashes none, (0, 1) all."""
-    if not os.path.isdir(path):
-        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "no such checkpoint directory"
-        raise CheckpointError(f"{path}: {what}.")
+    check_dir(path)
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise CheckpointError(f"{path} is not a checkpoint (no meta.json); a checkpoint directory looks like "
                               f"runs/NAME/checkpoints/step_000100.")
@@ -445,7 +440,7 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
         return None
     if cfg.resume == "auto":
         return newest(cfg.run_dir, check)
-    found = chosen(cfg.resume, check)
+    found = chosen(resume_path(cfg.resume), check)
     own = {os.path.realpath(p): p for p in checkpoints_of(cfg.run_dir)}
     skipped = tuple(own[os.path.realpath(p)] for p in found.skipped if os.path.realpath(p) in own)
     later = tuple(p for p in own.values() if read_step(p) > found.meta["step"] and p not in skipped)

@@ -20,6 +20,7 @@ from fractions import Fraction
 from pathlib import PurePath
 from typing import List, Optional
 
+from .checkpoint_dir import resume_path
 from .errors import ConfigError, RunError  # noqa: F401  (re-exported: the errors of a config and a run)
 from .partition import partition
 from .schedules import KINDS, check_schedule
@@ -566,7 +567,7 @@ def check_layout_free(cfg: TrainConfig) -> None:
     if cfg.init_from is not None and not str(cfg.init_from).strip():
         raise ConfigError("init_from is empty: give the checkpoint directory whose weights start this run "
                           "(null: the seed's initial weights).")
-    if cfg.init_from and cfg.resume not in ("auto", "never"):
+    if cfg.init_from and resume_path(cfg.resume):
         raise ConfigError(f"init_from={cfg.init_from} starts a new run from a checkpoint's weights, and "
                           f"resume={cfg.resume} continues the run of another: give one of them.")
     keep, save = cfg.keep_checkpoint_interval, cfg.save_interval

@@ -77,6 +77,32 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_path_that_is_not_there_is_refused_before_torch(small_data, tmp_path):
+    """resume=PATH with no directory there: refused before train.py imports torch (seconds), with the line that the
+    run's lookup gives it once torch is loaded (checkpoint.verify), and before the run directory is made."""
+    missing = tmp_path / "no-checkpoint-here"
+    args = model_args(small_data, tmp_path / "run") + [f"resume={missing}"]
+    r = commandline.finish(commandline.start([PYTHON, "-X", "importtime", "train.py", *args], env()))
+    assert_one_error(r, [f"{missing}: no such checkpoint directory."], "python")
+    assert not re.search(r"\| +torch$", r.err, re.M), "train.py imported torch before it refused resume=PATH"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_path_is_checked_before_torch_only_where_every_rank_shares_the_disk(tmp_path):
+    """The check before torch, on every rank, refuses a missing resume=PATH only where all ranks run on this node
+    (one file system): on several nodes rank 0's answer is every rank's (training.prepare_run), and a node whose disk
+    alone lacked PATH would end by itself, its peers waiting for it in the rendezvous."""
+    from megatron_mini.checkpoint_dir import CheckpointError, check_resume_dir
+    missing, present = str(tmp_path / "missing"), str(tmp_path)
+    for world_size, here in ((1, 1), (8, 8)):
+        with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+            check_resume_dir(missing, world_size, here)
+        check_resume_dir(present, world_size, here)
+        check_resume_dir("auto", world_size, here)
+        check_resume_dir("never", world_size, here)
+    check_resume_dir(missing, 8, 4)                   # (two nodes: left to rank 0)
+
+
 @pytest.mark.parametrize("override, facts", [
     ("precision.dtype=fp8", ["Invalid value 'fp8', expected one of [fp32, fp16, bf16]"]),
     ("foo=1", ["Unknown config key foo; the keys are: model, data"]),
