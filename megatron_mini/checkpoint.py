@@ -400,9 +400,16 @@ def unreadable(e: BaseException) -> bool:
         str(e).startswith(("unable to open file", "unable to mmap")) or "can't allocate memory" in str(e))
 
 
-# what torch.load and the slicing of its tensors raise for a file that verifies but holds other objects than meta.json
-# lists (other code's, or one put together by hand), besides the failures of the machine (unreadable)
-NOT_THE_TENSORS = (RuntimeError, pickle.UnpicklingError, EOFError, LookupError, TypeError, ValueError, AttributeError)
+class NotTheTensors(Exception):
+    """A checkpoint file that verifies but does not hold what its meta.json lists (other code's, or one put together
+    by hand), or a checkpoint whose tensors are not this run's model's (another model's, older code's): raised where
+    ShardReader finds it, saying what it found; load and inference.read_checkpoint say it in one line. Any other
+    exception while reading is the machine's (unreadable, removed) or a bug."""
+
+
+# what torch.load raises for a file that is not one torch.save wrote, or one damaged after (a sha256 put beside it by
+# hand): a byte flipped anywhere raised each of these (besides the failures of the machine: unreadable, removed)
+NOT_A_TORCH_FILE = (RuntimeError, pickle.UnpicklingError, EOFError, LookupError, ValueError)
 
 
 def is_run_dir(path: str) -> bool:
@@ -817,10 +824,29 @@ class ShardReader:
     def names(self) -> list:
         return sorted(self.weights)
 
-    def _file(self, file: str) -> dict:
+    def _held(self, file: str, name: str, key: str | None = None):
+        """What `file` holds under `name` (under `name` then `key`: an optimizer state); NotTheTensors where torch.load
+        cannot read it, or it holds no such entry."""
         if file not in self._files:
-            self._files[file] = _load_mapped(os.path.join(self.path, file))
-        return self._files[file]
+            try:
+                self._files[file] = _load_mapped(os.path.join(self.path, file))
+            except NOT_A_TORCH_FILE as e:
+                if removed(e) or unreadable(e):
+                    raise
+                raise NotTheTensors(f"{file}: {first_line(e)}") from e
+        held = self._files[file]
+        if not isinstance(held, dict):
+            raise NotTheTensors(f"{file} holds a {type(held).__name__}, not a mapping of names to tensors")
+        if name not in held:
+            raise NotTheTensors(f"{file} holds no {name}")
+        if key is None:
+            return held[name]
+        if not isinstance(held[name], dict):
+            raise NotTheTensors(f"{file} holds {name}'s optimizer state as a {type(held[name]).__name__}, not a "
+                                "mapping")
+        if key not in held[name]:
+            raise NotTheTensors(f"{file} holds no {key} of {name}")
+        return held[name][key]
 
     def saved(self, name: str, key: str, tp_rank: int) -> torch.Tensor:
         """`name`'s `key` as TP rank `tp_rank` of the saving layout held it (rank 0 for a replicated one), its
@@ -828,14 +854,14 @@ class ShardReader:
         shape = self._local_shape(name)
         if key == "weight":
             file = self.weights[name][tp_rank]
-            t = self._tensor(file, name, self._file(file)[name], self.dtype, shape)
+            t = self._tensor(file, name, self._held(file, name), self.dtype, shape)
         else:
             pieces = self.pieces[name][tp_rank]
-            states = [self._file(file)[name] for _, _, file in pieces]
-            if key == "master" and "master" not in states[0]:     # fp32 weights, their own master
+            state = self._held(pieces[0][2], name)
+            if key == "master" and isinstance(state, dict) and "master" not in state:  # fp32 weights, their own master
                 return self.saved(name, "weight", tp_rank).float()
-            flats = [self._tensor(file, f"{name}'s {key}", state[key], torch.float32, (hi - lo,))
-                     for (lo, hi, file), state in zip(pieces, states)]
+            flats = [self._tensor(file, f"{name}'s {key}", self._held(file, name, key), torch.float32, (hi - lo,))
+                     for lo, hi, file in pieces]
             t = (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)
         return t[:self.rows[name]] if name in self.rows else t
 
@@ -856,12 +882,21 @@ class ShardReader:
         tp = 1 if spec.tp_dim is None else self.tp
         return unshard([self.saved(name, key, r) for r in range(tp)], spec)
 
-    def local(self, name: str, key: str, tp: int, tp_rank: int) -> torch.Tensor:
-        """TP rank `tp_rank`'s slice of it at `tp`: the saved slice itself where the TP degree is the same."""
-        spec = self.specs[name][1]
-        if spec.tp_dim is None or tp == self.tp:
-            return self.saved(name, key, 0 if spec.tp_dim is None else tp_rank)
-        return shard(self.full(name, key), spec, tp, tp_rank)
+    def local(self, name: str, key: str, param, tp: int, tp_rank: int) -> torch.Tensor:
+        """The slice of it that TP rank `tp_rank` of `tp` holds in this run's `param`: the saved slice itself where
+        the TP degree is the same. NotTheTensors where the checkpoint has no `name`, or one of another shape or TP
+        split than `param`'s (another model's, older code's: a copy would broadcast it, or scramble it silently)."""
+        if name not in self.specs:
+            raise NotTheTensors(f"it has no {name}")
+        shape, spec = self.specs[name]
+        split, ours = (spec.tp_dim, spec.tp_groups), (param.spec.tp_dim, param.spec.tp_groups)
+        if split == ours:
+            t = self.saved(name, key, 0 if spec.tp_dim is None else tp_rank) if spec.tp_dim is None or tp == self.tp \
+                else shard(self.full(name, key), spec, tp, tp_rank)
+            if t.shape == param.shape:
+                return t
+        raise NotTheTensors(f"its {name} is {list(shape)} split over TP as (dim, blocks) {split}, this run's model's "
+                            f"{list(full_shape(param, tp))} split as {ours}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -884,10 +919,10 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
     sample and layer, rng.py: there is no RNG state to restore.) `weights_only` (init_from): the weights and
     their fp32 masters, the optimizer otherwise as new; with `seq_len`, the first seq_len rows of the position
     embeddings (check_init: no more than the checkpoint's). Tensors that do not fit this model (a name missing,
-    another shape: a checkpoint of another model or of older code: NOT_THE_TENSORS), and files that cannot be read
-    (unreadable), are one CheckpointError on every rank, whichever ranks found it. Any other exception (a bug) is
-    raised as it is on its rank, with its traceback, and the others raise a RunError naming it (none waits in a
-    collective until timeout_s)."""
+    another shape: a checkpoint of another model or of older code: NotTheTensors), and files that cannot be read
+    (unreadable, removed), are one CheckpointError on every rank, whichever ranks found it. Any other exception (a
+    bug) is raised as it is on its rank, with its traceback, and the others raise a RunError naming it (none waits in
+    a collective until timeout_s)."""
     failure = meta = bug = None
     try:
         meta = read_meta(path)
@@ -899,17 +934,17 @@ def load(path: str, buffers: list, optimizer, mesh, device, weights_only: bool =
         raise
     except CheckpointError as e:
         failure = str(e)
-    except (OSError, MemoryError, *NOT_THE_TENSORS) as e:
+    except NotTheTensors as e:
+        failure = (f"{path} does not fit this run's model ({e}): a checkpoint of another model or of older code; "
+                   f"resume from another checkpoint, or start a new run under another run_name.")
+    except Exception as e:     # noqa: BLE001 - the machine's, or a bug: told to every rank, a bug then raised (below)
         if removed(e):              # (verified, then gone: a checkpoint its keep_checkpoints pruned)
             failure = (f"{path} could not be read after it was verified ({first_line(e)}); a checkpoint of a job "
                        f"still running may have been pruned since: start again to take what is there now.")
         elif unreadable(e):         # (the disk or the memory: not another model's checkpoint)
             failure = f"{path} could not be read ({describe(e)})."
         else:
-            failure = (f"{path} does not fit this run's model ({first_line(e)}): a checkpoint of another model or "
-                       f"of older code; resume from another checkpoint, or start a new run under another run_name.")
-    except Exception as e:     # noqa: BLE001 - a bug: told to every rank, then raised on this one (below)
-        bug, failure = e, f"could not load {path}: {describe(e)} {BUG}"
+            bug, failure = e, f"could not load {path}: {describe(e)} {BUG}"
     found = first_failure(failure, mesh, device)
     if bug is not None:
         raise bug

@@ -218,7 +218,7 @@ class GradBuffer:
         """Copy this rank's slice of each parameter from a checkpoint.ShardReader (saved in any layout)."""
         self.finish_param_gather()
         for p, name in self.names.items():
-            p.copy_(reader.local(name, "weight", self.mesh.tp, self.mesh.tp_rank))
+            p.copy_(reader.local(name, "weight", p, self.mesh.tp, self.mesh.tp_rank))
 
     def segments(self, lo: int, hi: int):
         """(param, name, seg_lo, seg_hi) for each parameter overlapping the flat range [lo, hi)."""

@@ -67,9 +67,9 @@ READ_KEYS = ("model.", "data.", "seed", "mbs", "gbs", "eval_iters")
 def read_checkpoint(path: str) -> Checkpoint:
     """A checkpoint directory, or a run directory's newest intact checkpoint, verified (sha256 of every
     file) and read into memory (CPU); a CheckpointError where meta.json's config holds a value train.py refuses
-    (READ_KEYS), where its files, which verify, do not hold the tensors it lists (a torch.load or a view failed:
-    a file written by other code, or put together by hand), or where they cannot be read (an I/O error, no memory:
-    said as such)."""
+    (READ_KEYS), where its files, which verify, do not hold the tensors it lists (checkpoint.NotTheTensors: a file
+    written by other code, or put together by hand), or where they cannot be read (an I/O error, no memory: said as
+    such). Any other exception is a bug, raised as it is."""
     found = checkpoint.chosen(path)
     path, meta, notes = found.path, found.meta, found.notes
     try:
@@ -83,13 +83,15 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}/meta.json: unreadable ({first_line(e)})") from None
     try:
         tensors = checkpoint.load_model_tensors(path)
-    except (OSError, MemoryError, *checkpoint.NOT_THE_TENSORS) as e:
+    except checkpoint.NotTheTensors as e:
+        raise CheckpointError(f"{path}: its files do not hold the tensors its meta.json lists ({e}): a damaged "
+                              f"checkpoint, or one of other code") from None
+    except (OSError, MemoryError, RuntimeError) as e:
         if checkpoint.removed(e):
             raise Removed(path) from None
         if checkpoint.unreadable(e):        # (the disk or the memory, not the checkpoint: no "damaged")
             raise CheckpointError(f"{path}: its files could not be read ({checkpoint.describe(e)})") from None
-        raise CheckpointError(f"{path}: its files do not hold the tensors its meta.json lists ({first_line(e)}): a "
-                              f"damaged checkpoint, or one of other code") from None
+        raise                               # (a bug: its traceback)
     return Checkpoint(path, meta, cfg, tensors, notes)
 
 

@@ -289,7 +289,7 @@ class Optimizer:
             for p, name, a, b in r.buffer.segments(r.lo, r.hi):
                 first = r.buffer.offsets[p]
                 for k in STATES if counters is not None else ("master",):
-                    flat = reader.local(name, k, mesh.tp, mesh.tp_rank).reshape(-1)
+                    flat = reader.local(name, k, p, mesh.tp, mesh.tp_rank).reshape(-1)
                     getattr(r, k)[a - r.lo:b - r.lo] = flat[a - first:b - first]
             if r.separate_master:
                 r.param.copy_(r.master)

@@ -373,7 +373,7 @@ def test_a_checkpoint_that_the_machine_cannot_read_is_not_called_damaged(uninter
         monkeypatch.setattr(checkpoint, "_load_mapped", _raising(error))
         with pytest.raises(checkpoint.CheckpointError) as err:
             inference.read_checkpoint(path)
-        damaged = f"{path}: its files do not hold the tensors its meta.json lists ({said}"
+        damaged = f"{path}: its files do not hold the tensors its meta.json lists (model_pp00_tp00.pt: {said}"
         read = f"{path}: its files could not be read ({said}"
         assert str(err.value).startswith(read if (error, said) in MACHINE_FAILURES else damaged), str(err.value)
     monkeypatch.setattr(checkpoint, "_load_mapped", _raising(ZeroDivisionError("a bug")))
@@ -384,7 +384,7 @@ def test_a_checkpoint_that_the_machine_cannot_read_is_not_called_damaged(uninter
     messages = spawn(1, _load_errors, small_config(small_data, tmp_path), path, [e for e, _ in cases])[0]
     for (error, said), message in zip(cases, messages, strict=True):
         read = f"{path} could not be read ({said}"
-        fits = f"{path} does not fit this run's model ({said}"
+        fits = f"{path} does not fit this run's model (model_pp00_tp00.pt: {said}"
         assert message.startswith(read if (error, said) in MACHINE_FAILURES else fits), message
 
 
@@ -447,6 +447,132 @@ def test_a_resume_refuses_optimizer_state_of_another_dtype(uninterrupted, small_
     assert message == (f"{path}: its files do not hold the tensors its meta.json lists ({optim.name}: head.ln_f.bias's "
                        f"exp_avg_sq is int64 [64], not float32 [64]): a damaged checkpoint, or one of other code"), \
         message
+
+
+class _OtherCode:
+    """An object of a class no checkpoint holds (a weights_only torch.load refuses it)."""
+
+
+def _copy_with(src, dst, name=None, edit=None, meta_edit=None) -> str:
+    """A copy of checkpoint `src` at `dst`: its file `name` holds `edit` (bytes, as they are) or what `edit` makes of
+    its objects (torch.save), with its sha256 in meta.json (it verifies, and fails only where it is read); meta.json
+    edited by `meta_edit`."""
+    import json
+    import shutil
+
+    import torch
+
+    from megatron_mini.checkpoint import sha256_file
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "meta.json").read_text())
+    if name:
+        f = dst / name
+        f.write_bytes(edit) if isinstance(edit, bytes) else torch.save(edit(torch.load(f, weights_only=True)), f)
+        meta["files"][name] = sha256_file(str(f))
+    if meta_edit:
+        meta_edit(meta)
+    (dst / "meta.json").write_text(json.dumps(meta))
+    return str(dst)
+
+
+def _load_outcomes(cases) -> list:
+    """(type, message) of what a Trainer of each (cfg, path) of `cases` raises loading checkpoint `path`."""
+    from harness import make_trainer
+    said = []
+    for cfg, path in cases:
+        with pytest.raises(Exception) as caught:
+            make_trainer(cfg).load(path)
+        said.append((type(caught.value).__name__, str(caught.value)))
+    return said
+
+
+def test_each_kind_of_foreign_checkpoint_file_is_said_where_it_is_found(uninterrupted, small_data, tmp_path):
+    """Files that verify but are not what meta.json lists (not a torch file, a pickle of another class, a tensor
+    renamed, a mapping that is a list) and a checkpoint whose tensors are not this model's (another split, another
+    shape, a block it lacks) are each one CheckpointError naming what was found, by a resume (checkpoint.load) and,
+    for the files, by the tools (inference.read_checkpoint)."""
+    from megatron_mini import checkpoint, inference
+    src = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
+    weights, optim = "model_pp00_tp00.pt", "optim_pp00_tp00_dp00.pt"
+    files = {   # name: (the copy, what both readers say of it)
+        "text": (_copy_with(src, tmp_path / "text", weights, b"not a torch file\n"),
+                 f"{weights}: RuntimeError: mmap can only be used with files saved with"),
+        "other-class": (_copy_with(src, tmp_path / "other-class", weights,
+                                   lambda saved: {**saved, "head.ln_f.bias": _OtherCode()}),
+                        f"{weights}: UnpicklingError: Weights only load failed."),
+        "renamed": (_copy_with(src, tmp_path / "renamed", weights,
+                               lambda saved: {("head.ln_f.b" if k == "head.ln_f.bias" else k): v
+                                              for k, v in saved.items()}),
+                    f"{weights} holds no head.ln_f.bias)"),
+        "a-list": (_copy_with(src, tmp_path / "a-list", weights, lambda saved: list(saved.values())),
+                   f"{weights} holds a list, not a mapping of names to tensors)"),
+    }
+    for name, (path, said) in files.items():
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            inference.read_checkpoint(path)
+        assert str(err.value).startswith(f"{path}: its files do not hold the tensors its meta.json lists ({said}"), \
+            (name, str(err.value))
+    split = _copy_with(src, tmp_path / "split", meta_edit=lambda meta: meta["tensors"]["head.ln_f.bias"].__setitem__(
+        1, 0))                                      # (a replicated LayerNorm bias, as if split over TP on dim 0)
+    garbled = _copy_with(src, tmp_path / "garbled", optim, lambda saved: {**saved, "head.ln_f.bias": []})
+    cfg = small_config(small_data, tmp_path / "run")
+    resumes = {**{name: (cfg, path, said) for name, (path, said) in files.items()},
+               "split": (cfg, split, "its head.ln_f.bias is [64] split over TP as (dim, blocks) (0, 1), this run's "
+                                     "model's [64] split as (None, 1))"),
+               "garbled": (cfg, garbled, f"{optim} holds head.ln_f.bias's optimizer state as a list, not a "
+                                         f"mapping)"),
+               "other-shape": (small_config(small_data, tmp_path / "run", **{"model.hidden_size": 32}), src,
+                               "its head.ln_f.bias is [64] split over TP as (dim, blocks) (None, 1), this run's "
+                               "model's [32] split as (None, 1))"),
+               "more-blocks": (small_config(small_data, tmp_path / "run", **{"model.num_layers": 9}), src,
+                               "it has no blocks.8.")}
+    outcomes = spawn(1, _load_outcomes, [(c, p) for c, p, _ in resumes.values()])[0]
+    for (name, (_, path, said)), (kind, message) in zip(resumes.items(), outcomes, strict=True):
+        assert kind == "CheckpointError" and message.startswith(f"{path} does not fit this run's model ({said}"), \
+            (name, kind, message)
+
+
+def _load_with_bugs(cfg, path, bugs) -> list:
+    """(type, message) of what a Trainer of `cfg` raises loading checkpoint `path` while method `name` of class
+    `owner` raises `error` (a bug of ours), for each (owner, name, error) of `bugs` in turn."""
+    from harness import make_trainer
+    trainer, said = make_trainer(cfg), []
+    for owner, name, error in bugs:
+        real = getattr(owner, name)
+        setattr(owner, name, _raising_any(error))
+        with pytest.raises(Exception) as caught:
+            trainer.load(path)
+        setattr(owner, name, real)
+        said.append((type(caught.value).__name__, str(caught.value)))
+    return said
+
+
+def _raising_any(error):
+    """A stand-in for any function or method: it raises `error`."""
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def test_a_type_or_runtime_error_of_ours_while_loading_is_a_bug_not_another_model(uninterrupted, small_data,
+                                                                                  tmp_path, monkeypatch):
+    """A TypeError or RuntimeError raised by our code inside checkpoint.load (past torch.load of a file, which raises
+    those for a foreign file) is a bug: raised as it is, with its traceback, not said as "does not fit this run's
+    model" (a whole list of exception types was read as that); inference.read_checkpoint raises it too."""
+    from megatron_mini import checkpoint, inference
+    from megatron_mini.data_parallel import GradBuffer
+    from megatron_mini.optimizer import Optimizer
+    path = os.path.join(uninterrupted[0].run_dir, "checkpoints", "step_000005")
+    bugs = [(checkpoint.ShardReader, "_tensor", TypeError("a bug")),
+            (checkpoint.ShardReader, "local", RuntimeError("a bug")),
+            (GradBuffer, "load_weights", AttributeError("a bug")),
+            (Optimizer, "load_state_dict", KeyError("a bug"))]
+    said = spawn(1, _load_with_bugs, small_config(small_data, tmp_path), path, bugs)[0]
+    assert said == [(type(error).__name__, str(error)) for _, _, error in bugs], said
+    for error in (TypeError("a bug"), RuntimeError("a bug"), KeyError("a bug")):
+        monkeypatch.setattr(checkpoint.ShardReader, "_tensor", _raising_any(error))
+        with pytest.raises(type(error)):
+            inference.read_checkpoint(path)
 
 
 def _save_once(cfg, path):

@@ -178,9 +178,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("resume-meta-text-step-count", 2, [f"resume={text_step_count}", "steps=5"],
          [f"{text_step_count}/meta.json has no optimizer.step_count (a count)"]),
         ("resume-renamed-tensor", 2, [f"resume={renamed}", "steps=5"],
-         [f"{renamed} does not fit this run's model (KeyError: 'head.ln_f.bias')", "start a new run"]),
+         [f"{renamed} does not fit this run's model ({weights} holds no head.ln_f.bias)", "start a new run"]),
         ("resume-garbled-optimizer", 2, [f"resume={garbled}", "steps=5"],
-         [f"{garbled} does not fit this run's model (TypeError: "]),
+         [f"{garbled} does not fit this run's model ({optim} holds head.ln_f.bias's optimizer state as a list, not a "
+          f"mapping)"]),
         ("seed-huge", 1, ["seed=1" + "0" * 400], ["must be in [0, 2**32)"]),
         ("gbs-past-the-data", 1, ["gbs=1000000000000", "mbs=1"],
          ["gbs=1000000000000 is more samples than the training set holds (", "samples of seq_len + 1 = 33 tokens)"]),
