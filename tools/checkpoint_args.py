@@ -17,11 +17,11 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, device: bool = True) ->
                                        "checkpoint older than that copy, data.dir's of the run, or its data.blend's "
                                        "first directory's)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
-                   help="the weights' type (default fp32; bf16, fp16: half the memory); generate and evaluate also "
+                   help="the weights' type (bf16, fp16: half the memory); generate and evaluate also "
                         "compute in it (faster on a GPU), LayerNorm statistics in fp32")
     if device:
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="auto (the default): CUDA when there is a GPU, else the CPU")
+                       help="auto: CUDA when there is a GPU, else the CPU")
 
 
 def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:

@@ -27,6 +27,7 @@ import sys
 import zlib
 from dataclasses import dataclass
 
+from defaults_help import DefaultsHelp
 from plotting import CREATED, refuse_unwritable, write_output
 
 # The .wandb file: a 7-byte header, then LevelDB-log style chunks in 32 KiB blocks.
@@ -412,12 +413,12 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelp)
     parser.add_argument("runs", nargs="+", metavar="RUN",
                         help="run directory, wandb run directory, or wandb:entity/project/run_id")
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
                         help=f"plot to write (table: FILE.csv; {CREATED})")
-    parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight of the smoothed curves (default 0.9)")
+    parser.add_argument("--smooth", type=float, default=0.9, help="EMA weight of the smoothed curves")
     parser.add_argument("--labels", help="comma-separated legend labels, one per RUN")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else None

@@ -26,13 +26,14 @@ import sys
 import time
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
+from defaults_help import DefaultsHelp
 from megatron_mini.config import ConfigError
 from megatron_mini.hardware import configure_device
 from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint, whole_sets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelp)
     add_checkpoint_arguments(p)
     p.add_argument("dirs", nargs="*", help="prepared directories to evaluate (default: the run's validation set and "
                                            "data.eval sets)")

@@ -16,12 +16,13 @@ import os
 import sys
 
 from checkpoint_args import add_checkpoint_arguments, chosen_dtype
+from defaults_help import DefaultsHelp
 from megatron_mini.hf import STAGING, export
 from megatron_mini.inference import CheckpointError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelp)
     add_checkpoint_arguments(p, device=False)
     p.add_argument("out_dir", help="the Hugging Face model directory to write")
     args = p.parse_args(argv)

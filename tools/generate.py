@@ -22,22 +22,22 @@ import sys
 import torch
 
 from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
+from defaults_help import DefaultsHelp
 from megatron_mini.hardware import configure_device
 from megatron_mini.inference import CheckpointError, generate, open_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelp)
     add_checkpoint_arguments(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="(default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="(default 0.8: sampled) 0: greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50); 0: all")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample after the prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="divides the logits before sampling; 0: greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
     p.add_argument("--top-p", type=float, default=1.0,
-                   help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1 (the "
-                   "default): all")
-    p.add_argument("--seed", type=int, default=1234, help="of the sampling (default 1234)")
-    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt (default 1)")
+                   help="then among the fewest most likely whose probabilities sum to at least p (nucleus); 1: all")
+    p.add_argument("--seed", type=int, default=1234, help="of the sampling")
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt")
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="rerun the last seq_len tokens for every new token (slower; for comparison)")
     args = p.parse_args(argv)

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bench.report import at_least, text_table
+from defaults_help import DefaultsHelp
 from plotting import CREATED, refuse_unwritable, write_output
 from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, split_override, validate
 from megatron_mini.hardware import GPUS
@@ -225,10 +226,10 @@ def draw(path: str, p: Plan, chosen: Estimate | None) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelp)
     ap.add_argument("overrides", nargs="*", help="train.py keys and cluster keys, key=value")
     ap.add_argument("--layout", help="explain one layout, e.g. tp=4,pp=12,zero=1,embedding_stage=layer")
-    ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list (default 10)")
+    ap.add_argument("--top", type=at_least(1), default=10, help="how many of the layouts that fit to list")
     ap.add_argument("--csv", help=f"write every layout to this CSV file ({CREATED})")
     ap.add_argument("--plot", help=f"draw step time against memory per rank into this PNG ({CREATED})")
     args = ap.parse_args(argv)

@@ -23,6 +23,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from megatron_mini.config import ConfigError  # noqa: E402
 from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  # noqa: E402
 from bench.report import at_least  # noqa: E402
+from defaults_help import DefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
@@ -106,15 +107,15 @@ def plot(panels: list[tuple[str, int, int, int]], output: str) -> list[SimResult
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     p.add_argument("--pp", type=at_least(1), required=True, help="pipeline ranks")
     p.add_argument("--vpp", type=at_least(1), default=1,
-                   help="model chunks per rank (default 1; 1f1b with vpp > 1 = interleaved)")
+                   help="model chunks per rank; 1f1b with vpp > 1 is interleaved")
     p.add_argument("--microbatches", "-m", type=at_least(1), required=True, help="microbatches per step")
-    p.add_argument("--schedule", choices=KINDS, default="1f1b", help="(default 1f1b)")
+    p.add_argument("--schedule", choices=KINDS, default="1f1b", help="the pipeline schedule")
     p.add_argument("--compare", action="store_true", help="draw GPipe, 1F1B and interleaved 1F1B one above the other")
     p.add_argument("-o", "--output", default="schedule.png",
-                   help=f"image to write (.png, .svg, .pdf, ...; default schedule.png; {CREATED})")
+                   help=f"image to write (.png, .svg, .pdf, ...; {CREATED})")
     args = p.parse_args(argv)
     refuse_unwritable(p, "-o", args.output, image=True)
     if args.compare:
