@@ -855,11 +855,10 @@ class ShardReader:
         if key == "weight":
             file = self.weights[name][tp_rank]
             t = self._tensor(file, name, self._held(file, name), self.dtype, shape)
+        elif key == "master" and self.dtype == torch.float32:     # fp32 weights are their own master (not saved; a
+            return self.saved(name, "weight", tp_rank)              # 16-bit checkpoint without one: NotTheTensors)
         else:
             pieces = self.pieces[name][tp_rank]
-            state = self._held(pieces[0][2], name)
-            if key == "master" and isinstance(state, dict) and "master" not in state:  # fp32 weights, their own master
-                return self.saved(name, "weight", tp_rank).float()
             flats = [self._tensor(file, f"{name}'s {key}", self._held(file, name, key), torch.float32, (hi - lo,))
                      for lo, hi, file in pieces]
             t = (torch.cat(flats) if len(flats) > 1 else flats[0]).view(shape)

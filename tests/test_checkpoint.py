@@ -475,13 +475,14 @@ def _copy_with(src, dst, name=None, edit=None, meta_edit=None) -> str:
     return str(dst)
 
 
-def _load_outcomes(cases) -> list:
-    """(type, message) of what a Trainer of each (cfg, path) of `cases` raises loading checkpoint `path`."""
+def _load_outcomes(cases, how: str = "load") -> list:
+    """(type, message) of what a Trainer of each (cfg, path) of `cases` raises loading checkpoint `path` by its method
+    `how` (load: a resume; init_weights: init_from)."""
     from harness import make_trainer
     said = []
     for cfg, path in cases:
         with pytest.raises(Exception) as caught:
-            make_trainer(cfg).load(path)
+            getattr(make_trainer(cfg), how)(path)
         said.append((type(caught.value).__name__, str(caught.value)))
     return said
 
@@ -530,6 +531,30 @@ def test_each_kind_of_foreign_checkpoint_file_is_said_where_it_is_found(uninterr
     for (name, (_, path, said)), (kind, message) in zip(resumes.items(), outcomes, strict=True):
         assert kind == "CheckpointError" and message.startswith(f"{path} does not fit this run's model ({said}"), \
             (name, kind, message)
+
+
+def test_a_16_bit_checkpoint_without_its_fp32_master_is_refused(small_data, tmp_path):
+    """A bf16 checkpoint whose optimizer file lacks a parameter's fp32 master is one line naming it, resumed in bf16
+    or in fp32, and as init_from: its bf16 weight, which an fp32 checkpoint's own weights stand for, was taken for the
+    master silently (its low 16 bits lost). The same checkpoint with its masters loads (they are what an fp32 run
+    resumes from: test_a_bf16_checkpoint_resumes_exactly_and_in_fp32_from_its_master)."""
+    import torch
+
+    from megatron_mini.checkpoint import NotTheTensors, ShardReader, read_meta
+    bf16 = {"precision.dtype": "bf16"}
+    src = train_on_ranks(1, small_config(small_data, tmp_path / "src", steps=1, gbs=2, **bf16))["checkpoint"]
+    optim, name = "optim_pp00_tp00_dp00.pt", "head.ln_f.bias"
+    lacking = _copy_with(src, tmp_path / "no-master", optim,
+                         lambda saved: {**saved, name: {k: v for k, v in saved[name].items() if k != "master"}})
+    assert ShardReader(src, read_meta(src)).full(name, "master").dtype == torch.float32
+    with pytest.raises(NotTheTensors, match=f"^{optim} holds no master of {name}$"):
+        ShardReader(lacking, read_meta(lacking)).full(name, "master")
+    runs = [small_config(small_data, tmp_path / "run", gbs=2, **dtype) for dtype in (bf16, {})]    # (bf16, fp32)
+    said = spawn(1, _load_outcomes, [(cfg, lacking) for cfg in runs])[0]
+    said += spawn(1, _load_outcomes, [(runs[1], lacking)], "init_weights")[0]
+    assert said == [("CheckpointError", f"{lacking} does not fit this run's model ({optim} holds no master of {name}): "
+                     f"a checkpoint of another model or of older code; resume from another checkpoint, or start a "
+                     f"new run under another run_name.")] * 3, said
 
 
 def _load_with_bugs(cfg, path, bugs) -> list:
