@@ -29,7 +29,7 @@ sys.excepthook = quiet_interrupt     # (first: the imports below take seconds to
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_mini.checkpoint_dir import check_resume_dir
+from megatron_mini.checkpoint_dir import check_start_dirs
 from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
 from megatron_mini.dataset import load_run_data
 from megatron_mini.errors import CommError, ConfigError, RunError, first_line, peer_closed
@@ -50,7 +50,7 @@ def main(dict_cfg: DictConfig) -> None:
         # unless the run may resume, when train() checks them from its checkpoint's)
         _, world_size, _, ranks_here = launch_env()
         validate(cfg, world_size, consumed_samples=0 if cfg.resume == "never" else None)
-        check_resume_dir(cfg.resume, world_size, ranks_here)   # (nor a resume=PATH that is not there)
+        check_start_dirs(cfg, world_size, ranks_here)   # (nor a resume=PATH or init_from that is not there)
         datasets = load_run_data(cfg)      # (no torch either: a data directory missing or broken is refused as fast)
         from megatron_mini.training import train
         train(cfg, datasets)

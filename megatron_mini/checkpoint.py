@@ -59,14 +59,13 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
-from .checkpoint_dir import CheckpointError, check_dir, resume_path
+from .checkpoint_dir import CheckpointError, check_dir, checkpoints_of, read_step, resume_path
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
 from .rank import DTYPES
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
-STEP_DIR = re.compile(r"step_(\d+)$")
 STEP_TMP = re.compile(r"step_\d+\.tmp(-\d+)?$")    # a save's directory until it is published (Save._make_dir)
 FORMAT = 2                  # 1: one file of full tensors per pipeline stage (before 2026-11-24)
 TOKENIZER = "tokenizer.model"   # the run's tokenizer, in each checkpoint written since 2026-12-06
@@ -327,19 +326,6 @@ class agree_verify:
         look like a run directory to one rank alone, which would walk a listing while the others verify."""
         group = self.mesh.world_group
         return first_text(str(is_run_dir(path)) if group.rank == 0 else "", group, self.device) == "True"
-
-
-def checkpoints_of(run_dir: str) -> list:
-    """The complete-looking checkpoint directories of a run, newest first (by step)."""
-    root = os.path.join(run_dir, "checkpoints")
-    found = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else [])
-             if STEP_DIR.match(d) and os.path.isdir(os.path.join(root, d))]
-    return sorted(found, key=read_step, reverse=True)
-
-
-def read_step(path: str) -> int:
-    """N of a checkpoint directory step_N."""
-    return int(STEP_DIR.search(path).group(1))
 
 
 def listing(run_dir: str) -> tuple[list, str | None]:
