@@ -66,15 +66,15 @@ def math_dtype(dtype: str, tf32: bool) -> str:
     return "tf32" if dtype == "fp32" and tf32 else dtype
 
 
-def peak_tflops(device: torch.device, dtype: str, tf32: bool, override: float = 0.0) -> float | None:
-    """Dense peak TFLOP/s of one `device` for matmuls in `dtype` (override if > 0); None when unknown
-    (a CPU, or a GPU missing from the table)."""
+def peak_tflops(device: torch.device, dtype: str, tf32: bool, override: float | None = None) -> float | None:
+    """Dense peak TFLOP/s of one `device` for matmuls in `dtype` (override if > 0; None or 0: the table's); None when
+    unknown (a CPU, or a GPU missing from the table)."""
     return table_peak(gpu_key(device), dtype, tf32, override)
 
 
-def table_peak(key: str | None, dtype: str, tf32: bool, override: float = 0.0) -> float | None:
+def table_peak(key: str | None, dtype: str, tf32: bool, override: float | None = None) -> float | None:
     """Dense peak TFLOP/s of the GPUS entry `key` for matmuls in `dtype` (override if > 0; None: no entry)."""
-    if override > 0:
+    if override is not None and override > 0:
         return override
     return GPUS[key].tflops[math_dtype(dtype, tf32)] if key else None
 

@@ -309,7 +309,7 @@ def test_bench_gpu_frees_the_trainer():
                 sum(1 for o in objs if type(o) is torch.nn.Parameter))
 
     before = live()
-    args = argparse.Namespace(smoke=True, steps=1, warmup=0, compile_warmup_extra=0, peak_tflops=0.0,
+    args = argparse.Namespace(smoke=True, steps=1, warmup=0, compile_warmup_extra=0, peak_tflops=None,
                               vocab=bench_gpu.VOCAB)
     rec = bench_gpu.measure_row("torch", "smoke", args, torch.device("cpu"), print)
     assert rec["status"] == "ok", rec.get("reason")

@@ -3,7 +3,9 @@ plan.py, generate.py, the benches' output options) give one line on stderr and a
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt; generate.py and
 evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
 import argparse
+import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -217,27 +219,35 @@ class _Parsed(Exception):
     """Raised in place of a tool's parse_args: carries the parser the tool built."""
 
 
-@pytest.mark.parametrize("module", [generate, evaluate, export_hf, compare_runs, plot_schedule, plan],
-                         ids=lambda m: m.__name__)
-def test_tools_help_gives_every_options_default(module, monkeypatch):
-    """The tools that README.md's "Tools" shows: an option that has a default (argparse's own value, not None, an
-    empty text or a flag's) says it in its --help (plan's --top 10, plot_schedule's --vpp, --schedule and -o, the
-    --dtype of generate, evaluate and export_hf were silent), so the README need not repeat them: once, the parser's
-    own value as --help prints it (defaults_help.DefaultsHelp), not also by hand in its help text, where it drifts."""
+@pytest.mark.parametrize("tool", ["generate", "evaluate", "export_hf", "compare_runs", "plot_schedule", "plan",
+                                  "bench_gpu", "bench_kernels", "bench_train", "sweep_attention", "baseline_gpt2"])
+def test_tools_help_gives_every_options_default(tool, monkeypatch, capsys):
+    """Every tool's --help, on a CPU too (the GPU benches build their parser before they look for a GPU): an option
+    that has a default (argparse's own value, not None, an empty text or a flag's) says it (plan's --top 10,
+    plot_schedule's --vpp, --schedule and -o, the --dtype of generate, evaluate and export_hf, baseline_gpt2's sizes
+    were silent), so the README need not repeat them: once, the parser's own value as --help prints it (a list as it
+    is typed, space-separated: defaults_help.DefaultsHelp), not also by hand in its help text, where it drifts (a
+    stand-in such as bench_gpu's --peak-tflops 0.0, "the table", is None, whose help says what it means)."""
+    module = importlib.import_module(tool)      # (tools/, on pytest's pythonpath)
+    assert _exit_code(module, ["--help"]) == 0
+    printed = "".join(capsys.readouterr().out.split())     # (without the spaces of its wrapping: "baseline-\ncompile")
+
     def capture(parser, *args, **kwargs):
         raise _Parsed(parser)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     with pytest.raises(_Parsed) as parsed:       # (the parser the tool builds, before it parses anything)
         module.main([])
     parser = parsed.value.args[0]
-    printed = " ".join(parser.format_help().split())
     defaults = [a for a in parser._actions if a.option_strings and a.nargs != 0
                 and a.default not in (None, "", argparse.SUPPRESS)]
     assert defaults
     for action in defaults:
-        shown = " ".join(parser._get_formatter()._expand_help(action).split())    # (its help, as --help prints it)
-        assert shown in printed and shown.endswith(f"(default: {action.default})"), (action.option_strings, shown)
-        assert shown.count("default") == 1, (action.option_strings, shown)
+        value = " ".join(action.default) if isinstance(action.default, list) else action.default
+        shown = parser._get_formatter()._expand_help(action)    # (its help, as --help prints it)
+        assert "".join(shown.split()) in printed and shown.endswith(f"(default: {value})"), (action.option_strings,
+                                                                                            shown)
+        said = re.findall(r"\bdefault\b(?!,)", shown)       # (not bench_gpu's row named default: "default,")
+        assert len(said) == 1, (action.option_strings, shown)
 
 
 def _failing_write(errno: int, reason: str):
@@ -385,10 +395,12 @@ def test_benches_refuse_an_unwritable_output_before_running(tool, argv, work, tm
     ("bench_gpu", ["--trace", "t.json"], "name the row to profile", "_init_one_rank_group"),   # (was ignored)
     ("bench_gpu", ["--peak-tflops", "-1"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
     ("bench_gpu", ["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
+    ("bench_gpu", ["--peak-tflops", "0"], "--peak-tflops must be a finite number > 0", "_init_one_rank_group"),
 ])
 def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work, tmp_path, monkeypatch, capsys):
     """An option the bench would have ignored, or a list that names nothing, is one line and exit 2 before any
-    work (an empty --ops printed a table of nothing; a negative or NaN peak fell back to the table silently)."""
+    work (an empty --ops printed a table of nothing; a negative or NaN peak fell back to the table silently, as 0 did:
+    leave --peak-tflops out for the table's)."""
     import importlib
 
     module = importlib.import_module(tool)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megatron_mini.hardware import set_tf32
 
 from bench.report import at_least
+from defaults_help import RawDescriptionDefaultsHelp
 
 
 @dataclass
@@ -184,19 +185,19 @@ def _device(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=at_least(1), default=4)
-    ap.add_argument("--heads", type=at_least(1), default=8)
-    ap.add_argument("--hidden", type=at_least(1), default=256)
-    ap.add_argument("--seq", type=at_least(1), default=256)
-    ap.add_argument("--vocab", type=at_least(1), default=1024)
-    ap.add_argument("--mbs", type=at_least(1), default=8)
-    ap.add_argument("--accum", type=at_least(1), default=4)
-    ap.add_argument("--steps", type=at_least(1), default=10)
-    ap.add_argument("--warmup", type=at_least(0), default=2)
-    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelp)
+    ap.add_argument("--layers", type=at_least(1), default=4, help="transformer blocks")
+    ap.add_argument("--heads", type=at_least(1), default=8, help="attention heads (dividing --hidden)")
+    ap.add_argument("--hidden", type=at_least(1), default=256, help="hidden size h (the MLP: 4h)")
+    ap.add_argument("--seq", type=at_least(1), default=256, help="sequence length")
+    ap.add_argument("--vocab", type=at_least(1), default=1024, help="vocabulary size")
+    ap.add_argument("--mbs", type=at_least(1), default=8, help="sequences per microbatch")
+    ap.add_argument("--accum", type=at_least(1), default=4, help="microbatches per step (gradient accumulation)")
+    ap.add_argument("--steps", type=at_least(1), default=10, help="timed steps (the median is reported)")
+    ap.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps before them")
+    ap.add_argument("--threads", type=at_least(1), default=2, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--device", default="auto", type=_device, metavar="{auto,cpu,cuda,cuda:N}",
-                    help="auto (cuda when available), cpu, cuda or cuda:N (the Nth visible GPU)")
+                    help="auto: cuda when available; cpu, cuda or cuda:N (the Nth visible GPU)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: torch.autocast(bfloat16) with fp32 weights (nanoGPT's mixed precision)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")

@@ -61,6 +61,7 @@ from megatron_mini.profiling import busy, tables  # noqa: E402
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line,  # noqa: E402
                           device_line, fmt, markdown_table, ratio, read_doc_section, short_error, write_doc_section,
                           write_text)
+from defaults_help import RawDescriptionDefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 from bench.harness import free_port  # noqa: E402
 from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
@@ -419,21 +420,22 @@ def write_doc(path: str, records: dict, smoke: bool = False) -> None:
 
 # ============================================================================ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelp)
     ap.add_argument("--models", default="small,medium,1.3b", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-    ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per row (default 10; smoke 2)")
+    ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per row (default: 10; 2 with --smoke)")
     ap.add_argument("--vocab", type=at_least(128), default=VOCAB,
-                    help=f"the models' vocabulary (default {VOCAB}; 50304: GPT-2's, padded; not in a smoke run)")
-    ap.add_argument("--warmup", type=at_least(0), default=None, help="warmup steps per row (default 3; smoke 1)")
+                    help="the models' vocabulary (50304: GPT-2's, padded; not in a smoke run)")
+    ap.add_argument("--warmup", type=at_least(0), default=None,
+                    help="warmup steps per row (default: 3; 1 with --smoke)")
     ap.add_argument("--compile-warmup-extra", type=at_least(0), default=2,
-                    help="extra warmup steps of compiled rows (default 2)")
-    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="extra warmup steps of compiled rows")
+    ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's dense peak TFLOP/s for MFU (default: megatron_mini.hardware's table)")
     ap.add_argument("--profile", metavar="ROW", default=None,
                     help="instead of the benchmark: torch.profiler over a few steps of ROW for each model")
-    ap.add_argument("--profile-steps", type=at_least(1), default=3, help="profiled steps (default 3)")
-    ap.add_argument("--profile-top", type=at_least(1), default=25, help="rows of the profile's table (default 25)")
+    ap.add_argument("--profile-steps", type=at_least(1), default=3, help="profiled steps")
+    ap.add_argument("--profile-top", type=at_least(1), default=25, help="rows of the profile's table")
     ap.add_argument("--trace", default=None, help=f"with --profile: also write a chrome trace here ({CREATED})")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per row, no compile "
                     "(automatic without CUDA); exercises the code only")
@@ -451,8 +453,8 @@ def main(argv=None) -> int:
         ap.error(f"--profile ROW: one of {ROWS}")
     if args.trace and not args.profile:
         ap.error("--trace is the trace of --profile ROW's steps: name the row to profile")
-    if not 0 <= args.peak_tflops < math.inf:
-        ap.error(f"--peak-tflops must be a finite number > 0 (or 0: the hardware table), got {args.peak_tflops}")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:
+        ap.error(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
 
     import torch
     cuda = torch.cuda.is_available()

@@ -74,6 +74,7 @@ import traceback
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line, device_line, fmt,
                           markdown_table, require_triton, short_error, write_doc_section, write_text)
+from defaults_help import RawDescriptionDefaultsHelp
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -520,15 +521,15 @@ def report(results: list, smoke: bool, device: str, command: str) -> str:
 
 # ============================================================================ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelp)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no torch.compile (automatic without CUDA, "
                     "then through the Triton interpreter); exercises the script, claims no speed")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default: all)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--graph", action="store_true", help="also time each path's fwd+bwd under a CUDA graph: the "
                     "GPU's time alone, without the host's launch cost (CUDA only)")
-    ap.add_argument("--warmup", type=at_least(1), default=25, help="do_bench warmup, ms (default 25)")
-    ap.add_argument("--rep", type=at_least(1), default=100, help="do_bench repetition time, ms (default 100)")
+    ap.add_argument("--warmup", type=at_least(1), default=25, help="do_bench warmup, ms")
+    ap.add_argument("--rep", type=at_least(1), default=100, help="do_bench repetition time, ms")
     add_output_args(ap, "bench_kernels")
     args = ap.parse_args(argv)
     check_output_args(ap, args)

@@ -36,23 +36,24 @@ from bench.harness import Bench  # noqa: E402
 from bench.report import (DOC, GOAL_HEADERS, at_least, command_line, device_line, print_table,  # noqa: E402
                           write_train_doc)
 from bench.workload import S2, SMOKE  # noqa: E402
+from defaults_help import RawDescriptionDefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable  # noqa: E402
 
 SECTIONS = {1: throughput, 2: tensor_parallel, 3: pipeline, 4: precision}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     default_steps = {s: mod.STEPS for s, mod in SECTIONS.items()}
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelp)
     ap.add_argument("--section", type=int, action="append", choices=list(SECTIONS),
-                    help="run only this section (repeatable); default: all")
+                    help="run only this section (repeatable; default: all)")
     ap.add_argument("--steps", type=at_least(1), default=None,
                     help=f"measured steps per row (default per section: {default_steps})")
-    ap.add_argument("--doc", default=DOC, help=f"markdown file to update (default docs/benchmarks.md; {CREATED})")
+    ap.add_argument("--doc", default=DOC, help=f"markdown file to update ({CREATED})")
     ap.add_argument("--no-doc", action="store_true", help="print only")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model instead of S2, to check the script (writes only to an explicit --doc)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.no_doc = args.no_doc or (args.smoke and args.doc == DOC)    # never overwrite the real figures with smoke ones
     if not args.no_doc:
         refuse_unwritable(ap, "--doc", args.doc)

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from bench.report import positive_ints
+from defaults_help import RawDescriptionDefaultsHelp
 
 
 def _shape(text: str) -> str:
@@ -41,9 +42,9 @@ def _probability(text: str) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelp)
     ap.add_argument("--shapes", nargs="*", type=_shape, default=["16,12,1024,64", "8,16,2048,128"],
-                    metavar="B,HEADS,S,D", help="causal attention shapes (default: 16,12,1024,64 8,16,2048,128)")
+                    metavar="B,HEADS,S,D", help="causal attention shapes")
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
     ap.add_argument("--dropout", type=_probability, default=0.0,
                     help="attention dropout of the sweep (tunes DROPOUT_CONFIGS)")

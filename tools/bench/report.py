@@ -31,8 +31,8 @@ def add_output_args(ap, tag: str) -> None:
     """The --out / --doc options every GPU bench takes (`tag`: its section in the markdown file)."""
     ap.add_argument("--out", default=None, help=f"directory for {tag}.md and {tag}.json ({CREATED})")
     ap.add_argument("--doc", nargs="?", const="", default=None,
-                    help=f"update the {tag} section of this markdown file (default docs/benchmarks.md; {CREATED}); "
-                         "a smoke run writes only to an explicitly named file")
+                    help=f"update the {tag} section of this markdown file (docs/benchmarks.md where --doc names "
+                         f"none; {CREATED}); a smoke run writes only to an explicitly named file")
 
 
 def check_output_args(ap, args) -> None:
