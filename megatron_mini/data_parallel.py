@@ -105,7 +105,6 @@ class GradBuffer:
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = self.grads_flat[lo:lo + p.numel()].view(p.shape)
-                p.main_grad_ready = functools.partial(_call, buffer, "_main_grad_ready", p)
                 p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
@@ -117,17 +116,21 @@ class GradBuffer:
 
     # -- accumulation and overlapped reduction
     def _on_grad(self, p: nn.Parameter) -> None:
-        """AccumulateGrad's hook: move the microbatch's .grad into the fp32 main grad. (It also runs,
-        with no .grad, for parameters whose gradient tensor_parallel._Linear added there itself.)"""
-        if p.grad is None:
-            return
-        p.main_grad.add_(p.grad)
-        p.grad = None
+        """AccumulateGrad's hook, which autograd runs once per backward pass through p, after every use of p
+        in it: moves the microbatch's 16-bit .grad, if any, into the fp32 main grad. The ops that add their
+        gradient into the main grad themselves (tensor_parallel's gradient-accumulation fusion) return None
+        for p, and the hook runs with no .grad: each of the word embedding's two uses at pp = 1 (the lookup
+        and the output layer) adds its own, and the hook then says both are in (with vpp > 1 they are in two
+        chunks' backward passes, the output layer's first, before the embedding's chunk starts its last
+        microbatch: start_last_microbatch counts only the lookup's)."""
+        if p.grad is not None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
         self._main_grad_ready(p)
 
     def _main_grad_ready(self, p: nn.Parameter) -> None:
-        """p's gradient of this microbatch is in its main grad (from the hook above, or added there
-        directly by tensor_parallel._Linear): on the last microbatch its bucket may start reducing."""
+        """p's gradient of this microbatch is in its main grad: on the last microbatch its bucket may start
+        reducing."""
         if self.overlap:
             bucket = self.bucket_of[p]
             bucket.pending -= 1

@@ -29,8 +29,9 @@ from .hardware import gpu_key
 from .kernels import attention_unsupported, triton_installed
 from .rng import RNGTracker
 from .tensor_parallel import (ColumnParallelLinear, ParamSpec, RowParallelLinear, VocabParallelEmbedding,
-                              column_parallel_linear, full_shape, gather_from_tensor_parallel_region, init_full,
-                              new_param, shard, vocab_parallel_cross_entropy)
+                              add_position_embeddings, column_parallel_linear, full_shape,
+                              gather_from_tensor_parallel_region, init_full, new_param, shard,
+                              vocab_parallel_cross_entropy)
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ class Embedding(Layer):
         s = x.shape[0]
         if self.sp:
             first += self.tp_group.rank * s
-        return self.dropout(x + self.position_embeddings[first:first + s].unsqueeze(1))
+        return self.dropout(add_position_embeddings(x, self.position_embeddings, first))
 
 
 class Attention(nn.Module):
@@ -418,7 +419,7 @@ class Head(Layer):
         without labels, the fp32 logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP,
         padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
-                                        self.tp_group, self.sp, fuse_wgrad=False)
+                                        self.tp_group, self.sp)
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
         losses = self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing)

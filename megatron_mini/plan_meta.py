@@ -6,13 +6,11 @@
 - activations: the bytes autograd saves (meter.SavedTensorMeter) over one forward of each layer kind,
   summed over the (chunk, microbatch) pairs in flight at the peak of the rank's schedule;
 - backward: what one layer's forward and backward allocate on top of what it saves (meter.AllocationMeter: the
-  gradients of the logits and of the word embedding, a checkpoint's recomputed forward), at each backward of the
-  rank's schedule on top of the saved tensors then in flight (_backward_extra: a block's or the head's with all of
-  them held, the embedding's once its chunk's blocks have freed that microbatch's), less the activation peak, at
-  the largest; in a chunk that holds both the embedding and the head (pp = vpp = 1), where the head's gradient of
-  the tied word embedding waits for the embedding's, also a block's backward with that gradient held, and the peak
-  of the embedding's backward, where the two are summed (the chunk's absolute peak, measured on that chunk with up
-  to two blocks, whose saved tensors are freed by then);
+  gradients of the logits, the fp32 rows the word embedding's lookup adds into its main grad, a checkpoint's
+  recomputed forward), at each backward of the rank's schedule on top of the saved tensors then in flight
+  (_backward_extra: a block's or the head's with all of them held, the embedding's once its chunk's blocks have
+  freed that microbatch's), less the activation peak, at the largest (no weight's gradient waits from one layer's
+  backward to another's: each goes into its fp32 main grad, the tied word embedding's from both its uses);
 - communication: the ledger (comm.py) of one forward + backward of each layer kind, times the
   microbatches, plus the schedule's pipeline sends of the engine's message shape and the once-per-step
   collectives (DP reduction, SP-parameter and embedding-group sums, norm, ZeRO gather, loss), recorded
@@ -173,8 +171,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
     """Facts (bytes saved for backward, bytes allocated on top of them, ledger, overlaps; no FLOPs) of one
     microbatch forward + backward of the layer `layers[0]`, on meta, its gradients going into fp32 main grads as
     in training (a GPU's GEMM adds the weights' into them); a block or the head gets a pending residual r when
-    `residual` (as every block but a chunk's first, and the head after a block); with layers = (0, L + 2), of
-    the whole chunk [embedding, L blocks, head] (Planner.layer_jobs' "tied"). The CPU stream is restored after
+    `residual` (as every block but a chunk's first, and the head after a block). The CPU stream is restored after
     (recomputation sets it; the GPUs' are not touched)."""
     sdpa = _sdpa if math_attention(cfg) else _fused_on_meta
     with _older_objects_frozen(), torch.random.fork_rng(devices=[]), \
@@ -187,8 +184,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
         dtype = DTYPES[cfg.precision.dtype]
         ctx = ParallelContext(mesh.tp_group, RNGTracker(cfg.seed, 0, META), cfg.sp, cfg.recompute)
         (chunk,) = build_chunks(cfg.model, ctx, [layers], cfg.seed, META)
-        whole = chunk.has_embedding and chunk.has_head
-        layer = chunk.to(dtype).train() if whole else chunk.layers[0]
+        layer = chunk.layers[0]
         # (kept for its hooks, which move each gradient into a main grad; at dp = 1, never synced, its buckets
         # change nothing measured)
         buffer = GradBuffer(list(chunk.named_global_parameters()), mesh, dtype, zero=False,  # noqa: F841
@@ -198,7 +194,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
         def activation():
             s = cfg.model.seq_len // (cfg.tp if cfg.sp else 1)
             return torch.empty(s, cfg.mbs, cfg.model.hidden_size, dtype=dtype, device=META, requires_grad=True)
-        args = (tokens, tokens) if whole else (tokens,) if chunk.has_embedding else \
+        args = (tokens,) if chunk.has_embedding else \
             (activation(), tokens, activation() if residual else None) if chunk.has_head else \
             (activation(), activation() if residual else None)
         meter, allocated = SavedTensorMeter(exclude=chunk.parameters()), AllocationMeter()
@@ -214,43 +210,27 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
 
 def _chunk_facts(cfg: TrainConfig, layers: dict, stages: list) -> list:
     """Facts of one microbatch through each chunk [a, b) of `stages`, from Planner.layer_facts: embedding,
-    blocks (the first, the rest), head; a chunk that holds them all has a backward of its own (_tied_backward)."""
+    blocks (the first, the rest), head."""
     end = cfg.model.num_layers + 2
     return [layers["embedding"] * (a == 0) + layers["first"] * (n > 0) + layers["block"] * max(n - 1, 0)
             + layers["head"] * (b == end) for a, b in stages for n in [blocks_in(cfg.model.num_layers, a, b)]]
 
 
-def _tied_backward(cfg: TrainConfig, layers: dict, chunk: Facts) -> int:
-    """What the backward of a chunk holding the whole model (pp = vpp = 1; `chunk`: its Facts) allocates on top of
-    the saved tensors: autograd holds the head's gradient of the tied word embedding, [V/tp, h] in the weights'
-    dtype, through every block's backward (on top of that block's own, the head's saved tensors freed by then),
-    then sums it with the embedding's into a third such tensor once the blocks' saved tensors are freed: the
-    "tied" chunk's absolute peak, less this microbatch's saved tensors (other microbatches' in flight, under
-    GPipe, count among the activations)."""
-    m = cfg.model
-    held = m.padded_vocab_size // cfg.tp * m.hidden_size * DTYPES[cfg.precision.dtype].itemsize
-    tied = layers["tied"]                            # (its peak: what it saves and what it allocates on top)
-    return max(held + max(layers["first"].backward_bytes, layers["block"].backward_bytes)
-               - layers["head"].activation_bytes, tied.activation_bytes + tied.backward_bytes - chunk.activation_bytes)
-
-
 def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) -> list:
     """Per chunk [a, b) of `stages` (`chunks`: their Facts), what its backward allocates on top of the saved tensors
-    alive when it starts (every (chunk, microbatch) in flight, its own microbatch included): the largest backward
-    of its blocks and head, which run with all of those held; the embedding's, which runs last, once the chunk's
-    blocks have freed what this microbatch saved for them (its [V/tp, h] weight gradient on top of the others in
-    flight: an own embedding stage, or the first chunk's after its blocks); a chunk holding the whole model
-    (pp = vpp = 1): also _tied_backward."""
-    L, emb = cfg.model.num_layers, layers["embedding"]
+    alive when it starts (every (chunk, microbatch) in flight, its own microbatch included): the head's, which runs
+    with all of those held; the largest of its blocks', which run once the head (if the chunk has it) has freed
+    what this microbatch saved for it; the embedding's, which runs last, once the chunk's blocks have freed what
+    this microbatch saved for them (the fp32 rows it adds into the word embedding's main grad on top of the others
+    in flight: an own embedding stage, or the first chunk's after its blocks)."""
+    L, emb, head = cfg.model.num_layers, layers["embedding"], layers["head"]
     out = []
     for (a, b), chunk in zip(stages, chunks):
-        n = blocks_in(L, a, b)
-        extra = max([layers["first"].backward_bytes] * (n > 0) + [layers["block"].backward_bytes] * (n > 1)
-                    + [layers["head"].backward_bytes] * (b == L + 2) + [0])
+        n, freed = blocks_in(L, a, b), head.activation_bytes * (b == L + 2)
+        extra = max([layers["first"].backward_bytes - freed] * (n > 0)
+                    + [layers["block"].backward_bytes - freed] * (n > 1) + [head.backward_bytes] * (b == L + 2) + [0])
         if a == 0:
             extra = max(extra, emb.activation_bytes + emb.backward_bytes - chunk.activation_bytes)
-        if "tied" in layers:
-            extra = max(extra, chunk.backward_bytes, _tied_backward(cfg, layers, chunk))
         out.append(extra)
     return out
 
@@ -268,23 +248,15 @@ class Planner:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
         block that starts a chunk: no pending residual) and "block" (one after another block, which hands it
         the residual it has not added yet; so does the head, which follows a block wherever it shares a chunk with
-        one: an upper bound where it does not); where one chunk holds the whole model (pp = vpp = 1), "tied": that
-        chunk with min(L, 2) blocks (a first and a block, as the others), measured whole, for the absolute peak of
-        its backward, where the head's and the embedding's gradients of the tied word embedding [V/tp, h] are summed
-        into a third such tensor, after the blocks' saved tensors are freed (_tied_backward).
-        Each measured once per key (model, tp, sp, recompute of the blocks, dtype, mbs, how attention and
-        dropout save)."""
+        one: an upper bound where it does not). Each measured once per key (model, tp, sp, recompute of the
+        blocks, dtype, mbs, how attention and dropout save)."""
         L = cfg.model.num_layers
-        kinds = [("embedding", cfg, 0, 1, False), ("first", cfg, 1, 2, False), ("block", cfg, 1, 2, True),
-                 ("head", cfg, L + 1, L + 2, True)]
-        if cfg.pp * cfg.vpp == 1:
-            n = min(L, 2)
-            kinds.append(("tied", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)),
-                          0, n + 2, False))
+        kinds = [("embedding", 0, 1, False), ("first", 1, 2, False), ("block", 1, 2, True),
+                 ("head", L + 1, L + 2, True)]
         return [(name, (name, cfg.tp, cfg.sp, "none" if name in ("embedding", "head") else cfg.recompute,
                         cfg.precision.dtype, cfg.mbs, dataclasses.astuple(cfg.model), math_attention(cfg),
                         bool_dropout_masks(cfg)),
-                 (job, (first, end), residual)) for name, job, first, end, residual in kinds]
+                 (cfg, (first, end), residual)) for name, first, end, residual in kinds]
 
     def layer_facts(self, cfg: TrainConfig) -> dict:
         """{kind: Facts of one microbatch through it} (layer_jobs) on TP rank 0 of cfg's layout.
@@ -295,11 +267,8 @@ class Planner:
         for name, key, job in self.layer_jobs(cfg):
             if key not in self.layers:
                 self.layers[key] = measure_layer(*job)
-            if name == "tied":              # as measured (_tied_backward reads its peak)
-                out[name] = self.layers[key]
-            else:
-                kind = "block" if name == "first" else name
-                out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
+            kind = "block" if name == "first" else name
+            out[name] = dataclasses.replace(self.layers[key], flops=tokens * flops[kind])
         return out
 
     def rank_state(self, cfg: TrainConfig, dp: int, pp_rank: int) -> tuple:

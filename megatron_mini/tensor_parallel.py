@@ -230,14 +230,12 @@ def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
 def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
     """The gradients of W [out, in] and b [out] in y = x W^T + b, from dy [..., out] and x [..., in]:
     added into their fp32 main grads (`fused`: main_grad_W += dy^T x in one GEMM, main_grad_b += the fp32
-    sum of dy over tokens; each parameter then calls `main_grad_ready()`, set by the GradBuffer, where
-    AccumulateGrad's hook would have) and (None, None) returned, or returned to autograd."""
+    sum of dy over tokens) and (None, None) returned, or returned to autograd."""
     dy2 = dy.reshape(-1, dy.shape[-1])
     if not fused:
         dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if needs[1] else None      # (x is None when W needs none)
         return dw, (dy2.sum(0) if bias is not None and needs[2] else None)
     accumulate_matmul(weight.main_grad, dy2.t(), x.reshape(-1, x.shape[-1]))
-    weight.main_grad_ready()
     if bias is not None:
         _bias_grad_into_main(bias, dy2)
     return None, None
@@ -257,7 +255,6 @@ def _bias_grad_into_main(bias, dy2) -> None:
         accumulate_matmul(bias.main_grad.view(1, -1), _ones_row(dy2.shape[0], dy2.dtype, dy2.device), dy2)
     else:
         bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
-    bias.main_grad_ready()
 
 
 class _AddBias(torch.autograd.Function):
@@ -279,9 +276,60 @@ class _AddBias(torch.autograd.Function):
 def add_bias(x, bias):
     """x + b; under autograd, with an fp32 main grad for b (training), through `_AddBias` (eager only, as
     `linear`)."""
-    if _fused_here(bias, None, True):
+    if _fused_here(bias, None):
         return _AddBias.apply(x, bias)
     return x + bias
+
+
+class _AddPositions(torch.autograd.Function):
+    """y = x + P[first:first + s] broadcast over the batch, x [s, b, h], P [positions, h], with P's gradient
+    (dy summed over the batch in fp32, [s, h]) added straight into rows first .. first + s - 1 of its fp32
+    main grad, as `_AddBias` does for a bias."""
+
+    @staticmethod
+    def forward(ctx, x, table, first):
+        ctx.table, ctx.first = table, first
+        return x + table[first:first + x.shape[0]].unsqueeze(1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.table.main_grad[ctx.first:ctx.first + dy.shape[0]].add_(dy.sum(1, dtype=torch.float32))
+        return dy, None, None
+
+
+def add_position_embeddings(x, table, first: int = 0):
+    """x [s, b, h] + table[first:first + s] (position embeddings [positions, h]); with an fp32 main grad for the
+    table (training), through `_AddPositions` (eager only, as `linear`)."""
+    if _fused_here(table, None):
+        return _AddPositions.apply(x, table, first)
+    return x + table[first:first + x.shape[0]].unsqueeze(1)
+
+
+class _Embedding(torch.autograd.Function):
+    """y = W[ids], ids [...] -> [..., h], W [V, h], with W's gradient added straight into its fp32 main grad:
+    the rows of dy, in fp32, summed at their ids (index_put_ with accumulate: deterministic, sorted on CUDA).
+    No [V, h] gradient in the model's dtype is formed (autograd's embedding backward forms one, a
+    vocabulary-sized zero fill and, on a CPU, sums repeated ids in that dtype)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight          # the Parameter itself, which holds the main grad
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,), main_grad = ctx.saved_tensors, ctx.weight.main_grad
+        main_grad.index_put_((ids.reshape(-1),), dy.reshape(-1, dy.shape[-1]).float(), accumulate=True)
+        return None, None
+
+
+def embedding(ids, weight):
+    """W[ids]: F.embedding, through `_Embedding` under autograd with an fp32 main grad for W (eager only, as
+    `linear`)."""
+    if _fused_here(weight, None):
+        return _Embedding.apply(ids, weight)
+    return F.embedding(ids, weight)
 
 
 class _Linear(torch.autograd.Function):
@@ -334,29 +382,26 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _fuses_wgrad(weight, bias, fuse_wgrad: bool) -> bool:
+def _fuses_wgrad(weight, bias) -> bool:
     """Whether W's and b's gradients can go straight into fp32 main grads (training under a GradBuffer)."""
-    return (fuse_wgrad and weight.requires_grad and hasattr(weight, "main_grad")
-            and (bias is None or hasattr(bias, "main_grad")))
+    return weight.requires_grad and hasattr(weight, "main_grad") and (bias is None or hasattr(bias, "main_grad"))
 
 
-def linear(x, weight, bias=None, fuse_wgrad: bool = True):
+def linear(x, weight, bias=None):
     """y = x W^T + b, x [..., in] -> [..., out], on this rank alone. The gradient-accumulation fusion
-    (`_Linear`) applies with `fuse_wgrad` when the parameters have fp32 main grads; `fuse_wgrad=False`
-    keeps autograd's own weight gradient, for a weight used twice per step (the tied embedding, whose
-    gradient also comes from the lookup). The fused linear is eager-only: under torch.compile
-    (compile=true) the linear stays in the block's graph (a graph break per linear costs more host time
-    than the fusion saves) and AccumulateGrad's hook moves the 16-bit .grad into the main grad. Otherwise
-    (no grad, or no main grads) it is F.linear."""
-    if _fused_here(weight, bias, fuse_wgrad):
+    (`_Linear`) applies when the parameters have fp32 main grads. The fused linear is eager-only: under
+    torch.compile (compile=true) the linear stays in the block's graph (a graph break per linear costs more
+    host time than the fusion saves) and AccumulateGrad's hook moves the 16-bit .grad into the main grad.
+    Otherwise (no grad, or no main grads) it is F.linear."""
+    if _fused_here(weight, bias):
         return _Linear.apply(x, weight, bias, None, False, True)
     return F.linear(x, weight, bias)
 
 
-def _fused_here(weight, bias, fuse_wgrad: bool) -> bool:
+def _fused_here(weight, bias) -> bool:
     """Whether this call fuses the gradient accumulation: under autograd, eager (not being compiled), with
     fp32 main grads (`_fuses_wgrad`)."""
-    return torch.is_grad_enabled() and _fuses_wgrad(weight, bias, fuse_wgrad) and not torch.compiler.is_compiling()
+    return torch.is_grad_enabled() and _fuses_wgrad(weight, bias) and not torch.compiler.is_compiling()
 
 
 @eager
@@ -364,17 +409,16 @@ def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel, fused):
     return _Linear.apply(x, weight, bias, group, sequence_parallel, fused)
 
 
-def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, fuse_wgrad: bool = True):
+def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool):
     """[s(/tp), b, in] -> [s, b, out/tp]: f (or, with sp, an all-gather of the sequence), then x W_i^T + b_i.
     At tp > 1 under autograd the mapping is fused into the linear (`_Linear`), whose backward runs the
     mapping's collective beside its GEMMs. Under torch.compile that runs eagerly, a graph break where the
     mapping was one, now with the linear on its eager side (inductor no longer fuses fc1's bias into the
-    GELU there). Without autograd f is the identity. fuse_wgrad: see `linear`."""
+    GELU there). Without autograd f is the identity. The gradient-accumulation fusion: see `linear`."""
     if tp_group.size == 1:
-        return linear(x, weight, bias, fuse_wgrad)
+        return linear(x, weight, bias)
     if torch.is_grad_enabled():
-        return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel,
-                                       _fuses_wgrad(weight, bias, fuse_wgrad))
+        return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel, _fuses_wgrad(weight, bias))
     return F.linear(gather_from_sequence_parallel_region(x, tp_group) if sequence_parallel else x, weight, bias)
 
 
@@ -441,10 +485,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids):
         if self.tp_group.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = embedding(local.masked_fill(outside, 0), self.weight)
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
