@@ -323,7 +323,7 @@ def _forward(x2, r2, weight, bias, eps):
 
 def _backward(h2, dy, dh, weight, stats):
     """(dx, [dw | db]) for rows h2 [M, N] with the forward's stats: dx = dh + LN backward of dy in h2's dtype;
-    dw, db in weight's."""
+    dw, db in fp32 (the sums of the programs' fp32 partials)."""
     m, n = h2.shape
     mu, rstd = stats[0], stats[1]
     dy2 = as_rows(dy, n)
@@ -346,7 +346,7 @@ def _backward(h2, dy, dh, weight, stats):
     else:
         _launch(_bwd, (programs,), h2, dy2, dh2, dx, weight, mu, rstd, part, *strides, m, n,
                 n_rows=m, n_cols=n, block_n=next_power_of_2(n), HAS_DRES=dh is not None)
-    return dx, part.sum(0).to(weight.dtype)
+    return dx, part.sum(0)
 
 
 def _check(x, r, weight, bias):
@@ -358,36 +358,44 @@ def _check(x, r, weight, bias):
                          f"{tuple(bias.shape)}")
 
 
-def _grads(backward, saved, bias_dtype, dh, dy):
+def _grads(backward, saved, bias_dtype, dh, dy, params=None):
     """(dx, dw, db) through `backward` (_backward, or its op) from the saved (h rows, weight, stats) and the
     gradients of h (dh; None without a residual or where h is unused) and y (dy; None where y is unused:
-    then dx = dh and the parameters get none)."""
+    then dx = dh and the parameters get none). dw, db in the weight's and the bias's dtypes; with `params`,
+    the (weight, bias) Parameters, added in fp32 into their fp32 main grads instead (training under a
+    data_parallel.GradBuffer, as tensor_parallel's gradient-accumulation fusion) and returned None."""
     if dy is None:
         return dh, None, None
     h, weight, stats = saved
     dx, dwdb = backward(h, dy, dh, weight, stats)
     n = h.shape[1]
-    return dx, dwdb[:n], dwdb[n:].to(bias_dtype)
+    if params is not None:
+        params[0].main_grad.add_(dwdb[:n])
+        params[1].main_grad.add_(dwdb[n:])
+        return dx, None, None
+    return dx, dwdb[:n].to(weight.dtype), dwdb[n:].to(bias_dtype)
 
 
 class _AddLayerNormFn(torch.autograd.Function):
     """(h, y) = (x + r, LN(x + r)) when r is given, else y = LN(x): the eager path (a Python autograd.Function
-    costs about half the host time of a custom op's dispatch, which only torch.compile needs)."""
+    costs about half the host time of a custom op's dispatch, which only torch.compile needs). Weights with fp32
+    main grads get their gradients there, in fp32 (`_grads`)."""
 
     @staticmethod
     def forward(ctx, x, r, weight, bias, eps):
         check_device(x, _INTERPRET, __name__)
-        n, weight = x.shape[-1], weight.contiguous()
+        n, parameter, weight = x.shape[-1], weight, weight.contiguous()
         h, y, stats = _forward(as_rows(x, n), None if r is None else as_rows(r, n), weight, bias.contiguous(), eps)
         ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)     # a None gradient (h or y unused) costs nothing
         ctx.has_residual, ctx.shape, ctx.bias_dtype = r is not None, x.shape, bias.dtype
+        ctx.params = (parameter, bias) if all(hasattr(p, "main_grad") for p in (parameter, bias)) else None
         return (h.view(x.shape), y.view(x.shape)) if r is not None else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, *grads):
         dh, dy = grads if ctx.has_residual else (None, grads[0])
-        dx, dw, db = _grads(_backward, ctx.saved_tensors, ctx.bias_dtype, dh, dy)
+        dx, dw, db = _grads(_backward, ctx.saved_tensors, ctx.bias_dtype, dh, dy, ctx.params)
         dx = None if dx is None else dx.view(ctx.shape)
         return dx, (dx if ctx.has_residual else None), dw, db, None
 
@@ -417,7 +425,7 @@ def _add_layer_norm_fwd(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
 @torch.library.custom_op("megatron_mini::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd(h: torch.Tensor, dy: torch.Tensor, dh: Optional[torch.Tensor], weight: torch.Tensor,
                     stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [M, N], [dw | db] [2N]) as _backward."""
+    """(dx [M, N], [dw | db] [2N] fp32) as _backward."""
     return _backward(as_rows(h, h.shape[1]), dy, dh, weight.contiguous(), stats.contiguous())
 
 
@@ -434,7 +442,8 @@ def _(x, r, weight, bias, eps):
 
 @_layer_norm_bwd.register_fake
 def _(h, dy, dh, weight, stats):
-    return torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty(2 * h.shape[1])
+    return torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty(2 * h.shape[1],
+                                                                                        dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
