@@ -39,6 +39,8 @@ from typing import NamedTuple, Union
 
 from .errors import ConfigError
 
+Costs = Union[float, list]      # a compute's cost: one number for all, or a [pp][vpp] table (simulate_actions)
+
 KINDS = ("gpipe", "1f1b")       # config.Schedule, the choice a run makes, is built from these
 COMPUTE_OPS = ("forward", "backward")
 
@@ -220,7 +222,7 @@ class SimResult:
     timelines: list[list[Slot]]      # per rank, compute slots in execution order
     peak_in_flight: list[int]        # per rank, max (chunk, mb) forwarded but not yet backwarded
     makespan: float
-    busy: float                      # compute time of one rank
+    busy: float                      # compute time of the busiest rank
 
     @property
     def bubble(self) -> float:
@@ -229,22 +231,27 @@ class SimResult:
 
 
 def simulate(kind: str, pp: int, vpp: int, num_microbatches: int,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+             forward_cost: Costs = 1.0, backward_cost: Costs = 2.0) -> SimResult:
     """Build every rank's schedule and run them together (see `simulate_actions`)."""
     actions = [build_schedule(kind, pp, vpp, num_microbatches, r) for r in range(pp)]
     return simulate_actions(actions, vpp, num_microbatches, forward_cost, backward_cost)
 
 
 def simulate_actions(actions: list[list[Action]], vpp: int, num_microbatches: int,
-                     forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+                     forward_cost: Costs = 1.0, backward_cost: Costs = 2.0) -> SimResult:
     """Run the action lists of all pp = len(actions) ranks under the execution contract.
 
-    Compute costs forward_cost / vpp and backward_cost / vpp per chunk; communication is free
-    but rendezvous: a batch completes when each of its ops has met the peer's matching op.
-    Raises ScheduleError on deadlock, a message mismatch, a bad peer, compute without its input,
-    or a (chunk, microbatch) not run exactly once forward and once backward on every rank.
+    A compute costs, per microbatch, forward_cost / vpp and backward_cost / vpp where they are numbers (every
+    chunk alike), or forward_cost[r][c] and backward_cost[r][c] for chunk c of rank r where they are [pp][vpp]
+    tables (stages of their own sizes); communication is free but rendezvous: a batch completes when each of its
+    ops has met the peer's matching op. Raises ScheduleError on deadlock, a message mismatch, a bad peer, compute
+    without its input, or a (chunk, microbatch) not run exactly once forward and once backward on every rank.
     """
-    return _Simulator(actions, vpp, num_microbatches, forward_cost / vpp, backward_cost / vpp).run()
+    pp = len(actions)
+    f, b = (c if isinstance(c, (list, tuple)) else [[c / vpp] * vpp] * pp for c in (forward_cost, backward_cost))
+    if any(len(t) != pp or any(len(row) != vpp for row in t) for t in (f, b)):
+        raise ValueError(f"per-chunk costs must be [pp={pp}][vpp={vpp}] tables")
+    return _Simulator(actions, vpp, num_microbatches, f, b).run()
 
 
 @dataclass
@@ -262,7 +269,7 @@ class _RankState:
 class _Simulator:
     def __init__(self, actions, vpp, m, f_cost, b_cost):
         self.actions, self.pp, self.vpp, self.m = actions, len(actions), vpp, m
-        self.cost = {"forward": f_cost, "backward": b_cost}
+        self.cost = {"forward": f_cost, "backward": b_cost}          # [rank][chunk] per microbatch
         self.ranks = [_RankState() for _ in actions]
         self.steps = [[s if isinstance(s, Action) else [self._message(a, r) for a in s]
                        for s in comm_batches(acts)] for r, acts in enumerate(actions)]
@@ -308,7 +315,8 @@ class _Simulator:
                 if len(done) != self.vpp * self.m:
                     raise ScheduleError(f"rank {r} runs {len(done)} of its {self.vpp * self.m} "
                                         f"(chunk, microbatch) {name}s")
-        busy = self.m * self.vpp * (self.cost["forward"] + self.cost["backward"])
+        busy = max(self.m * sum(f + b for f, b in zip(*(self.cost[op][r] for op in COMPUTE_OPS)))
+                   for r in range(self.pp))
         return SimResult(self.actions, [st.timeline for st in self.ranks], [st.peak for st in self.ranks],
                          max(st.clock for st in self.ranks), busy)
 
@@ -348,7 +356,7 @@ class _Simulator:
         if self.pp == 1:             # the next (previous) chunk is local: hand the result over in-process
             st.inputs.add(("act", vs + 1, mb) if forward else ("grad", vs - 1, mb))
         st.peak = max(st.peak, len(st.forwarded) - len(st.backwarded))
-        end = st.clock + self.cost[a.op]
+        end = st.clock + self.cost[a.op][r][a.chunk]
         st.timeline.append(Slot(st.clock, end, a.op, a.chunk, mb))
         st.clock = end
 

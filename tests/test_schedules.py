@@ -308,3 +308,30 @@ def test_plot_tool_gives_each_chunk_its_own_grey(vpp, tmp_path, monkeypatch):
                                                                                     legend.get_patches())}
     assert {label: grey for label, grey in labels.items() if label.startswith("chunk ")} == {
         f"chunk {c}": grey for c, (grey,) in greys.items()}
+
+
+@pytest.mark.parametrize("works, m, expected", [
+    # 2 stages, the last heavier: stage 1 runs back to back from the first forward of stage 0 (fill)
+    # to the last backward of stage 0 (drain): f0 + m W1 + b0
+    ((1.0, 3.0), 5, 1.0 + 5 * 3.0),
+    # 2 stages, the first heavier (stage 1's round trip fits in its forward): stage 0 never waits, m W0
+    ((3.0, 1.0), 5, 5 * 3.0),
+    # 3 stages, the middle heaviest, the ends' round trips within its forward: f0 + m W1 + b0
+    ((0.3, 3.0, 0.6), 4, 0.3 + 4 * 3.0),
+    # pp=4 with an own embedding and head stage: W0 + W1 + m W2, a bubble of (pp-3)/m of a block stage
+    ((0.01, 3.0, 3.0, 0.01), 8, 0.01 + 3.0 + 8 * 3.0),
+])
+def test_uneven_stages_1f1b_makespan_by_hand(works, m, expected):
+    """1F1B with stages of their own costs (W per microbatch: W/3 forward, 2W/3 backward): the makespan is the
+    fill before the pacing stage's first forward, its m microbatches back to back, and the drain after its last
+    backward, derived by hand for each case."""
+    forward, backward = [[w / 3] for w in works], [[2 * w / 3] for w in works]
+    assert simulate("1f1b", len(works), 1, m, forward, backward).makespan == pytest.approx(expected, rel=1e-12)
+
+
+def test_per_chunk_costs_of_equal_chunks_are_the_scalar_costs():
+    """A [pp][vpp] table of equal costs times the schedule as the scalars do (cost / vpp per chunk)."""
+    table = simulate("1f1b", 4, 2, 8, [[0.5] * 2] * 4, [[1.0] * 2] * 4)
+    assert table.makespan == simulate("1f1b", 4, 2, 8).makespan and table.busy == simulate("1f1b", 4, 2, 8).busy
+    with pytest.raises(ValueError, match=r"\[pp=4\]\[vpp=2\]"):
+        simulate("1f1b", 4, 2, 8, [[0.5]] * 4, [[1.0]] * 4)
