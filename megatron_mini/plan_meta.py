@@ -17,7 +17,8 @@
   by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
   (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
-- bubble: schedules.simulate (its idle time is the same for every m >= pp, so it runs at min(m, pp)).
+- pipeline time: schedules.simulate_actions with each chunk's own forward and backward costs
+  (Planner.pipeline_ends; at a few groups of microbatches, extended to m by the steady state's time per group).
 Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
 math path), and a dropout as a GPU's fused kernel saves its mask, in 1 byte (bool_dropout_masks: on the CPU in the
 activations' dtype); the Triton kernels are planned as the torch ones.
@@ -46,7 +47,7 @@ from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
-from .schedules import build_schedule, simulate
+from .schedules import build_schedule, microbatch_group, simulate_actions
 
 META = torch.device("meta")
 
@@ -113,8 +114,13 @@ class RankFacts:
     in_flight: int                    # (chunk, microbatch) pairs alive at the activation peak
     flops: float                      # per step
     ledger: dict                      # per step {(group, op): (calls, bytes)}
-    microbatch_flops: float           # one microbatch through the rank's chunks (the DP overlap window)
+    chunk_flops: tuple                # one microbatch through each of the rank's chunks
     overlaps: dict = field(default_factory=dict)   # per step: those of the ledger's calls run beside a GEMM
+
+    @property
+    def microbatch_flops(self) -> float:
+        """One microbatch through the rank's chunks (the DP overlap window)."""
+        return sum(self.chunk_flops)
 
 
 @functools.lru_cache(maxsize=256)
@@ -238,11 +244,11 @@ def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) 
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    ddp_bucket_numel, dtype), each schedule's idle time per (kind, pp, vpp)."""
+    ddp_bucket_numel, dtype), each pipeline's simulated time per (kind, pp, vpp, m, costs)."""
 
     def __init__(self, layers: dict | None = None):
         self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
-        self._chunks, self._ranks, self._idle = {}, {}, {}
+        self._chunks, self._ranks, self._pipeline, self._schedules = {}, {}, {}, {}
 
     def layer_jobs(self, cfg: TrainConfig) -> list:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
@@ -307,11 +313,15 @@ class Planner:
         return peak
 
     def stage_ranks(self, cfg: TrainConfig, dp: int) -> list:
-        """The pipeline ranks that speak for all: of each stage shape (the embedding, block count and head of
-        each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks of
-        one shape differ only in the microbatches in flight: the first and the last rank, alone with their
-        embedding and head, have shapes of their own, so the others send and receive alike."""
-        layers, best = self.layer_facts(cfg), {}
+        """The pipeline ranks that speak for all, sorted (stage_speakers)."""
+        return sorted(set(self.stage_speakers(cfg, dp)))
+
+    def stage_speakers(self, cfg: TrainConfig, dp: int) -> list:
+        """Per pipeline rank, the rank that speaks for it: of each stage shape (the embedding, block count and
+        head of each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks
+        of one shape differ only in the microbatches in flight: the first and the last rank, alone with their
+        embedding and head, have shapes of their own, so the others send, receive and compute alike."""
+        layers, best, shapes = self.layer_facts(cfg), {}, []
         for r in range(cfg.pp):
             mine = local_stage_layers(cfg, r)
             L = cfg.model.num_layers
@@ -319,7 +329,8 @@ class Planner:
             peak = self._peak(cfg, dp, r, _chunk_facts(cfg, layers, mine))[0]
             if shape not in best or peak > best[shape][0]:
                 best[shape] = (peak, r)
-        return sorted(r for _, r in best.values())
+            shapes.append(shape)
+        return [best[shape][1] for shape in shapes]
 
     def measure_rank(self, cfg: TrainConfig, dp: int, pp_rank: int) -> RankFacts:
         """One training step of pipeline rank `pp_rank` of cfg's layout (TP rank 0, DP rank 0)."""
@@ -339,20 +350,48 @@ class Planner:
         # (with sp, or where the TP ranks average the replicated gradients: the same all-reduce of the same tensors)
         ledger = _merged(ledger, with_sp if cfg.sp or tp_ranks_may_round_apart(cfg.kernels, cfg.tp, cfg.sp)
                          else without_sp)
-        flops = sum(c.flops for c in chunks)
+        flops = tuple(c.flops for c in chunks)
         return RankFacts(pp_rank, {**memory, "activations": peak, "backward": backward},
-                         peak_pairs, m * flops, ledger, flops, step.overlaps)
+                         peak_pairs, m * sum(flops), ledger, flops, step.overlaps)
 
-    def bubble(self, cfg: TrainConfig, m: int) -> float:
-        """The simulator's idle / busy time of cfg's schedule for m microbatches: every schedule reaches the
-        bubble (pp-1)/(vpp m) for m >= pp (tests/test_schedules.py's grid), so its idle time is the same for
-        every m >= pp, and it is simulated at min(m, pp)."""
-        small = min(m, cfg.pp)
-        key = (cfg.schedule, cfg.pp, cfg.vpp, small)
-        if key not in self._idle:
-            sim = simulate(cfg.schedule, cfg.pp, cfg.vpp, small)
-            self._idle[key] = (sim.makespan - sim.busy) * small / sim.busy     # idle, in microbatches of work
-        return self._idle[key] / m
+    def pipeline_ends(self, cfg: TrainConfig, m: int, forward: list, backward: list) -> tuple:
+        """Per pipeline rank, the simulated time from the first forward of cfg's schedule over m microbatches to
+        the rank's last compute (SimResult.ends), a compute of chunk c on rank r costing forward[r][c] and
+        backward[r][c] ([pp][vpp] tables; see schedules.simulate_actions). After a few groups of N microbatches
+        (schedules.microbatch_group) with vpp > 1, each further group moves every end by the same time (the
+        steady state), so it is simulated at two counts m1 < m2 taken in groups of N with m's last group
+        (_simulated_microbatches) and extended to m; m itself up to m2 and where vpp = 1. The schedules, which
+        do not depend on the costs, are built once per (kind, pp, vpp, microbatches)."""
+        forward, backward = tuple(map(tuple, forward)), tuple(map(tuple, backward))
+        key = (cfg.schedule, cfg.pp, cfg.vpp, m, forward, backward)
+        if key not in self._pipeline:
+            m1, m2 = _simulated_microbatches(cfg.pp, cfg.vpp, m)
+            if m > m2:
+                e1, e2 = (self._simulate(cfg, k, forward, backward) for k in (m1, m2))
+                self._pipeline[key] = tuple(a + (m - m1) / (m2 - m1) * (b - a) for a, b in zip(e1, e2))
+            else:
+                self._pipeline[key] = tuple(self._simulate(cfg, m, forward, backward))
+        return self._pipeline[key]
+
+    def _simulate(self, cfg: TrainConfig, m: int, forward: tuple, backward: tuple) -> list:
+        """SimResult.ends of cfg's schedule over m microbatches at these costs."""
+        key = (cfg.schedule, cfg.pp, cfg.vpp, m)
+        if key not in self._schedules:
+            self._schedules[key] = [build_schedule(cfg.schedule, cfg.pp, cfg.vpp, m, r) for r in range(cfg.pp)]
+        return simulate_actions(self._schedules[key], cfg.vpp, m, forward, backward).ends
+
+
+def _simulated_microbatches(pp: int, vpp: int, m: int) -> tuple:
+    """(m1, m2) for Planner.pipeline_ends: with vpp > 1 and N microbatches per group, the two smallest counts
+    from 2 N + m's last group up, in groups of N with m's last group (so with the warmup's and the last group's
+    ends in place), that the schedule takes in groups of N too; (m, m) where there are not two below m, and
+    where vpp = 1: there two stages of other paces (a heavy first stage and head) can take turns setting the
+    pace after 2 pp microbatches (up to 5% off at pp = 8, m = 40), and the simulation of m is cheap."""
+    if vpp == 1:
+        return m, m
+    n = microbatch_group(pp, m)
+    found = [k for k in range(2 * n + m % n, m, n) if microbatch_group(pp, k) == n][:2]
+    return tuple(found) if len(found) == 2 else (m, m)
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:

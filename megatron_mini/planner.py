@@ -13,7 +13,14 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 the time it outlasts that GEMM at the compute rate above. A lower bound of what is
                 exposed: on a GPU the collective's kernels take SMs from the GEMM (Megatron runs with
                 CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first)
-    bubble    = (compute + tp + pp) x the schedule's simulated idle/busy ratio
+    pipeline  = the rank's end: the schedule simulated with each stage's own costs, from the first forward to
+                the rank's last compute (schedules.simulate; Planner.pipeline_ends): a microbatch through chunk
+                c of rank r costs the chunk's FLOPs at the compute rate plus the rank's (tp + pp) / (m vpp), a
+                third of it forward, two thirds backward; an embedding or head stage of its own, nearly idle,
+                then delays the fill and the drain by its own little time, and a heavy stage sets the pace of
+                the steady state
+    bubble    = pipeline - (compute + tp + pp): the rank's idle time before its last compute (with equal
+                stages, on the rank that ends last, the busy time x the idle/busy ratio of the schedule)
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps (less, when the
                 DP group is inside a node and so shares NVLink with TP, the TP time that backward hides
                 behind its GEMMs: the link carries one at a time), plus ZeRO-1's
@@ -21,7 +28,10 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 waits only for its own weights; the first layer's are exposed, not counted here, and with
                 compile at tp = 1 a chunk's blocks are one graph that waits for all their weights at once)
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
-    step      = the slowest pipeline rank (one rank of each stage shape is measured: Planner.stage_ranks).
+    step      = pipeline + dp + emb of the pipeline rank that ends last with them, the breakdown that rank's
+                (one rank of each stage shape is measured and speaks for the ranks of that shape:
+                Planner.stage_speakers). The first rank ends last (its last backward, of the last
+                microbatch, waits for every other rank's), so its bubble also holds its waits for heavier stages.
                 A group's link is the node's (NVLink) when each of its groups lies in one node, else the
                 network: with rank = tp_rank + tp (dp_rank + dp pp_rank), a group spanning S consecutive
                 ranks starts at a multiple of S, so all lie in one node iff S divides gpus_per_node (or the
@@ -108,7 +118,7 @@ class Estimate:
     cfg: TrainConfig
     dp: int
     ranks: list                     # RankFacts of one pipeline rank per stage shape (Planner.stage_ranks)
-    bubble: float                   # idle / busy of the schedule
+    bubble: float                   # the slowest rank's idle / busy time in the simulated pipeline
     times: dict                     # seconds per step of the slowest rank: compute, tp, pp, bubble, dp, emb
     step_s: float
     memory_gib: float               # the largest rank's total
@@ -240,22 +250,31 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     dense = table_peak(cluster.gpu, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)  # as MFU's
     peak = dense * 1e12 * cluster.efficiency
     m = cfg.num_microbatches(dp)
-    bubble = planner.bubble(cfg, m)
-    ranks = [planner.measure_rank(cfg, dp, r) for r in planner.stage_ranks(cfg, dp)]
-    times = None
+    speakers = planner.stage_speakers(cfg, dp)
+    ranks = [planner.measure_rank(cfg, dp, r) for r in sorted(set(speakers))]
+    parts, chunk_s = [], {}
     for rank in ranks:
         comm = _comm_s(cfg, cluster, dp, rank, peak)
-        compute = rank.flops / peak
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
         last_backward = (2 / 3) * rank.microbatch_flops / peak         # what the DP reduction overlaps with
         if in_node(cluster, cfg.tp * dp):                              # ... on the link the TP overlaps use
             last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
-        t = {"compute": compute, "tp": comm["tp"], "pp": pp, "bubble": (compute + comm["tp"] + pp) * bubble,
-             "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),
-             "emb": comm["emb"] + comm["mp"] + comm["world"]}
-        if times is None or sum(t.values()) > sum(times.values()):
-            times = t
+        parts.append({"compute": rank.flops / peak, "tp": comm["tp"], "pp": pp,
+                      "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),
+                      "emb": comm["emb"] + comm["mp"] + comm["world"]})
+        chunk_s[rank.pp_rank] = [f / peak + (comm["tp"] + pp) / (m * cfg.vpp) for f in rank.chunk_flops]
+    costs = [chunk_s[r] for r in speakers]                             # per microbatch, by pp rank and chunk
+    ends = planner.pipeline_ends(cfg, m, [[c / 3 for c in row] for row in costs],
+                                 [[2 * c / 3 for c in row] for row in costs])
+    part = {rank.pp_rank: p for rank, p in zip(ranks, parts)}
+    # the rank that sets the step: its own last compute, then its DP reduction and embedding-group sums
+    slowest = max(range(cfg.pp), key=lambda r: ends[r] + part[speakers[r]]["dp"] + part[speakers[r]]["emb"])
+    times = part[speakers[slowest]]
+    busy = times["compute"] + times["tp"] + times["pp"]
+    times = {**times, "bubble": ends[slowest] - busy}                   # its idle time up to its last compute
+    times = {k: times[k] for k in ("compute", "tp", "pp", "bubble", "dp", "emb")}
+    bubble = times["bubble"] / busy
     memory = max(sum(r.memory.values()) for r in ranks) / GiB
     step = sum(times.values())
     mfu = cfg.model.flops_per_token() * cfg.gbs * cfg.model.seq_len / step / cluster.gpus / (peak / cluster.efficiency)

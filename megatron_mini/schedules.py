@@ -229,6 +229,11 @@ class SimResult:
         """Idle time over compute time."""
         return (self.makespan - self.busy) / self.busy
 
+    @property
+    def ends(self) -> list[float]:
+        """Per rank, when its last compute ends (its sends after it are free)."""
+        return [timeline[-1].end for timeline in self.timelines]
+
 
 def simulate(kind: str, pp: int, vpp: int, num_microbatches: int,
              forward_cost: Costs = 1.0, backward_cost: Costs = 2.0) -> SimResult:

@@ -6,7 +6,7 @@ planner predicts from meta-device models equals what one training step of the re
   are the collectives run beside a GEMM, with that GEMM's FLOPs;
 - activations: within 10% of the saved-tensor meter over the real step (the same meter, run on real
   tensors, holding every microbatch the schedule keeps in flight);
-- bubble: equal to the schedule simulator's for any microbatch count.
+- pipeline time: equal to the schedule simulator's for any microbatch count, with equal or uneven stages.
 """
 
 import csv
@@ -98,23 +98,77 @@ def test_a_planner_lays_out_each_configs_buckets(small_data, tmp_path):
     assert in_one[("dp", "reduce_scatter")][0] == 1 and state[1][("dp", "reduce_scatter")][0] > 10
 
 
+def _equal_stages(pp, vpp, scale):
+    """[pp][vpp] forward and backward costs of every chunk alike: a microbatch through a rank costs `scale`."""
+    return [[scale / 3 / vpp] * vpp] * pp, [[2 * scale / 3 / vpp] * vpp] * pp
+
+
 @pytest.mark.parametrize("kind, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("gpipe", 3, 1), ("1f1b", 4, 2),
                                            ("1f1b", 2, 3), ("gpipe", 2, 2)])
 @pytest.mark.parametrize("factor", [1, 2, 5])
-def test_bubble_is_the_simulators(kind, pp, vpp, factor, planner):
-    """The planner simulates at m = min(m, pp) and scales; the idle time does not depend on m from pp up."""
+def test_pipeline_of_equal_stages_is_the_simulators(kind, pp, vpp, factor, planner):
+    """With equal stages the planner's pipeline time (simulated at a few groups of microbatches, extended to m) is
+    the simulator's at m, and so the bubble is the schedule's idle/busy ratio: busy x (1 + ratio)."""
     m = pp * factor
-    bubble = planner.bubble(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m)
-    assert bubble == pytest.approx(simulate(kind, pp, vpp, m).bubble, rel=1e-12)
+    busy = 0.37
+    pipeline = max(planner.pipeline_ends(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m,
+                                         *_equal_stages(pp, vpp, busy / m)))
+    assert pipeline == pytest.approx(busy * (1 + simulate(kind, pp, vpp, m).bubble), rel=1e-12)
 
 
 @pytest.mark.parametrize("kind,m", [(kind, m) for kind in ("gpipe", "1f1b") for m in (2, 3, 5, 9, 10, 11, 13, 17, 23)
                                     if kind == "gpipe" or m >= 4])
-def test_bubble_with_vpp_at_any_remainder(kind, m, planner):
+def test_pipeline_with_vpp_at_any_remainder(kind, m, planner):
     """With vpp > 1 both schedules take m that are not multiples of pp (interleaving from m = pp): the planner's
-    bubble is the simulator's at every remainder, and below pp."""
-    bubble = planner.bubble(TrainConfig(schedule=kind, pp=4, vpp=2), m)
-    assert bubble == pytest.approx(simulate(kind, 4, 2, m).bubble, rel=1e-12)
+    pipeline time is the simulator's at every remainder, and below pp."""
+    pipeline = max(planner.pipeline_ends(TrainConfig(schedule=kind, pp=4, vpp=2), m, *_equal_stages(4, 2, 1.0)))
+    assert pipeline == pytest.approx(m * (1 + simulate(kind, 4, 2, m).bubble), rel=1e-12)
+
+
+UNEVEN = {                   # per microbatch, [pp][vpp] work of each chunk (a third forward, two thirds backward)
+    "own": [[0.02], [1.0], [1.0], [0.3]],                       # embedding and head stages of their own
+    "heavy head": [[1.0], [1.0], [1.0], [1.4]],
+    "first blocks": [[0.6], [1.0], [1.0], [1.0]],               # pipeline_first_blocks: fewer blocks first
+    "heavy first and head": [[1.4], [1.0], [1.0], [1.3]],       # (two paces: the heavier takes over late)
+    "own vpp=2": [[0.02, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.3]],
+    "heavy head vpp=2": [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.4]],
+}
+
+
+@pytest.mark.parametrize("name", UNEVEN)
+@pytest.mark.parametrize("kind, m", [("1f1b", 4), ("1f1b", 16), ("1f1b", 22), ("gpipe", 16)])
+def test_pipeline_of_uneven_stages_is_the_simulators_at_m(name, kind, m):
+    """Uneven stages (the planner extends a few groups of microbatches to m by the steady state's time per group):
+    each rank's end is the simulator's at m itself, every microbatch simulated."""
+    work = UNEVEN[name]
+    forward, backward = [[w / 3 for w in row] for row in work], [[2 * w / 3 for w in row] for row in work]
+    cfg = TrainConfig(schedule=kind, pp=4, vpp=len(work[0]))
+    assert Planner().pipeline_ends(cfg, m, forward, backward) == \
+        pytest.approx(simulate(kind, 4, cfg.vpp, m, forward, backward).ends, rel=1e-12)
+
+
+def test_own_stages_bubble_is_their_fill_and_drain(small_data, tmp_path, planner):
+    """pp=4 with the embedding and the head as stages of their own: the two block stages, equal and the heaviest,
+    set the pace; the second runs its m microbatches back to back after the fill (the first forwards of the
+    embedding stage and of the first block stage) and before the drain (their last backwards), the head stage's
+    round trip fitting in a block stage's forward: pipeline = W0 + W1 + m W2 for stage works W per microbatch
+    (each rank's compute + pipeline sends, at tp = 1, over m), by hand; a bubble of about (pp - 3) / m, not the
+    (pp - 1) / m of equal stages."""
+    cfg = small_config(small_data, tmp_path, pp=4, embedding_stage="own", gbs=16, mbs=2)
+    cluster = ClusterConfig(gpus=4, gpu="h100-80gb", intra_node_gbps=3000.0)      # (sends well below compute)
+    e = estimate(planner, cfg, cluster)
+    m = cfg.num_microbatches(1)
+    from megatron_mini.hardware import GPUS, math_dtype
+    seconds_per_flop = 1 / (GPUS["h100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * 0.5)
+    sends = {r.pp_rank: sum(b for (group, _), (_, b) in r.ledger.items() if group == "pp") for r in e.ranks}
+    work = {r.pp_rank: (r.flops * seconds_per_flop + sends[r.pp_rank] / (cluster.intra_node_gbps * 1e9) / 2) / m
+            for r in e.ranks}
+    W = [work[r] for r in planner.stage_speakers(cfg, 1)]
+    assert W[1] == W[2] == max(W) and 3 * W[3] < W[2] and W[0] < 0.2 * W[2], W
+    pipeline = e.times["compute"] + e.times["tp"] + e.times["pp"] + e.times["bubble"]
+    assert pipeline == pytest.approx(W[0] + W[1] + m * W[2], rel=1e-12)
+    block_stage_idle = (W[0] + W[1]) / (m * W[2])
+    assert block_stage_idle < 0.5 * (cfg.pp - 1) / m
 
 
 def test_meter_counts_meta_like_real_tensors():
@@ -229,7 +283,7 @@ def test_bloom_layout_fits_its_cluster(bloom):
 
 # ----------------------------------------------------------------------------- the command line
 def test_plan_command_line(small_data, tmp_path, capsys):
-    from plan import main
+    from plan import TERMS, main
 
     args = ["model=tiny", "gbs=64", "mbs=1", "cluster.gpus=16", "cluster.gpus_per_node=8"]
     out_csv, out_png = tmp_path / "tables" / "plan.csv", tmp_path / "figures" / "new" / "plan.png"   # created
@@ -241,7 +295,12 @@ def test_plan_command_line(small_data, tmp_path, capsys):
         f.seek(0)
         rows = list(csv.DictReader(f))
     assert len(set(header)) == len(header), header                     # (dp and bubble were there twice)
-    assert all(int(r["dp"]) >= 1 and 0 <= float(r["bubble_fraction"]) < 1 for r in rows)
+    assert all(int(r["dp"]) >= 1 for r in rows)
+    for r in rows:       # the breakdown is of the rank that ends last, its bubble its idle time (a light first rank
+        busy = sum(float(r[f"{t}_s"]) for t in ("compute", "tp", "pp"))     # waits long: a fraction above 1)
+        assert float(r["bubble_s"]) >= -1e-12 * busy and float(r["bubble_fraction"]) == pytest.approx(
+            float(r["bubble_s"]) / busy, rel=1e-5, abs=1e-9), r
+        assert float(r["step_s"]) == pytest.approx(sum(float(r[f"{t}_s"]) for t in TERMS), rel=1e-5), r
     assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
     assert out_png.stat().st_size > 10_000
     assert main(args + ["--top", "1"]) == 0
