@@ -4,7 +4,8 @@ A schedule is a plain list of `Action`s per pipeline rank: compute (`forward`, `
 one local model chunk on one microbatch) and point-to-point communication (`send_act`,
 `recv_act`, `send_grad`, `recv_grad`). `build_schedule` writes the lists (GPipe, 1F1B,
 interleaved 1F1B), the engine (pipeline.py) runs them verbatim, and `simulate` runs all ranks
-together without processes to prove them deadlock-free and measure bubble and memory.
+together without processes to prove them deadlock-free and measure bubble and memory (`schedule_graph`
+checks the lists once and records what waits for what; its ScheduleGraph then times them at any costs).
 
 Layout: pp ranks with vpp chunks each; chunk c on rank r is virtual stage vs = c*pp + r.
 Virtual stage 0 reads its input from data; the last one computes the loss.
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
+
+import numpy as np
 
 from .errors import ConfigError
 
@@ -252,35 +255,109 @@ def simulate_actions(actions: list[list[Action]], vpp: int, num_microbatches: in
     ops has met the peer's matching op. Raises ScheduleError on deadlock, a message mismatch, a bad peer, compute
     without its input, or a (chunk, microbatch) not run exactly once forward and once backward on every rank.
     """
-    pp = len(actions)
-    f, b = (c if isinstance(c, (list, tuple)) else [[c / vpp] * vpp] * pp for c in (forward_cost, backward_cost))
-    if any(len(t) != pp or any(len(row) != vpp for row in t) for t in (f, b)):
-        raise ValueError(f"per-chunk costs must be [pp={pp}][vpp={vpp}] tables")
-    return _Simulator(actions, vpp, num_microbatches, f, b).run()
+    return schedule_graph(actions, vpp, num_microbatches).simulate(forward_cost, backward_cost)
+
+
+def schedule_graph(actions: list[list[Action]], vpp: int, num_microbatches: int) -> ScheduleGraph:
+    """The checked dependency graph of these action lists (ScheduleError as `simulate_actions`): time it at
+    any costs with ScheduleGraph.simulate, or ScheduleGraph.rank_ends where only the ends are wanted."""
+    return _Simulator(actions, vpp, num_microbatches).run()
+
+
+class ScheduleGraph:
+    """What waits for what under the execution contract, whatever the costs. A rank posts a batch when the
+    compute before it ends (at 0 when none does), and the batch completes when each peer has posted the
+    matching side; so compute k (numbered here so that it follows all it waits for) starts when the last of its
+    predecessors ends: the rank's previous compute, and for each message of the batch just before it, the
+    compute after which the peer posted its side. Its end is that start + its cost: the longest path to it.
+    The computes fall into levels (level 0 waits for none, level i + 1 for some of level i and none later),
+    so timing the schedule at a set of costs is one numpy pass per level, not a simulation."""
+
+    def __init__(self, actions: list, vpp: int, m: int, computes: list, preds: list, peaks: list):
+        """computes[k] = (rank, op index in COMPUTE_OPS, chunk, microbatch), each rank's in its own order, and
+        preds[k] the computes it waits for (-1: none), each before k."""
+        self.actions, self.pp, self.vpp, self.m, self.peak_in_flight = actions, len(actions), vpp, m, peaks
+        width = max(map(len, preds))
+        waits = [[*p, *[-1] * (width - len(p))] for p in preds]   # [computes, width]
+        level = [0] * len(waits) + [-1]                            # (level[-1]: none's)
+        for k, p in enumerate(waits):
+            level[k] = 1 + max(level[j] for j in p)
+        level.pop()
+        # a compute's position: by level, each rank's computes still in its order; position n (none) ends at 0
+        order = np.argsort(level, kind="stable")
+        position = np.empty(len(order) + 1, dtype=np.int64)
+        position[order], position[-1] = np.arange(len(order)), len(order)
+        self.preds = position[np.array(waits)[order]]             # [computes, width], by position
+        bounds = np.cumsum(np.bincount(level)).tolist()
+        self.levels = list(zip([0, *bounds[:-1]], bounds))        # the positions of each level, a range
+        rank, op, chunk, mb = (np.array(column) for column in zip(*computes))
+        self.cost_index = ((op * self.pp + rank) * vpp + chunk)[order]    # into a cost_table, flattened
+        self.op, self.chunk, self.microbatch = op[order], chunk[order], mb[order]
+        self.runs = [position[np.flatnonzero(rank == r)] for r in range(self.pp)]   # per rank, in its order
+
+    def cost_table(self, forward: Costs, backward: Costs) -> np.ndarray:
+        """[2, pp, vpp]: per microbatch, each chunk's forward and backward cost (simulate_actions' rule)."""
+        tables = []
+        for c in (forward, backward):
+            try:
+                t = np.full((self.pp, self.vpp), c / self.vpp) if np.ndim(c) == 0 else np.asarray(c, dtype=float)
+            except ValueError:
+                t = None
+            if t is None or t.shape != (self.pp, self.vpp):
+                raise ValueError(f"per-chunk costs must be [pp={self.pp}][vpp={self.vpp}] tables")
+            tables.append(t)
+        return np.stack(tables)
+
+    def ends(self, costs: np.ndarray) -> np.ndarray:
+        """The end of every compute (by position, then the padding's 0) at a cost_table: the longest paths to
+        them, level by level; a compute starts at ends[self.preds].max(axis=1)."""
+        cost = costs.reshape(-1)[self.cost_index]
+        end = np.zeros(len(cost) + 1)
+        for a, b in self.levels:
+            end[a:b] = end[self.preds[a:b]].max(axis=1) + cost[a:b]
+        return end
+
+    def rank_ends(self, forward: Costs, backward: Costs) -> list[float]:
+        """Per rank, when its last compute ends (SimResult.ends) at these costs."""
+        end = self.ends(self.cost_table(forward, backward))
+        return [float(end[run[-1]]) for run in self.runs]
+
+    def simulate(self, forward: Costs, backward: Costs) -> SimResult:
+        """The SimResult of the schedule at these costs."""
+        costs = self.cost_table(forward, backward)
+        end = self.ends(costs)
+        start = end[self.preds].max(axis=1)
+        timelines = [[Slot(float(start[k]), float(end[k]), COMPUTE_OPS[self.op[k]], int(self.chunk[k]),
+                           int(self.microbatch[k])) for k in run] for run in self.runs]
+        busy = max(self.m * sum(f + b for f, b in zip(fs, bs)) for fs, bs in zip(*costs.tolist()))   # busiest rank
+        return SimResult(self.actions, timelines, self.peak_in_flight, float(end.max()), busy)
 
 
 @dataclass
 class _RankState:
     pos: int = 0                     # index of the next step (compute action or batch)
-    clock: float = 0.0
-    posted_at: float | None = None   # when the current batch was posted
+    last: int = -1                   # the rank's latest compute (-1: none yet)
+    posted: bool = False             # whether the current batch was posted
+    waits: set = field(default_factory=set)        # computes the next compute waits for, by its batch (-1: none)
     inputs: set = field(default_factory=set)       # (kind, vs, mb) received or handed over locally
     forwarded: set = field(default_factory=set)    # (chunk, mb)
     backwarded: set = field(default_factory=set)
     peak: int = 0
-    timeline: list = field(default_factory=list)
 
 
 class _Simulator:
-    def __init__(self, actions, vpp, m, f_cost, b_cost):
+    """Runs the action lists of all ranks under the execution contract, in no time: checks them and records
+    what each compute waits for (a ScheduleGraph)."""
+
+    def __init__(self, actions, vpp, m):
         self.actions, self.pp, self.vpp, self.m = actions, len(actions), vpp, m
-        self.cost = {"forward": f_cost, "backward": b_cost}          # [rank][chunk] per microbatch
         self.ranks = [_RankState() for _ in actions]
         self.steps = [[s if isinstance(s, Action) else [self._message(a, r) for a in s]
                        for s in comm_batches(acts)] for r, acts in enumerate(actions)]
         self._number_messages()
-        self.posted = {}             # (channel, k, is_send) -> (post time, message, rank)
-        self.matched = {}            # (channel, k) -> time both sides were posted
+        self.posted = {}             # (channel, k, is_send) -> (the compute the batch followed, message, rank)
+        self.matched = {}            # (channel, k) -> the computes the two sides' batches followed
+        self.computes, self.preds = [], []
 
     def fail(self, rank: int, action: Action, why: str):
         raise ScheduleError(f"rank {rank}, {action}: {why}")
@@ -308,7 +385,7 @@ class _Simulator:
                 msg["k"] = count.get(msg["channel"], 0)
                 count[msg["channel"]] = msg["k"] + 1
 
-    def run(self) -> SimResult:
+    def run(self) -> ScheduleGraph:
         progress = True
         while progress:
             progress = any([self._advance(r) for r in range(self.pp)])
@@ -320,10 +397,7 @@ class _Simulator:
                 if len(done) != self.vpp * self.m:
                     raise ScheduleError(f"rank {r} runs {len(done)} of its {self.vpp * self.m} "
                                         f"(chunk, microbatch) {name}s")
-        busy = max(self.m * sum(f + b for f, b in zip(*(self.cost[op][r] for op in COMPUTE_OPS)))
-                   for r in range(self.pp))
-        return SimResult(self.actions, [st.timeline for st in self.ranks], [st.peak for st in self.ranks],
-                         max(st.clock for st in self.ranks), busy)
+        return ScheduleGraph(self.actions, self.vpp, self.m, self.computes, self.preds, [st.peak for st in self.ranks])
 
     def _advance(self, r: int) -> bool:
         """Run rank r as far as it can go; True if it moved."""
@@ -333,13 +407,13 @@ class _Simulator:
             if isinstance(step, Action):
                 self._compute(r, step)
             else:
-                if st.posted_at is None:
+                if not st.posted:
                     self._post(r, step)
                     moved = True
                 if not all((m["channel"], m["k"]) in self.matched for m in step):
                     return moved
-                st.clock = max([st.posted_at] + [self.matched[m["channel"], m["k"]] for m in step])
-                st.posted_at = None
+                st.waits.update(c for m in step for c in self.matched[m["channel"], m["k"]])
+                st.posted = False
             st.pos += 1
             moved = True
         return moved
@@ -361,25 +435,26 @@ class _Simulator:
         if self.pp == 1:             # the next (previous) chunk is local: hand the result over in-process
             st.inputs.add(("act", vs + 1, mb) if forward else ("grad", vs - 1, mb))
         st.peak = max(st.peak, len(st.forwarded) - len(st.backwarded))
-        end = st.clock + self.cost[a.op][r][a.chunk]
-        st.timeline.append(Slot(st.clock, end, a.op, a.chunk, mb))
-        st.clock = end
+        st.waits.add(st.last)
+        self.preds.append(st.waits)
+        self.computes.append((r, COMPUTE_OPS.index(a.op), a.chunk, mb))
+        st.last, st.waits = len(self.computes) - 1, set()
 
     def _post(self, r: int, batch: list[dict]):
         st = self.ranks[r]
-        st.posted_at = st.clock
+        st.posted = True
         for msg in batch:
             a = msg["action"]
             if msg["is_send"] and (a.chunk, a.microbatch) not in (
                     st.forwarded if a.op == "send_act" else st.backwarded):
                 self.fail(r, a, "sends a result that was not computed yet")
-            self.posted[msg["channel"], msg["k"], msg["is_send"]] = (st.clock, msg, r)
+            mine = self.posted[msg["channel"], msg["k"], msg["is_send"]] = (st.last, msg, r)
             other = self.posted.get((msg["channel"], msg["k"], not msg["is_send"]))
             if other is not None:
-                self._match(*sorted([(st.clock, msg, r), other], key=lambda p: not p[1]["is_send"]))
+                self._match(*((mine, other) if msg["is_send"] else (other, mine)))
 
     def _match(self, send, recv):
-        (t_send, s, src), (t_recv, d, dst) = send, recv
+        (after_send, s, src), (after_recv, d, dst) = send, recv
         if s["key"] != d["key"]:
             raise ScheduleError(
                 f"Message #{s['k']} from rank {src} to rank {dst} does not match: rank {src} sends "
@@ -387,7 +462,7 @@ class _Simulator:
                 f"but rank {dst} receives it as {d['action']} = {d['key'][0]} for virtual stage "
                 f"{d['key'][1]}, microbatch {d['key'][2]}.")
         self.ranks[dst].inputs.add(d["key"])
-        self.matched[s["channel"], s["k"]] = max(t_send, t_recv)
+        self.matched[s["channel"], s["k"]] = (after_send, after_recv)
 
     def _waiting(self, r: int) -> str:
         step = self.steps[r][self.ranks[r].pos]
