@@ -17,8 +17,9 @@
   by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
   (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
-- pipeline time: schedules.simulate_actions with each chunk's own forward and backward costs
-  (Planner.pipeline_ends; at a few groups of microbatches, extended to m by the steady state's time per group).
+- pipeline time: the schedule's dependency graph (schedules.ScheduleGraph) timed at each chunk's own forward and
+  backward costs (Planner.pipeline_ends; where m is large, with vpp > 1, at a few groups of microbatches, extended
+  to m by the steady state's time per group).
 Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
 math path), and a dropout as a GPU's fused kernel saves its mask, in 1 byte (bool_dropout_masks: on the CPU in the
 activations' dtype); the Triton kernels are planned as the torch ones.
@@ -47,7 +48,7 @@ from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
-from .schedules import build_schedule, microbatch_group, simulate_actions
+from .schedules import ScheduleGraph, build_schedule, microbatch_group, schedule_graph
 
 META = torch.device("meta")
 
@@ -123,6 +124,12 @@ class RankFacts:
         return sum(self.chunk_flops)
 
 
+@functools.lru_cache(maxsize=4)
+def _schedules(kind: str, pp: int, vpp: int, m: int) -> tuple:
+    """Every pipeline rank's action list (schedules.build_schedule): for each rank's shape, and the graph."""
+    return tuple(build_schedule(kind, pp, vpp, m, r) for r in range(pp))
+
+
 @functools.lru_cache(maxsize=256)
 def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     """(the distinct vectors of in-flight microbatches per chunk right after each forward of the rank's
@@ -131,7 +138,7 @@ def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     per-chunk sizes is the largest dot product with one of the first vectors, the backward's peaks those with
     the second."""
     live, vectors, backwards, sends = [0] * vpp, {}, {}, Counter()
-    for a in build_schedule(kind, pp, vpp, m, rank):          # the actions in the engine's order
+    for a in _schedules(kind, pp, vpp, m)[rank]:              # the actions in the engine's order
         if a.op == "forward":
             live[a.chunk] += 1
             vectors.setdefault(tuple(live), None)
@@ -244,11 +251,11 @@ def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) 
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    ddp_bucket_numel, dtype), each pipeline's simulated time per (kind, pp, vpp, m, costs)."""
+    ddp_bucket_numel, dtype), each schedule's dependency graph per (kind, pp, vpp, m) and its ends per costs."""
 
     def __init__(self, layers: dict | None = None):
         self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
-        self._chunks, self._ranks, self._pipeline, self._schedules = {}, {}, {}, {}
+        self._chunks, self._ranks, self._graphs, self._ends = {}, {}, {}, {}
 
     def layer_jobs(self, cfg: TrainConfig) -> list:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
@@ -354,31 +361,33 @@ class Planner:
         return RankFacts(pp_rank, {**memory, "activations": peak, "backward": backward},
                          peak_pairs, m * sum(flops), ledger, flops, step.overlaps)
 
-    def pipeline_ends(self, cfg: TrainConfig, m: int, forward: list, backward: list) -> tuple:
+    def pipeline_ends(self, cfg: TrainConfig, m: int, forward: list, backward: list) -> list:
         """Per pipeline rank, the simulated time from the first forward of cfg's schedule over m microbatches to
         the rank's last compute (SimResult.ends), a compute of chunk c on rank r costing forward[r][c] and
         backward[r][c] ([pp][vpp] tables; see schedules.simulate_actions). After a few groups of N microbatches
         (schedules.microbatch_group) with vpp > 1, each further group moves every end by the same time (the
         steady state), so it is simulated at two counts m1 < m2 taken in groups of N with m's last group
-        (_simulated_microbatches) and extended to m; m itself up to m2 and where vpp = 1. The schedules, which
-        do not depend on the costs, are built once per (kind, pp, vpp, microbatches)."""
+        (_simulated_microbatches) and extended to m; m itself where vpp = 1 and up to m1 + m2 (as cheap as the two,
+        and exact). The schedule's dependency graph (schedules.ScheduleGraph), which does not depend on the costs,
+        is built once per (kind, pp, vpp, microbatches) and timed once per set of costs (layouts that differ only in
+        ZeRO have the same)."""
         forward, backward = tuple(map(tuple, forward)), tuple(map(tuple, backward))
         key = (cfg.schedule, cfg.pp, cfg.vpp, m, forward, backward)
-        if key not in self._pipeline:
+        if key not in self._ends:
             m1, m2 = _simulated_microbatches(cfg.pp, cfg.vpp, m)
-            if m > m2:
-                e1, e2 = (self._simulate(cfg, k, forward, backward) for k in (m1, m2))
-                self._pipeline[key] = tuple(a + (m - m1) / (m2 - m1) * (b - a) for a, b in zip(e1, e2))
+            if m <= m1 + m2:
+                self._ends[key] = self._graph(cfg, m).rank_ends(forward, backward)
             else:
-                self._pipeline[key] = tuple(self._simulate(cfg, m, forward, backward))
-        return self._pipeline[key]
+                e1, e2 = (self._graph(cfg, k).rank_ends(forward, backward) for k in (m1, m2))
+                self._ends[key] = [a + (m - m1) / (m2 - m1) * (b - a) for a, b in zip(e1, e2)]
+        return self._ends[key]
 
-    def _simulate(self, cfg: TrainConfig, m: int, forward: tuple, backward: tuple) -> list:
-        """SimResult.ends of cfg's schedule over m microbatches at these costs."""
+    def _graph(self, cfg: TrainConfig, m: int) -> ScheduleGraph:
+        """The dependency graph of cfg's schedule over m microbatches."""
         key = (cfg.schedule, cfg.pp, cfg.vpp, m)
-        if key not in self._schedules:
-            self._schedules[key] = [build_schedule(cfg.schedule, cfg.pp, cfg.vpp, m, r) for r in range(cfg.pp)]
-        return simulate_actions(self._schedules[key], cfg.vpp, m, forward, backward).ends
+        if key not in self._graphs:
+            self._graphs[key] = schedule_graph(list(_schedules(*key)), cfg.vpp, m)
+        return self._graphs[key]
 
 
 def _simulated_microbatches(pp: int, vpp: int, m: int) -> tuple:

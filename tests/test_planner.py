@@ -105,10 +105,11 @@ def _equal_stages(pp, vpp, scale):
 
 @pytest.mark.parametrize("kind, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("gpipe", 3, 1), ("1f1b", 4, 2),
                                            ("1f1b", 2, 3), ("gpipe", 2, 2)])
-@pytest.mark.parametrize("factor", [1, 2, 5])
+@pytest.mark.parametrize("factor", [1, 2, 5, 8])
 def test_pipeline_of_equal_stages_is_the_simulators(kind, pp, vpp, factor, planner):
-    """With equal stages the planner's pipeline time (simulated at a few groups of microbatches, extended to m) is
-    the simulator's at m, and so the bubble is the schedule's idle/busy ratio: busy x (1 + ratio)."""
+    """With equal stages the planner's pipeline time (simulated at m, or with vpp > 1 and m beyond m1 + m2 at a few
+    groups of microbatches and extended to m: factor 8) is the simulator's at m, and so the bubble is the
+    schedule's idle/busy ratio: busy x (1 + ratio)."""
     m = pp * factor
     busy = 0.37
     pipeline = max(planner.pipeline_ends(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m,
@@ -136,10 +137,11 @@ UNEVEN = {                   # per microbatch, [pp][vpp] work of each chunk (a t
 
 
 @pytest.mark.parametrize("name", UNEVEN)
-@pytest.mark.parametrize("kind, m", [("1f1b", 4), ("1f1b", 16), ("1f1b", 22), ("gpipe", 16)])
+@pytest.mark.parametrize("kind, m", [("1f1b", 4), ("1f1b", 16), ("1f1b", 22), ("gpipe", 16), ("1f1b", 40)])
 def test_pipeline_of_uneven_stages_is_the_simulators_at_m(name, kind, m):
-    """Uneven stages (the planner extends a few groups of microbatches to m by the steady state's time per group):
-    each rank's end is the simulator's at m itself, every microbatch simulated."""
+    """Uneven stages (with vpp > 1 and m = 40 > m1 + m2 = 8 + 12, the planner extends a few groups of microbatches
+    to m by the steady state's time per group): each rank's end is the simulator's at m itself, every microbatch
+    simulated."""
     work = UNEVEN[name]
     forward, backward = [[w / 3 for w in row] for row in work], [[2 * w / 3 for w in row] for row in work]
     cfg = TrainConfig(schedule=kind, pp=4, vpp=len(work[0]))
