@@ -14,13 +14,14 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 exposed: on a GPU the collective's kernels take SMs from the GEMM (Megatron runs with
                 CUDA_DEVICE_MAX_CONNECTIONS=1 so that they are scheduled first)
     pipeline  = the rank's end: the schedule simulated with each stage's own costs, from the first forward to
-                the rank's last compute (schedules.simulate; Planner.pipeline_ends): a microbatch through chunk
-                c of rank r costs the chunk's FLOPs at the compute rate plus the rank's (tp + pp) / (m vpp), a
-                third of it forward, two thirds backward; an embedding or head stage of its own, nearly idle,
+                the rank's last compute (schedules.ScheduleGraph; Planner.pipeline_ends): a microbatch through
+                chunk c of rank r costs the chunk's FLOPs at the compute rate plus the rank's (tp + pp) / (m vpp),
+                a third of it forward, two thirds backward; an embedding or head stage of its own, nearly idle,
                 then delays the fill and the drain by its own little time, and a heavy stage sets the pace of
                 the steady state
-    bubble    = pipeline - (compute + tp + pp): the rank's idle time before its last compute (with equal
-                stages, on the rank that ends last, the busy time x the idle/busy ratio of the schedule)
+    bubble    = step - (compute + tp + pp + dp + emb) of the heaviest rank, the one with the most of them (no step
+                is shorter than its work): what the pipeline adds to it. With equal stages, the busy time
+                (compute + tp + pp) x the schedule's idle ratio, (p - 1) / (m vpp) for 1F1B, as Megatron counts it
     dp        = the DP reduction beyond the last microbatch's backward, which it overlaps (less, when the
                 DP group is inside a node and so shares NVLink with TP, the TP time that backward hides
                 behind its GEMMs: the link carries one at a time), plus ZeRO-1's
@@ -28,10 +29,9 @@ Predicted step time (a model, stated so it can be argued with): per pipeline ran
                 waits only for its own weights; the first layer's are exposed, not counted here, and with
                 compile at tp = 1 a chunk's blocks are one graph that waits for all their weights at once)
     emb       = the embedding-group sum, the norm and loss all-reduces (exposed)
-    step      = pipeline + dp + emb of the pipeline rank that ends last with them, the breakdown that rank's
-                (one rank of each stage shape is measured and speaks for the ranks of that shape:
-                Planner.stage_speakers). The first rank ends last (its last backward, of the last
-                microbatch, waits for every other rank's), so its bubble also holds its waits for heavier stages.
+    step      = the largest pipeline + dp + emb of a pipeline rank (one rank of each stage shape is measured and
+                speaks for the ranks of that shape: Planner.stage_speakers), told as the heaviest rank's compute,
+                tp, pp, dp and emb, and the bubble, which add up to it (step_breakdown).
                 A group's link is the node's (NVLink) when each of its groups lies in one node, else the
                 network: with rank = tp_rank + tp (dp_rank + dp pp_rank), a group spanning S consecutive
                 ranks starts at a multiple of S, so all lie in one node iff S divides gpus_per_node (or the
@@ -118,8 +118,9 @@ class Estimate:
     cfg: TrainConfig
     dp: int
     ranks: list                     # RankFacts of one pipeline rank per stage shape (Planner.stage_ranks)
-    bubble: float                   # the slowest rank's idle / busy time in the simulated pipeline
-    times: dict                     # seconds per step of the slowest rank: compute, tp, pp, bubble, dp, emb
+    heaviest: int                   # the pp rank whose work bounds the step (step_breakdown)
+    bubble: float                   # the bubble over that rank's busy time (compute + tp + pp)
+    times: dict                     # seconds per step: that rank's compute, tp, pp, dp, emb, and the bubble
     step_s: float
     memory_gib: float               # the largest rank's total
     fits: bool
@@ -268,17 +269,29 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
     ends = planner.pipeline_ends(cfg, m, [[c / 3 for c in row] for row in costs],
                                  [[2 * c / 3 for c in row] for row in costs])
     part = {rank.pp_rank: p for rank, p in zip(ranks, parts)}
-    # the rank that sets the step: its own last compute, then its DP reduction and embedding-group sums
-    slowest = max(range(cfg.pp), key=lambda r: ends[r] + part[speakers[r]]["dp"] + part[speakers[r]]["emb"])
-    times = part[speakers[slowest]]
-    busy = times["compute"] + times["tp"] + times["pp"]
-    times = {**times, "bubble": ends[slowest] - busy}                   # its idle time up to its last compute
-    times = {k: times[k] for k in ("compute", "tp", "pp", "bubble", "dp", "emb")}
-    bubble = times["bubble"] / busy
+    heaviest, times = step_breakdown(ends, [part[r] for r in speakers])
+    bubble = times["bubble"] / (times["compute"] + times["tp"] + times["pp"])
     memory = max(sum(r.memory.values()) for r in ranks) / GiB
     step = sum(times.values())
     mfu = cfg.model.flops_per_token() * cfg.gbs * cfg.model.seq_len / step / cluster.gpus / (peak / cluster.efficiency)
-    return Estimate(cfg, dp, ranks, bubble, times, step, memory, memory <= cluster.capacity_gib, mfu)
+    return Estimate(cfg, dp, ranks, heaviest, bubble, times, step, memory, memory <= cluster.capacity_gib, mfu)
+
+
+def step_breakdown(ends: list, terms: list) -> tuple[int, dict]:
+    """The step of a pipeline whose rank r ends its last compute at ends[r] (the simulated pipeline, from the first
+    forward) and has its own terms[r] = {compute, tp, pp, dp, emb} (seconds per step), told as the heaviest rank
+    sees it: step = max over r of ends[r] + dp[r] + emb[r]; the heaviest rank h is the one whose own work
+    compute + tp + pp + dp + emb is the largest (the rank that bounds the step: no step is shorter), and
+    bubble = step - h's work, the time the pipeline adds to it. Returns (h, h's terms and the bubble), which add up
+    to the step. With equal stages the bubble is the busy time (compute + tp + pp) x the schedule's idle ratio,
+    (p - 1) / (m v) for 1F1B; a light stage of its own (an embedding or head stage) adds only its own little time
+    to the fill and the drain."""
+    step = max(end + t["dp"] + t["emb"] for end, t in zip(ends, terms))
+    heaviest = max(range(len(terms)), key=lambda r: sum(terms[r][k] for k in ("compute", "tp", "pp", "dp", "emb")))
+    t = terms[heaviest]
+    bubble = max(step - (t["compute"] + t["tp"] + t["pp"] + t["dp"] + t["emb"]), 0.0)    # (>= 0 but for rounding)
+    return heaviest, {"compute": t["compute"], "tp": t["tp"], "pp": t["pp"], "bubble": bubble, "dp": t["dp"],
+                      "emb": t["emb"]}
 
 
 # ----------------------------------------------------------------------------- the whole plan

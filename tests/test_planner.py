@@ -28,7 +28,8 @@ from megatron_mini.model import ParallelContext, build_chunks
 from megatron_mini.pipeline import partition_for
 from megatron_mini.plan_meta import META, Planner, _fused_on_meta
 from megatron_mini.rank import DTYPES
-from megatron_mini.planner import GiB, ClusterConfig, Estimate, _link_gbps, estimate, layouts, model_bytes, plan
+from megatron_mini.planner import (GiB, ClusterConfig, Estimate, _link_gbps, estimate, layouts, model_bytes, plan,
+                                   step_breakdown)
 from megatron_mini.rng import RNGTracker
 from megatron_mini.schedules import simulate
 from megatron_mini.tensor_parallel import gemm_into_fp32
@@ -117,6 +118,45 @@ def test_pipeline_of_equal_stages_is_the_simulators(kind, pp, vpp, factor, plann
     assert pipeline == pytest.approx(busy * (1 + simulate(kind, pp, vpp, m).bubble), rel=1e-12)
 
 
+@pytest.mark.parametrize("kind, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("gpipe", 3, 1), ("1f1b", 4, 2),
+                                           ("1f1b", 2, 3), ("gpipe", 2, 2)])
+@pytest.mark.parametrize("factor", [1, 2, 5, 8])
+def test_breakdown_of_equal_stages_is_the_analytic_bubble(kind, pp, vpp, factor, planner):
+    """Equal stages (each rank the same compute, TP and pipeline sends, DP reduction and embedding-group sums): the
+    breakdown's bubble is Megatron's (p - 1) / (m v) of the busy time, compute + tp + pp, exactly, beside the
+    rank's own terms, and they add up to the step, the last rank's end + its dp + emb."""
+    m = pp * factor
+    own = {"compute": 0.30, "tp": 0.05, "pp": 0.02, "dp": 0.04, "emb": 0.01}
+    busy = own["compute"] + own["tp"] + own["pp"]
+    ends = planner.pipeline_ends(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m, *_equal_stages(pp, vpp, busy / m))
+    heaviest, times = step_breakdown(ends, [own] * pp)
+    assert times["bubble"] == pytest.approx(busy * (pp - 1) / (m * vpp), rel=1e-12)
+    assert {k: times[k] for k in own} == own
+    assert sum(times.values()) == pytest.approx(max(ends) + own["dp"] + own["emb"], rel=1e-12)
+
+
+def test_breakdown_of_own_stages_is_the_heaviest_ranks():
+    """pp=4 under 1F1B with an embedding stage and a head stage of their own: works per microbatch W = 0.02, 1, 1,
+    0.3 (a third forward, two thirds backward), m = 8; every rank a DP reduction of 0.1, the first and the last an
+    embedding-group sum of 0.05. By hand: the second block stage starts after the fill, the embedding stage's and
+    the first block stage's first forwards (f0 + f1), and runs its 8 microbatches back to back (the head stage's
+    round trip, 0.3, fits in its forward, 1/3: it never waits for a gradient); then the drain, the first block
+    stage's and the embedding stage's last backwards (b1 + b0): rank 0 ends last, at W0 + W1 + m W2 = 9.02, and
+    the step is 9.02 + 0.1 + 0.05. The breakdown is the first block stage's, the heaviest (8 + 0.1 of its own):
+    a bubble of 9.17 - 8.1 = 1.07, 13% of its busy time, where equal stages idle (p - 1) / m = 37.5%; the rank
+    that ends the step, the embedding stage, is busy for 0.16 only."""
+    works, m = [0.02, 1.0, 1.0, 0.3], 8
+    ends = Planner().pipeline_ends(TrainConfig(pp=4), m, [[w / 3] for w in works], [[2 * w / 3] for w in works])
+    assert max(ends) == ends[0] == pytest.approx(0.02 + 1.0 + 8 * 1.0, rel=1e-12)
+    terms = [{"compute": m * w, "tp": 0.0, "pp": 0.0, "dp": 0.1, "emb": 0.05 * (r in (0, 3))}
+             for r, w in enumerate(works)]
+    heaviest, times = step_breakdown(ends, terms)
+    assert heaviest == 1 and {k: times[k] for k in terms[1]} == terms[1]
+    assert times["bubble"] == pytest.approx(9.02 + 0.15 - 8.1, rel=1e-12)
+    assert sum(times.values()) == pytest.approx(9.17, rel=1e-12)
+    assert times["bubble"] / times["compute"] < (4 - 1) / m
+
+
 @pytest.mark.parametrize("kind,m", [(kind, m) for kind in ("gpipe", "1f1b") for m in (2, 3, 5, 9, 10, 11, 13, 17, 23)
                                     if kind == "gpipe" or m >= 4])
 def test_pipeline_with_vpp_at_any_remainder(kind, m, planner):
@@ -153,24 +193,28 @@ def test_own_stages_bubble_is_their_fill_and_drain(small_data, tmp_path, planner
     """pp=4 with the embedding and the head as stages of their own: the two block stages, equal and the heaviest,
     set the pace; the second runs its m microbatches back to back after the fill (the first forwards of the
     embedding stage and of the first block stage) and before the drain (their last backwards), the head stage's
-    round trip fitting in a block stage's forward: pipeline = W0 + W1 + m W2 for stage works W per microbatch
-    (each rank's compute + pipeline sends, at tp = 1, over m), by hand; a bubble of about (pp - 3) / m, not the
-    (pp - 1) / m of equal stages."""
+    round trip fitting in a block stage's forward: the first rank ends last, at W0 + W1 + m W2 for stage works W
+    per microbatch (each rank's compute + pipeline sends, at tp = 1, over m), by hand, then its embedding-group
+    sums. The breakdown is the first block stage's (m W1 of work and its own sums): a bubble of about (pp - 3) / m,
+    not the (pp - 1) / m of equal stages."""
+    from megatron_mini.hardware import GPUS, math_dtype
+    from megatron_mini.planner import _comm_s
     cfg = small_config(small_data, tmp_path, pp=4, embedding_stage="own", gbs=16, mbs=2)
     cluster = ClusterConfig(gpus=4, gpu="h100-80gb", intra_node_gbps=3000.0)      # (sends well below compute)
     e = estimate(planner, cfg, cluster)
     m = cfg.num_microbatches(1)
-    from megatron_mini.hardware import GPUS, math_dtype
-    seconds_per_flop = 1 / (GPUS["h100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * 0.5)
+    peak = GPUS["h100-80gb"].tflops[math_dtype(cfg.precision.dtype, cfg.precision.tf32)] * 1e12 * 0.5
     sends = {r.pp_rank: sum(b for (group, _), (_, b) in r.ledger.items() if group == "pp") for r in e.ranks}
-    work = {r.pp_rank: (r.flops * seconds_per_flop + sends[r.pp_rank] / (cluster.intra_node_gbps * 1e9) / 2) / m
-            for r in e.ranks}
+    work = {r.pp_rank: (r.flops / peak + sends[r.pp_rank] / (cluster.intra_node_gbps * 1e9) / 2) / m for r in e.ranks}
     W = [work[r] for r in planner.stage_speakers(cfg, 1)]
     assert W[1] == W[2] == max(W) and 3 * W[3] < W[2] and W[0] < 0.2 * W[2], W
-    pipeline = e.times["compute"] + e.times["tp"] + e.times["pp"] + e.times["bubble"]
-    assert pipeline == pytest.approx(W[0] + W[1] + m * W[2], rel=1e-12)
-    block_stage_idle = (W[0] + W[1]) / (m * W[2])
-    assert block_stage_idle < 0.5 * (cfg.pp - 1) / m
+    sums = {r.pp_rank: sum(_comm_s(cfg, cluster, 1, r, peak)[g] for g in ("emb", "mp", "world")) for r in e.ranks}
+    assert sums[0] > sums[1] > 0 and e.times["dp"] == 0                # (the first's embedding-group sum; dp = 1)
+    assert e.heaviest == 1 and e.times["emb"] == sums[1]
+    assert e.times["compute"] + e.times["tp"] + e.times["pp"] == pytest.approx(m * W[1], rel=1e-12)
+    assert e.step_s == pytest.approx(W[0] + W[1] + m * W[2] + sums[0], rel=1e-12)
+    assert e.bubble == pytest.approx((W[0] + W[1] + sums[0] - sums[1]) / (m * W[1]), rel=1e-12)
+    assert e.bubble < 0.5 * (cfg.pp - 1) / m
 
 
 def test_meter_counts_meta_like_real_tensors():
@@ -297,11 +341,10 @@ def test_plan_command_line(small_data, tmp_path, capsys):
         f.seek(0)
         rows = list(csv.DictReader(f))
     assert len(set(header)) == len(header), header                     # (dp and bubble were there twice)
-    assert all(int(r["dp"]) >= 1 for r in rows)
-    for r in rows:       # the breakdown is of the rank that ends last, its bubble its idle time (a light first rank
-        busy = sum(float(r[f"{t}_s"]) for t in ("compute", "tp", "pp"))     # waits long: a fraction above 1)
-        assert float(r["bubble_s"]) >= -1e-12 * busy and float(r["bubble_fraction"]) == pytest.approx(
-            float(r["bubble_s"]) / busy, rel=1e-5, abs=1e-9), r
+    assert all(int(r["dp"]) >= 1 and 0 <= float(r["bubble_fraction"]) < 1 for r in rows)
+    for r in rows:       # the breakdown is of the heaviest rank, its bubble over its busy time; the terms add up
+        busy = sum(float(r[f"{t}_s"]) for t in ("compute", "tp", "pp"))
+        assert float(r["bubble_fraction"]) == pytest.approx(float(r["bubble_s"]) / busy, rel=1e-5, abs=1e-9), r
         assert float(r["step_s"]) == pytest.approx(sum(float(r[f"{t}_s"]) for t in TERMS), rel=1e-5), r
     assert len(rows) == int(printed.split(" valid layouts")[0].split()[-1])
     assert out_png.stat().st_size > 10_000
@@ -546,7 +589,7 @@ def test_the_printed_command_launches_the_best_layout(small_data, tmp_path):
     base = load_config(given)
     for layout in ("pp=2,zero=1", "tp=4,vpp=2,pp=2,embedding_stage=own"):
         best = parse_layout(layout, base)
-        line = torchrun(Estimate(best, 1, [], 0.0, {}, 1.0, 0.0, True, 0.0), given)
+        line = torchrun(Estimate(best, 1, [], 0, 0.0, {}, 1.0, 0.0, True, 0.0), given)
         register_configs()
         with initialize_config_dir(config_dir=CONF, version_base=None):
             launched = OmegaConf.to_object(compose(config_name="config", overrides=line.split(" train.py ")[1].split()))
@@ -749,7 +792,7 @@ def test_a_layouts_label_is_the_layout(layout):
 
     base = load_config(["gbs=64", "mbs=1", "cluster.gpus=8"])
     cfg = parse_layout(layout, base)
-    label = Estimate(cfg, 1, [], 0.0, {}, 1.0, 0.0, True, 0.0).layout_args()
+    label = Estimate(cfg, 1, [], 0, 0.0, {}, 1.0, 0.0, True, 0.0).layout_args()
     assert parse_layout(label.replace(" ", ","), base) == cfg, label
 
 

@@ -136,8 +136,8 @@ def explain(e: Estimate, rank: int | None) -> str:
         traffic.setdefault(group, []).append(f"{op} {calls} x = {gib(nbytes)} GiB")
     lines += ["", f"communication per step of pp rank {worst.pp_rank} (as comm.py's ledger counts it):"]
     lines += [f"  {group:>5}: " + ", ".join(ops) for group, ops in traffic.items()]
-    lines += ["", f"bubble {fig(100 * e.bubble, 1)}% of the busy time; step {fig(e.step_s)} s = "
-              + " + ".join(f"{t} {fig(e.times[t])}" for t in TERMS)]
+    lines += ["", f"bubble {fig(100 * e.bubble, 1)}% of the busy time of pp rank {e.heaviest}, the heaviest; "
+              f"step {fig(e.step_s)} s = " + " + ".join(f"{t} {fig(e.times[t])}" for t in TERMS)]
     return "\n".join(lines)
 
 
