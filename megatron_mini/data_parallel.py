@@ -105,6 +105,7 @@ class GradBuffer:
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = self.grads_flat[lo:lo + p.numel()].view(p.shape)
+                p.main_grad_ready = functools.partial(_call, buffer, "_main_grad_ready", p)
                 p.register_post_accumulate_grad_hook(functools.partial(_call, buffer, "_on_grad"))
                 self.bucket_of[p] = bucket
         self.overlap = False
@@ -116,21 +117,21 @@ class GradBuffer:
 
     # -- accumulation and overlapped reduction
     def _on_grad(self, p: nn.Parameter) -> None:
-        """AccumulateGrad's hook, which autograd runs once per backward pass through p, after every use of p
-        in it: moves the microbatch's 16-bit .grad, if any, into the fp32 main grad. The ops that add their
-        gradient into the main grad themselves (tensor_parallel's gradient-accumulation fusion) return None
-        for p, and the hook runs with no .grad: each of the word embedding's two uses at pp = 1 (the lookup
-        and the output layer) adds its own, and the hook then says both are in (with vpp > 1 they are in two
-        chunks' backward passes, the output layer's first, before the embedding's chunk starts its last
-        microbatch: start_last_microbatch counts only the lookup's)."""
-        if p.grad is not None:
-            p.main_grad.add_(p.grad)
-            p.grad = None
+        """AccumulateGrad's hook, after every use of p in a backward pass: moves the microbatch's 16-bit .grad into
+        the fp32 main grad and says it is in. Where the ops added p's gradient into the main grad themselves
+        (tensor_parallel's gradient-accumulation fusion, the Triton LayerNorm) there is no .grad, and they say so
+        in their backward (p.main_grad_ready()), not this hook: AccumulateGrad runs it without a gradient only from
+        pytorch#155521 (June 2025) on, an undocumented change; before it, no bucket holding such a parameter would
+        start reducing before the backward ends."""
+        if p.grad is None:
+            return
+        p.main_grad.add_(p.grad)
+        p.grad = None
         self._main_grad_ready(p)
 
     def _main_grad_ready(self, p: nn.Parameter) -> None:
-        """p's gradient of this microbatch is in its main grad: on the last microbatch its bucket may start
-        reducing."""
+        """p's gradient of this microbatch is in its main grad (from the hook above, or added there by the op that
+        formed it, at p's last use in the backward): on the last microbatch its bucket may start reducing."""
         if self.overlap:
             bucket = self.bucket_of[p]
             bucket.pending -= 1

@@ -400,6 +400,8 @@ class Head(Layer):
         self.tp_group, self.sp = ctx.tp_group, ctx.sp
         self.vocab_size, self.label_smoothing = m.vocab_size, m.label_smoothing
         self.ln_f = LayerNorm(m, ctx, device)
+        # the embedding's own table (pp = 1): its lookup, later in the backward, says its gradient is in
+        self.looked_up = word_embeddings is not None
         if word_embeddings is None:
             word_embeddings = new_param((m.padded_vocab_size // ctx.tp_group.size, m.hidden_size),
                                         ParamSpec("normal", m.init_std, tp_dim=0, tied=True, copy=True), device=device)
@@ -419,7 +421,7 @@ class Head(Layer):
         without labels, the fp32 logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP,
         padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
-                                        self.tp_group, self.sp)
+                                        self.tp_group, self.sp, wgrad_ready=not self.looked_up)
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
         losses = self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing)

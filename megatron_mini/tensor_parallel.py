@@ -227,15 +227,19 @@ def accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
         GEMM_INTO_FP32[gemm_into_fp32(a.device.type, a.dtype)](out, a, b)
 
 
-def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple):
+def _param_grads(dy, x, weight, bias, fused: bool, needs: tuple, wgrad_ready: bool):
     """The gradients of W [out, in] and b [out] in y = x W^T + b, from dy [..., out] and x [..., in]:
     added into their fp32 main grads (`fused`: main_grad_W += dy^T x in one GEMM, main_grad_b += the fp32
-    sum of dy over tokens) and (None, None) returned, or returned to autograd."""
+    sum of dy over tokens; each parameter then calls `main_grad_ready()`, set by the GradBuffer, where
+    AccumulateGrad's hook would have, W only with `wgrad_ready`) and (None, None) returned, or returned to
+    autograd."""
     dy2 = dy.reshape(-1, dy.shape[-1])
     if not fused:
         dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if needs[1] else None      # (x is None when W needs none)
         return dw, (dy2.sum(0) if bias is not None and needs[2] else None)
     accumulate_matmul(weight.main_grad, dy2.t(), x.reshape(-1, x.shape[-1]))
+    if wgrad_ready:
+        weight.main_grad_ready()
     if bias is not None:
         _bias_grad_into_main(bias, dy2)
     return None, None
@@ -255,6 +259,7 @@ def _bias_grad_into_main(bias, dy2) -> None:
         accumulate_matmul(bias.main_grad.view(1, -1), _ones_row(dy2.shape[0], dy2.dtype, dy2.device), dy2)
     else:
         bias.main_grad.add_(dy2.sum(0, dtype=torch.float32))
+    bias.main_grad_ready()
 
 
 class _AddBias(torch.autograd.Function):
@@ -294,6 +299,7 @@ class _AddPositions(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         ctx.table.main_grad[ctx.first:ctx.first + dy.shape[0]].add_(dy.sum(1, dtype=torch.float32))
+        ctx.table.main_grad_ready()
         return dy, None, None
 
 
@@ -309,7 +315,8 @@ class _Embedding(torch.autograd.Function):
     """y = W[ids], ids [...] -> [..., h], W [V, h], with W's gradient added straight into its fp32 main grad:
     the rows of dy, in fp32, summed at their ids (index_put_ with accumulate: deterministic, sorted on CUDA).
     No [V, h] gradient in the model's dtype is formed (autograd's embedding backward forms one, a
-    vocabulary-sized zero fill and, on a CPU, sums repeated ids in that dtype)."""
+    vocabulary-sized zero fill and, on a CPU, sums repeated ids in that dtype). The lookup is the table's last
+    use in the backward (the tied output layer's at pp = 1 comes before it): it says W's gradient is in."""
 
     @staticmethod
     def forward(ctx, ids, weight):
@@ -321,6 +328,7 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, dy):
         (ids,), main_grad = ctx.saved_tensors, ctx.weight.main_grad
         main_grad.index_put_((ids.reshape(-1),), dy.reshape(-1, dy.shape[-1]).float(), accumulate=True)
+        ctx.weight.main_grad_ready()
         return None, None
 
 
@@ -347,15 +355,16 @@ class _Linear(torch.autograd.Function):
         forward's gather makes it two).
       Each such collective records the FLOPs of the GEMM it runs beside (comm.Ledger, for the planner).
     - gradient-accumulation fusion (`fused`): W's and b's gradients go straight into their fp32 main
-      grads (`_param_grads`); otherwise they are returned to autograd.
+      grads (`_param_grads`), which then say they are in (W with `wgrad_ready`); otherwise they are returned to
+      autograd.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, fused):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fused, wgrad_ready):
         ctx.save_for_backward(x if weight.requires_grad else None)     # x is for dW alone
         ctx.weight, ctx.bias = weight, bias    # the Parameters themselves (a recompute's unpacked copy has no
                                                # main_grad)
-        ctx.group, ctx.sequence_parallel, ctx.fused = group, sequence_parallel, fused
+        ctx.group, ctx.sequence_parallel, ctx.fused, ctx.wgrad_ready = group, sequence_parallel, fused, wgrad_ready
         return F.linear(comm.all_gather(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
@@ -376,10 +385,10 @@ class _Linear(torch.autograd.Function):
                 reducing = comm.reduce_scatter_into(dx, full, group, async_op=True, beside_flops=gemm * need_dw)
             else:
                 reducing = comm.all_reduce(dx, group, async_op=True, beside_flops=gemm * need_dw)
-        dw, db = _param_grads(dy, x, weight, ctx.bias, ctx.fused, ctx.needs_input_grad)
+        dw, db = _param_grads(dy, x, weight, ctx.bias, ctx.fused, ctx.needs_input_grad, ctx.wgrad_ready)
         if reducing is not None:
             reducing.wait()
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _fuses_wgrad(weight, bias) -> bool:
@@ -387,14 +396,16 @@ def _fuses_wgrad(weight, bias) -> bool:
     return weight.requires_grad and hasattr(weight, "main_grad") and (bias is None or hasattr(bias, "main_grad"))
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, wgrad_ready: bool = True):
     """y = x W^T + b, x [..., in] -> [..., out], on this rank alone. The gradient-accumulation fusion
-    (`_Linear`) applies when the parameters have fp32 main grads. The fused linear is eager-only: under
+    (`_Linear`) applies when the parameters have fp32 main grads; it says W's gradient is in with
+    `wgrad_ready`, which a weight used again later in the backward (the tied output layer's at pp = 1, the
+    embedding's lookup table) leaves to that use. The fused linear is eager-only: under
     torch.compile (compile=true) the linear stays in the block's graph (a graph break per linear costs more
     host time than the fusion saves) and AccumulateGrad's hook moves the 16-bit .grad into the main grad.
     Otherwise (no grad, or no main grads) it is F.linear."""
     if _fused_here(weight, bias):
-        return _Linear.apply(x, weight, bias, None, False, True)
+        return _Linear.apply(x, weight, bias, None, False, True, wgrad_ready)
     return F.linear(x, weight, bias)
 
 
@@ -405,20 +416,22 @@ def _fused_here(weight, bias) -> bool:
 
 
 @eager
-def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel, fused):
-    return _Linear.apply(x, weight, bias, group, sequence_parallel, fused)
+def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel, fused, wgrad_ready):
+    return _Linear.apply(x, weight, bias, group, sequence_parallel, fused, wgrad_ready)
 
 
-def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool):
+def column_parallel_linear(x, weight, bias, tp_group: Group, sequence_parallel: bool, wgrad_ready: bool = True):
     """[s(/tp), b, in] -> [s, b, out/tp]: f (or, with sp, an all-gather of the sequence), then x W_i^T + b_i.
     At tp > 1 under autograd the mapping is fused into the linear (`_Linear`), whose backward runs the
     mapping's collective beside its GEMMs. Under torch.compile that runs eagerly, a graph break where the
     mapping was one, now with the linear on its eager side (inductor no longer fuses fc1's bias into the
-    GELU there). Without autograd f is the identity. The gradient-accumulation fusion: see `linear`."""
+    GELU there). Without autograd f is the identity. The gradient-accumulation fusion, `wgrad_ready`: see
+    `linear`."""
     if tp_group.size == 1:
-        return linear(x, weight, bias)
+        return linear(x, weight, bias, wgrad_ready)
     if torch.is_grad_enabled():
-        return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel, _fuses_wgrad(weight, bias))
+        return _tensor_parallel_linear(x, weight, bias, tp_group, sequence_parallel, _fuses_wgrad(weight, bias),
+                                       wgrad_ready)
     return F.linear(gather_from_sequence_parallel_region(x, tp_group) if sequence_parallel else x, weight, bias)
 
 

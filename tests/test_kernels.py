@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 before anything imports triton). Shapes stay small for the in
 Tolerances: 16-bit outputs are compared with ~2 ulp of the output dtype (the kernels do fp32
 math on the same rounded inputs as the reference, so the rounding of the result dominates).
 """
+import functools
 import math
 import os
 import subprocess
@@ -87,11 +88,13 @@ def test_layer_norm_fp32_weights_with_bf16_input():
 def test_layer_norm_weight_gradients_go_into_fp32_main_grads(residual):
     """bf16 weights with fp32 main grads (training under a GradBuffer) take dw = sum of dy * xhat and db = sum of dy
     there, as the kernel's fp32 sums, over three calls (microbatches) without a 16-bit rounding between: the fp64
-    sums of the same bf16 h and dy, to fp32 rounding (1.2e-7 measured; 1.6e-3 through a bf16 .grad per call)."""
-    n, eps = 320, 1e-5
+    sums of the same bf16 h and dy, to fp32 rounding (1.2e-7 measured; 1.6e-3 through a bf16 .grad per call). Each
+    call tells each parameter once that its gradient is in (as a GradBuffer's main_grad_ready)."""
+    n, eps, ready = 320, 1e-5, []
     w, b = (torch.nn.Parameter(_randn(n, dtype=torch.bfloat16, seed=s)) for s in (2, 3))
     for p in (w, b):
         p.main_grad = torch.zeros(n, device=DEVICE)
+        p.main_grad_ready = functools.partial(ready.append, p)
     exact_w, exact_b = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for call in range(3):
         x = (_randn(48, n, seed=10 + call) * 3 + 0.5).bfloat16()
@@ -105,7 +108,7 @@ def test_layer_norm_weight_gradients_go_into_fp32_main_grads(residual):
         xhat = (hd - hd.mean(-1, keepdim=True)) / (hd.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
         exact_w += (dy.double().cpu() * xhat).sum(0)
         exact_b += dy.double().cpu().sum(0)
-    assert w.grad is None and b.grad is None
+    assert w.grad is None and b.grad is None and [id(p) for p in ready] == [id(w), id(b)] * 3
     for p, exact in ((w, exact_w), (b, exact_b)):
         error = ((p.main_grad.double().cpu() - exact).norm() / exact.norm()).item()
         assert error < 1e-6, (error, residual)

@@ -19,6 +19,7 @@ ranks only ends the spawn within a minute with that traceback (see `_guard`), ne
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import traceback
 import zlib
@@ -565,14 +566,16 @@ def test_row_parallel_bias_gradient_goes_into_its_fp32_main_grad():
     from megatron_mini.tensor_parallel import RowParallelLinear
     for grp in (Group("tp", [0], None, Ledger()), Group("tp", [0, 1], None, Ledger(), me=0)):
         layer = RowParallelLinear(64, 16, grp).to(torch.bfloat16)
+        ready = []
         for p in layer.parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            p.main_grad_ready = functools.partial(ready.append, p)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(4096, 1, 64 // grp.size, generator=gen).bfloat16()
         dy = torch.randn(4096, 1, 16, generator=gen).bfloat16()
         layer(x).backward(dy)
         exact = dy.double().sum((0, 1))
-        assert layer.bias.grad is None
+        assert layer.bias.grad is None and sum(p is layer.bias for p in ready) == 1
         err = ((layer.bias.main_grad.double() - exact).abs() / exact.abs()).max().item()
         assert err < 1e-6, (grp.size, err)
 
@@ -609,7 +612,7 @@ def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, need
     x = torch.empty(4 if sp else 8, 2, 8, device="meta", requires_grad=need_x)      # [s(/tp), b, in]
     w = torch.empty(6, 8, device="meta", requires_grad=need_w)                      # [out/tp, in]
     if "main-grad" in needs:
-        w.main_grad = torch.zeros(6, 8, device="meta")
+        w.main_grad, w.main_grad_ready = torch.zeros(6, 8, device="meta"), lambda: events.append("W ready")
     y = column_parallel_linear(x, w, None, group, sp)
     assert y.shape == (8, 2, 6) and ledger.summary() == ({("tp", "all_gather"): (1, 8 * 2 * 8 * 4)} if sp else {})
     ledger.reset()
@@ -618,7 +621,7 @@ def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, need
         y.backward(torch.empty_like(y))
     act, gemm = 8 * 2 * 8 * 4, 2 * (8 * 2 * 6) * 8               # bytes of [s, b, in]; FLOPs of dy [s, b, out/tp] W
     dx = ["mm"] if need_x else []
-    dw = ["mm"] if need_w else []
+    dw = ["mm"] + ["W ready"] * ("main-grad" in needs) if need_w else []
     expected = {}
     if sp:
         regather = ["launch all_gather"] if need_w else []
@@ -762,7 +765,8 @@ def test_bias_gradient_goes_into_the_fp32_main_grad(monkeypatch, way):
     """main_grad_b += the sum of dy over tokens, as the fp64 sum of the 16-bit dy to fp32 rounding, whether
     it is a reduction then an add (the CPU) or the GEMM 1^T dy into fp32 that CUDA takes where torch has
     it ("one GEMM": that branch, its GEMM emulated in fp32 on the CPU; "CUDA": the real one, into the main
-    grad's view of a flat buffer at an odd offset, whose neighbours stay as they were)."""
+    grad's view of a flat buffer at an odd offset, whose neighbours stay as they were), and the parameter
+    is told once."""
     from megatron_mini import tensor_parallel as tp_mod
     device = "cuda" if way == "CUDA" else "cpu"
     gemms, real = [], tp_mod.GEMM_INTO_FP32["addmm"]
@@ -774,7 +778,10 @@ def test_bias_gradient_goes_into_the_fp32_main_grad(monkeypatch, way):
 
     class Bias:                      # what a GradBuffer gives a parameter: a view of the flat fp32 buffer
         flat = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(device)
-        main_grad = flat[3:51]
+        main_grad, ready = flat[3:51], 0
+
+        def main_grad_ready(self):
+            self.ready += 1
 
     bias = Bias()
     before = bias.flat.clone()
@@ -782,7 +789,7 @@ def test_bias_gradient_goes_into_the_fp32_main_grad(monkeypatch, way):
     expected = bias.main_grad.double() + dy.double().sum(0)
     tp_mod._bias_grad_into_main(bias, dy)
     bound = 2.0 ** -20 * (dy.double().abs().sum(0) + expected.abs())
-    assert bias.main_grad.dtype == torch.float32
+    assert bias.main_grad.dtype == torch.float32 and bias.ready == 1
     assert ((bias.main_grad.double() - expected).abs() <= bound).all()
     assert torch.equal(bias.flat[:3], before[:3]) and torch.equal(bias.flat[51:], before[51:])
     takes_gemm = way == "one GEMM" or tp_mod.gemm_into_fp32(device, torch.bfloat16) == "addmm"

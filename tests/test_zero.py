@@ -273,26 +273,39 @@ def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
         assert torch.allclose(w, final_weights(resumed)[name], rtol=0, atol=1e-6), name
 
 
-def _train_in_small_buckets(cfg):
+def _train_in_small_buckets(cfg, hook_without_grad: bool = True):
     """train(cfg) in small DP buckets (cfg.ddp_bucket_numel: SMALL_BUCKETS; the default 1M holds the test model whole:
     one bucket per chunk, reduced as its backward ends), recording each bucket's reduction: (this rank's history,
     {"buckets": how many, "launches": reductions started, "early": of them, during the backward (all its gradients
-    in, the rest of the backward still to run), "late": gradients that reached a bucket after its reduction
-    started})."""
+    in, the rest of the backward still to run), "late": parameters said to be in after their bucket's reduction
+    started, "changed": parameters whose main grad changed after it}). An early reduction is held back to the end
+    of the backward (then started, in the order asked for), where its bucket's gradients must be what they were
+    when it was asked for: one started before a gradient was added into its bucket (the output layer's use of the
+    tied word embedding before the lookup's, say) changes there, whether or not anything said so.
+    `hook_without_grad` False: autograd runs no post-accumulate-grad hook for a parameter whose gradient the ops
+    added into its main grad themselves (no .grad), as AccumulateGrad did before pytorch#155521 (June 2025)."""
     from megatron_mini import data_parallel
     from megatron_mini.training import train
 
+    if not hook_without_grad:                # (this rank's process only)
+        register = torch.Tensor.register_post_accumulate_grad_hook
+        torch.Tensor.register_post_accumulate_grad_hook = \
+            lambda p, hook: register(p, lambda q: None if q.grad is None else hook(q))
     buffer = data_parallel.GradBuffer
     launch, ready, finish = buffer._launch, buffer._main_grad_ready, buffer.finish_grad_sync
-    seen, launched, syncing = set(), set(), [False]
-    found = {"launches": 0, "early": 0, "late": []}
+    seen, launched, syncing, held = set(), set(), [False], []
+    found = {"launches": 0, "early": 0, "late": [], "changed": []}
 
     def counted_launch(self, bucket):
         seen.add(bucket)
         launched.add(bucket)
         found["launches"] += 1
         found["early"] += not syncing[0]
-        launch(self, bucket)
+        if syncing[0]:
+            launch(self, bucket)
+        else:
+            bucket.launched = True
+            held.append((self, bucket, self.grads_flat[bucket.start:bucket.end].clone()))
 
     def checked_ready(self, p):
         if self.bucket_of[p] in launched:
@@ -300,6 +313,12 @@ def _train_in_small_buckets(cfg):
         ready(self, p)
 
     def synced(self):
+        for _, bucket, grads in [h for h in held if h[0] is self]:
+            for _, name, lo, hi in self.segments(bucket.start, bucket.end):
+                if not torch.equal(self.grads_flat[lo:hi], grads[lo - bucket.start:hi - bucket.start]):
+                    found["changed"].append(name)
+            launch(self, bucket)
+        held[:] = [h for h in held if h[0] is not self]
         syncing[0] = True
         finish(self)
         syncing[0] = False
@@ -317,22 +336,26 @@ def small_buckets_reference(small_data, tmp_path_factory):
     return train_on_ranks(1, small_config(small_data, tmp_path_factory.mktemp("single"), **SMALL_BUCKETS_RUN))
 
 
-@pytest.mark.parametrize("layout", [dict(vpp=2), dict(vpp=2, zero=1), dict(pp=2, zero=1)],
-                         ids=["pp1-vpp2-dp3", "pp1-vpp2-dp3-zero", "pp2-dp3-zero"])
-def test_small_buckets_reduce_during_the_backward_and_train_the_same_model(layout, small_data, small_buckets_reference,
-                                                                         tmp_path):
-    """With many DP buckets (as a real model has) each one's all-reduce or ZeRO-1 reduce-scatter starts during the
-    chunk's last backward, once every gradient of it is in, and no gradient reaches it later (at pp=1 vpp=2 the
-    word embedding in chunk 0's buffer also takes the head's gradient, from chunk 1's backward); dp=3 pads buckets
-    (every parameter of the test model has an even size) and cuts parameters at shard boundaries (at pp=2 the tied
-    embedding's bucket on the first and the last stage alike). The run trains the same model as one process."""
+@pytest.mark.parametrize("layout, hook_without_grad", [
+    (dict(), True), (dict(), False), (dict(vpp=2), True), (dict(vpp=2, zero=1), True), (dict(pp=2, zero=1), True)],
+    ids=["pp1-dp3", "pp1-dp3-no-hook-without-grad", "pp1-vpp2-dp3", "pp1-vpp2-dp3-zero", "pp2-dp3-zero"])
+def test_small_buckets_reduce_during_the_backward_and_train_the_same_model(layout, hook_without_grad, small_data,
+                                                                         small_buckets_reference, tmp_path):
+    """With many DP buckets (as a real model has) each one's all-reduce or ZeRO-1 reduce-scatter starts once, during
+    the chunk's last backward, once every gradient of it is in, and no gradient reaches it later: at pp=1 the word
+    embedding takes the output layer's gradient and then the lookup's (in one backward; with vpp=2 the output
+    layer's in chunk 1's, before chunk 0's). The same where autograd runs no post-accumulate-grad hook for a
+    parameter with no .grad (torch before pytorch#155521): the ops that add a gradient into the main grad say it
+    is in themselves. dp=3 pads buckets (every parameter of the test model has an even size) and cuts parameters
+    at shard boundaries (at pp=2 the tied embedding's bucket on the first and the last stage alike). The run trains
+    the same model as one process."""
     from ranks import spawn
 
     runs = spawn(3 * layout.get("pp", 1), _train_in_small_buckets,
                  small_config(small_data, tmp_path, ddp_bucket_numel=SMALL_BUCKETS, **SMALL_BUCKETS_RUN, **layout),
-                 init_group=False)
+                 hook_without_grad, init_group=False)
     for _, found in runs:
-        assert found["buckets"] > 10 and found["late"] == [], found
+        assert found["buckets"] > 10 and found["late"] == found["changed"] == [], found
         assert found["launches"] == found["early"] == SMALL_BUCKETS_RUN["steps"] * found["buckets"], found
     assert_same_training(small_buckets_reference, runs[0][0])
 

@@ -363,15 +363,19 @@ def _grads(backward, saved, bias_dtype, dh, dy, params=None):
     gradients of h (dh; None without a residual or where h is unused) and y (dy; None where y is unused:
     then dx = dh and the parameters get none). dw, db in the weight's and the bias's dtypes; with `params`,
     the (weight, bias) Parameters, added in fp32 into their fp32 main grads instead (training under a
-    data_parallel.GradBuffer, as tensor_parallel's gradient-accumulation fusion) and returned None."""
+    data_parallel.GradBuffer, as tensor_parallel's gradient-accumulation fusion: each then says so,
+    main_grad_ready(), nothing added where y is unused) and returned None."""
     if dy is None:
+        for p in params or ():
+            p.main_grad_ready()
         return dh, None, None
     h, weight, stats = saved
     dx, dwdb = backward(h, dy, dh, weight, stats)
     n = h.shape[1]
     if params is not None:
-        params[0].main_grad.add_(dwdb[:n])
-        params[1].main_grad.add_(dwdb[n:])
+        for p, g in zip(params, (dwdb[:n], dwdb[n:])):
+            p.main_grad.add_(g)
+            p.main_grad_ready()
         return dx, None, None
     return dx, dwdb[:n].to(weight.dtype), dwdb[n:].to(bias_dtype)
 
