@@ -580,6 +580,31 @@ def test_row_parallel_bias_gradient_goes_into_its_fp32_main_grad():
         assert err < 1e-6, (grp.size, err)
 
 
+def test_the_lookups_fp32_gradient_is_the_same_sum_on_every_run():
+    """The word embedding's gradient added straight into its fp32 main grad (`_Embedding`) sums repeated ids in
+    one order: four CPU threads give the same bits on every backward (index_put_'s accumulate there did not: 20
+    different sums in 20), equal to the fp64 sum to fp32 rounding."""
+    from megatron_mini.tensor_parallel import embedding
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (8, 512), generator=gen)         # 4096 tokens of 50 ids: ~80 of each
+    dy = torch.randn(8, 512, 64, generator=gen)
+    weight = torch.nn.Parameter(torch.randn(64, 64, generator=gen))
+    weight.main_grad_ready = lambda: None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        sums = set()
+        for _ in range(20):
+            weight.main_grad = torch.zeros(64, 64)
+            embedding(ids, weight).backward(dy)
+            sums.add(weight.main_grad.numpy().tobytes())
+    finally:
+        torch.set_num_threads(threads)
+    exact = torch.zeros(64, 64, dtype=torch.float64).index_add_(0, ids.reshape(-1), dy.reshape(-1, 64).double())
+    assert weight.grad is None and len(sums) == 1
+    torch.testing.assert_close(weight.main_grad.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["f", "sp"])
 @pytest.mark.parametrize("needs", ["x,W", "x", "W", "x,W,main-grad"])
 def test_column_parallel_backward_runs_its_collectives_beside_its_gemms(sp, needs, monkeypatch):
