@@ -3,6 +3,7 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import random
 import re
 
 import pytest
@@ -335,3 +336,107 @@ def test_per_chunk_costs_of_equal_chunks_are_the_scalar_costs():
     assert table.makespan == simulate("1f1b", 4, 2, 8).makespan and table.busy == simulate("1f1b", 4, 2, 8).busy
     with pytest.raises(ValueError, match=r"\[pp=4\]\[vpp=2\]"):
         simulate("1f1b", 4, 2, 8, [[0.5]] * 4, [[1.0]] * 4)
+
+
+def _contract_timing(actions, forward, backward):
+    """The execution contract timed event by event, written apart from schedules.py (a reference for its
+    ScheduleGraph): the ranks take turns, each running its list in order as far as it can; a compute starts when
+    the rank's previous step ended and lasts its [rank][chunk] cost; a batch of consecutive messages is posted when
+    the rank reaches it and completes when every message's other side (the k-th message from src to dst) has been
+    posted too, at the latest of those posts. Returns per rank its computes' (start, end) and its peak of
+    (chunk, microbatch) forwarded but not yet backwarded."""
+    pp = len(actions)
+    posted = {}                                  # (src, dst, k, is_send) -> when it was posted
+    clock, pos, peak = [0.0] * pp, [0] * pp, [0] * pp
+    sent = [dict() for _ in range(pp)]           # per rank, per channel, its messages so far
+    batch = [None] * pp                          # per rank, the messages of the batch it waits in
+    slots, live = [[] for _ in range(pp)], [0] * pp
+    while any(pos[r] < len(actions[r]) or batch[r] for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while True:
+                if batch[r] is not None:                          # waiting in a batch: every other side posted?
+                    others = [(src, dst, k, not is_send) for src, dst, k, is_send in batch[r]]
+                    if not all(o in posted for o in others):
+                        break
+                    clock[r] = max([clock[r]] + [posted[o] for o in others])
+                    batch[r] = None
+                elif pos[r] == len(actions[r]):
+                    break
+                elif not actions[r][pos[r]].is_comm:
+                    a = actions[r][pos[r]]
+                    cost = (forward if a.op == "forward" else backward)[r][a.chunk]
+                    slots[r].append((clock[r], clock[r] + cost))
+                    clock[r] += cost
+                    live[r] += 1 if a.op == "forward" else -1
+                    peak[r] = max(peak[r], live[r])
+                    pos[r] += 1
+                else:                                             # post the batch, the run of messages from here
+                    batch[r] = []
+                    while pos[r] < len(actions[r]) and actions[r][pos[r]].is_comm:
+                        a = actions[r][pos[r]]
+                        is_send = a.op.startswith("send")
+                        channel = (r, a.peer) if is_send else (a.peer, r)
+                        k = sent[r][channel] = sent[r].get(channel, -1) + 1
+                        posted[(*channel, k, is_send)] = clock[r]
+                        batch[r].append((*channel, k, is_send))
+                        pos[r] += 1
+                moved = True
+        assert moved, "deadlock"
+    return slots, peak
+
+
+def _dataflow_makespan(actions, forward, backward):
+    """The makespan with sends that never wait for their receiver: each rank runs its computes in order, each when
+    the rank is free and its input is there (the forward of the virtual stage before, the backward of the one
+    after, same microbatch)."""
+    pp = len(actions)
+    todo = [[a for a in acts if not a.is_comm] for acts in actions]
+    done, free, pos = {}, [0.0] * pp, [0] * pp
+    while any(pos[r] < len(todo[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(todo[r]):
+                a = todo[r][pos[r]]
+                vs = a.chunk * pp + r
+                source = (a.op, vs - 1 if a.op == "forward" else vs + 1, a.microbatch)
+                needs = [source] if 0 <= source[1] < len(forward[0]) * pp else []
+                if not all(n in done for n in needs):
+                    break
+                cost = (forward if a.op == "forward" else backward)[r][a.chunk]
+                done[a.op, vs, a.microbatch] = free[r] = max([free[r]] + [done[n] for n in needs]) + cost
+                pos[r] += 1
+                moved = True
+        assert moved, "deadlock"
+    return max(free)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_timing_is_the_contract_event_by_event(kind, pp):
+    """simulate_actions (ScheduleGraph's longest paths) against the contract timed event by event
+    (_contract_timing) at random per-chunk costs, vpp 1..4, m below, at, not a multiple of and several times pp:
+    every compute's start and end, each rank's end, the makespan, the busiest rank's busy time and the peaks. The
+    makespan is at least the dataflow one (sends that never wait), and with equal stages it is that exactly."""
+    rng = random.Random(pp)
+    for vpp in range(1, 5):
+        for m in sorted({pp - 1, pp + 1, 2 * pp + 3, 3 * pp} - {0}):
+            if kind == "1f1b" and vpp > 1 and m < pp:
+                continue
+            actions = [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
+            forward = [[rng.uniform(0.05, 1.0) for _ in range(vpp)] for _ in range(pp)]
+            backward = [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)]
+            res = simulate_actions(actions, vpp, m, forward, backward)
+            slots, peaks = _contract_timing(actions, forward, backward)
+            where = (kind, pp, vpp, m)
+            assert [len(t) for t in res.timelines] == [len(s) for s in slots], where
+            assert [x for t in res.timelines for s in t for x in (s.start, s.end)] == pytest.approx(
+                [x for s in slots for slot in s for x in slot], rel=1e-12, abs=1e-12), where
+            assert res.ends == pytest.approx([s[-1][1] for s in slots], rel=1e-12), where
+            assert res.makespan == pytest.approx(max(s[-1][1] for s in slots), rel=1e-12), where
+            assert res.busy == pytest.approx(max(sum(e - s for s, e in rank) for rank in slots), rel=1e-12), where
+            assert res.peak_in_flight == peaks, where
+            assert res.makespan >= _dataflow_makespan(actions, forward, backward) * (1 - 1e-12), where
+            equal = simulate_actions(actions, vpp, m, [[1.0 / vpp] * vpp] * pp, [[2.0 / vpp] * vpp] * pp)
+            assert equal.makespan == pytest.approx(
+                _dataflow_makespan(actions, [[1.0 / vpp] * vpp] * pp, [[2.0 / vpp] * vpp] * pp), rel=1e-12), where
