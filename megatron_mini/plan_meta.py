@@ -17,9 +17,8 @@
   by running those very calls; and which of them a layer's backward runs beside a GEMM, of how many FLOPs
   (Ledger.overlaps);
 - FLOPs: ModelConfig.layer_flops_per_token (the formula of the console's MFU; recomputation included);
-- pipeline time: the schedule's dependency graph (schedules.ScheduleGraph) timed at each chunk's own forward and
-  backward costs (Planner.pipeline_ends; where m is large, with vpp > 1, at a few groups of microbatches, extended
-  to m by the steady state's time per group).
+- pipeline time: the schedule's dependency graph (schedules.ScheduleGraph) over all m microbatches timed at each
+  chunk's own forward and backward costs (Planner.pipeline_ends).
 Attention is measured as a fused (flash) kernel saves it (math_attention: on the CPU with dropout, as SDPA's
 math path), and a dropout as a GPU's fused kernel saves its mask, in 1 byte (bool_dropout_masks: on the CPU in the
 activations' dtype); the Triton kernels are planned as the torch ones.
@@ -48,7 +47,7 @@ from .partition import blocks_in
 from .pipeline import local_stage_layers
 from .rank import DTYPES, build_rank, reduce_loss
 from .rng import RNGTracker
-from .schedules import ScheduleGraph, build_schedule, microbatch_group, schedule_graph
+from .schedules import ScheduleGraph, build_schedule, schedule_graph
 
 META = torch.device("meta")
 
@@ -364,22 +363,16 @@ class Planner:
     def pipeline_ends(self, cfg: TrainConfig, m: int, forward: list, backward: list) -> list:
         """Per pipeline rank, the simulated time from the first forward of cfg's schedule over m microbatches to
         the rank's last compute (SimResult.ends), a compute of chunk c on rank r costing forward[r][c] and
-        backward[r][c] ([pp][vpp] tables; see schedules.simulate_actions). After a few groups of N microbatches
-        (schedules.microbatch_group) with vpp > 1, each further group moves every end by the same time (the
-        steady state), so it is simulated at two counts m1 < m2 taken in groups of N with m's last group
-        (_simulated_microbatches) and extended to m; m itself where vpp = 1 and up to m1 + m2 (as cheap as the two,
-        and exact). The schedule's dependency graph (schedules.ScheduleGraph), which does not depend on the costs,
-        is built once per (kind, pp, vpp, microbatches) and timed once per set of costs (layouts that differ only in
-        ZeRO have the same)."""
+        backward[r][c] ([pp][vpp] tables; see schedules.simulate_actions). All m microbatches are simulated: two
+        stages of close paces can take turns setting it late (a lighter one that starts later first, the heaviest
+        after), so a line through the ends at fewer microbatches can fall short, even of the heaviest rank's own busy
+        time (pp = 4, vpp = 2, m = 64: 3.7% short). The schedule's dependency graph (schedules.ScheduleGraph), which
+        does not depend on the costs, is built once per (kind, pp, vpp, m) and timed once per set of costs (layouts
+        that differ only in ZeRO have the same)."""
         forward, backward = tuple(map(tuple, forward)), tuple(map(tuple, backward))
         key = (cfg.schedule, cfg.pp, cfg.vpp, m, forward, backward)
         if key not in self._ends:
-            m1, m2 = _simulated_microbatches(cfg.pp, cfg.vpp, m)
-            if m <= m1 + m2:
-                self._ends[key] = self._graph(cfg, m).rank_ends(forward, backward)
-            else:
-                e1, e2 = (self._graph(cfg, k).rank_ends(forward, backward) for k in (m1, m2))
-                self._ends[key] = [a + (m - m1) / (m2 - m1) * (b - a) for a, b in zip(e1, e2)]
+            self._ends[key] = self._graph(cfg, m).rank_ends(forward, backward)
         return self._ends[key]
 
     def _graph(self, cfg: TrainConfig, m: int) -> ScheduleGraph:
@@ -389,18 +382,6 @@ class Planner:
             self._graphs[key] = schedule_graph(list(_schedules(*key)), cfg.vpp, m)
         return self._graphs[key]
 
-
-def _simulated_microbatches(pp: int, vpp: int, m: int) -> tuple:
-    """(m1, m2) for Planner.pipeline_ends: with vpp > 1 and N microbatches per group, the two smallest counts
-    from 2 N + m's last group up, in groups of N with m's last group (so with the warmup's and the last group's
-    ends in place), that the schedule takes in groups of N too; (m, m) where there are not two below m, and
-    where vpp = 1: there two stages of other paces (a heavy first stage and head) can take turns setting the
-    pace after 2 pp microbatches (up to 5% off at pp = 8, m = 40), and the simulation of m is cheap."""
-    if vpp == 1:
-        return m, m
-    n = microbatch_group(pp, m)
-    found = [k for k in range(2 * n + m % n, m, n) if microbatch_group(pp, k) == n][:2]
-    return tuple(found) if len(found) == 2 else (m, m)
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:

@@ -108,9 +108,8 @@ def _equal_stages(pp, vpp, scale):
                                            ("1f1b", 2, 3), ("gpipe", 2, 2)])
 @pytest.mark.parametrize("factor", [1, 2, 5, 8])
 def test_pipeline_of_equal_stages_is_the_simulators(kind, pp, vpp, factor, planner):
-    """With equal stages the planner's pipeline time (simulated at m, or with vpp > 1 and m beyond m1 + m2 at a few
-    groups of microbatches and extended to m: factor 8) is the simulator's at m, and so the bubble is the
-    schedule's idle/busy ratio: busy x (1 + ratio)."""
+    """With equal stages the planner's pipeline time is the simulator's at m, and so the bubble is the schedule's
+    idle/busy ratio: busy x (1 + ratio)."""
     m = pp * factor
     busy = 0.37
     pipeline = max(planner.pipeline_ends(TrainConfig(schedule=kind, pp=pp, vpp=vpp), m,
@@ -173,20 +172,35 @@ UNEVEN = {                   # per microbatch, [pp][vpp] work of each chunk (a t
     "heavy first and head": [[1.4], [1.0], [1.0], [1.3]],       # (two paces: the heavier takes over late)
     "own vpp=2": [[0.02, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.3]],
     "heavy head vpp=2": [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.4]],
+    "two paces vpp=2": [[1.05, 1.05], [0.5, 0.5], [1.0, 1.0], [0.5, 0.5]],   # (test_two_close_paces...)
 }
 
 
 @pytest.mark.parametrize("name", UNEVEN)
 @pytest.mark.parametrize("kind, m", [("1f1b", 4), ("1f1b", 16), ("1f1b", 22), ("gpipe", 16), ("1f1b", 40)])
 def test_pipeline_of_uneven_stages_is_the_simulators_at_m(name, kind, m):
-    """Uneven stages (with vpp > 1 and m = 40 > m1 + m2 = 8 + 12, the planner extends a few groups of microbatches
-    to m by the steady state's time per group): each rank's end is the simulator's at m itself, every microbatch
-    simulated."""
+    """Uneven stages: each rank's end is the simulator's at m itself, every microbatch simulated, and no earlier than
+    the rank's own busy time (it computes one thing at a time)."""
     work = UNEVEN[name]
     forward, backward = [[w / 3 for w in row] for row in work], [[2 * w / 3 for w in row] for row in work]
     cfg = TrainConfig(schedule=kind, pp=4, vpp=len(work[0]))
-    assert Planner().pipeline_ends(cfg, m, forward, backward) == \
-        pytest.approx(simulate(kind, 4, cfg.vpp, m, forward, backward).ends, rel=1e-12)
+    ends = Planner().pipeline_ends(cfg, m, forward, backward)
+    assert ends == pytest.approx(simulate(kind, 4, cfg.vpp, m, forward, backward).ends, rel=1e-12)
+    assert all(end >= m * sum(row) * (1 - 1e-12) for end, row in zip(ends, work))
+
+
+def test_two_close_paces_are_simulated_to_the_end():
+    """pp=4, vpp=2 with two heavy ranks of close paces, rank 0 (2.1 per microbatch) and rank 2 (2.0), the others
+    light: rank 2, which starts later, sets the pace of the first groups of microbatches (8 to 12: + 2.0 each), rank 0
+    from 16 on (+ 2.1 each, its idle time then fixed). The planner's ends at m = 64 are the simulator's, 48 x 2.1
+    after those at 16, and no earlier than rank 0's busy time, 64 x 2.1 (a line through 8 and 12 microbatches was
+    3.7% short, 4 below it)."""
+    work = UNEVEN["two paces vpp=2"]
+    forward, backward = [[w / 3 for w in row] for row in work], [[2 * w / 3 for w in row] for row in work]
+    ends = {m: Planner().pipeline_ends(TrainConfig(pp=4, vpp=2), m, forward, backward) for m in (16, 64)}
+    assert ends[64] == pytest.approx(simulate("1f1b", 4, 2, 64, forward, backward).ends, rel=1e-12)
+    assert [b - a for a, b in zip(ends[16], ends[64])] == pytest.approx([48 * 2.1] * 4, rel=1e-12)
+    assert max(ends[64]) > 64 * 2.1
 
 
 def test_own_stages_bubble_is_their_fill_and_drain(small_data, tmp_path, planner):
