@@ -12,6 +12,7 @@ planner predicts from meta-device models equals what one training step of the re
 import csv
 import dataclasses
 import itertools
+import random
 from unittest import mock
 
 import pytest
@@ -132,6 +133,39 @@ def test_breakdown_of_equal_stages_is_the_analytic_bubble(kind, pp, vpp, factor,
     assert times["bubble"] == pytest.approx(busy * (pp - 1) / (m * vpp), rel=1e-12)
     assert {k: times[k] for k in own} == own
     assert sum(times.values()) == pytest.approx(max(ends) + own["dp"] + own["emb"], rel=1e-12)
+
+
+@pytest.mark.parametrize("kind, pp, vpp, m", [("1f1b", 4, 1, 16), ("gpipe", 3, 2, 7), ("1f1b", 4, 2, 64),
+                                              ("1f1b", 6, 3, 30), ("1f1b", 8, 2, 44)])
+def test_breakdown_adds_up_at_random_costs(kind, pp, vpp, m):
+    """Random [pp][vpp] costs (half of the draws with two heavy ranks of close paces), each rank's busy time m x its
+    chunk costs split at random into compute, tp and pp (as estimate builds the costs), random dp and emb: the
+    breakdown is the rank with the most work, its terms add up to the step, max over ranks of end + dp + emb, and
+    its bubble, step - that work, is no rounding-clamped negative (every rank ends after its busy time)."""
+    rng = random.Random(pp * vpp * m)
+    cfg = TrainConfig(schedule=kind, pp=pp, vpp=vpp)
+    for draw in range(8):
+        work = [[rng.uniform(0.2, 1.0) for _ in range(vpp)] for _ in range(pp)]
+        if draw % 2:
+            work = [[0.5] * vpp for _ in range(pp)]
+            i, j = rng.sample(range(pp), 2)
+            work[i], work[j] = [1.0] * vpp, [rng.uniform(1.01, 1.1)] * vpp
+        ends = Planner().pipeline_ends(cfg, m, [[w / 3 for w in row] for row in work],
+                                       [[2 * w / 3 for w in row] for row in work])
+        terms = []
+        for row in work:
+            busy = m * sum(row)
+            compute = busy * rng.uniform(0.6, 1.0)
+            tp = (busy - compute) * rng.random()
+            terms.append({"compute": compute, "tp": tp, "pp": busy - compute - tp, "dp": busy * rng.uniform(0, 0.05),
+                          "emb": busy * rng.uniform(0, 0.01)})
+        heaviest, times = step_breakdown(ends, terms)
+        step = max(end + t["dp"] + t["emb"] for end, t in zip(ends, terms))
+        work_h = sum(terms[heaviest].values())
+        assert work_h == max(sum(t.values()) for t in terms)
+        assert {k: times[k] for k in terms[heaviest]} == terms[heaviest]
+        assert sum(times.values()) == pytest.approx(step, rel=1e-12), (draw, work)
+        assert step - work_h >= -1e-12 * step and times["bubble"] == pytest.approx(step - work_h, abs=1e-12 * step)
 
 
 def test_breakdown_of_own_stages_is_the_heaviest_ranks():
