@@ -69,30 +69,47 @@ def test_non_causal_odd_head_dim_and_scale():
     _check(2, 1, 50, 24, torch.float32, causal=False, scale=0.3)
 
 
-def _gpu_table(name: str, d: int) -> dict:
-    """{kind: (BLOCK_M, BLOCK_N, warps, stages)} that attention._config picks on a GPU at head dim d (the
-    table's smallest head dim >= d)."""
-    tables = getattr(attention, name)
-    if name == "FP32_CONFIGS":
-        tables = {kind: attention.FP32_CONFIGS for kind in attention.GPU_CONFIGS}
-    return {kind: table[min(k for k in table if k >= d)] for kind, table in tables.items()}
+TABLES = {"GPU_CONFIGS": (torch.bfloat16, 0.0), "DROPOUT_CONFIGS": (torch.bfloat16, 0.1),
+          "FP32_CONFIGS": (torch.float32, 0.0)}     # the table: the dtype and dropout that _gpu_config reads it for
 
 
-@pytest.mark.parametrize("tables", ["GPU_CONFIGS", "DROPOUT_CONFIGS", "FP32_CONFIGS"])
-@pytest.mark.parametrize("d", [64, 80, 128])
-def test_gpu_block_sizes(monkeypatch, d, tables):
+def _gpu_choice(tables: str, d: int, cc: int) -> dict:
+    """{kind: (BLOCK_M, BLOCK_N, warps, stages)} that attention._gpu_config picks on a GPU of compute capability cc
+    at head dim d from `tables`."""
+    dtype, dropout = TABLES[tables]
+    return {kind: attention._gpu_config(kind, dtype, d, dropout, cc) for kind in attention.GPU_CONFIGS}
+
+
+@pytest.mark.parametrize("tables,d,cc", [(t, d, 90) for t in TABLES for d in (64, 80, 128)] + [
+    ("GPU_CONFIGS", 40, 90), ("GPU_CONFIGS", 40, 80), ("GPU_CONFIGS", 128, 80), ("DROPOUT_CONFIGS", 40, 90),
+    ("DROPOUT_CONFIGS", 128, 80), ("FP32_CONFIGS", 40, 90)], ids=str)
+def test_gpu_block_sizes(monkeypatch, tables, d, cc):
     """The GPU's block sizes (GPU_CONFIGS; DROPOUT_CONFIGS, used with dropout; FP32_CONFIGS, for fp32
     inputs) on a sequence that spans several blocks with a ragged end: the causal block ranges with
-    16- to 128-row blocks (on CPU, through the interpreter); d = 80 (gpt3-2.7b's, compile_check's third
-    head dim) takes the 128 configs with the head dim masked in 128-wide tiles."""
+    16- to 128-row blocks (on CPU, through the interpreter); d = 80 (gpt3-2.7b's) takes the 128 configs with
+    the head dim masked in 128-wide tiles. d = 40 (not a multiple of 16) and an A100 (cc 80) halve the streamed
+    block (_register_bound): 16 to 32 keys a block forward and in dq, 16 queries in dk/dv."""
+    choice = _gpu_choice(tables, d, cc)
     if DEVICE == "cpu":
-        monkeypatch.setattr(attention, "INTERPRET_CONFIGS", _gpu_table(tables, d))
+        monkeypatch.setattr(attention, "INTERPRET_CONFIGS", choice)
         _check(1, 1, 300, d, torch.float32)
-    elif tables == "FP32_CONFIGS":
-        _check(1, 2, 300, d, torch.float32)
-    else:
-        monkeypatch.setattr(attention, "GPU_CONFIGS", getattr(attention, tables))
-        _check(1, 2, 300, d, torch.bfloat16)
+    else:   # (the blocks run on any GPU; dropout's mask is test_dropout_matches_reference_with_the_kernels_mask's)
+        monkeypatch.setattr(attention, "_config", lambda kind, q, dropout_p: choice[kind])
+        _check(1, 2, 300, d, TABLES[tables][0])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_measured_configs_stay_where_they_were_measured(dtype, dropout):
+    """On an H100 (cc 90) at the tables' head dims (64, 128: the sweep's shapes, docs/benchmarks.md) and at head
+    dims that are multiples of 16 up to them, _gpu_config is the table's entry: the halving for other head dims
+    and older GPUs leaves what was timed as it was."""
+    for kind in attention.GPU_CONFIGS:
+        table = attention.FP32_CONFIGS if dtype == torch.float32 else (
+            attention.DROPOUT_CONFIGS if dropout else attention.GPU_CONFIGS)[kind]
+        for d in (16, 32, 48, 64, 80, 96, 112, 128):
+            entry = table[64 if d <= 64 else 128]
+            assert attention._gpu_config(kind, dtype, d, dropout, 90) == entry, (kind, d)
 
 
 def test_causal_rows_see_only_the_past():

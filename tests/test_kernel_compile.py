@@ -91,6 +91,49 @@ def test_the_check_reports_spills_and_compile_errors(compiler):
     assert ragged["error"] and ragged["problems"][0].startswith("does not compile")
 
 
+REGISTER_BOUND = """
+import json
+from megatron_mini.kernels import compile_check as C
+
+
+def attention(op, d, dtype, causal, dropout, cc=90):
+    case = f"8,16,2048,{d} {dtype}{' causal' if causal else ''}{' dropout' if dropout else ''}"
+    return [l for l in C.attention_launches(shapes=((8, 16, 2048, d),), dtypes=(dtype,), causal=(causal,), cc=cc)
+            if l.op == op and l.case in (case, case.replace(' causal', ''))][:1]
+
+
+def layernorm(op, n, cc=90, residual=None):
+    return [l for l in C.layernorm_launches(widths=(n,), dtypes=("bf16",), cc=cc)
+            if l.op == op and (residual is None or ("+res" in l.case) == residual)]
+
+
+sm90 = (attention("attn fwd", 40, "bf16", False, True) + attention("attn dkdv", 40, "bf16", True, False)
+        + attention("attn delta", 40, "fp16", False, False) + layernorm("ln bwd", 256, residual=True))
+sm80 = attention("attn dq", 128, "bf16", True, False, cc=80) + layernorm("ln fwd", 1024, cc=80, residual=False)
+out = []
+for arch, items in (("sm90", sm90), ("sm80", sm80)):
+    for r in C.compile_all(items, C.ARCHS[arch], workers=2):
+        out.append([arch, r.launch.op, r.launch.case, r.launch.config, r.spill, r.problems(C.ARCHS[arch])])
+print(json.dumps(out))
+"""
+
+
+def test_launches_the_tables_did_not_hold_compile_without_spills(compiler):
+    """What spilled with the tables as measured on an H100 (attention at head dims 64 and 128, LayerNorm's register
+    model) compiles clean with the rules for what they do not hold (tools/check_kernels.py, full: every head dim from
+    32 to 128, widths 128 to 24576): on sm_90, head dim 40 (not a multiple of 16: 16-112 B a thread in the forward,
+    24-40 B in dk/dv, 8 B in the fp16 delta pre-pass, before attention._register_bound and _delta_block_m halved
+    their blocks) and LayerNorm's backward at N = 256 with a residual (8 B at 16 elements a thread: now 8 at most,
+    NARROW_BWD_N); on an A100 (sm_80, mma.sync) dq at d = 128 (64-96 B at the H100's (128, 64)) and LayerNorm's
+    forward at N = 1024 (8 B at 32 elements a thread: 16 at most before Hopper)."""
+    proc = _python(["-c", REGISTER_BOUND])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(arch, op) for arch, op, *_ in out} == {("sm90", "attn fwd"), ("sm90", "attn dkdv"), ("sm90", "attn delta"),
+                                                  ("sm90", "ln bwd"), ("sm80", "attn dq"), ("sm80", "ln fwd")}
+    assert all(spill == 0 and problems == [] for *_, spill, problems in out), [row for row in out if row[-2]]
+
+
 @pytest.mark.parametrize("spec", ["fwd=a,b,c,d", "fwd=64,64,4", "bwd=64,64,4,3", "dq=0,64,4,3"])
 def test_check_kernels_refuses_a_bad_attention_spec_in_one_line(spec):
     """--attention KIND=M,N,WARPS,STAGES: a value that is not a positive integer was int()'s ValueError traceback

@@ -244,19 +244,21 @@ def test_add_layer_norm_gpu_launch_config(gpu_launch_config, shape):
 def _gpu_configs(block_n=1024):
     """Every GPU autotune candidate that fits rows of block_n, for the forward and the backward."""
     params = []
-    for kernel, budget in (("fwd", layernorm.FWD_BUDGET), ("bwd", layernorm.BWD_BUDGET)):
-        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, *budget):
+    for kernel in ("fwd", "bwd"):
+        for c in layernorm.fitting_configs(layernorm.CONFIGS, block_n, *layernorm.budget(kernel == "bwd", block_n)):
             params.append(pytest.param(kernel, c, id=f"{kernel}-BLOCK_M{c.kwargs['BLOCK_M']}-warps{c.num_warps}"))
     return params
 
 
-@pytest.mark.parametrize("kernel,config", _gpu_configs())
-def test_add_layer_norm_each_gpu_config(gpu_launch_config, monkeypatch, kernel, config):
-    """Each autotune candidate computes the same function (the autotuner may pick any of them)."""
+@pytest.mark.parametrize("n,kernel,config", [pytest.param(1000, *p.values, id=p.id) for p in _gpu_configs()] + [
+    pytest.param(200, *p.values, id=f"n200-{p.id}") for p in _gpu_configs(256) if p.values[0] == "bwd"])
+def test_add_layer_norm_each_gpu_config(gpu_launch_config, monkeypatch, n, kernel, config):
+    """Each autotune candidate computes the same function (the autotuner may pick any of them); at rows of 200
+    (256 wide tiles) the backward's, 8 elements a thread at most (NARROW_BWD_N), with up to 16 rows a tile."""
     tuned = getattr(layernorm, "_" + kernel)
     monkeypatch.setattr(tuned, "configs", [config])
     monkeypatch.setattr(tuned, "cache", {})
-    _check_add_layer_norm(*_add_inputs((90, 1000)))
+    _check_add_layer_norm(*_add_inputs((90, n)))
 
 
 def _fake_timings(monkeypatch, tuned, times):
@@ -387,18 +389,21 @@ def test_the_autotuner_is_asked_once_per_key(gpu_launch_config, monkeypatch):
     for n, dtype, residual, block_m, warps in straight:
         config = picked[(n, str(dtype), residual)]
         assert (block_m, warps) == (config.kwargs["BLOCK_M"], config.num_warps)
-        assert config is not layernorm.fitting_configs(layernorm.CONFIGS, kernels.next_power_of_2(n),
-                                                       *layernorm.FWD_BUDGET)[0]   # (a choice was made)
+        block_n = kernels.next_power_of_2(n)
+        assert config is not layernorm.fitting_configs(layernorm.CONFIGS, block_n,
+                                                       *layernorm.budget(False, block_n))[0]   # (a choice was made)
 
 
+@pytest.mark.parametrize("cc", [90, 80])
 @pytest.mark.parametrize("block_n", [2**k for k in range(15)])
-def test_gpu_configs_fit_every_width(block_n):
+def test_gpu_configs_fit_every_width(block_n, cc):
     """Every fused width gets candidates (an empty list would leave the autotuner nothing) within the
-    tile and per-thread bounds, each within its per-thread register share (64 K / threads, <= 255)."""
-    for (tile, per_thread, regs), widest in ((layernorm.FWD_BUDGET, layernorm.MAX_FUSED_N),
-                                             (layernorm.BWD_BUDGET, layernorm.MAX_FUSED_BWD_N)):
+    tile and per-thread bounds, each within its per-thread register share (64 K / threads, <= 255), on an
+    H100 and on an A100 (cc 80: at most 16 elements a thread forward)."""
+    for backward, widest in ((False, layernorm.MAX_FUSED_N), (True, layernorm.MAX_FUSED_BWD_N)):
         if block_n > widest:
             continue
+        tile, per_thread, regs = layernorm.budget(backward, block_n, cc)
         fit = layernorm.fitting_configs(layernorm.CONFIGS, block_n, tile, per_thread, regs)
         assert fit
         for c in fit:
@@ -407,6 +412,14 @@ def test_gpu_configs_fit_every_width(block_n):
             assert min(tile[0], block_n) <= elems <= max(tile[1], block_n)
             assert per_thread[0] <= per <= per_thread[1]
             assert regs[0] + regs[1] * per <= min(255, 65536 // (32 * c.num_warps))
+
+
+@pytest.mark.parametrize("block_n", [512, 1024, 2048, 4096])
+def test_the_h100_keeps_its_candidates_where_they_were_measured(block_n):
+    """On an H100 the benchmarked widths (768 to 4096, docs/benchmarks.md) are pruned as they were when timed: the
+    narrow-row and pre-Hopper caps on elements per thread (layernorm.budget) reach neither."""
+    assert layernorm.budget(False, block_n) == (layernorm.FWD_TILE, layernorm.FWD_PER_THREAD, layernorm.FWD_REGS)
+    assert layernorm.budget(True, block_n) == (layernorm.BWD_TILE, layernorm.BWD_PER_THREAD, layernorm.BWD_REGS)
 
 
 def test_layer_norm_strided_weights_and_wrong_sizes():

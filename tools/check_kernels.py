@@ -49,9 +49,9 @@ def main():
     arch = C.ARCHS[args.arch]
     if args.attention:
         items = C.attention_launches(shapes=C.BENCH_SHAPES, dtypes=("bf16",), causal=(True,),
-                                     configs=dict(args.attention))
+                                     configs=dict(args.attention), cc=arch.cc)
     else:
-        items = C.launches(quick=args.quick)
+        items = C.launches(quick=args.quick, cc=arch.cc)
     print(f"compiling {len(items)} launches for {arch.name} ...", flush=True)
     results = C.compile_all(items, arch, workers=args.workers)
     headers, rows, bad = C.summary(results, arch, per_launch=args.all)

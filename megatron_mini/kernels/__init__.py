@@ -28,6 +28,8 @@ import re
 MAX_HEAD_DIM = 128       # the attention's GPU configs are sized for head dims up to 128 (256 overflows shared memory)
 MAX_DROPOUT_SEQ = 46340  # the attention's dropout offsets row * s + col must fit in int32
 MAX_BATCH_HEADS = 65535  # the attention's launches put b * heads on grid axis 1, which CUDA caps at 65535
+HOPPER = 90              # compute capability (10 * major + minor) of the H100, whose dots are wgmma: the GPU the
+                         # kernels' configurations were sized on; older GPUs hold more in registers (kernels/*)
 # Every launch contracts a * b + c into one FMA, as the kernels were tuned and measured: said, not left to
 # Triton's default, which 3.10 turns off (3.9 warns in each process that leaves it unset); the interpreter
 # ignores it
@@ -90,6 +92,14 @@ def check_device(x, interpret: bool, module: str) -> None:
         why = interpreter_unsupported()
         if why:
             raise RuntimeError(why)
+
+
+@functools.cache
+def compute_capability(device) -> int:
+    """10 * major + minor of a CUDA device (90: H100, 80: A100)."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def cdiv(a: int, b: int) -> int:

@@ -31,7 +31,8 @@ import math
 import torch
 
 from .attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd, _keep_mask
-from . import FP_FUSION, attention_unsupported, cdiv, check_device, interpreting, next_power_of_2
+from . import (HOPPER, FP_FUSION, attention_unsupported, cdiv, check_device, compute_capability, interpreting,
+               next_power_of_2)
 
 # as @triton.jit reads it at import: the kernels are interpreted (CPU) when set
 _INTERPRET = interpreting()
@@ -63,18 +64,48 @@ FP32_CONFIGS = {64: (32, 32, 8, 1), 128: (16, 16, 4, 1)}
 # under the interpreter: small blocks, so small test shapes still cover several blocks and ragged ends,
 # oriented as on the GPU (dk/dv: fewer query rows than keys per block; fwd and dq: more)
 INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+DELTA_BLOCK_M = 64        # rows per program of the backward's delta pre-pass
 
 
-def _config(kind: str, q: torch.Tensor, dropout_p: float):
-    """(BLOCK_M, BLOCK_N, warps, stages) of kernel `kind` for q's dtype, head dim (the table's smallest
-    head dim >= d) and dropout."""
-    if _INTERPRET:
-        return INTERPRET_CONFIGS[kind]
-    if q.dtype == torch.float32:
+def _register_bound(d: int, cc: int, dropout_p: float) -> int:
+    """How many times a table's streamed block halves: once for each register load the tables (sized on an H100
+    at head dims 64 and 128) do not hold, with which their launches spill (tools/check_kernels.py, --arch sm80):
+    - a head dim that is not a multiple of 16: Triton cannot prove its rows 16-byte aligned, so tiles load element
+      by element into registers, with no async copy into shared memory;
+    - a GPU before Hopper: mma.sync holds both operands in registers, where wgmma reads them from shared memory;
+    - there, dropout's Philox draws (DROPOUT_CONFIGS make room for them beside wgmma's operands only)."""
+    before_hopper = cc < HOPPER
+    return (d % 16 != 0) + before_hopper + (before_hopper and dropout_p > 0)
+
+
+def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) of kernel `kind` at head dim d on a GPU of compute capability cc: the
+    table's for the dtype, dropout and its smallest head dim >= d, with the block the kernel streams (fwd and
+    dq: keys, BLOCK_N; dk/dv: queries, BLOCK_M) halved _register_bound times, to 16 at least (a dot's least)."""
+    if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
         table = (DROPOUT_CONFIGS if dropout_p > 0 else GPU_CONFIGS)[kind]
-    return table[min(d for d in table if d >= q.shape[-1])]
+    block_m, block_n, warps, stages = table[min(k for k in table if k >= d)]
+    halve = _register_bound(d, cc, dropout_p)
+    if kind == "dkdv":
+        block_m = max(16, block_m >> halve)
+    else:
+        block_n = max(16, block_n >> halve)
+    return block_m, block_n, warps, stages
+
+
+def _config(kind: str, q: torch.Tensor, dropout_p: float) -> tuple:
+    """_gpu_config for q's dtype, head dim and device; INTERPRET_CONFIGS under the interpreter."""
+    if _INTERPRET:
+        return INTERPRET_CONFIGS[kind]
+    return _gpu_config(kind, q.dtype, q.shape[-1], dropout_p, compute_capability(q.device))
+
+
+def _delta_block_m(d: int) -> int:
+    """Rows per program of the delta pre-pass: DELTA_BLOCK_M, halved at a head dim that is not a multiple of 16
+    (the element-wise loads of 64 rows of 16-bit o and do spill)."""
+    return DELTA_BLOCK_M >> (d % 16 != 0)
 
 
 def _strides(t: torch.Tensor):
@@ -129,8 +160,9 @@ def _backward(q, k, v, o, lse, do, dq, dk, dv, scale, causal, dropout_p, seed):
     b, h, s, d = q.shape
     meta = _meta(q, causal, dropout_p)
     delta = torch.empty_like(lse)
-    _bwd_delta[(cdiv(s, 64), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
-                                     HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64, **FP_FUSION)
+    rows = _delta_block_m(d)
+    _bwd_delta[(cdiv(s, rows), b * h)](o, do, delta, *_strides(o), *_strides(do), h, s,
+                                       HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=rows, **FP_FUSION)
     block_m, block_n, warps, stages = _config("dkdv", q, dropout_p)
     _bwd_dkdv[(cdiv(s, block_n), b * h)](
         q, k, v, do, dk, dv, lse, delta, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),

@@ -39,7 +39,7 @@ from . import attention as A
 from . import attention_kernels as AK
 from . import cross_entropy as CE
 from . import layernorm as LN
-from . import FP_FUSION, cdiv, next_power_of_2
+from . import FP_FUSION, HOPPER, cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,13 @@ BENCH_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 128))   # attention (b, heads,
 H100_SMS = 132
 
 
-def _candidates(tuned, block_n: int) -> list:
-    """The configs an autotuned LayerNorm kernel times at rows of block_n (its own pruning)."""
-    return tuned.early_config_prune(tuned.configs, None, BLOCK_N=block_n)
+def _candidates(backward: bool, block_n: int, cc: int) -> list:
+    """The configs an autotuned LayerNorm kernel times at rows of block_n on a GPU of compute capability cc."""
+    return LN.fitting_configs(LN.CONFIGS, block_n, *LN.budget(backward, block_n, cc))
 
 
 def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtypes=("bf16", "fp16", "fp32"),
-                       rows: int = 16384, sms: int = H100_SMS) -> list[Launch]:
+                       rows: int = 16384, sms: int = H100_SMS, cc: int = HOPPER) -> list[Launch]:
     """LayerNorm and add+LayerNorm, forward and backward, at each row width: every autotune candidate
     that survives `fitting_configs` (fused kernels), or the looped kernels past MAX_FUSED_N."""
     out = []
@@ -139,7 +139,7 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
                     out.append(Launch("ln fwd", case, LN._fwd_looped, fwd + (n, 1e-5),
                                       dict(HAS_RESIDUAL=res, BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)))
                 else:
-                    for c in _candidates(LN._fwd, block_n):
+                    for c in _candidates(False, block_n, cc):
                         out.append(Launch("ln fwd", case, LN._fwd.fn, fwd + (rows, n, 1e-5),
                                           dict(HAS_RESIDUAL=res, BLOCK_N=block_n, **c.all_kwargs())))
                 bwd = (x, x, x, x, x, f32, f32, f32, n, n, n, n)
@@ -153,7 +153,7 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
                                       (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n,
                                        cdiv(rows, groups)), dict(HAS_DRES=res, **loop)))
                 else:
-                    for c in _candidates(LN._bwd, block_n):
+                    for c in _candidates(True, block_n, cc):
                         out.append(Launch("ln bwd", case, LN._bwd.fn, bwd + (rows, n),
                                           dict(HAS_DRES=res, BLOCK_N=block_n, **c.all_kwargs())))
     return out
@@ -161,26 +161,26 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
 
 def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
                        dtypes=("bf16", "fp16", "fp32"), causal=(True, False),
-                       configs: dict | None = None) -> list[Launch]:
-    """The flash attention kernels as `flash_attention_qkv` launches them (q, k, v views of one packed
-    [s, b, 3 * heads * d] tensor; o, dq, dk, dv in the [s, b, heads, d] layout), for each shape
-    (b, heads, s, d), dtype, causal (or not) and dropout. `configs` ({kind: (BLOCK_M, BLOCK_N, warps,
-    stages)}) replaces the wrappers' choice (to check candidates before a sweep)."""
+                       configs: dict | None = None, cc: int = HOPPER) -> list[Launch]:
+    """The flash attention kernels as `flash_attention_qkv` launches them on a GPU of compute capability cc
+    (q, k, v views of one packed [s, b, 3 * heads * d] tensor; o, dq, dk, dv in the [s, b, heads, d] layout),
+    for each shape (b, heads, s, d), dtype, causal (or not) and dropout. `configs` ({kind: (BLOCK_M, BLOCK_N,
+    warps, stages)}) replaces the wrappers' choice (to check candidates before a sweep)."""
     out = []
     f32, seed = _ptr(torch.float32), _ptr(torch.int64)
     for b, h, s, d in shapes:
         qkv = (3 * h * d, d, b * 3 * h * d)          # (batch, head, seq) strides of q, k, v
         o = (h * d, d, b * h * d)                    # of o, do, dq, dk, dv
         for name in dtypes:
-            t = _ptr(_DTYPES[name])
-            q = torch.empty((1, 1, 1, d), dtype=_DTYPES[name])   # what the wrappers read their choices from
+            dtype = _DTYPES[name]
+            t, q = _ptr(dtype), torch.empty((1, 1, 1, d), dtype=dtype)   # (q: what _meta reads its choices from)
             for is_causal in causal:
                 for dropout in (0.0, 0.1):
                     meta = A._meta(q, is_causal, dropout)
                     case = f"{b},{h},{s},{d} {name}{' causal' if is_causal else ''}{' dropout' if dropout else ''}"
 
                     def cfg(kind):
-                        m, n, w, st = (configs or {}).get(kind) or A._config(kind, q, dropout)
+                        m, n, w, st = (configs or {}).get(kind) or A._gpu_config(kind, dtype, d, dropout, cc)
                         return dict(meta, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
 
                     scales = (0.125 * A.LOG2E, 0.125, dropout)
@@ -193,7 +193,7 @@ def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
                                       (t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, h, s, *scales),
                                       cfg("dq")))
             out.append(Launch("attn delta", f"{b},{h},{s},{d} {name}", AK._bwd_delta, (t, t, f32, *o, *o, h, s),
-                              dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=64)))
+                              dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=A._delta_block_m(d))))
     return out
 
 
@@ -217,13 +217,14 @@ def cross_entropy_launches(widths=((8192, 8192), (50304, 50257)), dtypes=("bf16"
     return out
 
 
-def launches(quick: bool = False) -> list[Launch]:
-    """Everything the wrappers launch on a GPU; `quick`: bf16 at the benchmark shapes only."""
+def launches(quick: bool = False, cc: int = HOPPER) -> list[Launch]:
+    """Everything the wrappers launch on a GPU of compute capability cc; `quick`: bf16 at the benchmark shapes
+    only."""
     if quick:
-        return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",))
-                + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,))
+        return (layernorm_launches(widths=(768, 4096, 24576), dtypes=("bf16",), cc=cc)
+                + attention_launches(shapes=BENCH_SHAPES, dtypes=("bf16",), causal=(True,), cc=cc)
                 + cross_entropy_launches(widths=((8192, 8192),), dtypes=("bf16",), smoothing=(False,)))
-    return layernorm_launches() + attention_launches() + cross_entropy_launches()
+    return layernorm_launches(cc=cc) + attention_launches(cc=cc) + cross_entropy_launches()
 
 
 # ----------------------------------------------------------------------------------- compiling

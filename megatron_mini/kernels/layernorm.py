@@ -33,7 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import FP_FUSION, as_rows, autotune, cdiv, check_device, interpreting, launch_tuned, next_power_of_2
+from . import (HOPPER, FP_FUSION, as_rows, autotune, cdiv, check_device, compute_capability, interpreting,
+               launch_tuned, next_power_of_2)
 
 MAX_FUSED_N = 16384       # widest row the forward holds whole in registers
 MAX_FUSED_BWD_N = 4096    # the same for the backward (x, dy, dw, db and w per column): at 8192 every
@@ -56,8 +57,10 @@ FWD_PER_THREAD, BWD_PER_THREAD = (8, 32), (8, 16)   # 8: one 16-byte load of 16-
 # 104 at 32 elements, the backward up to 124 at 8 and 206 at 16); a block of W warps may use at most
 # 64 K / (32 W) (<= 255) each, and a config past that spills to local memory
 FWD_REGS, BWD_REGS = (24, 2.5), (40, 11)
-FWD_BUDGET = (FWD_TILE, FWD_PER_THREAD, FWD_REGS)   # what fitting_configs holds each pass's configs to
-BWD_BUDGET = (BWD_TILE, BWD_PER_THREAD, BWD_REGS)
+# where ptxas spills below that model (tools/check_kernels.py, Triton 3.9), fewer elements per thread: 8 in the
+# backward of rows at most NARROW_BWD_N wide (16 spill on sm_90: 8 rows of 256 in 4 warps, with a residual), 16 in
+# the forward before Hopper (ptxas for sm_80 holds 32 in 64 registers, 4 rows in 4 or 8 warps, and spills)
+NARROW_BWD_N, NARROW_BWD_PER_THREAD, PRE_HOPPER_FWD_PER_THREAD = 256, 8, 16
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
 # the wrappers take their GPU path; otherwise _launch picks BLOCK_M there)
 INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 2}, num_warps=4)]
@@ -77,14 +80,27 @@ def fitting_configs(configs, block_n: int, tile: tuple, per_thread: tuple, regs:
                 and regs[0] + regs[1] * per <= min(255, 65536 // (32 * c.num_warps)))
 
     fit = [c for c in configs if fits(c)]
-    return fit or [triton.Config({"BLOCK_M": max(1, tile[0] // block_n)}, num_warps=4)]
+    most = min(tile[0], 32 * 4 * per_thread[1])         # (the fallback's 4 warps at their most elements a thread)
+    return fit or [triton.Config({"BLOCK_M": max(1, most // block_n)}, num_warps=4)]
 
 
-def _autotune(key, budget):
-    """kernels.autotune (timings cached on disk where triton can) over the CONFIGS that fit the row width, BLOCK_N;
-    under the interpreter its one config (a single config is neither pruned nor timed)."""
+def budget(backward: bool, block_n: int, cc: int = HOPPER) -> tuple:
+    """(tile, per_thread, regs): what fitting_configs holds the forward's or the backward's configs to at rows of
+    block_n on a GPU of compute capability cc."""
+    if backward:
+        most = NARROW_BWD_PER_THREAD if block_n <= NARROW_BWD_N else BWD_PER_THREAD[1]
+        return BWD_TILE, (BWD_PER_THREAD[0], most), BWD_REGS
+    most = PRE_HOPPER_FWD_PER_THREAD if cc < HOPPER else FWD_PER_THREAD[1]
+    return FWD_TILE, (FWD_PER_THREAD[0], most), FWD_REGS
+
+
+def _autotune(key, backward: bool):
+    """kernels.autotune (timings cached on disk where triton can) over the CONFIGS that fit the row width, BLOCK_N,
+    on the GPU of the rows X; under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
-        return fitting_configs(configs, kwargs["BLOCK_N"], *budget)
+        x = named_args["X"]
+        cc = compute_capability(x.device) if x.is_cuda else HOPPER    # (tests that take the GPU path on a CPU)
+        return fitting_configs(configs, kwargs["BLOCK_N"], *budget(backward, kwargs["BLOCK_N"], cc))
 
     return autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key, prune)
 
@@ -100,7 +116,7 @@ def _load_h(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
     return x
 
 
-@_autotune(["n_cols", "HAS_RESIDUAL"], FWD_BUDGET)
+@_autotune(["n_cols", "HAS_RESIDUAL"], backward=False)
 @triton.jit
 def _fwd(X, R, H, Y, W, B, Mu, Rstd, stride_x, stride_r, stride_h, stride_y, n_rows, n_cols, eps,
          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -149,7 +165,7 @@ def _bwd_tile(X, DY, DH, Mu, Rstd, tile, cols, col_ok, n_rows, stride_x, stride_
     return x, x0, dy, dh, mu, rstd
 
 
-@_autotune(["n_cols", "HAS_DRES"], BWD_BUDGET)
+@_autotune(["n_cols", "HAS_DRES"], backward=True)
 @triton.jit
 def _bwd(X, DY, DH, DX, W, Mu, Rstd, Part, stride_x, stride_dy, stride_dh, stride_dx, n_rows, n_cols,
          HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
