@@ -14,15 +14,16 @@ lowers to PTX and the ptxas it ships assembles a cubin for the target (sm_90 = H
     blocks    resident blocks per SM = min(64 K regs / (regs * threads), 228 KiB / (smem + 1 KiB),
               64 warps / warps, 32), with registers allocated per warp in units of 256
 
-`launches()` lists what `layernorm.py`, `attention.py` and `cross_entropy.py` launch on a GPU: the
-LayerNorm autotune candidates that survive their pruning at 7 widths (x [16384, N], weights in x's
-dtype, as the model holds them), the attention GPU_CONFIGS, DROPOUT_CONFIGS and FP32_CONFIGS at
-BENCH_SHAPES and a head dim of 80 (the packed-qkv layout of `flash_attention_qkv`, which the model
-uses), and the cross-entropy candidates at vocabulary widths 8192 and 50304, each in bf16, fp16 and
-fp32, with and without residual / causal / dropout / label smoothing. The arguments carry the run's dtypes,
-strides and sizes, so Triton specialises them as at run time (16-byte alignment, sizes divisible by
-16 or not). Run it in its own process with TRITON_INTERPRET unset (`tools/check_kernels.py`):
-compiling swaps in a stand-in for Triton's driver (`driver._active`, as in Triton 3.x).
+`launches(cc=...)` lists what `layernorm.py`, `attention.py` and `cross_entropy.py` launch on a GPU of that
+compute capability: the LayerNorm autotune candidates that survive their pruning at LN_WIDTHS (128 to 24576,
+x [16384, N], weights in x's dtype, as the model holds them), the attention configurations `_gpu_config` picks
+at ATTENTION_SHAPES (head dims 32 to 128, the packed-qkv layout of `flash_attention_qkv`, which the model uses),
+and the cross-entropy candidates at vocabulary widths 8192 and 50304 (which hold every candidate), each in bf16,
+fp16 and fp32, with and without residual / causal / dropout / label smoothing. The arguments carry the run's
+dtypes, strides and sizes, so Triton specialises them as at run time (16-byte alignment, sizes divisible by
+16 or not); launches that specialise alike (a width and the power of 2 above it) are compiled once. Run it in
+its own process with TRITON_INTERPRET unset (`tools/check_kernels.py`): compiling swaps in a stand-in for
+Triton's driver (`driver._active`, as in Triton 3.x).
 """
 from __future__ import annotations
 
@@ -114,6 +115,13 @@ def _ptr(dtype: torch.dtype) -> torch.Tensor:
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BENCH_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 128))   # attention (b, heads, s, d) of make bench-kernels
+# the head dims (hidden / heads) users train with, powers of 2 or not (the kernels pad d to BLOCK_D): 80 is
+# gpt3-2.7b's (20 heads, 1600 wide), 40 is hidden 640 with 16 heads; the others at 16 heads, s = 2048
+ATTENTION_SHAPES = tuple(sorted(BENCH_SHAPES + ((8, 20, 2048, 80),)
+                                + tuple((8, 16, 2048, d) for d in (32, 40, 48, 56, 96, 112)), key=lambda s: s[3]))
+# LayerNorm row widths (hidden sizes) from 128 to past MAX_FUSED_N, powers of 2 or not (640, 1600, 2560, 5120:
+# the same fused launches as the power of 2 above them, but a width the wrappers round up there)
+LN_WIDTHS = (128, 256, 512, 640, 768, 1024, 1600, 2048, 2560, 4096, 5120, 8192, 12288, 16384, 24576)
 H100_SMS = 132
 
 
@@ -122,7 +130,7 @@ def _candidates(backward: bool, block_n: int, cc: int) -> list:
     return LN.fitting_configs(LN.CONFIGS, block_n, *LN.budget(backward, block_n, cc))
 
 
-def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtypes=("bf16", "fp16", "fp32"),
+def layernorm_launches(widths=LN_WIDTHS, dtypes=("bf16", "fp16", "fp32"),
                        rows: int = 16384, sms: int = H100_SMS, cc: int = HOPPER) -> list[Launch]:
     """LayerNorm and add+LayerNorm, forward and backward, at each row width: every autotune candidate
     that survives `fitting_configs` (fused kernels), or the looped kernels past MAX_FUSED_N."""
@@ -159,7 +167,7 @@ def layernorm_launches(widths=(768, 1024, 2048, 4096, 8192, 16384, 24576), dtype
     return out
 
 
-def attention_launches(shapes=BENCH_SHAPES + ((8, 20, 2048, 80),),
+def attention_launches(shapes=ATTENTION_SHAPES,
                        dtypes=("bf16", "fp16", "fp32"), causal=(True, False),
                        configs: dict | None = None, cc: int = HOPPER) -> list[Launch]:
     """The flash attention kernels as `flash_attention_qkv` launches them on a GPU of compute capability cc
@@ -286,11 +294,31 @@ def _compile_forked(i: int) -> tuple:
     return _compile(_FORKED[i])
 
 
+def _specialized(arg) -> tuple:
+    """What Triton's compiled code depends on of a runtime argument: a tensor's dtype and 16-byte alignment,
+    an int's being 1, its divisibility by 16 and its width (i32 or wider), a float's type (not its value)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, int):
+        return (int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31)
+    return (type(arg),)
+
+
+def _binary(item: Launch) -> tuple:
+    """Launches with one key compile to one binary (a LayerNorm width and the power of 2 above it, when both
+    are multiples of 16, say): compile_all builds each once."""
+    return (item.kernel, tuple(_specialized(a) for a in item.args), tuple(sorted(item.meta.items())))
+
+
 def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compiled]:
-    """Compile each launch for `arch` (no GPU needed), in `workers` forked processes; a compile error
-    is recorded, not raised."""
+    """Compile each launch for `arch` (no GPU needed), in `workers` forked processes, each distinct binary
+    once (its copies report its result, at 0 s); a compile error is recorded, not raised."""
     if LN._INTERPRET or A._INTERPRET or CE._INTERPRET:
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset (the kernels were built for the interpreter)")
+    first = {}
+    for item in items:
+        first.setdefault(_binary(item), item)
+    unique = list(first.values())
     from triton.runtime import driver
     previous = driver._active
     driver.set_active(_TargetDriver(arch.cc))
@@ -298,13 +326,15 @@ def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compi
         if workers > 1:
             import multiprocessing
             ctx = multiprocessing.get_context("fork")    # the launches reach the workers unpickled
-            with ctx.Pool(workers, initializer=_fork_init, initargs=(items,)) as pool:
-                raw = pool.map(_compile_forked, range(len(items)), chunksize=1)
+            with ctx.Pool(workers, initializer=_fork_init, initargs=(unique,)) as pool:
+                raw = pool.map(_compile_forked, range(len(unique)), chunksize=1)
         else:
-            raw = [_compile(item) for item in items]
+            raw = [_compile(item) for item in unique]
     finally:
         driver._active = previous
-    return [Compiled(item, *r) for item, r in zip(items, raw)]
+    done = {_binary(item): r for item, r in zip(unique, raw)}
+    return [Compiled(item, *(done[key] if first[key] is item else (0.0,) + done[key][1:]))
+            for item, key in ((item, _binary(item)) for item in items)]
 
 
 def summary(results: list[Compiled], arch: Arch, per_launch: bool = False) -> tuple[list, list, list]:
