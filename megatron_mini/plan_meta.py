@@ -125,7 +125,7 @@ class RankFacts:
 
 @functools.lru_cache(maxsize=4)
 def _schedules(kind: str, pp: int, vpp: int, m: int) -> tuple:
-    """Every pipeline rank's action list (schedules.build_schedule): for each rank's shape, and the graph."""
+    """Every pipeline rank's action list (schedules.build_schedule), read by _schedule_shape and Planner._graph."""
     return tuple(build_schedule(kind, pp, vpp, m, r) for r in range(pp))
 
 
@@ -318,10 +318,6 @@ class Planner:
                 peak = live, sum(v)
         return peak
 
-    def stage_ranks(self, cfg: TrainConfig, dp: int) -> list:
-        """The pipeline ranks that speak for all, sorted (stage_speakers)."""
-        return sorted(set(self.stage_speakers(cfg, dp)))
-
     def stage_speakers(self, cfg: TrainConfig, dp: int) -> list:
         """Per pipeline rank, the rank that speaks for it: of each stage shape (the embedding, block count and
         head of each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks
@@ -381,7 +377,6 @@ class Planner:
         if key not in self._graphs:
             self._graphs[key] = schedule_graph(list(_schedules(*key)), cfg.vpp, m)
         return self._graphs[key]
-
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:

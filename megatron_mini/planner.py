@@ -117,7 +117,7 @@ class Estimate:
     """One layout's predicted memory and step time (see the module doc)."""
     cfg: TrainConfig
     dp: int
-    ranks: list                     # RankFacts of one pipeline rank per stage shape (Planner.stage_ranks)
+    ranks: list                     # RankFacts of one pipeline rank per stage shape (Planner.stage_speakers)
     heaviest: int                   # the pp rank whose work bounds the step (step_breakdown)
     bubble: float                   # the bubble over that rank's busy time (compute + tp + pp)
     times: dict                     # seconds per step: that rank's compute, tp, pp, dp, emb, and the bubble
