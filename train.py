@@ -18,8 +18,8 @@ import traceback
 
 def quiet_interrupt(kind, value, tb) -> None:
     """sys.excepthook: Ctrl-C before train() takes it as a request to stop (each rank imports torch, reads the data:
-    seconds) ends the command without a traceback (every rank printed one); Python then ends by SIGINT (a shell's
-    130). Any other exception is printed as always."""
+    seconds), or a second one during it, ends the command without a traceback (every rank printed one); Python then
+    ends by SIGINT (a shell's 130). Any other exception is printed as always."""
     if not issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, value, tb)
 
@@ -62,6 +62,9 @@ def main(dict_cfg: DictConfig) -> None:
         fail(str(e), code=1, reporter=None, peer_ended=peer_closed(e))
     except Terminated:                     # stopped by the launcher because of another rank's failure
         os._exit(143)
+    except KeyboardInterrupt:              # a second Ctrl-C (the first asks for a save): at once, silent as before
+        sys.excepthook = quiet_interrupt   # train(), though wandb.init wrapped the hook in one that prints it
+        raise
     except Exception as e:                 # a bug: its traceback is torchrun's root cause too (Hydra prints it)
         write_error_file(first_line(e), traceback.format_exc())
         raise

@@ -17,6 +17,7 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_STOP_AT=module                          ... or as it first imports `module` (megatron_mini.training)
   HOOK_RAISE_RANK=r, HOOK_RAISE_AT_CALL=n      rank r's F.layer_norm raises ZeroDivisionError at its n-th call:
                                                a bug that stops one rank mid-step
+  HOOK_RAISE=KeyboardInterrupt                 ... or KeyboardInterrupt, as a second Ctrl-C raises it mid-step
 """
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ if os.environ.get("RANK") is not None:
         _norm, _norms, _raise_at = _F.layer_norm, [0], int(os.environ["HOOK_RAISE_AT_CALL"])
         def _raising_layer_norm(*args, **kwargs):
             _norms[0] += 1
+            if _norms[0] == _raise_at and os.environ.get("HOOK_RAISE") == "KeyboardInterrupt":
+                raise KeyboardInterrupt
             if _norms[0] == _raise_at:
                 raise ZeroDivisionError(f"hook: a bug in rank {_rank}'s layer norm")
             return _norm(*args, **kwargs)

@@ -544,6 +544,21 @@ def test_ctrl_c_as_a_run_starts_ends_it_without_a_traceback(small_data, tmp_path
     assert not run_dir.exists()
 
 
+def test_a_second_ctrl_c_mid_step_ends_it_without_a_traceback_with_wandb_on(small_data, tmp_path, hooks):
+    """A second Ctrl-C raises KeyboardInterrupt wherever the step is (the hook raises it in a LayerNorm, mid-step):
+    the command ends at once by SIGINT (a shell's 130), unsaved and silent, as before train(), also with wandb on
+    (offline, the default without an API key): wandb.init wraps sys.excepthook in a hook that prints every
+    traceback, which was 60 lines through the model's frames."""
+    from commandline import PYTHON
+    run_dir = tmp_path / "run"
+    r = finish(start([PYTHON, "train.py", *model_args(small_data, run_dir)],
+                     env(hooks, RANK=0, WORLD_SIZE=1, WANDB_MODE="offline", HOOK_RAISE_RANK=0, HOOK_RAISE_AT_CALL=100,
+                         HOOK_RAISE="KeyboardInterrupt")), limit=60)      # (17 calls a forward: mid-run)
+    assert r.rc == -signal.SIGINT, r
+    assert "Traceback" not in r.all and "KeyboardInterrupt" not in r.all, r
+    assert (run_dir / "wandb").is_dir() and not (run_dir / "checkpoints").exists(), r
+
+
 def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
     """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
     last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
