@@ -270,14 +270,15 @@ class RunLogger:
             file, self._file = self._file, None
             file.close()
 
-    def finish(self) -> None:
-        """Close metrics.jsonl, finish the wandb run and wait until its files are on disk (safe to call twice)."""
+    def finish(self, exit_code: int | None = None) -> None:
+        """Close metrics.jsonl, finish the wandb run (`exit_code`: how wandb records its end, 0 by default: a
+        non-zero one shows it as failed) and wait until its files are on disk (safe to call twice)."""
         self.close()
         if self._run is not None:
             try:
                 import wandb
 
-                self._run.finish()
+                self._run.finish(exit_code=exit_code)
                 wandb.teardown()  # run.finish() can return before the .wandb file is fully written
             except Exception as e:
                 self._wandb_failed("finish", e)

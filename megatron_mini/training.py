@@ -869,5 +869,11 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
                   if cfg.precision.dtype == "fp16" else "lower optimizer.lr (or raise optimizer.warmup_steps)")
         raise RunError(f"Training stopped ({cfg.precision.dtype}): {e}. Nothing was saved over the last good "
                        f"checkpoint ({trainer.last_checkpoint or 'none'}); {advice}.") from None
+    except KeyboardInterrupt:
+        # a second Ctrl-C (the first asks for a save): the command ends at once, unsaved and without a traceback
+        # (train.py's quiet_interrupt, which replaces the hook wandb.init installed), so wandb's hook cannot record
+        # the interrupted run as it would (exit code 255, wandb's for Ctrl-C): done here, as its atexit would finish it
+        logger.finish(exit_code=255)
+        raise
     dist.destroy_process_group()
     return history

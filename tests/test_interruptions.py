@@ -548,7 +548,8 @@ def test_a_second_ctrl_c_mid_step_ends_it_without_a_traceback_with_wandb_on(smal
     """A second Ctrl-C raises KeyboardInterrupt wherever the step is (the hook raises it in a LayerNorm, mid-step):
     the command ends at once by SIGINT (a shell's 130), unsaved and silent, as before train(), also with wandb on
     (offline, the default without an API key): wandb.init wraps sys.excepthook in a hook that prints every
-    traceback, which was 60 lines through the model's frames."""
+    traceback, which was 60 lines through the model's frames. wandb still records the run as interrupted, with the
+    exit code its own hook gives a Ctrl-C (255; 0, a finished run, once its hook was replaced): its debug.log says."""
     from commandline import PYTHON
     run_dir = tmp_path / "run"
     r = finish(start([PYTHON, "train.py", *model_args(small_data, run_dir)],
@@ -557,6 +558,8 @@ def test_a_second_ctrl_c_mid_step_ends_it_without_a_traceback_with_wandb_on(smal
     assert r.rc == -signal.SIGINT, r
     assert "Traceback" not in r.all and "KeyboardInterrupt" not in r.all, r
     assert (run_dir / "wandb").is_dir() and not (run_dir / "checkpoints").exists(), r
+    (log,) = (run_dir / "wandb").glob("offline-run-*/logs/debug.log")
+    assert re.findall(r"got exitcode: (\d+)", log.read_text()) == ["255"], log.read_text()[-2000:]
 
 
 def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
