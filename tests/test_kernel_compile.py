@@ -2,9 +2,11 @@
 wrappers make (LayerNorm autotune candidates, attention configurations) through Triton's NVIDIA backend
 and the ptxas it ships, and reads registers, spills and shared memory from the cubin. The interpreter
 the other kernel tests use never compiles, so only this sees a kernel that does not lower, a block
-over its shared memory, or register spills. Subprocesses: the kernels must be built with
-TRITON_INTERPRET unset, which conftest sets for this process.
+over its shared memory, or register spills. Compiling runs in subprocesses (the kernels must be built with
+TRITON_INTERPRET unset, which conftest sets for this process): the `--quick` command line's, and one (the
+`compiled` fixture) for the launches the other compile tests read.
 """
+import importlib
 import json
 import os
 import subprocess
@@ -23,16 +25,19 @@ def _python(args, timeout=600):
                           timeout=timeout)
 
 
-def _can_compile():
-    proc = _python(["-c", "from megatron_mini.kernels import compile_check as C; print(C.available() or '')"])
-    return proc.stdout.strip() if proc.returncode == 0 else proc.stderr[-500:]
-
-
 @pytest.fixture(scope="module")
 def compiler():
-    why = _can_compile()
+    """Skips where Triton cannot compile for a GPU target (compile_check.available: its tools, read here)."""
+    from megatron_mini.kernels import compile_check as C
+    why = C.available()
     if why:
         pytest.skip(f"cannot compile for a GPU target here: {why}")
+
+
+def _check_kernels(monkeypatch):
+    """tools/check_kernels.py as a module, imported here with this process's TRITON_INTERPRET kept (it pops it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
+    return importlib.import_module("check_kernels")       # (tools/, on pytest's pythonpath)
 
 
 def test_every_gpu_launch_compiles_for_sm90_without_spills(compiler):
@@ -48,11 +53,12 @@ def test_every_gpu_launch_compiles_for_sm90_without_spills(compiler):
     assert "PROBLEM" not in out and ", 0 problems," in out
 
 
-SNIPPET = """
+COMPILE = """
 import json, torch
 from megatron_mini.kernels import compile_check as C
 from megatron_mini.kernels import layernorm as LN
-arch = C.ARCHS["sm90"]
+
+# probes of the check itself (sm_90)
 x, f = torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
 # a backward tile of 8 rows x 1024 in 32 warps: 8 elements per thread need ~100 registers, the block allows 64
 spilling = C.Launch("ln bwd", "N=768", LN._bwd.fn, (x, x, x, x, x, f, f, f, 768, 768, 768, 768, 16384, 768),
@@ -68,34 +74,9 @@ def fwd(config, d):
 big = fwd((128, 128, 8, 4), 128)
 # tl.arange needs a power-of-2 length: a 48-key block does not lower
 ragged = fwd((64, 48, 4, 1), 64)
-res = C.compile_all([spilling, fitting, big, ragged], arch)
-print(json.dumps([dict(mma=r.mma, regs=r.regs, spill=r.spill, smem=r.smem, error=r.error, problems=r.problems(arch),
-                       blocks=r.blocks_per_sm(arch) if not r.error else None) for r in res]))
-"""
 
 
-def test_the_check_reports_spills_and_compile_errors(compiler):
-    """The check is not vacuous: a tile too big for its block's register share spills, the same tile in
-    a config the pruning keeps does not, a pipeline too deep for shared memory is refused, and a block
-    that cannot lower is reported as a compile error."""
-    proc = _python(["-c", SNIPPET])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    spilling, fitting, big, ragged = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert spilling["regs"] <= 64 and spilling["spill"] > 0
-    assert any("spills" in p for p in spilling["problems"])
-    assert fitting["spill"] == 0 and fitting["problems"] == [] and fitting["blocks"] >= 1
-    assert 0 < fitting["regs"] <= 255
-    assert big["mma"] == "wgmma"          # a 16-bit dot on sm_90 is Hopper's warpgroup MMA
-    assert fitting["mma"] == "-"          # LayerNorm has no dot
-    assert big["smem"] > 232448 and any("shared memory" in p for p in big["problems"])
-    assert ragged["error"] and ragged["problems"][0].startswith("does not compile")
-
-
-REGISTER_BOUND = """
-import json
-from megatron_mini.kernels import compile_check as C
-
-
+# launches the tables as measured on an H100 did not hold, as the wrappers make them
 def attention(op, d, dtype, causal, dropout, cc=90):
     case = f"8,16,2048,{d} {dtype}{' causal' if causal else ''}{' dropout' if dropout else ''}"
     return [l for l in C.attention_launches(shapes=((8, 16, 2048, d),), dtypes=(dtype,), causal=(causal,), cc=cc)
@@ -110,15 +91,45 @@ def layernorm(op, n, cc=90, residual=None):
 sm90 = (attention("attn fwd", 40, "bf16", False, True) + attention("attn dkdv", 40, "bf16", True, False)
         + attention("attn delta", 40, "fp16", False, False) + layernorm("ln bwd", 256, residual=True))
 sm80 = attention("attn dq", 128, "bf16", True, False, cc=80) + layernorm("ln fwd", 1024, cc=80, residual=False)
-out = []
-for arch, items in (("sm90", sm90), ("sm80", sm80)):
-    for r in C.compile_all(items, C.ARCHS[arch], workers=2):
-        out.append([arch, r.launch.op, r.launch.case, r.launch.config, r.spill, r.problems(C.ARCHS[arch])])
+# (group, launch) per architecture: one compile_all, one pool of workers, each
+launches = {"sm90": [("probes", l) for l in (spilling, fitting, big, ragged)] + [("sm90", l) for l in sm90],
+            "sm80": [("sm80", l) for l in sm80]}
+out = {}
+for arch, pairs in launches.items():
+    a = C.ARCHS[arch]
+    for (group, _), r in zip(pairs, C.compile_all([l for _, l in pairs], a, workers=2)):
+        out.setdefault(group, []).append(dict(
+            op=r.launch.op, case=r.launch.case, config=r.launch.config, mma=r.mma, regs=r.regs, spill=r.spill,
+            smem=r.smem, error=r.error, problems=r.problems(a), blocks=r.blocks_per_sm(a) if not r.error else None))
 print(json.dumps(out))
 """
 
 
-def test_launches_the_tables_did_not_hold_compile_without_spills(compiler):
+@pytest.fixture(scope="module")
+def compiled(compiler):
+    """{group: [what compile_check made of each launch]}: COMPILE's launches, compiled once in one process for the
+    tests that read them."""
+    proc = _python(["-c", COMPILE])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_check_reports_spills_and_compile_errors(compiled):
+    """The check is not vacuous: a tile too big for its block's register share spills, the same tile in
+    a config the pruning keeps does not, a pipeline too deep for shared memory is refused, and a block
+    that cannot lower is reported as a compile error."""
+    spilling, fitting, big, ragged = compiled["probes"]
+    assert spilling["regs"] <= 64 and spilling["spill"] > 0
+    assert any("spills" in p for p in spilling["problems"])
+    assert fitting["spill"] == 0 and fitting["problems"] == [] and fitting["blocks"] >= 1
+    assert 0 < fitting["regs"] <= 255
+    assert big["mma"] == "wgmma"          # a 16-bit dot on sm_90 is Hopper's warpgroup MMA
+    assert fitting["mma"] == "-"          # LayerNorm has no dot
+    assert big["smem"] > 232448 and any("shared memory" in p for p in big["problems"])
+    assert ragged["error"] and ragged["problems"][0].startswith("does not compile")
+
+
+def test_launches_the_tables_did_not_hold_compile_without_spills(compiled):
     """What spilled with the tables as measured on an H100 (attention at head dims 64 and 128, LayerNorm's register
     model) compiles clean with the rules for what they do not hold (tools/check_kernels.py, full: every head dim from
     32 to 128, widths 128 to 24576): on sm_90, head dim 40 (not a multiple of 16: 16-112 B a thread in the forward,
@@ -126,20 +137,32 @@ def test_launches_the_tables_did_not_hold_compile_without_spills(compiler):
     their blocks) and LayerNorm's backward at N = 256 with a residual (8 B at 16 elements a thread: now 8 at most,
     NARROW_BWD_N); on an A100 (sm_80, mma.sync) dq at d = 128 (64-96 B at the H100's (128, 64)) and LayerNorm's
     forward at N = 1024 (8 B at 32 elements a thread: 16 at most before Hopper)."""
-    proc = _python(["-c", REGISTER_BOUND])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(arch, op) for arch, op, *_ in out} == {("sm90", "attn fwd"), ("sm90", "attn dkdv"), ("sm90", "attn delta"),
-                                                  ("sm90", "ln bwd"), ("sm80", "attn dq"), ("sm80", "ln fwd")}
-    assert all(spill == 0 and problems == [] for *_, spill, problems in out), [row for row in out if row[-2]]
+    out = [(arch, r) for arch in ("sm90", "sm80") for r in compiled[arch]]
+    assert {(arch, r["op"]) for arch, r in out} == {("sm90", "attn fwd"), ("sm90", "attn dkdv"), ("sm90", "attn delta"),
+                                                   ("sm90", "ln bwd"), ("sm80", "attn dq"), ("sm80", "ln fwd")}
+    assert all(r["spill"] == 0 and r["problems"] == [] for _, r in out), [(arch, r) for arch, r in out if r["spill"]]
+
+
+def test_check_kernels_compiles_by_default_for_the_gpu_the_kernels_were_sized_on(monkeypatch):
+    """--arch takes compile_check's ARCHS, by default the H100's (HOPPER: the compute capability the configurations
+    were sized on, and every *_launches' default), so neither can drift from the architectures the check knows."""
+    from megatron_mini.kernels import HOPPER
+    from megatron_mini.kernels import compile_check as C
+    arch = next(a for a in _check_kernels(monkeypatch)._parser(C)._actions if a.dest == "arch")
+    assert arch.default == C.DEFAULT_ARCH and C.ARCHS[arch.default].cc == HOPPER
+    assert sorted(arch.choices) == sorted(C.ARCHS) and {C.ARCHS[k].cc for k in arch.choices} >= {HOPPER, 80}
 
 
 @pytest.mark.parametrize("spec", ["fwd=a,b,c,d", "fwd=64,64,4", "bwd=64,64,4,3", "dq=0,64,4,3"])
-def test_check_kernels_refuses_a_bad_attention_spec_in_one_line(spec):
+def test_check_kernels_refuses_a_bad_attention_spec_in_one_line(spec, monkeypatch, capsys):
     """--attention KIND=M,N,WARPS,STAGES: a value that is not a positive integer was int()'s ValueError traceback
-    (after the compiler check); now it is argparse's one line, exit 2, like a wrong KIND or count, on any machine."""
-    proc = _python(["tools/check_kernels.py", "--attention", spec], timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (after the compiler check); now it is argparse's one line, exit 2, like a wrong KIND or count, on any machine
+    (main() as `python tools/check_kernels.py` runs it)."""
+    monkeypatch.setattr(sys, "argv", ["tools/check_kernels.py", "--attention", spec])
+    with pytest.raises(SystemExit) as stop:
+        _check_kernels(monkeypatch).main()
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert stop.value.code == 2 and "Traceback" not in err, err[-2000:]
     assert lines[0].startswith("usage: ") and "error: argument --attention: " in lines[-1], lines
-    assert repr(spec) in lines[-1] and proc.stdout == "", proc.stdout
+    assert repr(spec) in lines[-1] and out == "", out

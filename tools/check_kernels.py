@@ -1,12 +1,13 @@
 """Compile the Triton kernels' GPU launches for a GPU, without one (`make check-kernels`).
 
-    python tools/check_kernels.py [--arch sm90|sm80] [--quick] [--all] [--workers N]
+    python tools/check_kernels.py [--arch ARCH] [--quick] [--all] [--workers N]
     python tools/check_kernels.py --attention fwd=128,64,4,3 dkdv=32,128,8,2   # candidates
 
 Prints, per kernel and configuration, the tensor-core instruction of its dots, registers per thread,
 spilled bytes, shared memory, resident blocks per SM and the compile time (what is compiled, and how:
 megatron_mini/kernels/compile_check.py), then every launch that would not compile, would not fit,
 or spills. Exit status 1 when there is one.
+`--arch`: a key of compile_check.ARCHS (`--help` lists them); by default the GPU the configurations were sized on.
 `--quick`: bf16 at the benchmark shapes only. `--all`: one row per launch, not per configuration.
 `--attention KIND=M,N,WARPS,STAGES`: check an attention configuration instead of GPU_CONFIGS
 (e.g. a sweep candidate), at the benchmark shapes.
@@ -30,19 +31,25 @@ def _attention_spec(spec: str) -> tuple:
     return kind, numbers
 
 
-def main():
-    require_triton("check_kernels.py")
-    from megatron_mini.kernels import compile_check as C
+def _parser(C) -> argparse.ArgumentParser:
+    """The command line, its --arch from C (megatron_mini.kernels.compile_check)'s ARCHS and DEFAULT_ARCH."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=sorted(C.ARCHS), default="sm90",
-                    help="the GPU to compile for (default sm90: H100)")
+    ap.add_argument("--arch", choices=sorted(C.ARCHS), default=C.DEFAULT_ARCH,
+                    help=f"the GPU to compile for (default {C.DEFAULT_ARCH}: {C.ARCHS[C.DEFAULT_ARCH].gpu}, which the "
+                    f"kernels' configurations were sized on)")
     ap.add_argument("--quick", action="store_true", help="bf16 at the benchmark shapes only")
     ap.add_argument("--all", action="store_true", help="one row per launch")
     ap.add_argument("--attention", nargs="*", default=[], type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES",
                     help="instead: the attention launches with these configurations (KIND: fwd, dkdv or dq), bf16 at "
                     "the benchmark shapes")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    require_triton("check_kernels.py")
+    from megatron_mini.kernels import compile_check as C
+    args = _parser(C).parse_args()
     why = C.available()
     if why:
         sys.exit(f"error: cannot compile ahead of time here: {why}")

@@ -46,8 +46,8 @@ from . import FP_FUSION, HOPPER, cdiv, next_power_of_2
 @dataclass(frozen=True)
 class Arch:
     """What one SM of a GPU architecture holds (CUDA occupancy limits)."""
-    name: str
-    cc: int                   # compute capability, e.g. 90
+    gpu: str                  # e.g. "A100"
+    cc: int                   # compute capability, e.g. 80
     regs_per_sm: int = 65536
     smem_per_block: int = 232448     # opt-in maximum of dynamic shared memory per block (bytes)
     smem_per_sm: int = 233472
@@ -55,9 +55,21 @@ class Arch:
     warps_per_sm: int = 64
     blocks_per_sm: int = 32
 
+    @property
+    def name(self) -> str:
+        return f"{self.gpu} (sm_{self.cc})"
 
-ARCHS = {"sm90": Arch("H100/H200 (sm_90)", 90), "sm80": Arch("A100 (sm_80)", 80, smem_per_block=166912,
-                                                              smem_per_sm=167936)}
+
+def arch_key(cc: int) -> str:
+    """An architecture's key in ARCHS (check_kernels --arch): sm80 for compute capability 80."""
+    return f"sm{cc}"
+
+
+# the architectures the check compiles for; DEFAULT_ARCH: the one the kernels' configurations were sized on (HOPPER,
+# the launches' default cc)
+ARCHS = {arch_key(a.cc): a for a in (Arch("H100/H200", HOPPER),
+                                     Arch("A100", 80, smem_per_block=166912, smem_per_sm=167936))}
+DEFAULT_ARCH = arch_key(HOPPER)
 
 
 @dataclass
