@@ -81,7 +81,10 @@ def _register_bound(d: int, cc: int, dropout_p: float) -> int:
 def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages) of kernel `kind` at head dim d on a GPU of compute capability cc: the
     table's for the dtype, dropout and its smallest head dim >= d, with the block the kernel streams (fwd and
-    dq: keys, BLOCK_N; dk/dv: queries, BLOCK_M) halved _register_bound times, to 16 at least (a dot's least)."""
+    dq: keys, BLOCK_N; dk/dv: queries, BLOCK_M) halved _register_bound times, to 16 at least (a dot's least).
+    fp32 with dropout before Hopper takes 2 stages at least: FP32_CONFIGS has no dropout variant, its streamed block
+    is at 16 there already, and with 1 stage each streamed tile goes from global memory through registers into
+    shared memory, where 2 copy it asynchronously (cp.async), leaving those registers to the Philox draws."""
     if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
@@ -92,6 +95,8 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
         block_m = max(16, block_m >> halve)
     else:
         block_n = max(16, block_n >> halve)
+    if dtype == torch.float32 and dropout_p > 0 and cc < HOPPER:
+        stages = max(stages, 2)
     return block_m, block_n, warps, stages
 
 
