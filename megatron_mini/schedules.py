@@ -35,6 +35,7 @@ each other's sends (at pp=2 their messages no longer match). `simulate` checks a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
@@ -48,7 +49,7 @@ KINDS = ("gpipe", "1f1b")       # config.Schedule, the choice a run makes, is bu
 COMPUTE_OPS = ("forward", "backward")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     """One step of a rank's schedule. `peer` is the partner pp rank of a send/receive, -1 for compute."""
     op: str          # "forward" | "backward" | "send_act" | "recv_act" | "send_grad" | "recv_grad"
@@ -117,14 +118,20 @@ def backward_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, 
     return [(vpp - 1 - c, mb) for c, mb in forward_order(pp, vpp, num_microbatches)]
 
 
+@functools.lru_cache(maxsize=4)
+def _computes(pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    """The forwards in `forward_order` and the backwards in `backward_order`: every rank's (built once for all)."""
+    return (tuple(Action("forward", c, mb) for c, mb in forward_order(pp, vpp, num_microbatches)),
+            tuple(Action("backward", c, mb) for c, mb in backward_order(pp, vpp, num_microbatches)))
+
+
 def compute_steps(kind: str, pp: int, vpp: int, num_microbatches: int, rank: int) -> list[list[Action]]:
     """The forward/backward actions of `rank`, grouped into steps that share a communication batch.
 
     Order: warmup forwards, steady (forward, backward) pairs, cooldown backwards. Each compute is
     its own step, except that interleaved 1F1B runs a steady pair as one step (as Megatron does).
     """
-    fwd = [Action("forward", c, mb) for c, mb in forward_order(pp, vpp, num_microbatches)]
-    bwd = [Action("backward", c, mb) for c, mb in backward_order(pp, vpp, num_microbatches)]
+    fwd, bwd = _computes(pp, vpp, num_microbatches)
     warmup = num_warmup(kind, pp, vpp, num_microbatches, rank)
     steady = [list(pair) for pair in zip(fwd[warmup:], bwd)]
     if kind == "gpipe" or vpp == 1:
@@ -156,18 +163,18 @@ def _posted_receives(pp: int, vpp: int, num_microbatches: int, rank: int,
                      steps: list[list[Action]]) -> dict[int, list[Action]]:
     """{b: the receives `rank` posts in the batch after step b (b = -1: before the first step)}: each in
     the batch that runs with its send (the module docstring), act before grad."""
-    order = {"forward": forward_order(pp, vpp, num_microbatches),
-             "backward": backward_order(pp, vpp, num_microbatches)}
-    index = {(op, key): i for op, keys in order.items() for i, key in enumerate(keys)}
-    step_of = {(a.op, index[a.op, (a.chunk, a.microbatch)]): t for t, step in enumerate(steps) for a in step}
+    index = step_of = {}
+    if rank in (0, pp - 1):                 # (the ranks that receive a chunk-to-chunk hand-over)
+        index = {a: i for order in _computes(pp, vpp, num_microbatches) for i, a in enumerate(order)}
+        step_of = {(a.op, index[a]): t for t, step in enumerate(steps) for a in step}
     posted: dict[int, list[Action]] = {}
     for t, step in enumerate(steps):
         for a in step:
             for r in _receive_input(a, pp, vpp, rank):
                 b = t - 1
                 if (r.op, rank) in (("recv_act", 0), ("recv_grad", pp - 1)):   # a chunk-to-chunk hand-over
-                    sender = (a.chunk - 1 if a.op == "forward" else a.chunk + 1, a.microbatch)
-                    b = min(b, step_of.get((a.op, index[a.op, sender] + pp - 1), b))
+                    sender = Action(a.op, a.chunk - 1 if a.op == "forward" else a.chunk + 1, a.microbatch)
+                    b = min(b, step_of.get((a.op, index[sender] + pp - 1), b))
                 posted.setdefault(b, []).append(r)
     return {b: sorted(rs, key=lambda r: r.op != "recv_act") for b, rs in posted.items()}
 
