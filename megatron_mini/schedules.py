@@ -4,8 +4,9 @@ A schedule is a plain list of `Action`s per pipeline rank: compute (`forward`, `
 one local model chunk on one microbatch) and point-to-point communication (`send_act`,
 `recv_act`, `send_grad`, `recv_grad`). `build_schedule` writes the lists (GPipe, 1F1B,
 interleaved 1F1B), the engine (pipeline.py) runs them verbatim, and `simulate` runs all ranks
-together without processes to prove them deadlock-free and measure bubble and memory (`schedule_graph`
-checks the lists once and records what waits for what; its ScheduleGraph then times them at any costs).
+together without processes to prove them deadlock-free and measure bubble and memory (`check_actions` runs
+the lists under the contract; `schedule_graph` reads what waits for what off them, and its ScheduleGraph times
+them at any costs).
 
 Layout: pp ranks with vpp chunks each; chunk c on rank r is virtual stage vs = c*pp + r.
 Virtual stage 0 reads its input from data; the last one computes the loss.
@@ -47,6 +48,7 @@ Costs = Union[float, list]      # a compute's cost: one number for all, or a [pp
 
 KINDS = ("gpipe", "1f1b")       # config.Schedule, the choice a run makes, is built from these
 COMPUTE_OPS = ("forward", "backward")
+_CODES = {op: i for i, op in enumerate(COMPUTE_OPS + ("send_act", "send_grad", "recv_act", "recv_grad"))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,47 +262,97 @@ def simulate_actions(actions: list[list[Action]], vpp: int, num_microbatches: in
     chunk alike), or forward_cost[r][c] and backward_cost[r][c] for chunk c of rank r where they are [pp][vpp]
     tables (stages of their own sizes); communication is free but rendezvous: a batch completes when each of its
     ops has met the peer's matching op. Raises ScheduleError on deadlock, a message mismatch, a bad peer, compute
-    without its input, or a (chunk, microbatch) not run exactly once forward and once backward on every rank.
+    without its input, or a (chunk, microbatch) not run exactly once forward and once backward on every rank
+    (check_actions), then times the lists' ScheduleGraph.
     """
+    check_actions(actions, vpp, num_microbatches)
     return schedule_graph(actions, vpp, num_microbatches).simulate(forward_cost, backward_cost)
 
 
+def check_actions(actions: list[list[Action]], vpp: int, num_microbatches: int) -> None:
+    """Run the lists under the execution contract in no time and raise ScheduleError where they break it (see
+    `simulate_actions`)."""
+    _Simulator(actions, vpp, num_microbatches).run()
+
+
 def schedule_graph(actions: list[list[Action]], vpp: int, num_microbatches: int) -> ScheduleGraph:
-    """The checked dependency graph of these action lists (ScheduleError as `simulate_actions`): time it at
-    any costs with ScheduleGraph.simulate, or ScheduleGraph.rank_ends where only the ends are wanted."""
-    return _Simulator(actions, vpp, num_microbatches).run()
+    """What waits for what in these action lists (a ScheduleGraph: time it at any costs), read off the lists with
+    array operations, without running them. Number rank r's computes 0, 1, ... in its order: a message between its
+    computes i and i + 1 is posted after compute i (-1: before the first) and its batch is waited for by compute
+    i + 1 (by none after the last). The k-th send from rank a to rank b meets b's k-th receive from a, so the compute
+    that waits for one side's batch waits for the compute after which the other side was posted; besides its rank's
+    previous compute, that is all a compute waits for. The lists must keep the contract (check_actions:
+    build_schedule's do, as the tests check); a channel whose sends and receives differ in number, or computes that
+    wait for each other in a circle (a deadlock), raise ScheduleError; nothing else is checked."""
+    computes, peaks, messages, first = [], [], [], 0
+    posts = {}       # (src, dst, is_send) -> that side's messages: (the compute before the post, the one after the
+                     # batch), numbered over all ranks (rank r's i-th compute is first + i), -1: none
+    for r, acts in enumerate(actions):
+        op, chunk, mb, peer = (np.array(column, dtype=np.int64) for column in (       # (a list per field: the
+            [_CODES[a.op] for a in acts], [a.chunk for a in acts],                       # fastest way in)
+            [a.microbatch for a in acts], [a.peer for a in acts]))
+        compute, send = op < _CODES["send_act"], (op >= _CODES["send_act"]) & (op < _CODES["recv_act"])
+        receive, count = ~compute & ~send, int(compute.sum())
+        before = np.cumsum(compute) - 1                   # per action, the rank's last compute before it (-1: none)
+        for is_send, side in ((True, send), (False, receive)):
+            for q in np.unique(peer[side]).tolist():
+                i = before[side & (peer == q)]
+                posts[(r, q, True) if is_send else (q, r, False)] = (
+                    np.where(i >= 0, first + i, -1), np.where(i + 1 < count, first + i + 1, -1))
+        peaks.append(int(np.cumsum(np.where(op[compute] == 0, 1, -1)).max(initial=0)))   # forwarded, not backwarded
+        messages.append((int(send.sum()), int(receive.sum())))
+        computes.append(np.column_stack([np.full(count, r), op[compute], chunk[compute], mb[compute]]))
+        first += count
+    waits = [np.zeros((0, 2), dtype=np.int64)]            # (waiter, waited for)
+    for src, dst in {(src, dst) for src, dst, _ in posts}:
+        none = (np.zeros(0, dtype=np.int64),) * 2
+        (send_after, send_waiter), (recv_after, recv_waiter) = (posts.get((src, dst, s), none) for s in (True, False))
+        if len(send_after) != len(recv_after):
+            raise ScheduleError(f"Rank {src} sends rank {dst} {len(send_after)} messages and rank {dst} receives "
+                                f"{len(recv_after)} (check_actions says which).")
+        waits += [np.column_stack([recv_waiter, send_after]), np.column_stack([send_waiter, recv_after])]
+    waits = np.concatenate(waits)
+    return ScheduleGraph(actions, vpp, num_microbatches, np.concatenate(computes),
+                         waits[(waits >= 0).all(axis=1)], peaks, messages)
 
 
 class ScheduleGraph:
     """What waits for what under the execution contract, whatever the costs. A rank posts a batch when the
     compute before it ends (at 0 when none does), and the batch completes when each peer has posted the
-    matching side; so compute k (numbered here so that it follows all it waits for) starts when the last of its
-    predecessors ends: the rank's previous compute, and for each message of the batch just before it, the
-    compute after which the peer posted its side. Its end is that start + its cost: the longest path to it.
-    The computes fall into levels (level 0 waits for none, level i + 1 for some of level i and none later),
-    so timing the schedule at a set of costs is one numpy pass per level, not a simulation."""
+    matching side; so a compute starts when the last of its predecessors ends: the rank's previous compute, and
+    for each message of the batch just before it, the compute after which the peer posted its side. Its end is
+    that start + its cost: the longest path to it. The computes fall into levels (level 0 waits for none, level
+    i + 1 for some of level i and none later), so timing the schedule at a set of costs is one numpy pass per
+    level, not a simulation."""
 
-    def __init__(self, actions: list, vpp: int, m: int, computes: list, preds: list, peaks: list):
-        """computes[k] = (rank, op index in COMPUTE_OPS, chunk, microbatch), each rank's in its own order, and
-        preds[k] the computes it waits for (-1: none), each before k."""
+    def __init__(self, actions: list, vpp: int, m: int, computes: np.ndarray, waits: np.ndarray, peaks: list,
+                 messages: list):
+        """computes: [n, 4] (rank, op index in COMPUTE_OPS, chunk, microbatch), rank after rank, each rank's in its
+        order; waits: [e, 2] (a compute, one of another rank's that it waits for), numbered as in computes; peaks
+        (SimResult.peak_in_flight) and messages (the sends and the receives) per rank."""
         self.actions, self.pp, self.vpp, self.m, self.peak_in_flight = actions, len(actions), vpp, m, peaks
-        width = max(map(len, preds))
-        waits = [[*p, *[-1] * (width - len(p))] for p in preds]   # [computes, width]
-        level = [0] * len(waits) + [-1]                            # (level[-1]: none's)
-        for k, p in enumerate(waits):
-            level[k] = 1 + max(level[j] for j in p)
-        level.pop()
+        self.messages = messages
+        rank, op, chunk, mb = computes.T
+        n = len(computes)
+        first = np.searchsorted(rank, np.arange(self.pp + 1))          # rank r's computes: first[r]:first[r + 1]
+        local = np.arange(n) - first[rank]                             # each compute's place on its rank
+        # preds: [n, 1 + the most a compute waits for on other ranks], its rank's previous compute first; n: none
+        waits = waits[np.argsort(waits[:, 0], kind="stable")]
+        column = np.arange(len(waits)) - np.searchsorted(waits[:, 0], waits[:, 0])   # its place among its waiter's
+        preds = np.full((n, 1 + column.max(initial=-1) + 1), n)
+        preds[:, 0] = np.where(local > 0, np.arange(n) - 1, n)
+        preds[waits[:, 0], 1 + column] = waits[:, 1]
+        level = _levels(preds, first, local)
         # a compute's position: by level, each rank's computes still in its order; position n (none) ends at 0
         order = np.argsort(level, kind="stable")
-        position = np.empty(len(order) + 1, dtype=np.int64)
-        position[order], position[-1] = np.arange(len(order)), len(order)
-        self.preds = position[np.array(waits)[order]]             # [computes, width], by position
+        position = np.empty(n + 1, dtype=np.int64)
+        position[order], position[-1] = np.arange(n), n
+        self.preds = position[preds[order]]                        # [computes, 1 + width], by position
         bounds = np.cumsum(np.bincount(level)).tolist()
         self.levels = list(zip([0, *bounds[:-1]], bounds))        # the positions of each level, a range
-        rank, op, chunk, mb = (np.array(column) for column in zip(*computes))
         self.cost_index = ((op * self.pp + rank) * vpp + chunk)[order]    # into a cost_table, flattened
         self.op, self.chunk, self.microbatch = op[order], chunk[order], mb[order]
-        self.runs = [position[np.flatnonzero(rank == r)] for r in range(self.pp)]   # per rank, in its order
+        self.runs = [position[a:b] for a, b in zip(first[:-1], first[1:])]   # per rank, in its order
 
     def cost_table(self, forward: Costs, backward: Costs) -> np.ndarray:
         """[2, pp, vpp]: per microbatch, each chunk's forward and backward cost (simulate_actions' rule)."""
@@ -340,21 +392,46 @@ class ScheduleGraph:
         return SimResult(self.actions, timelines, self.peak_in_flight, float(end.max()), busy)
 
 
+def _levels(preds: np.ndarray, first: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Each compute's level, the most computes on a chain of waits before it (preds as in ScheduleGraph.__init__,
+    rank r's computes first[r]:first[r + 1], local their places on it), by longest-path updates in sweeps over the
+    ranks, 0 to pp - 1 and back: a rank's levels become 1 + the largest of each compute's predecessors' (none's:
+    -1), then level_i >= level_(i-1) + 1 along its run at once (a running maximum of level_i - i). From each run's
+    0, 1, 2, ... the levels only rise and never pass the longest chain, so they stop on it when a sweep changes
+    nothing: after a few sweeps for build_schedule's lists, whose chains run down the ranks and back (fill, drain).
+    Computes that wait for each other in a circle rise without end: ScheduleError once a level passes n."""
+    n, pp = len(preds), len(first) - 1
+    level = np.append(local, -1)                                      # (level[n]: none's)
+    changed = True
+    while changed:
+        changed = False
+        for r in [*range(pp), *reversed(range(pp))]:
+            a, b = first[r], first[r + 1]
+            lifted = level[preds[a:b, 0]]
+            for column in preds[a:b, 1:].T:
+                np.maximum(lifted, level[column], out=lifted)
+            lifted += 1 - local[a:b]
+            np.maximum.accumulate(lifted, out=lifted)
+            lifted += local[a:b]
+            if not np.array_equal(lifted, level[a:b]):
+                level[a:b], changed = lifted, True
+        if level.max() >= n:
+            raise ScheduleError("Schedule deadlocks: computes wait for each other in a circle (check_actions "
+                                "says where).")
+    return level[:n]
+
+
 @dataclass
 class _RankState:
     pos: int = 0                     # index of the next step (compute action or batch)
-    last: int = -1                   # the rank's latest compute (-1: none yet)
     posted: bool = False             # whether the current batch was posted
-    waits: set = field(default_factory=set)        # computes the next compute waits for, by its batch (-1: none)
     inputs: set = field(default_factory=set)       # (kind, vs, mb) received or handed over locally
     forwarded: set = field(default_factory=set)    # (chunk, mb)
     backwarded: set = field(default_factory=set)
-    peak: int = 0
 
 
 class _Simulator:
-    """Runs the action lists of all ranks under the execution contract, in no time: checks them and records
-    what each compute waits for (a ScheduleGraph)."""
+    """Runs the action lists of all ranks under the execution contract, in no time, and checks them."""
 
     def __init__(self, actions, vpp, m):
         self.actions, self.pp, self.vpp, self.m = actions, len(actions), vpp, m
@@ -362,9 +439,8 @@ class _Simulator:
         self.steps = [[s if isinstance(s, Action) else [self._message(a, r) for a in s]
                        for s in comm_batches(acts)] for r, acts in enumerate(actions)]
         self._number_messages()
-        self.posted = {}             # (channel, k, is_send) -> (the compute the batch followed, message, rank)
-        self.matched = {}            # (channel, k) -> the computes the two sides' batches followed
-        self.computes, self.preds = [], []
+        self.posted = {}             # (channel, k, is_send) -> (message, rank)
+        self.matched = set()         # (channel, k) of the messages whose two sides were posted
 
     def fail(self, rank: int, action: Action, why: str):
         raise ScheduleError(f"rank {rank}, {action}: {why}")
@@ -392,7 +468,7 @@ class _Simulator:
                 msg["k"] = count.get(msg["channel"], 0)
                 count[msg["channel"]] = msg["k"] + 1
 
-    def run(self) -> ScheduleGraph:
+    def run(self) -> None:
         progress = True
         while progress:
             progress = any([self._advance(r) for r in range(self.pp)])
@@ -404,7 +480,6 @@ class _Simulator:
                 if len(done) != self.vpp * self.m:
                     raise ScheduleError(f"rank {r} runs {len(done)} of its {self.vpp * self.m} "
                                         f"(chunk, microbatch) {name}s")
-        return ScheduleGraph(self.actions, self.vpp, self.m, self.computes, self.preds, [st.peak for st in self.ranks])
 
     def _advance(self, r: int) -> bool:
         """Run rank r as far as it can go; True if it moved."""
@@ -419,7 +494,6 @@ class _Simulator:
                     moved = True
                 if not all((m["channel"], m["k"]) in self.matched for m in step):
                     return moved
-                st.waits.update(c for m in step for c in self.matched[m["channel"], m["k"]])
                 st.posted = False
             st.pos += 1
             moved = True
@@ -441,11 +515,6 @@ class _Simulator:
         done.add((a.chunk, mb))
         if self.pp == 1:             # the next (previous) chunk is local: hand the result over in-process
             st.inputs.add(("act", vs + 1, mb) if forward else ("grad", vs - 1, mb))
-        st.peak = max(st.peak, len(st.forwarded) - len(st.backwarded))
-        st.waits.add(st.last)
-        self.preds.append(st.waits)
-        self.computes.append((r, COMPUTE_OPS.index(a.op), a.chunk, mb))
-        st.last, st.waits = len(self.computes) - 1, set()
 
     def _post(self, r: int, batch: list[dict]):
         st = self.ranks[r]
@@ -455,13 +524,13 @@ class _Simulator:
             if msg["is_send"] and (a.chunk, a.microbatch) not in (
                     st.forwarded if a.op == "send_act" else st.backwarded):
                 self.fail(r, a, "sends a result that was not computed yet")
-            mine = self.posted[msg["channel"], msg["k"], msg["is_send"]] = (st.last, msg, r)
+            mine = self.posted[msg["channel"], msg["k"], msg["is_send"]] = (msg, r)
             other = self.posted.get((msg["channel"], msg["k"], not msg["is_send"]))
             if other is not None:
                 self._match(*((mine, other) if msg["is_send"] else (other, mine)))
 
     def _match(self, send, recv):
-        (after_send, s, src), (after_recv, d, dst) = send, recv
+        (s, src), (d, dst) = send, recv
         if s["key"] != d["key"]:
             raise ScheduleError(
                 f"Message #{s['k']} from rank {src} to rank {dst} does not match: rank {src} sends "
@@ -469,7 +538,7 @@ class _Simulator:
                 f"but rank {dst} receives it as {d['action']} = {d['key'][0]} for virtual stage "
                 f"{d['key'][1]}, microbatch {d['key'][2]}.")
         self.ranks[dst].inputs.add(d["key"])
-        self.matched[s["channel"], s["k"]] = (after_send, after_recv)
+        self.matched.add((s["channel"], s["k"]))
 
     def _waiting(self, r: int) -> str:
         step = self.steps[r][self.ranks[r].pos]

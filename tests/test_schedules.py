@@ -11,7 +11,7 @@ import pytest
 from megatron_mini import schedules
 from megatron_mini.config import ConfigError, TrainConfig, validate
 from megatron_mini.schedules import (
-    Action, ScheduleError, build_schedule, check_schedule, comm_batches, simulate, simulate_actions,
+    Action, ScheduleError, build_schedule, check_schedule, comm_batches, schedule_graph, simulate, simulate_actions,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -440,3 +440,40 @@ def test_timing_is_the_contract_event_by_event(kind, pp):
             equal = simulate_actions(actions, vpp, m, [[1.0 / vpp] * vpp] * pp, [[2.0 / vpp] * vpp] * pp)
             assert equal.makespan == pytest.approx(
                 _dataflow_makespan(actions, [[1.0 / vpp] * vpp] * pp, [[2.0 / vpp] * vpp] * pp), rel=1e-12), where
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, vpp, m", [(2, 3, 17), (3, 4, 25), (5, 2, 41), (7, 3, 30), (8, 1, 67), (8, 4, 64)])
+def test_graph_read_off_the_lists_is_the_contract_at_many_microbatches(kind, pp, vpp, m):
+    """schedule_graph reads what waits for what off the lists with array operations and finds its levels in rounds
+    (the planner's path: no check_actions); at many microbatches (several groups, m not a multiple of pp) and
+    random per-chunk costs, every compute's start and end and each rank's end are the contract's timed event by
+    event (_contract_timing), to the bit: both take the latest of the same ends and add the same cost."""
+    rng = random.Random(pp * 100 + m)
+    actions = [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
+    forward = [[rng.uniform(0.05, 1.0) for _ in range(vpp)] for _ in range(pp)]
+    backward = [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)]
+    graph = schedule_graph(actions, vpp, m)
+    res = graph.simulate(forward, backward)
+    slots, peaks = _contract_timing(actions, forward, backward)
+    assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots
+    assert graph.rank_ends(forward, backward) == [s[-1][1] for s in slots]
+    assert res.peak_in_flight == peaks
+
+
+def test_graph_refuses_lists_it_cannot_time():
+    """schedule_graph checks nothing but what it cannot do without: a channel whose sends and receives differ in
+    number (a message without its other side), and computes that wait for each other in a circle (a deadlock)."""
+    lists = _lists(vpp=2, m=4)
+    del lists[0][_index(lists[0], "send_act", 1, 3)]
+    with pytest.raises(ScheduleError, match="Rank 0 sends rank 1 7 messages and rank 1 receives 8"):
+        schedule_graph(lists, 2, 4)
+    lists = _lists(pp=2, m=2)        # rank 0 sends its activations after its first backward, which waits for them
+    sends = [a for a in lists[0] if a.op == "send_act"]
+    lists[0] = [a for a in lists[0] if a.op != "send_act"]
+    at = _index(lists[0], "backward", 0, 0) + 1
+    lists[0][at:at] = sends
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate_actions(lists, 1, 2)
+    with pytest.raises(ScheduleError, match="deadlocks: computes wait for each other in a circle"):
+        schedule_graph(lists, 1, 2)
