@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from unittest import mock
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -123,10 +124,11 @@ class RankFacts:
         return sum(self.chunk_flops)
 
 
-@functools.lru_cache(maxsize=4)
-def _schedules(kind: str, pp: int, vpp: int, m: int) -> tuple:
-    """Every pipeline rank's action list (schedules.build_schedule), read by _schedule_shape and Planner._graph."""
-    return tuple(build_schedule(kind, pp, vpp, m, r) for r in range(pp))
+@functools.lru_cache(maxsize=2)
+def _graph(kind: str, pp: int, vpp: int, m: int) -> ScheduleGraph:
+    """The dependency graph of every pipeline rank's build_schedule list (schedules.schedule_graph: the lists keep the
+    execution contract, which tests/test_schedules checks), read by _schedule_shape and Planner.pipeline_ends."""
+    return schedule_graph([build_schedule(kind, pp, vpp, m, r) for r in range(pp)], vpp, m)
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,18 +137,23 @@ def _schedule_shape(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
     schedule; the distinct (chunk, such a vector) right before each backward, its own microbatch counted; both in
     the order they first occur; the pipeline sends and receives counted by direction): the activation peak of any
     per-chunk sizes is the largest dot product with one of the first vectors, the backward's peaks those with
-    the second."""
-    live, vectors, backwards, sends = [0] * vpp, {}, {}, Counter()
-    for a in _schedules(kind, pp, vpp, m)[rank]:              # the actions in the engine's order
-        if a.op == "forward":
-            live[a.chunk] += 1
-            vectors.setdefault(tuple(live), None)
-        elif a.op == "backward":
-            backwards.setdefault((a.chunk, tuple(live)), None)
-            live[a.chunk] -= 1
-        else:
-            sends[a.op.split("_")[0]] += 1
-    return list(vectors), list(backwards), dict(sends)
+    the second. With step[i, c] = +1 where compute i is a forward of chunk c, -1 a backward, the vectors are the
+    rows of live = cumsum(step) (after each compute), and live - step before it."""
+    graph = _graph(kind, pp, vpp, m)
+    run = graph.runs[rank]                                     # the rank's computes in the engine's order
+    forward, chunk = graph.op[run] == 0, graph.chunk[run]
+    step = np.where(forward, 1, -1)[:, None] * (chunk[:, None] == np.arange(vpp))        # [computes, vpp]
+    live = np.cumsum(step, axis=0)
+    vectors = _first_rows(live[forward])
+    backwards = _first_rows(np.column_stack([chunk, live - step])[~forward])
+    sends = {op: n for op, n in zip(("send", "recv"), graph.messages[rank]) if n}
+    return [tuple(v) for v in vectors], [(c, tuple(v)) for c, *v in backwards], sends
+
+
+def _first_rows(a: np.ndarray) -> list:
+    """The distinct rows of the 2-d array a in the order they first occur, as lists."""
+    _, first = np.unique(a, axis=0, return_index=True)
+    return a[np.sort(first)].tolist()
 
 
 def bool_dropout_masks(cfg: TrainConfig) -> bool:
@@ -250,11 +257,11 @@ def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) 
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    ddp_bucket_numel, dtype), each schedule's dependency graph per (kind, pp, vpp, m) and its ends per costs."""
+    ddp_bucket_numel, dtype), each schedule's ends per (kind, pp, vpp, m) and costs (its dependency graph: _graph)."""
 
     def __init__(self, layers: dict | None = None):
         self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
-        self._chunks, self._ranks, self._graphs, self._ends = {}, {}, {}, {}
+        self._chunks, self._ranks, self._ends = {}, {}, {}
 
     def layer_jobs(self, cfg: TrainConfig) -> list:
         """[(kind, key, measure_layer's arguments)] of cfg's layer kinds: "embedding", "head", "first" (a
@@ -265,9 +272,9 @@ class Planner:
         L = cfg.model.num_layers
         kinds = [("embedding", 0, 1, False), ("first", 1, 2, False), ("block", 1, 2, True),
                  ("head", L + 1, L + 2, True)]
+        model, saves = dataclasses.astuple(cfg.model), (math_attention(cfg), bool_dropout_masks(cfg))
         return [(name, (name, cfg.tp, cfg.sp, "none" if name in ("embedding", "head") else cfg.recompute,
-                        cfg.precision.dtype, cfg.mbs, dataclasses.astuple(cfg.model), math_attention(cfg),
-                        bool_dropout_masks(cfg)),
+                        cfg.precision.dtype, cfg.mbs, model, *saves),
                  (cfg, (first, end), residual)) for name, first, end, residual in kinds]
 
     def layer_facts(self, cfg: TrainConfig) -> dict:
@@ -323,12 +330,14 @@ class Planner:
         head of each of the rank's chunks), the rank with the largest activation peak (the first of a tie). Ranks
         of one shape differ only in the microbatches in flight: the first and the last rank, alone with their
         embedding and head, have shapes of their own, so the others send, receive and compute alike."""
-        layers, best, shapes = self.layer_facts(cfg), {}, []
+        layers, best, shapes, chunks = self.layer_facts(cfg), {}, [], {}
         for r in range(cfg.pp):
             mine = local_stage_layers(cfg, r)
             L = cfg.model.num_layers
             shape = tuple((a == 0, blocks_in(L, a, b), b == L + 2) for a, b in mine)
-            peak = self._peak(cfg, dp, r, _chunk_facts(cfg, layers, mine))[0]
+            if shape not in chunks:                   # (what a shape's chunks hold: the same Facts)
+                chunks[shape] = _chunk_facts(cfg, layers, mine)
+            peak = self._peak(cfg, dp, r, chunks[shape])[0]
             if shape not in best or peak > best[shape][0]:
                 best[shape] = (peak, r)
             shapes.append(shape)
@@ -362,21 +371,15 @@ class Planner:
         backward[r][c] ([pp][vpp] tables; see schedules.simulate_actions). All m microbatches are simulated: two
         stages of close paces can take turns setting it late (a lighter one that starts later first, the heaviest
         after), so a line through the ends at fewer microbatches can fall short, even of the heaviest rank's own busy
-        time (pp = 4, vpp = 2, m = 64: 3.7% short). The schedule's dependency graph (schedules.ScheduleGraph), which
-        does not depend on the costs, is built once per (kind, pp, vpp, m) and timed once per set of costs (layouts
-        that differ only in ZeRO have the same)."""
+        time (pp = 4, vpp = 2, m = 64: 3.7% short). The schedule's dependency graph (_graph), which does not depend
+        on the costs, is read off its lists once per (kind, pp, vpp, m) (planner._shares keeps a worker's layouts
+        of one at a time together) and timed once per set of costs (layouts that differ only in ZeRO have the
+        same)."""
         forward, backward = tuple(map(tuple, forward)), tuple(map(tuple, backward))
         key = (cfg.schedule, cfg.pp, cfg.vpp, m, forward, backward)
         if key not in self._ends:
-            self._ends[key] = self._graph(cfg, m).rank_ends(forward, backward)
+            self._ends[key] = _graph(cfg.schedule, cfg.pp, cfg.vpp, m).rank_ends(forward, backward)
         return self._ends[key]
-
-    def _graph(self, cfg: TrainConfig, m: int) -> ScheduleGraph:
-        """The dependency graph of cfg's schedule over m microbatches."""
-        key = (cfg.schedule, cfg.pp, cfg.vpp, m)
-        if key not in self._graphs:
-            self._graphs[key] = schedule_graph(list(_schedules(*key)), cfg.vpp, m)
-        return self._graphs[key]
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:

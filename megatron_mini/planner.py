@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import math
 import multiprocessing
 import os
@@ -321,6 +322,8 @@ def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None =
         # fork is quick, but where a GPU is visible autograd's first backward starts a thread per device, and
         # torch refuses autograd in a child forked after that: spawn there (seen on an H100 in pytest)
         fork = sys.platform == "linux" and not torch.cuda.is_available()
+        if fork:         # autograd's first backward imports torch._dynamo (1.1 s of CPU): here once, not in each worker
+            importlib.import_module("torch._dynamo")
         context = multiprocessing.get_context("fork" if fork else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived
             estimates = _in_processes(pool, planner, valid, base.cluster, workers)
@@ -354,14 +357,15 @@ def _estimates(layers: dict, cfgs: list, cluster: ClusterConfig) -> list:
 
 
 def _shares(cfgs: list, workers: int) -> list:
-    """Indices of cfgs in `workers` shares of about equal work: layouts that differ only in ZeRO, recompute
-    and sp share their rank builds, so they stay together; a group costs its blocks per rank."""
+    """Indices of cfgs in `workers` shares of about equal work: layouts of one (tp, pp, vpp) share their schedule's
+    dependency graph (the microbatch count is the global batch over dp = gpus / (tp pp)), and those that differ only
+    in ZeRO, recompute and sp their rank builds, so they stay together; a group costs its blocks per rank."""
     groups = {}
     for i, c in enumerate(cfgs):
-        groups.setdefault((c.tp, c.pp, c.vpp, c.embedding_stage), []).append(i)
-    def cost(members: list) -> float:                # rank builds (one per ZeRO setting) of ~ L / pp blocks
+        groups.setdefault((c.tp, c.pp, c.vpp), []).append(i)
+    def cost(members: list) -> float:                # rank builds (one per split and ZeRO setting) of ~ L / pp blocks
         c = cfgs[members[0]]
-        return len({cfgs[i].zero for i in members}) * (1 + c.model.num_layers / c.pp)
+        return len({(cfgs[i].embedding_stage, cfgs[i].zero) for i in members}) * (1 + c.model.num_layers / c.pp)
     shares, load = [[] for _ in range(workers)], [0.0] * workers
     for members in sorted(groups.values(), key=cost, reverse=True):     # longest first, to the least loaded
         w = load.index(min(load))
