@@ -124,10 +124,11 @@ class RankFacts:
         return sum(self.chunk_flops)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=1)
 def _graph(kind: str, pp: int, vpp: int, m: int) -> ScheduleGraph:
     """The dependency graph of every pipeline rank's build_schedule list (schedules.schedule_graph: the lists keep the
-    execution contract, which tests/test_schedules checks), read by _schedule_shape and Planner.pipeline_ends."""
+    execution contract, which tests/test_schedules checks), read by _schedule_shape and Planner.time_pipelines; the
+    latest kept (planner.estimates takes the layouts of one schedule together)."""
     return schedule_graph([build_schedule(kind, pp, vpp, m, r) for r in range(pp)], vpp, m)
 
 
@@ -372,14 +373,27 @@ class Planner:
         stages of close paces can take turns setting it late (a lighter one that starts later first, the heaviest
         after), so a line through the ends at fewer microbatches can fall short, even of the heaviest rank's own busy
         time (pp = 4, vpp = 2, m = 64: 3.7% short). The schedule's dependency graph (_graph), which does not depend
-        on the costs, is read off its lists once per (kind, pp, vpp, m) (planner._shares keeps a worker's layouts
-        of one at a time together) and timed once per set of costs (layouts that differ only in ZeRO have the
-        same)."""
-        forward, backward = tuple(map(tuple, forward)), tuple(map(tuple, backward))
-        key = (cfg.schedule, cfg.pp, cfg.vpp, m, forward, backward)
-        if key not in self._ends:
-            self._ends[key] = _graph(cfg.schedule, cfg.pp, cfg.vpp, m).rank_ends(forward, backward)
-        return self._ends[key]
+        on the costs, is read off its lists once per (kind, pp, vpp, m) and timed once per set of costs (layouts
+        that differ only in ZeRO have the same), or ahead at many (time_pipelines)."""
+        self.time_pipelines([(cfg, m, forward, backward)])
+        return self._ends[_ends_key(cfg, m, forward, backward)]
+
+    def time_pipelines(self, pipelines: list) -> None:
+        """pipeline_ends of each (cfg, m, forward, backward) of `pipelines`, kept for when it is asked for: those of
+        one schedule (kind, pp, vpp, m) timed at all their costs in one pass over its graph (ScheduleGraph.rank_ends),
+        the schedules one after another (_graph keeps the latest)."""
+        todo = {}                                 # schedule -> {the key of its ends: the costs}
+        for cfg, m, forward, backward in pipelines:
+            key = _ends_key(cfg, m, forward, backward)
+            if key not in self._ends:
+                todo.setdefault(key[:4], {})[key] = (forward, backward)
+        for schedule, tables in todo.items():
+            self._ends.update(zip(tables, _graph(*schedule).rank_ends(list(tables.values()))))
+
+
+def _ends_key(cfg: TrainConfig, m: int, forward: list, backward: list) -> tuple:
+    """(kind, pp, vpp, m, the forward costs, the backward costs): what a pipeline's ends depend on."""
+    return cfg.schedule, cfg.pp, cfg.vpp, m, tuple(map(tuple, forward)), tuple(map(tuple, backward))
 
 
 def planned_memory(cfg: TrainConfig, dp: int) -> list:

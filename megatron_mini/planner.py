@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import itertools
 import math
 import multiprocessing
 import os
@@ -248,13 +249,46 @@ def _comm_s(cfg: TrainConfig, cluster: ClusterConfig, dp: int, rank: RankFacts, 
 
 def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Estimate:
     """Memory of the largest rank and the predicted step time of cfg's layout (see the module doc)."""
+    return estimates(planner, [cfg], cluster)[0]
+
+
+def estimates(planner: Planner, cfgs: list, cluster: ClusterConfig) -> list:
+    """[estimate(planner, cfg, cluster) for cfg in cfgs], with the pipelines of each run of layouts of one schedule
+    (kind, pp, vpp, m) timed together: the run's ranks and costs measured first, then its pipelines at all their
+    costs in one pass (Planner.time_pipelines: a pass costs about as much for ten tables as for one), then the steps.
+    """
+    def schedule(cfg: TrainConfig) -> tuple:
+        return cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches(cluster.gpus // (cfg.tp * cfg.pp))
+    found = []
+    for _, run in itertools.groupby(cfgs, key=schedule):
+        run = [(cfg, _measure(planner, cfg, cluster)) for cfg in run]
+        planner.time_pipelines([(cfg, x.m, x.forward, x.backward) for cfg, x in run])
+        found += [_finish(planner, cfg, cluster, x) for cfg, x in run]
+    return found
+
+
+@dataclass
+class _Measured:
+    """What a layout's estimate measures before its pipeline is timed."""
+    dp: int
+    m: int                          # microbatches per step
+    peak: float                     # FLOP/s at the cluster's efficiency
+    speakers: list                  # per pp rank, the rank that speaks for it (Planner.stage_speakers)
+    ranks: list                     # RankFacts of the speakers
+    terms: dict                     # per speaker, its compute, tp, pp, dp and emb seconds per step
+    forward: list                   # [pp][vpp] seconds of a microbatch through each chunk, forward and backward
+    backward: list
+
+
+def _measure(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> _Measured:
+    """cfg's ranks, their terms and its chunks' costs (see the module doc)."""
     dp = cluster.gpus // (cfg.tp * cfg.pp)
     dense = table_peak(cluster.gpu, cfg.precision.dtype, cfg.precision.tf32, cfg.precision.peak_tflops)  # as MFU's
     peak = dense * 1e12 * cluster.efficiency
     m = cfg.num_microbatches(dp)
     speakers = planner.stage_speakers(cfg, dp)
     ranks = [planner.measure_rank(cfg, dp, r) for r in sorted(set(speakers))]
-    parts, chunk_s = [], {}
+    terms, chunk_s = {}, {}
     for rank in ranks:
         comm = _comm_s(cfg, cluster, dp, rank, peak)
         pp = comm["pp"] / 2                                            # sends and receives overlap (duplex)
@@ -262,20 +296,25 @@ def estimate(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig) -> Esti
         if in_node(cluster, cfg.tp * dp):                              # ... on the link the TP overlaps use
             last_backward = max(last_backward - comm["hidden:tp"] / m, 0.0)
         first_forward = (1 / 3) * rank.microbatch_flops / peak         # ... and ZeRO-1's weight all-gather
-        parts.append({"compute": rank.flops / peak, "tp": comm["tp"], "pp": pp,
-                      "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),
-                      "emb": comm["emb"] + comm["mp"] + comm["world"]})
+        terms[rank.pp_rank] = {"compute": rank.flops / peak, "tp": comm["tp"], "pp": pp,
+                               "dp": max(comm["dp"] - last_backward, 0.0) + max(comm["zero"] - first_forward, 0.0),
+                               "emb": comm["emb"] + comm["mp"] + comm["world"]}
         chunk_s[rank.pp_rank] = [f / peak + (comm["tp"] + pp) / (m * cfg.vpp) for f in rank.chunk_flops]
     costs = [chunk_s[r] for r in speakers]                             # per microbatch, by pp rank and chunk
-    ends = planner.pipeline_ends(cfg, m, [[c / 3 for c in row] for row in costs],
-                                 [[2 * c / 3 for c in row] for row in costs])
-    part = {rank.pp_rank: p for rank, p in zip(ranks, parts)}
-    heaviest, times = step_breakdown(ends, [part[r] for r in speakers])
+    return _Measured(dp, m, peak, speakers, ranks, terms, [[c / 3 for c in row] for row in costs],
+                     [[2 * c / 3 for c in row] for row in costs])
+
+
+def _finish(planner: Planner, cfg: TrainConfig, cluster: ClusterConfig, x: _Measured) -> Estimate:
+    """cfg's estimate from what _measure found and its pipeline's ends (see the module doc)."""
+    ends = planner.pipeline_ends(cfg, x.m, x.forward, x.backward)
+    heaviest, times = step_breakdown(ends, [x.terms[r] for r in x.speakers])
     bubble = times["bubble"] / (times["compute"] + times["tp"] + times["pp"])
-    memory = max(sum(r.memory.values()) for r in ranks) / GiB
+    memory = max(sum(r.memory.values()) for r in x.ranks) / GiB
     step = sum(times.values())
-    mfu = cfg.model.flops_per_token() * cfg.gbs * cfg.model.seq_len / step / cluster.gpus / (peak / cluster.efficiency)
-    return Estimate(cfg, dp, ranks, heaviest, bubble, times, step, memory, memory <= cluster.capacity_gib, mfu)
+    flops = cfg.model.flops_per_token() * cfg.gbs * cfg.model.seq_len              # per step
+    mfu = flops / step / cluster.gpus / (x.peak / cluster.efficiency)
+    return Estimate(cfg, x.dp, x.ranks, heaviest, bubble, times, step, memory, memory <= cluster.capacity_gib, mfu)
 
 
 def step_breakdown(ends: list, terms: list) -> tuple[int, dict]:
@@ -317,7 +356,7 @@ def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None =
     valid, refused = layouts(base)
     workers = min(workers or os.cpu_count() or 1, 8, max(len(valid) // 16, 1))
     if workers == 1:
-        estimates = [estimate(planner, cfg, base.cluster) for cfg in valid]
+        found = estimates(planner, valid, base.cluster)
     else:
         # fork is quick, but where a GPU is visible autograd's first backward starts a thread per device, and
         # torch refuses autograd in a child forked after that: spawn there (seen on an H100 in pytest)
@@ -326,9 +365,9 @@ def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None =
             importlib.import_module("torch._dynamo")
         context = multiprocessing.get_context("fork" if fork else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived
-            estimates = _in_processes(pool, planner, valid, base.cluster, workers)
-    estimates.sort(key=lambda e: (not e.fits, e.step_s))
-    return Plan(base, estimates, refused, planner)
+            found = _in_processes(pool, planner, valid, base.cluster, workers)
+    found.sort(key=lambda e: (not e.fits, e.step_s))
+    return Plan(base, found, refused, planner)
 
 
 def _in_processes(pool: ProcessPoolExecutor, planner: Planner, cfgs: list, cluster: ClusterConfig,
@@ -352,8 +391,7 @@ def _measure_layers(jobs: list) -> dict:
 
 def _estimates(layers: dict, cfgs: list, cluster: ClusterConfig) -> list:
     """Estimates of `cfgs` by a Planner that knows `layers` (a worker's share of plan())."""
-    planner = Planner(layers)
-    return [estimate(planner, cfg, cluster) for cfg in cfgs]
+    return estimates(Planner(layers), cfgs, cluster)
 
 
 def _shares(cfgs: list, workers: int) -> list:

@@ -368,18 +368,20 @@ class ScheduleGraph:
         return np.stack(tables)
 
     def ends(self, costs: np.ndarray) -> np.ndarray:
-        """The end of every compute (by position, then the padding's 0) at a cost_table: the longest paths to
+        """The end of every compute (by position, then the padding's 0) at a cost_table, or at K of them stacked
+        ([K, 2, pp, vpp] -> [n + 1, K]: one pass for all, each column the numbers it has alone): the longest paths to
         them, level by level; a compute starts at ends[self.preds].max(axis=1)."""
-        cost = costs.reshape(-1)[self.cost_index]
-        end = np.zeros(len(cost) + 1)
+        cost = np.moveaxis(costs.reshape(*costs.shape[:-3], -1)[..., self.cost_index], -1, 0)    # [n] or [n, K]
+        end = np.zeros((len(cost) + 1, *cost.shape[1:]))
         for a, b in self.levels:
             end[a:b] = end[self.preds[a:b]].max(axis=1) + cost[a:b]
         return end
 
-    def rank_ends(self, forward: Costs, backward: Costs) -> list[float]:
-        """Per rank, when its last compute ends (SimResult.ends) at these costs."""
-        end = self.ends(self.cost_table(forward, backward))
-        return [float(end[run[-1]]) for run in self.runs]
+    def rank_ends(self, tables: list) -> list[list[float]]:
+        """For each (forward, backward) of `tables`, per rank, when its last compute ends (SimResult.ends): all in
+        one pass over the levels."""
+        end = self.ends(np.stack([self.cost_table(forward, backward) for forward, backward in tables]))
+        return end[[run[-1] for run in self.runs]].T.tolist()
 
     def simulate(self, forward: Costs, backward: Costs) -> SimResult:
         """The SimResult of the schedule at these costs."""

@@ -445,20 +445,22 @@ def test_timing_is_the_contract_event_by_event(kind, pp):
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp, vpp, m", [(2, 3, 17), (3, 4, 25), (5, 2, 41), (7, 3, 30), (8, 1, 67), (8, 4, 64)])
 def test_graph_read_off_the_lists_is_the_contract_at_many_microbatches(kind, pp, vpp, m):
-    """schedule_graph reads what waits for what off the lists with array operations and finds its levels in rounds
+    """schedule_graph reads what waits for what off the lists with array operations and finds its levels in sweeps
     (the planner's path: no check_actions); at many microbatches (several groups, m not a multiple of pp) and
-    random per-chunk costs, every compute's start and end and each rank's end are the contract's timed event by
-    event (_contract_timing), to the bit: both take the latest of the same ends and add the same cost."""
+    random per-chunk costs, every compute's start and end are the contract's timed event by event
+    (_contract_timing), to the bit: both take the latest of the same ends and add the same cost. So are each rank's
+    ends of three cost tables timed in one pass (rank_ends)."""
     rng = random.Random(pp * 100 + m)
     actions = [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
-    forward = [[rng.uniform(0.05, 1.0) for _ in range(vpp)] for _ in range(pp)]
-    backward = [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)]
+    tables = [([[rng.uniform(0.05, 1.0) for _ in range(vpp)] for _ in range(pp)],
+               [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)]) for _ in range(3)]
     graph = schedule_graph(actions, vpp, m)
-    res = graph.simulate(forward, backward)
-    slots, peaks = _contract_timing(actions, forward, backward)
-    assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots
-    assert graph.rank_ends(forward, backward) == [s[-1][1] for s in slots]
-    assert res.peak_in_flight == peaks
+    for (forward, backward), ends in zip(tables, graph.rank_ends(tables)):
+        res = graph.simulate(forward, backward)
+        slots, peaks = _contract_timing(actions, forward, backward)
+        assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots
+        assert ends == [s[-1][1] for s in slots]
+        assert res.peak_in_flight == peaks
 
 
 def test_graph_refuses_lists_it_cannot_time():
