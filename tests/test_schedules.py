@@ -479,3 +479,31 @@ def test_graph_refuses_lists_it_cannot_time():
         simulate_actions(lists, 1, 2)
     with pytest.raises(ScheduleError, match="deadlocks: computes wait for each other in a circle"):
         schedule_graph(lists, 1, 2)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp", [12, 16, 24])
+def test_lists_keep_the_contract_at_the_plans_pipeline_depths(kind, pp):
+    """The planner times build_schedule's lists with schedule_graph and never runs the checker on them; at the pp its
+    plans reach (12 to 24: BLOOM, GPT-3), vpp 1..3 and m = pp, not a multiple of pp (a group N > pp) and 2 pp + 1,
+    check_actions accepts the lists, and every compute's start and end are the contract's timed event by event
+    (_contract_timing), to the bit, at random per-chunk costs and at costs with an own embedding and head stage
+    (chunk 0 of rank 0 and the last chunk of the last rank almost free); each rank's end of both tables timed in one
+    pass (rank_ends) too."""
+    rng = random.Random(pp)
+    for vpp, ms in ((1, (pp, 2 * pp + 1)), (2, (pp, pp + pp // 2 + 1)), (3, (pp + pp // 2 + 1, 2 * pp + 1))):
+        for m in ms:
+            actions = [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
+            schedules.check_actions(actions, vpp, m)
+            graph = schedule_graph(actions, vpp, m)
+            random_costs = ([[rng.uniform(0.05, 1.0) for _ in range(vpp)] for _ in range(pp)],
+                            [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)])
+            own = [[[0.01 if (r, c) in ((0, 0), (pp - 1, vpp - 1)) else scale / vpp for c in range(vpp)]
+                    for r in range(pp)] for scale in (1.0, 2.0)]
+            tables = [random_costs, tuple(own)]
+            for (forward, backward), ends in zip(tables, graph.rank_ends(tables)):
+                slots, peaks = _contract_timing(actions, forward, backward)
+                res = graph.simulate(forward, backward)
+                assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots, (kind, pp, vpp, m)
+                assert ends == [s[-1][1] for s in slots], (kind, pp, vpp, m)
+                assert res.peak_in_flight == peaks, (kind, pp, vpp, m)
