@@ -266,7 +266,7 @@ def simulate_actions(actions: list[list[Action]], vpp: int, num_microbatches: in
     (check_actions), then times the lists' ScheduleGraph.
     """
     check_actions(actions, vpp, num_microbatches)
-    return schedule_graph(actions, vpp, num_microbatches).simulate(forward_cost, backward_cost)
+    return schedule_graph(actions, vpp, num_microbatches).simulate(actions, forward_cost, backward_cost)
 
 
 def check_actions(actions: list[list[Action]], vpp: int, num_microbatches: int) -> None:
@@ -312,8 +312,8 @@ def schedule_graph(actions: list[list[Action]], vpp: int, num_microbatches: int)
                                 f"{len(recv_after)} (check_actions says which).")
         waits += [np.column_stack([recv_waiter, send_after]), np.column_stack([send_waiter, recv_after])]
     waits = np.concatenate(waits)
-    return ScheduleGraph(actions, vpp, num_microbatches, np.concatenate(computes),
-                         waits[(waits >= 0).all(axis=1)], peaks, messages)
+    return ScheduleGraph(vpp, num_microbatches, np.concatenate(computes), waits[(waits >= 0).all(axis=1)], peaks,
+                         messages)
 
 
 class ScheduleGraph:
@@ -325,13 +325,12 @@ class ScheduleGraph:
     i + 1 for some of level i and none later), so timing the schedule at a set of costs is one numpy pass per
     level, not a simulation."""
 
-    def __init__(self, actions: list, vpp: int, m: int, computes: np.ndarray, waits: np.ndarray, peaks: list,
-                 messages: list):
+    def __init__(self, vpp: int, m: int, computes: np.ndarray, waits: np.ndarray, peaks: list, messages: list):
         """computes: [n, 4] (rank, op index in COMPUTE_OPS, chunk, microbatch), rank after rank, each rank's in its
         order; waits: [e, 2] (a compute, one of another rank's that it waits for), numbered as in computes; peaks
-        (SimResult.peak_in_flight) and messages (the sends and the receives) per rank."""
-        self.actions, self.pp, self.vpp, self.m, self.peak_in_flight = actions, len(actions), vpp, m, peaks
-        self.messages = messages
+        (SimResult.peak_in_flight) and messages (the sends and the receives) per rank, one entry per rank. It keeps
+        no action list (the planner caches graphs; simulate takes the lists it was read off)."""
+        self.pp, self.vpp, self.m, self.peak_in_flight, self.messages = len(peaks), vpp, m, peaks, messages
         rank, op, chunk, mb = computes.T
         n = len(computes)
         first = np.searchsorted(rank, np.arange(self.pp + 1))          # rank r's computes: first[r]:first[r + 1]
@@ -383,15 +382,16 @@ class ScheduleGraph:
         end = self.ends(np.stack([self.cost_table(forward, backward) for forward, backward in tables]))
         return end[[run[-1] for run in self.runs]].T.tolist()
 
-    def simulate(self, forward: Costs, backward: Costs) -> SimResult:
-        """The SimResult of the schedule at these costs."""
+    def simulate(self, actions: list, forward: Costs, backward: Costs) -> SimResult:
+        """The SimResult of the schedule at these costs; `actions`, the lists the graph was read off, become its
+        actions."""
         costs = self.cost_table(forward, backward)
         end = self.ends(costs)
         start = end[self.preds].max(axis=1)
         timelines = [[Slot(float(start[k]), float(end[k]), COMPUTE_OPS[self.op[k]], int(self.chunk[k]),
                            int(self.microbatch[k])) for k in run] for run in self.runs]
         busy = max(self.m * sum(f + b for f, b in zip(fs, bs)) for fs, bs in zip(*costs.tolist()))   # busiest rank
-        return SimResult(self.actions, timelines, self.peak_in_flight, float(end.max()), busy)
+        return SimResult(actions, timelines, self.peak_in_flight, float(end.max()), busy)
 
 
 def _levels(preds: np.ndarray, first: np.ndarray, local: np.ndarray) -> np.ndarray:

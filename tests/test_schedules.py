@@ -456,7 +456,7 @@ def test_graph_read_off_the_lists_is_the_contract_at_many_microbatches(kind, pp,
                [[rng.uniform(0.05, 2.0) for _ in range(vpp)] for _ in range(pp)]) for _ in range(3)]
     graph = schedule_graph(actions, vpp, m)
     for (forward, backward), ends in zip(tables, graph.rank_ends(tables)):
-        res = graph.simulate(forward, backward)
+        res = graph.simulate(actions, forward, backward)
         slots, peaks = _contract_timing(actions, forward, backward)
         assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots
         assert ends == [s[-1][1] for s in slots]
@@ -503,7 +503,24 @@ def test_lists_keep_the_contract_at_the_plans_pipeline_depths(kind, pp):
             tables = [random_costs, tuple(own)]
             for (forward, backward), ends in zip(tables, graph.rank_ends(tables)):
                 slots, peaks = _contract_timing(actions, forward, backward)
-                res = graph.simulate(forward, backward)
+                res = graph.simulate(actions, forward, backward)
                 assert [[(s.start, s.end) for s in t] for t in res.timelines] == slots, (kind, pp, vpp, m)
                 assert ends == [s[-1][1] for s in slots], (kind, pp, vpp, m)
                 assert res.peak_in_flight == peaks, (kind, pp, vpp, m)
+
+
+def test_graph_keeps_no_action_lists():
+    """The planner caches schedule graphs (plan_meta._graph) and times them at costs only: nothing reachable from a
+    ScheduleGraph is an Action (the lists of pp = 24, vpp = 3, m = 512 are 219k Actions: the graph and
+    they hold 17.8 MB, the graph alone 7.1 MB); simulate takes the lists, which its SimResult keeps."""
+    actions = _lists(pp=4, vpp=2, m=8)
+    graph = schedule_graph(actions, 2, 8)
+    seen, todo = set(), [graph]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        assert not isinstance(o, Action), o
+        todo += list(vars(o).values()) if hasattr(o, "__dict__") else list(o) if isinstance(o, (list, tuple)) else []
+    assert graph.simulate(actions, 1.0, 2.0).actions is actions
