@@ -335,8 +335,14 @@ class ScheduleGraph:
         n = len(computes)
         first = np.searchsorted(rank, np.arange(self.pp + 1))          # rank r's computes: first[r]:first[r + 1]
         local = np.arange(n) - first[rank]                             # each compute's place on its rank
+        # of another rank's computes a compute waits for, the latest ends last (a rank's ends rise along its run):
+        # keep it alone, so a compute has at most pp - 1 (a batch of many messages to one peer would widen preds)
+        key = waits[:, 0] * self.pp + rank[waits[:, 1]]
+        waits, key = waits[np.lexsort((waits[:, 1], key))], np.sort(key)
+        last = np.ones(len(key), dtype=bool)                           # the last of each (waiter, rank)
+        last[:-1] = key[1:] != key[:-1]
+        waits = waits[last]                                            # (sorted by waiter)
         # preds: [n, 1 + the most a compute waits for on other ranks], its rank's previous compute first; n: none
-        waits = waits[np.argsort(waits[:, 0], kind="stable")]
         column = np.arange(len(waits)) - np.searchsorted(waits[:, 0], waits[:, 0])   # its place among its waiter's
         preds = np.full((n, 1 + column.max(initial=-1) + 1), n)
         preds[:, 0] = np.where(local > 0, np.arange(n) - 1, n)

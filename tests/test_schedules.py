@@ -524,3 +524,21 @@ def test_graph_keeps_no_action_lists():
         assert not isinstance(o, Action), o
         todo += list(vars(o).values()) if hasattr(o, "__dict__") else list(o) if isinstance(o, (list, tuple)) else []
     assert graph.simulate(actions, 1.0, 2.0).actions is actions
+
+
+def test_graph_of_a_batch_of_many_messages_stays_narrow():
+    """A compute waits for at most one compute of each other rank (the latest: the rest end before it), so a valid
+    list that posts all of a rank's sends in one batch (GPipe, rank 0's m activations after its last forward) keeps
+    the graph's preds [n, pp] (they were [n, 1 + m]: 194 MB at pp = 4, m = 1024) and times it as the contract."""
+    pp, m = 4, 64
+    lists = _lists("gpipe", pp=pp, m=m)
+    sends = [a for a in lists[0] if a.op == "send_act"]
+    lists[0] = [a for a in lists[0] if a.op != "send_act"]
+    at = _index(lists[0], "forward", 0, m - 1) + 1
+    lists[0][at:at] = sends
+    schedules.check_actions(lists, 1, m)
+    graph = schedule_graph(lists, 1, m)
+    assert graph.preds.shape[1] <= pp
+    forward, backward = [[0.5 + 0.1 * r] for r in range(pp)], [[1.0 + 0.3 * r] for r in range(pp)]
+    slots, _ = _contract_timing(lists, forward, backward)
+    assert [[(s.start, s.end) for s in t] for t in graph.simulate(lists, forward, backward).timelines] == slots
