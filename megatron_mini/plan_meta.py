@@ -258,7 +258,8 @@ def _backward_extra(cfg: TrainConfig, layers: dict, stages: list, chunks: list) 
 class Planner:
     """Measures layouts on meta, caching what several layouts share: each layer's facts per (model, tp,
     sp, recompute, dtype, mbs), each rank's buffers per (model, tp, pp, vpp, embedding_stage, dp, ZeRO,
-    ddp_bucket_numel, dtype), each schedule's ends per (kind, pp, vpp, m) and costs (its dependency graph: _graph)."""
+    ddp_bucket_numel, dtype; its chunks the same for any ZeRO and buckets), each schedule's ends per (kind, pp, vpp,
+    m) and costs (its dependency graph: _graph)."""
 
     def __init__(self, layers: dict | None = None):
         self.layers = dict(layers or {})          # what layer_facts measured, to hand to another Planner
@@ -295,14 +296,16 @@ class Planner:
         """(memory bytes, the step's collectives with sequence parallelism, without) of a rank, from its
         GradBuffers and Optimizer built on meta (recompute and the schedule change neither)."""
         model_key = (cfg.tp, cfg.pp, cfg.vpp, cfg.embedding_stage, cfg.pipeline_first_blocks, cfg.pipeline_last_blocks,
-                     dp, cfg.precision.dtype, pp_rank, dataclasses.astuple(cfg.model))
-        key = model_key + (cfg.zero, cfg.ddp_bucket_numel, cfg.gbs)   # (the loss all-reduce: a loss per sample)
+                     dp, cfg.precision.dtype, dataclasses.astuple(cfg.model))
+        key = model_key + (pp_rank, cfg.zero, cfg.ddp_bucket_numel, cfg.gbs)  # (the loss all-reduce: a loss per sample)
         if key not in self._ranks:
+            if model_key not in self._chunks:         # each rank's chunks of the latest model layout: built without
+                self._chunks = {model_key: {}}        # ZeRO, used again with it (layouts() enumerates that after)
             layout = dataclasses.replace(cfg, sp=cfg.tp > 1, recompute="none", kernels="torch", compile=False)
             mesh = ParallelMesh(cfg.tp, cfg.pp, dp, ledger=Ledger(), virtual_rank=cfg.tp * dp * pp_rank)
             chunks, buffers, optimizer = build_rank(layout, mesh, RNGTracker(cfg.seed, 0, META), META,
-                                                    self._chunks.get(model_key))
-            self._chunks = {model_key: chunks}        # for the same rank with(out) ZeRO, enumerated next
+                                                    self._chunks[model_key].get(pp_rank))
+            self._chunks[model_key][pp_rank] = chunks
             mesh.ledger.reset()
             for buf in buffers:                       # the once-per-step collectives, by running them
                 buf.finish_grad_sync()

@@ -23,16 +23,17 @@ def build_rank(cfg: TrainConfig, mesh: ParallelMesh, rng: RNGTracker, device: to
                chunks: list | None = None) -> tuple:
     """This rank's model chunks (in the model dtype, initialised unless on meta), a GradBuffer per
     chunk and the Optimizer over them: (chunks, buffers, optimizer). The planner builds ranks with it
-    too, on meta, passing the chunks of a rank it built before to lay out buffers another way (ZeRO)."""
+    too, on meta, passing the chunks (in the model dtype) of a rank it built before to lay out buffers another
+    way (ZeRO)."""
     dtype = DTYPES[cfg.precision.dtype]
     if chunks is None:
         ctx = ParallelContext(mesh.tp_group, rng, cfg.sp, cfg.recompute,
                               select_triton_ops(cfg.kernels, cfg.model, device, cfg.tp, cfg.precision.dtype, cfg.mbs),
                               compiles(cfg, device))
-        chunks = build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank), cfg.seed, device)
+        chunks = [chunk.to(dtype) for chunk in build_chunks(cfg.model, ctx, local_stage_layers(cfg, mesh.pp_rank),
+                                                            cfg.seed, device)]
     seen, buffers = set(), []
     for chunk in chunks:
-        chunk.to(dtype)
         params = [(n, p) for n, p in chunk.named_global_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in params)
         buffers.append(GradBuffer(params, mesh, dtype, zero=cfg.zero == 1, bucket_numel=cfg.ddp_bucket_numel))

@@ -100,6 +100,20 @@ def test_a_planner_lays_out_each_configs_buckets(small_data, tmp_path):
     assert in_one[("dp", "reduce_scatter")][0] == 1 and state[1][("dp", "reduce_scatter")][0] > 10
 
 
+def test_a_planner_builds_each_ranks_chunks_once_with_and_without_zero(small_data, tmp_path):
+    """The ranks of a layout measured without ZeRO-1, then with it (layouts() enumerates them so; estimates measures
+    each layout's ranks in turn) build each rank's chunks once, and measure what new Planners, building every rank
+    anew, do."""
+    cfg = small_config(small_data, tmp_path, pp=2)
+    ranks = [(dataclasses.replace(cfg, zero=zero), r) for zero in (0, 1) for r in range(cfg.pp)]
+    planner = Planner()
+    with mock.patch("megatron_mini.rank.build_chunks", wraps=build_chunks) as built:
+        states = [planner.rank_state(layout, 2, r) for layout, r in ranks]
+    assert built.call_count == cfg.pp
+    assert states == [Planner().rank_state(layout, 2, r) for layout, r in ranks]
+    assert states[0][0]["optimizer"] == 2 * states[2][0]["optimizer"]        # (ZeRO-1 over dp = 2 laid out anew)
+
+
 def _equal_stages(pp, vpp, scale):
     """[pp][vpp] forward and backward costs of every chunk alike: a microbatch through a rank costs `scale`."""
     return [[scale / 3 / vpp] * vpp] * pp, [[2 * scale / 3 / vpp] * vpp] * pp
