@@ -5,12 +5,13 @@ evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
 import argparse
 import importlib
 import json
+import os
 import re
 
 import pytest
 import torch
 
-from harness import needs_glibc_2_35, new_block_faults, pretend_read_only, small_config, train_on_ranks
+from harness import needs_glibc_2_35, needs_triton, new_block_faults, pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
 
 import compare_runs  # tools/, on pytest's pythonpath
@@ -220,7 +221,8 @@ class _Parsed(Exception):
 
 
 @pytest.mark.parametrize("tool", ["generate", "evaluate", "export_hf", "compare_runs", "plot_schedule", "plan",
-                                  "bench_gpu", "bench_kernels", "bench_train", "sweep_attention", "baseline_gpt2"])
+                                  "bench_gpu", "bench_kernels", "bench_train", "sweep_attention", "baseline_gpt2",
+                                  pytest.param("check_kernels", marks=needs_triton)])
 def test_tools_help_gives_every_options_default(tool, monkeypatch, capsys):
     """Every tool's --help, on a CPU too (the GPU benches build their parser before they look for a GPU): an option
     that has a default (argparse's own value, not None, an empty text or a flag's) says it (plan's --top 10,
@@ -228,6 +230,7 @@ def test_tools_help_gives_every_options_default(tool, monkeypatch, capsys):
     were silent), so the README need not repeat them: once, the parser's own value as --help prints it (a list as it
     is typed, space-separated: defaults_help.DefaultsHelp), not also by hand in its help text, where it drifts (a
     stand-in such as bench_gpu's --peak-tflops 0.0, "the table", is None, whose help says what it means)."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))   # (check_kernels pops it)
     module = importlib.import_module(tool)      # (tools/, on pytest's pythonpath)
     assert _exit_code(module, ["--help"]) == 0
     printed = "".join(capsys.readouterr().out.split())     # (without the spaces of its wrapping: "baseline-\ncompile")

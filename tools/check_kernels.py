@@ -19,6 +19,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be built for a GPU, not the interpreter
 
 from bench.report import positive_ints, require_triton, text_table  # noqa: E402
+from defaults_help import DefaultsHelp  # noqa: E402
 
 
 def _attention_spec(spec: str) -> tuple:
@@ -33,23 +34,23 @@ def _attention_spec(spec: str) -> tuple:
 
 def _parser(C) -> argparse.ArgumentParser:
     """The command line, its --arch from C (megatron_mini.kernels.compile_check)'s ARCHS and DEFAULT_ARCH."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     ap.add_argument("--arch", choices=sorted(C.ARCHS), default=C.DEFAULT_ARCH,
-                    help=f"the GPU to compile for (default {C.DEFAULT_ARCH}: {C.ARCHS[C.DEFAULT_ARCH].gpu}, which the "
-                    f"kernels' configurations were sized on)")
+                    help="the GPU to compile for: " + ", ".join(f"{k} ({C.ARCHS[k].gpu})" for k in sorted(C.ARCHS))
+                    + f"; the kernels' configurations were sized on the {C.ARCHS[C.DEFAULT_ARCH].gpu}")
     ap.add_argument("--quick", action="store_true", help="bf16 at the benchmark shapes only")
     ap.add_argument("--all", action="store_true", help="one row per launch")
-    ap.add_argument("--attention", nargs="*", default=[], type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES",
+    ap.add_argument("--attention", nargs="*", type=_attention_spec, metavar="KIND=M,N,WARPS,STAGES",
                     help="instead: the attention launches with these configurations (KIND: fwd, dkdv or dq), bf16 at "
                     "the benchmark shapes")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compiling processes")
     return ap
 
 
-def main():
+def main(argv=None):
     require_triton("check_kernels.py")
     from megatron_mini.kernels import compile_check as C
-    args = _parser(C).parse_args()
+    args = _parser(C).parse_args(argv)
     why = C.available()
     if why:
         sys.exit(f"error: cannot compile ahead of time here: {why}")
