@@ -104,3 +104,33 @@ def test_evaluation_frees_each_input_after_its_forward(pp, vpp, small_data, tmp_
     cfg = small_config(small_data, tmp_path, pp=pp, vpp=vpp, gbs=16, mbs=1, eval_iters=1)
     for training, evaluation in spawn(pp, _activations_held, cfg):
         assert evaluation <= training, (training, evaluation)
+
+
+def _sent_activations_still_held(cfg) -> list:
+    """For each forward of a training step on this rank, how many outputs of its earlier forwards (each sent to
+    the next stage before it began) were alive, awaiting their backward, with their storage when it began."""
+    import weakref
+    trainer = make_trainer(cfg)
+    sent, held = [], []
+
+    def before(module, args):
+        held.append(sum(1 for r in sent if r() is not None and r().numel() > 0))
+
+    def after(module, args, out):
+        if not module.has_head:                 # (a last stage's output is its loss: nothing to send)
+            sent.append(weakref.ref(out))
+    for chunk in trainer.chunks:
+        chunk.register_forward_pre_hook(before)
+        chunk.register_forward_hook(after)
+    trainer.train_step()
+    return held
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2)])
+def test_sent_activations_are_freed_at_once(pp, vpp, small_data, tmp_path):
+    """A stage frees each activation it sends right after the send (only the autograd graph is kept until the
+    backward, which runs from the received gradient): when a forward starts, no earlier output holds its
+    [s, b, h] storage, where each one in flight (1F1B's warmup, more with interleaving) would otherwise."""
+    cfg = small_config(small_data, tmp_path, pp=pp, vpp=vpp, gbs=8, mbs=1)
+    held = spawn(pp, _sent_activations_still_held, cfg)
+    assert held == [[0] * len(h) for h in held], held
