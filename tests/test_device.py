@@ -1,7 +1,8 @@
-"""Devices, backends and throughput accounting: which device and backend each rank gets (with any
-number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP counter, the MFU
+"""Devices, backends and throughput accounting: the mesh's rank order, which device and backend each rank gets
+(with any number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP counter, the MFU
 peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -18,8 +19,32 @@ from megatron_mini.config import ConfigError, ModelConfig
 from megatron_mini import hardware
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
-from megatron_mini.mesh import choose_device, ranks_per_gpu
+from megatron_mini.mesh import ParallelMesh, choose_device, ranks_per_gpu
 from megatron_mini.model import ParallelContext, build_chunks
+
+
+def test_mesh_orders_ranks_tp_fastest_then_dp_then_pp():
+    """Every rank of a tp=2 x dp=3 x pp=4 mesh (virtual: no processes) has the coordinates and groups of
+    Megatron's tp-dp-pp order, global rank = tp_rank + tp (dp_rank + dp pp_rank): a TP group is tp consecutive
+    ranks, DP peers are tp apart, PP peers tp*dp apart; the embedding group is the first and last stage of its
+    (tp, dp) column (the stages between are in none), the model-parallel group the tp*pp ranks of its DP replica."""
+    tp, dp, pp = 2, 3, 4
+    coords = []
+    for rank in range(tp * dp * pp):
+        mesh = ParallelMesh(tp, pp, dp, virtual_rank=rank)
+        t, d, p = mesh.tp_rank, mesh.dp_rank, mesh.pp_rank
+        coords.append((t, d, p))
+        assert rank == t + tp * (d + dp * p), (rank, t, d, p)
+        assert mesh.tp_group.ranks == [rank - t + i for i in range(tp)]
+        assert mesh.dp_group.ranks == [rank + tp * (i - d) for i in range(dp)]
+        assert mesh.pp_group.ranks == [rank + tp * dp * (i - p) for i in range(pp)]
+        if p in (0, pp - 1):
+            assert mesh.embedding_group.ranks == [rank - tp * dp * p, rank + tp * dp * (pp - 1 - p)]
+        else:
+            assert mesh.embedding_group is None             # (a middle stage holds no word embedding)
+        assert sorted(mesh.mp_group.ranks) == [r for r in range(tp * dp * pp) if r // tp % dp == d]
+        assert (mesh.tp_group.rank, mesh.dp_group.rank, mesh.pp_group.rank) == (t, d, p)
+    assert sorted(coords) == sorted(itertools.product(range(tp), range(dp), range(pp)))
 
 
 @pytest.mark.parametrize("local_world, gpus, expected", [
