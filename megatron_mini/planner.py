@@ -347,12 +347,12 @@ class Plan:
         return [e for e in self.estimates if e.fits]
 
 
-def plan(base: PlanConfig, planner: Planner | None = None, workers: int | None = None) -> Plan:
+def plan(base: PlanConfig, workers: int | None = None) -> Plan:
     """Estimate every valid layout of base's model on base.cluster; those that fit first, by step time.
     With many layouts the work (a meta forward of each layer kind, a meta build of each distinct rank)
     is shared among `workers` processes (default: the CPU count, up to 8)."""
     base.cluster.check()
-    planner = planner or Planner()
+    planner = Planner()
     valid, refused = layouts(base)
     workers = min(workers or os.cpu_count() or 1, 8, max(len(valid) // 16, 1))
     if workers == 1:
