@@ -311,7 +311,7 @@ def test_bench_gpu_frees_the_trainer():
     before = live()
     args = argparse.Namespace(smoke=True, steps=1, warmup=0, compile_warmup_extra=0, peak_tflops=None,
                               vocab=bench_gpu.VOCAB)
-    rec = bench_gpu.measure_row("torch", "smoke", args, torch.device("cpu"), print)
+    rec = bench_gpu.measure_row("torch", "smoke", args, torch.device("cpu"))
     assert rec["status"] == "ok", rec.get("reason")
     assert live() == before
 

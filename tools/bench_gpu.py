@@ -157,7 +157,7 @@ def _free(device):
     torch._dynamo.reset()
 
 
-def measure_row(row: str, key: str, args, device, log) -> dict:
+def measure_row(row: str, key: str, args, device) -> dict:
     """Build, warm up and time one row; every failure ends up in the returned record."""
     import torch
     model, mbs, m = model_config(key, args.smoke, args.vocab)
@@ -497,7 +497,7 @@ def main(argv=None) -> int:
             recs = by_model[key] = []
             for row in rows:
                 log(f"{key} / {row}: {ROW_TEXT[row]}")
-                rec = measure_row(row, key, args, device, log)
+                rec = measure_row(row, key, args, device)
                 rec.update(command=command, date=date, device=dev_text)
                 recs.append(rec)
                 results.append(rec)

@@ -419,7 +419,7 @@ def goals(results: list, smoke: bool) -> list:
     return out
 
 
-def _cell_text(cell: dict, unit: str) -> str:
+def _cell_text(cell: dict) -> str:
     if "fwdbwd_ms" not in cell:
         return "-"
     return f"{cell['fwdbwd_ms']:.4g} ms ({fmt(cell['rate'], '.0f' if cell['rate'] and cell['rate'] >= 10 else '.3g')})"
@@ -456,7 +456,7 @@ def compact_table(results: list) -> str:
         cells = row["cells"]
         ours = cells.get("ours (Triton)", {})
         lines.append([row["label"], row["shape_text"], row["unit"]]
-                     + [_cell_text(cells.get(c, {}), row["unit"]) for c in COLUMNS]
+                     + [_cell_text(cells.get(c, {})) for c in COLUMNS]
                      + [row.get("best_torch", "-"),
                         f"{ours['x_best_torch']:.2f}x" if "x_best_torch" in ours else "-", _err_text(ours)])
     return markdown_table(headers, lines)
