@@ -92,15 +92,15 @@ class RowSkipped(Exception):
 def model_config(key: str, smoke: bool, vocab: int = VOCAB):
     """(ModelConfig, mbs, microbatches) of a preset, conf/model/<name>.yaml merged into ModelConfig, with `vocab`
     tokens (the baseline takes the same count: pass a multiple of 128, or the framework alone pads it)."""
-    from megatron_mini.config import ModelConfig
+    from megatron_mini.config import ModelConfig, structured
     if smoke:
         return ModelConfig(name="smoke", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=256), 2, 2
     from omegaconf import OmegaConf
     name, mbs, m = MODELS[key]
     preset = OmegaConf.load(os.path.join(REPO, "conf", "model", f"{name}.yaml"))
     preset.vocab_size = vocab                       # (the preset's "${data.vocab_size}": no data config here)
-    # merged into the schema, as Hydra does for train.py: an unknown key or a value of the wrong type is refused
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset)), mbs, m
+    # merged into the schema, as train.py's config is: an unknown key or a value of the wrong type is a ConfigError
+    return structured(preset, ModelConfig), mbs, m
 
 
 def framework_config(row: str, model, mbs: int, m: int, device: str, smoke: bool):
