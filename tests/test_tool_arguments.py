@@ -430,7 +430,7 @@ def test_bench_arguments_that_ask_for_nothing_are_refused(tool, argv, fact, work
     (evaluate, ["--batch", "0"], "--batch must be >= 1"),
 ], ids=lambda v: v.__name__ if hasattr(v, "__name__") else None)
 def test_checkpoint_tools_bad_arguments_are_one_line_before_loading(tool, argv, fact, monkeypatch, capsys):
-    monkeypatch.setattr(tool, "open_checkpoint", lambda *a, **k: pytest.fail("loaded before refusing"))
+    monkeypatch.setattr(tool, "open_chosen", lambda *a, **k: pytest.fail("loaded before refusing"))
     assert _exit_code(tool, ["some/checkpoint", "--device", "cpu", *argv]) == 2
     err = _one_error_line(capsys)
     assert "error: " in err and fact in err, err

@@ -1,12 +1,13 @@
 """What the tools that read a checkpoint share (generate.py, evaluate.py, export_hf.py): the arguments naming the
-checkpoint, its tokenizer, the device and the dtype, and the device and dtype they choose."""
+checkpoint, its tokenizer, the device and the dtype, the device and dtype they choose, and the model they open."""
 from __future__ import annotations
 
 import argparse
 
 import torch
 
-from megatron_mini.inference import device_for
+from megatron_mini.hardware import configure_device
+from megatron_mini.inference import device_for, open_checkpoint
 from megatron_mini.rank import DTYPES
 
 
@@ -35,3 +36,11 @@ def chosen_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch
 def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
     """--dtype as a torch.dtype."""
     return DTYPES[args.dtype]
+
+
+def open_chosen(args: argparse.Namespace) -> tuple:
+    """(checkpoint, tokenizer, model) of CHECKPOINT with --tokenizer, on args.device (chosen_device) in --dtype, the
+    device configured first as train.py's ranks configure theirs (on the CPU freed memory reused; no TF32 on CUDA).
+    CheckpointError where CHECKPOINT cannot be read (inference.open_checkpoint)."""
+    configure_device(args.device)
+    return open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))

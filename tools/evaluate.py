@@ -25,11 +25,10 @@ import math
 import sys
 import time
 
-from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
+from checkpoint_args import add_checkpoint_arguments, chosen_device, open_chosen
 from defaults_help import DefaultsHelp
 from megatron_mini.config import ConfigError
-from megatron_mini.hardware import configure_device
-from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, open_checkpoint, whole_sets
+from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, whole_sets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,9 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configure_device(args.device)      # (as train.py's ranks: on the CPU freed memory reused; no TF32 on CUDA)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))
+        ckpt, tok, model = open_chosen(args)
         sets, notes = evaluation_sets(ckpt, tok, args.dirs)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,10 +21,9 @@ import sys
 
 import torch
 
-from checkpoint_args import add_checkpoint_arguments, chosen_device, chosen_dtype
+from checkpoint_args import add_checkpoint_arguments, chosen_device, open_chosen
 from defaults_help import DefaultsHelp
-from megatron_mini.hardware import configure_device
-from megatron_mini.inference import CheckpointError, generate, open_checkpoint
+from megatron_mini.inference import CheckpointError, generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,9 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configure_device(args.device)      # (as train.py's ranks: on the CPU freed memory reused; no TF32 on CUDA)
     try:
-        ckpt, tok, model = open_checkpoint(args.checkpoint, args.tokenizer, args.device, chosen_dtype(args))
+        ckpt, tok, model = open_chosen(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
