@@ -133,11 +133,7 @@ def running(argv: list, environment: dict):
         yield proc
     finally:
         if proc.poll() is None:
-            for pid in [*descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(proc)
             proc.communicate()
 
 
@@ -151,16 +147,21 @@ def descendants(pid: int) -> list:
     return children + [d for c in children for d in descendants(c)]
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it (all of them listed before the first is killed)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def finish(proc: subprocess.Popen, limit: float = RUN_LIMIT_S) -> Result:
     """Wait for `proc`; past `limit` seconds it and every process below it are killed and the test fails."""
     try:
         out, err = proc.communicate(timeout=max(1.0, limit - (time.monotonic() - proc.started)))
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(map(str, proc.args))} hung for {limit} s\nstdout:\n{out}\nstderr:\n{err}")
     return Result(proc.returncode, out, err, time.monotonic() - proc.started)
