@@ -415,9 +415,9 @@ class Head(Layer):
     def global_name(self, local: str) -> str:
         return "embedding.word_embeddings.weight" if local == "word_embeddings" else super().global_name(local)
 
-    def forward(self, x, labels=None, r=None, per_sample: bool = False):
+    def forward(self, x, labels=None, r=None):
         """logits = ln_f(x + r) E^T, [s, b, V/tp] on this rank's vocabulary slice; r is the last block's
-        pending residual (or None). Returns the sum of the token losses (`per_sample`: each sample's, [b]), or,
+        pending residual (or None). Returns each sample's sum of its token losses, [b], or,
         without labels, the fp32 logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP,
         padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
@@ -425,7 +425,7 @@ class Head(Layer):
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
         losses = self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing)
-        return losses.sum(0) if per_sample else losses.sum()
+        return losses.sum(0)
 
 
 class GPTChunk(nn.Module):
@@ -454,9 +454,8 @@ class GPTChunk(nn.Module):
             x, r = block(x, r, cache)
         return x, r
 
-    def forward(self, x, labels=None, cache: KVCache | None = None, sample: int | None = None,
-                per_sample: bool = False):
-        """Embedding, blocks, head, those this chunk has: the head's loss (labels; `per_sample`: each sample's)
+    def forward(self, x, labels=None, cache: KVCache | None = None, sample: int | None = None):
+        """Embedding, blocks, head, those this chunk has: the head's losses (labels: each sample's, [b])
         or logits (no labels), else the last activation. `sample`: the global index of the microbatch's first
         sample, which keys the dropout masks in training (None: the streams run on as they are)."""
         if self.rng is None or not self.training:
@@ -466,7 +465,7 @@ class GPTChunk(nn.Module):
             x = self.layers[0](x, cache)
         x, r = self._blocks(x, cache, sample)     # (sample is None where the blocks are one compiled graph)
         if self.has_head:
-            return self.layers[-1](x, labels, r, per_sample)
+            return self.layers[-1](x, labels, r)
         return x if r is None else x + r
 
     def param_users(self) -> list:

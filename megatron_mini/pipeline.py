@@ -114,7 +114,7 @@ class PipelineEngine:
             else:       # training keeps the input until its backward reads .grad; evaluation is done with it
                 x = inputs[key] if grad_scale is not None else inputs.pop(key)
             sample = None if first_sample is None else first_sample + a.microbatch * self.cfg.mbs
-            out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample, per_sample=True)
+            out = chunk(x, tokens[:, 1:] if chunk.has_head else None, sample=sample)
             if chunk.has_head:
                 losses[a.microbatch] = out.detach()
                 out = out.sum() * grad_scale if grad_scale is not None else out

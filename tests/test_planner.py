@@ -648,7 +648,7 @@ def test_flops_formula_counts_what_recomputation_runs(dropout, tp, sp):
         ids = torch.zeros(b, s, dtype=torch.long, device=META)
         with mock.patch.object(F, "scaled_dot_product_attention", _fused_on_meta), \
                 FlopCounterMode(display=False) as counter:
-            chunk.train()(ids, ids).backward()
+            chunk.train()(ids, ids).sum().backward()
         f = model.layer_flops_per_token(recompute)
         per_token = model.num_layers * (f["block"] + 2 * h * s) + f["head"]
         assert counter.get_total_flops() == per_token * b * s // tp, recompute
