@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
-from .checkpoint_dir import CheckpointError, check_dir, checkpoints_of, read_step, resume_path
+from .checkpoint_dir import CheckpointError, check_dir, checkpoints_of, given, read_step, resume_path
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
@@ -193,14 +193,15 @@ def _is_milestone(path: str) -> bool:
         return False
 
 
-def verify(path: str, share: tuple = (0, 1)) -> dict:
-    """meta.json of the checkpoint `path`, once every file it lists exists and, of those, files
-    share[0], share[0] + share[1], ... (sorted by name) have their recorded sha256: rank r of a job of n
-    hashes its 1/n of the bytes (agree_verify); share=(0, 0) hashes none, (0, 1) all."""
-    check_dir(path)
+def verify(path: str, share: tuple = (0, 1), key: str | None = None) -> dict:
+    """meta.json of the checkpoint `path` (of config `key`, if any: resume, init_from; its messages name it, given),
+    once every file it lists exists and, of those, files share[0], share[0] + share[1], ... (sorted by name) have their
+    recorded sha256: rank r of a job of n hashes its 1/n of the bytes (agree_verify); share=(0, 0) hashes none, (0, 1)
+    all."""
+    check_dir(path, key)
     if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise CheckpointError(f"{path} is not a checkpoint (no meta.json); a checkpoint directory looks like "
-                              f"runs/NAME/checkpoints/step_000100.")
+        raise CheckpointError(f"{given(path, key)} is not a checkpoint (no meta.json); a checkpoint directory looks "
+                              f"like runs/NAME/checkpoints/step_000100.")
     try:
         meta = read_meta(path)
         files = meta["files"]
@@ -290,9 +291,9 @@ def _scaler_lacks(scaler: dict) -> str | None:
     return None
 
 
-def present(path: str) -> dict:
+def present(path: str, key: str | None = None) -> dict:
     """verify() without the sha256: meta.json, once every file it lists exists."""
-    return verify(path, share=(0, 0))
+    return verify(path, share=(0, 0), key=key)
 
 
 class agree_verify:
@@ -305,10 +306,10 @@ class agree_verify:
     def __init__(self, mesh, device):
         self.mesh, self.device = mesh, device
 
-    def __call__(self, path: str) -> dict:
+    def __call__(self, path: str, key: str | None = None) -> dict:
         failure = None
         try:
-            meta = verify(path, share=(self.mesh.rank, self.mesh.world_size))
+            meta = verify(path, share=(self.mesh.rank, self.mesh.world_size), key=key)
         except CheckpointError as e:
             failure = str(e)
         found = first_failure(failure, self.mesh, self.device)
@@ -403,18 +404,20 @@ def is_run_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json"))
 
 
-def chosen(path: str, check=verify) -> Resume:
+def chosen(path: str, check=verify, key: str | None = None) -> Resume:
     """The checkpoint directory `path` (its meta passing `check`), or a run directory's newest intact checkpoint
-    (newest: its notes say what it passed over); CheckpointError for neither. Which of the two `path` is, is rank 0's
-    answer where `check` is a job's (agree_verify)."""
+    (newest: its notes say what it passed over); CheckpointError for neither, naming config `key` where `path` is its
+    value (resume, init_from; none: a tool's argument). Which of the two `path` is, is rank 0's answer where `check`
+    is a job's (agree_verify)."""
     if getattr(check, "is_run_dir", is_run_dir)(path):
         found = newest(path, check, "Give another checkpoint, or run directory.")   # (a tool's, or another run's)
         if found is None:
-            raise CheckpointError(f"{path} is not a checkpoint (no meta.json) nor a run directory with checkpoints; "
-                                  f"give a checkpoint directory such as runs/NAME/checkpoints/step_000100, or a run "
-                                  f"directory (its newest intact checkpoint)")
+            raise CheckpointError(f"{given(path, key)} is not a checkpoint (no meta.json) nor a run directory with "
+                                  f"checkpoints; give a checkpoint directory such as "
+                                  f"runs/NAME/checkpoints/step_000100, or a run directory (its newest intact "
+                                  f"checkpoint)")
         return found
-    return Resume(path, check(path), [])
+    return Resume(path, check(path, key=key), [])
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -433,7 +436,7 @@ def find_resume(cfg: TrainConfig, check=verify) -> Resume | None:
         return None
     if cfg.resume == "auto":
         return newest(cfg.run_dir, check)
-    found = chosen(resume_path(cfg.resume), check)
+    found = chosen(resume_path(cfg.resume), check, "resume")
     own = {os.path.realpath(p): p for p in checkpoints_of(cfg.run_dir)}
     skipped = tuple(own[os.path.realpath(p)] for p in found.skipped if os.path.realpath(p) in own)
     later = tuple(p for p in own.values() if read_step(p) > found.meta["step"] and p not in skipped)
@@ -468,7 +471,7 @@ def init_changes(meta: dict, cfg: TrainConfig) -> tuple[list, list]:
 
 def check_init(cfg: TrainConfig, tokenizer_sha256: str, check=verify) -> Resume:
     """cfg.init_from as a checkpoint (passing `check`; a run directory's newest: chosen), checked by init_of."""
-    return init_of(cfg, chosen(cfg.init_from, check), tokenizer_sha256)
+    return init_of(cfg, chosen(cfg.init_from, check, "init_from"), tokenizer_sha256)
 
 
 def init_of(cfg: TrainConfig, found: Resume, tokenizer_sha256: str) -> Resume:

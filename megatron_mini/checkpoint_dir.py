@@ -21,11 +21,17 @@ def resume_path(resume: str) -> str | None:
     return None if resume in ("auto", "never") else resume
 
 
-def check_dir(path: str) -> None:
-    """CheckpointError unless `path` is a directory."""
+def given(path: str, key: str | None = None) -> str:
+    """`path` as the user gave it: `key`=PATH for a config key (resume=PATH, init_from=PATH), else PATH (a tool's
+    argument)."""
+    return f"{key}={path}" if key else path
+
+
+def check_dir(path: str, key: str | None = None) -> None:
+    """CheckpointError unless `path` (of config `key`, if any: given) is a directory."""
     if not os.path.isdir(path):
         what = "is a file, not a checkpoint directory" if os.path.exists(path) else "no such checkpoint directory"
-        raise CheckpointError(f"{path}: {what}.")
+        raise CheckpointError(f"{given(path, key)}: {what}.")
 
 
 def checkpoints_of(run_dir: str) -> list:
@@ -53,8 +59,7 @@ def check_start_dirs(cfg, world_size: int, local_world_size: int) -> None:
     the job stops all the same, each rank with one line)."""
     if world_size != local_world_size:
         return
-    path = resume_path(cfg.resume)
-    if path is None and cfg.init_from and not checkpoints_of(cfg.run_dir):
-        path = cfg.init_from
-    if path is not None:
-        check_dir(path)
+    if resume_path(cfg.resume) is not None:
+        check_dir(cfg.resume, "resume")
+    elif cfg.init_from and not checkpoints_of(cfg.run_dir):
+        check_dir(cfg.init_from, "init_from")

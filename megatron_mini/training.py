@@ -793,7 +793,7 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
             dist.destroy_process_group()
             return {**history, "checkpoint": run.resume.path}
     if start == "init_from":           # its files' sha256 too, before they are read; an older one if need be
-        found = checkpoint.chosen(cfg.init_from, checkpoint.agree_verify(mesh, run.device))
+        found = checkpoint.chosen(cfg.init_from, checkpoint.agree_verify(mesh, run.device), "init_from")
         checkpoint.agree_on_files(found.path, mesh, run.device)     # (then its checks are the same on every rank)
         run.init = checkpoint.init_of(cfg, found, run.datasets[2].sha256)
     log, trainer = _start_rank(cfg, mesh, run.datasets, run.device)

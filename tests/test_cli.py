@@ -81,48 +81,66 @@ def test_missing_dataset_names_prepare_command(small_data, tmp_path):
 @pytest.mark.parametrize("key", ["resume", "init_from"])
 def test_a_start_path_that_is_not_there_is_refused_before_torch(key, small_data, tmp_path):
     """resume=PATH, or init_from=PATH of a new run, with no directory there: refused before train.py imports torch
-    (seconds), with the line that the run's lookup gives it once torch is loaded (checkpoint.verify), and before the
-    run directory is made."""
+    (seconds), with the line that the run's lookup gives it once torch is loaded (checkpoint.verify), naming the key
+    the path was given to, and before the run directory is made."""
     missing = tmp_path / "no-checkpoint-here"
     args = model_args(small_data, tmp_path / "run") + [f"{key}={missing}"]
     r = commandline.finish(commandline.start([PYTHON, "-X", "importtime", "train.py", *args], env()))
-    assert_one_error(r, [f"{missing}: no such checkpoint directory."], "python")
+    assert_one_error(r, [f"error: {key}={missing}: no such checkpoint directory."], "python")
     assert not re.search(r"\| +torch$", r.err, re.M), f"train.py imported torch before it refused {key}=PATH"
     assert not (tmp_path / "run").exists()
 
 
-def test_start_paths_are_checked_before_torch_where_the_run_reads_them_on_one_disk(tmp_path):
+def test_start_paths_are_checked_before_torch_where_the_run_reads_them_on_one_disk(small_data, tmp_path):
     """The check before torch, on every rank, refuses a missing resume=PATH, or a missing init_from where the run
     reads it (its run directory holds no checkpoint), with the line the run gives after torch (checkpoint.find_resume,
     check_init), only where all ranks run on this node (one file system): on several nodes rank 0's answer is every
-    rank's (training.prepare_run), and a node whose disk alone lacked PATH would end by itself, its peers waiting for
-    it in the rendezvous. A run directory with checkpoints resumes them (resume=auto) or is refused for them
-    (resume=never): its init_from is not read, and a missing one must not stop a restarted job (Megatron's
-    --pretrained-checkpoint and torchtitan's initial_load_path are read only by a run with no checkpoint of its own)."""
-    from megatron_mini import checkpoint
+    rank's (training.prepare_run, the same line), and a node whose disk alone lacked PATH would end by itself, its peers
+    waiting for it in the rendezvous. The line names the key the path was given to (resume=PATH or init_from=PATH), a
+    file there too; the tools name their argument's path alone (test_export). A run directory with checkpoints resumes
+    them (resume=auto) or is refused for them (resume=never): its init_from is not read, and a missing one must not
+    stop a restarted job (Megatron's --pretrained-checkpoint and torchtitan's initial_load_path are read only by a run
+    with no checkpoint of its own)."""
+    from harness import small_config
+
+    from megatron_mini import checkpoint, training
     from megatron_mini.checkpoint_dir import CheckpointError, check_start_dirs
     from megatron_mini.config import TrainConfig
+    from megatron_mini.dataset import load_run_data
     missing, present, resumed = str(tmp_path / "missing"), str(tmp_path), tmp_path / "resumed"
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a checkpoint")
     os.makedirs(resumed / "checkpoints" / "step_000005")
 
     def run(run_dir=str(tmp_path / "fresh"), **keys) -> TrainConfig:
-        return TrainConfig(run_dir=run_dir, **keys)
+        return small_config(small_data, run_dir, **{"resume": "auto", **keys})
 
     def after_torch(cfg: TrainConfig) -> str:
         with pytest.raises(CheckpointError) as err:
             checkpoint.find_resume(cfg) or checkpoint.check_init(cfg, "")
         return str(err.value)
-    refused = [run(resume=missing), run(init_from=missing), run(init_from=missing, resume="never")]
+
+    def on_nodes(cfg: TrainConfig) -> str:
+        """What rank 0 of a job on two nodes refuses for every rank (prepare_run: the others wait for its answer)."""
+        run = training.prepare_run(cfg, 0, 2, datasets)
+        run.lock.release()
+        return run.refused
+    datasets = load_run_data(run())
+    refused = [(run(resume=missing), f"resume={missing}: no such checkpoint directory."),
+               (run(init_from=missing), f"init_from={missing}: no such checkpoint directory."),
+               (run(init_from=missing, resume="never"), f"init_from={missing}: no such checkpoint directory."),
+               (run(resume=str(a_file)), f"resume={a_file}: is a file, not a checkpoint directory."),
+               (run(init_from=str(a_file)), f"init_from={a_file}: is a file, not a checkpoint directory.")]
     started = [run(resume=present), run(), run(resume="never"), run(init_from=present),
                run(str(resumed), init_from=missing), run(str(resumed), init_from=missing, resume="never")]
     for world_size, here in ((1, 1), (8, 8)):
-        for cfg in refused:
+        for cfg, line in refused:
             with pytest.raises(CheckpointError) as err:
                 check_start_dirs(cfg, world_size, here)
-            assert str(err.value) == after_torch(cfg) == f"{missing}: no such checkpoint directory.", cfg
+            assert str(err.value) == after_torch(cfg) == on_nodes(cfg) == line, cfg
         for cfg in started:
             check_start_dirs(cfg, world_size, here)
-    for cfg in refused:
+    for cfg, _ in refused:
         check_start_dirs(cfg, 8, 4)                   # (two nodes: left to rank 0)
 
 

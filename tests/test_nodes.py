@@ -140,6 +140,6 @@ def test_a_path_that_is_a_checkpoint_on_one_node_and_a_run_directory_on_another(
     shutil.copytree(tmp_path / "a" / "checkpoints", nodes[1] / "ckpt" / "checkpoints")
     cfg = small_config(small_data, tmp_path / "shared", steps=2, timeout_s=30, init_from="ckpt")
     errors = spawn(2, _train_from, cfg, [str(n) for n in nodes], init_group=False, timeout=120)
-    assert errors == [("CheckpointError", "ckpt is not a checkpoint (no meta.json); a checkpoint directory looks like "
-                                          "runs/NAME/checkpoints/step_000100.")] * 2, errors
+    assert errors == [("CheckpointError", "init_from=ckpt is not a checkpoint (no meta.json); a checkpoint directory "
+                                          "looks like runs/NAME/checkpoints/step_000100.")] * 2, errors
     assert not (tmp_path / "shared" / "checkpoints").exists()
