@@ -711,6 +711,23 @@ def test_wrong_vocab_size(prepared):
                         f"data.vocab_size=1024 and run with data.dir={sibling} data.vocab_size=1024")
 
 
+@pytest.mark.parametrize("data_vocab, model_vocab, asked, keys", [
+    (1024, 1024, "data.vocab_size=1024", "data.vocab_size=512 (model.vocab_size follows it: ${data.vocab_size} in "
+                                         "the model presets)"),          # (data.vocab_size=1024 alone, on the presets)
+    (512, 1024, "model.vocab_size=1024", "model.vocab_size=512"),     # (model.vocab_size alone, or a model preset's)
+    (1024, 512, "data.vocab_size=1024", "data.vocab_size=512"),
+    (1024, 2048, "data.vocab_size=1024 and model.vocab_size=2048", "data.vocab_size and model.vocab_size to 512")])
+def test_a_wrong_vocab_size_names_the_keys_to_set(prepared, data_vocab, model_vocab, asked, keys):
+    """A vocabulary size that is not the directory's tokenizer's: the hint sets the one key that differs from it, or
+    data.vocab_size alone where model.vocab_size holds its value (${data.vocab_size} in the presets: a user who set
+    data.vocab_size alone), both only where they differ apart."""
+    cfg, _ = prepared
+    with pytest.raises(DataError) as err:
+        load_datasets(dataclasses.replace(cfg, vocab_size=data_vocab), SEQ, seed=1, vocab_size=model_vocab)
+    assert str(err.value).startswith(f"{cfg.dir}/tokenizer.model: has {VOCAB} tokens, but {asked}; set {keys} to "
+                                     f"train on it, or: "), str(err.value)
+
+
 def test_other_source_is_not_overwritten(prepared, tmp_path):
     cfg, _ = prepared
     other = tmp_path / "other.jsonl"
