@@ -176,6 +176,8 @@ Keep prompt + generated tokens within {seq_len} positions.
 
 
 STAGING = ".export-"     # the prefix of the directory an export writes its files in, inside out_dir, before moving them
+# the files an export writes (the tokenizer's mirror where it can be made), config.json first
+FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "README.md")
 
 
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
@@ -185,7 +187,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     (inference.Checkpoint: its path, and notes on newer ones of the run that were passed over). The files
     are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
     export that fails (a full disk) leaves the files already there as they were, and no directory it created;
-    its failure to write is an OSError (safetensors' own error too)."""
+    its failure to write is an OSError (safetensors' own error too). An earlier export's files that this one does not
+    write (its tokenizer.json where this tokenizer has no mirror) are removed once the new files are in place."""
     ckpt, tok = read_with_tokenizer(checkpoint, tokenizer)
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
@@ -219,8 +222,12 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
                                   out=os.path.abspath(out_dir), eos=tok.eos_id, tokenizer_json=mirror))
         # safetensors creates its file 0600 whatever the umask: give it the mode the other files got
         os.chmod(os.path.join(staging, "model.safetensors"), os.stat(os.path.join(staging, "config.json")).st_mode)
-        for name in sorted(os.listdir(staging), key=lambda n: n != "config.json"):   # (config.json first: a kill
-            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))      # between leaves a model dir)
+        staged = os.listdir(staging)
+        for name in FILES:                 # (config.json first: a kill between leaves a model directory)
+            if name in staged:
+                os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+            elif os.path.lexists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)

@@ -456,6 +456,24 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     assert export_hf.main([ckpt.path, str(killed)]) == 0 and (killed / "config.json").is_file()
 
 
+def test_an_export_over_an_earlier_one_leaves_none_of_its_files(exported, tmp_path, monkeypatch):
+    """An export into an earlier export's directory whose tokenizer it cannot mirror (here: no protobuf) removes the
+    earlier tokenizer.json and tokenizer_config.json (they stayed: AutoTokenizer read another tokenizer's ids beside
+    a README saying there is none); files the export does not write (the user's) stay."""
+    from megatron_mini import hf
+    ckpt, _, _ = exported["tp1"]
+    out = tmp_path / "hf"
+    assert export_hf.main([ckpt.path, str(out)]) == 0
+    (out / "notes.txt").write_text("the user's")
+    mirrored = sorted(p.name for p in out.iterdir())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(mirrored)
+    monkeypatch.setattr(hf, "hf_tokenizer", lambda tok, seq_len: "its settings cannot be read without protobuf")
+    assert export_hf.main([ckpt.path, str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(set(mirrored) - {"tokenizer.json", "tokenizer_config.json"})
+    assert "There is no `tokenizer.json`" in (out / "README.md").read_text()
+    assert (out / "notes.txt").read_text() == "the user's"
+
+
 def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypatch):
     """export_hf writes the tokenizer bytes find_tokenizer read and checked against the checkpoint's sha256, not the
     file read again: one changed in between does not reach the export."""
