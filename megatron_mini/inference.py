@@ -223,8 +223,8 @@ def open_checkpoint(path: str, tokenizer: str | None, device: torch.device,
 
 @torch.no_grad()
 def logits(model: GPTChunk, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-    """ids [b, s] -> the Head's fp32 logits [b, s, vocab_size] over the real vocabulary: of positions
-    0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
+    """ids [b, s] -> the Head's fp32 logits (an fp64 model's fp64) [b, s, vocab_size] over the real vocabulary: of
+    positions 0 .. s - 1, or with a cache of positions cache.length .. cache.length + s - 1 (the cache grows by s).
     A ValueError when the positions pass the model's context (seq_len); a FloatingPointError for an fp16 model's
     logits that are not finite (an activation past its range: its weights are finite, load_model)."""
     out = model(ids, cache=cache).transpose(0, 1)

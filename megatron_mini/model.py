@@ -417,13 +417,14 @@ class Head(Layer):
 
     def forward(self, x, labels=None, r=None):
         """logits = ln_f(x + r) E^T, [s, b, V/tp] on this rank's vocabulary slice; r is the last block's
-        pending residual (or None). Returns each sample's sum of its token losses, [b], or,
-        without labels, the fp32 logits [s, b, vocab_size] over the whole real vocabulary (gathered over TP,
-        padded rows dropped)."""
+        pending residual (or None). Returns each sample's sum of its token losses, [b], or, without labels, the
+        logits [s, b, vocab_size] in fp32 (an fp64 model's in fp64) over the whole real vocabulary (gathered over
+        TP, padded rows dropped)."""
         logits = column_parallel_linear(self.ln_f.add_and_norm(x, r)[1], self.word_embeddings, None,
                                         self.tp_group, self.sp, wgrad_ready=not self.looked_up)
         if labels is None:
-            return gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size].float()
+            logits = gather_from_tensor_parallel_region(logits, self.tp_group)[..., :self.vocab_size]
+            return logits.to(torch.promote_types(logits.dtype, torch.float32))     # (an fp64 model's: fp64)
         losses = self.cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size, self.label_smoothing)
         return losses.sum(0)
 

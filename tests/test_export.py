@@ -1,6 +1,6 @@
 """megatron_mini.inference / megatron_mini.hf and their command lines (tools/generate.py, tools/export_hf.py,
 tools/evaluate.py): a checkpoint of any layout, exported to a Hugging Face GPT2LMHeadModel, gives megatron_mini's
-logits (fp32: max abs diff <= 1e-5; fp64: 1e-6 of the largest) and validation loss; greedy decoding gives
+logits (fp32: max abs diff <= 1e-5; fp64: 1e-12 of the largest) and validation loss; greedy decoding gives
 transformers' generate() tokens; the KV cache gives the full forward's logits and tokens."""
 import copy
 import dataclasses
@@ -65,8 +65,9 @@ def exported(small_data, tmp_path_factory):
 def test_export_matches_megatron_logits(exported, layout):
     """The export of a tp=2, a pp=2 and a one-device run, of a padded vocabulary: GPT-2's config (context, GELU's
     tanh form "gelu_new", LayerNorm epsilon, tied embeddings) and weights give megatron_mini's logits, in fp32 (max
-    abs diff <= 1e-5) and in fp64 (both models cast: <= 1e-6 of the largest logit, our fp64 logits returned as fp32;
-    3.6e-8 measured; an export as "gelu", erf's GELU, was 4.5e-6 there and 3.8e-6 in fp32, under fp32's bound)."""
+    abs diff <= 1e-5) and in fp64 (both models cast: <= 1e-12 of the largest logit, 6.7e-16 measured; when our fp64
+    logits were returned as fp32 the bound was 1e-6, 3.6e-8 measured; an export as "gelu", erf's GELU, was 4.5e-6 there
+    and 3.8e-6 in fp32, under fp32's bound)."""
     ckpt, hf, tok = exported[layout]
     m = ckpt.cfg.model
     assert hf.config.vocab_size == m.vocab_size < m.padded_vocab_size == hf.config.megatron_mini["padded_vocab_size"]
@@ -87,8 +88,8 @@ def test_export_matches_megatron_logits(exported, layout):
         assert ours.shape == theirs.shape == (*batch.shape, m.vocab_size)
         diff = (ours - theirs).abs().max().item()
         assert diff <= 1e-5, f"logits differ by {diff:.2e}"
-        rel = _rel_err(inference.logits(model64, batch).double(), theirs64)
-        assert rel <= 1e-6, f"fp64 logits differ by {rel:.2e} of the largest"
+        rel = _rel_err(inference.logits(model64, batch), theirs64)
+        assert rel <= 1e-12, f"fp64 logits differ by {rel:.2e} of the largest"
     labels = ids.roll(-1, dims=1)
     with torch.no_grad():
         loss = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy (sum)
@@ -598,6 +599,40 @@ def test_kv_cache_logits_match_full_forward():
         inference.logits(model, ids[:, :1], cache)
     with pytest.raises(ValueError, match="context of 32"):
         inference.logits(model, torch.cat([ids, ids], 1))
+
+
+def test_an_fp64_model_decodes_in_fp64():
+    """An fp64 model's logits are fp64 (they were rounded to fp32): with the cache they are the full forward's to
+    1e-12 of the largest (fp64 rounding; fp32's 6e-8 hid any error below it), and greedy picks what transformers'
+    fp64 GPT-2 of the same weights picks where two logits differ by 1e-10 of theirs, which fp32 rounding made
+    one (argmax then took the lower id)."""
+    from megatron_mini.config import TrainConfig
+    from megatron_mini.hf import hf_config, hf_state_dict
+    model = _lively_model().double()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    full = inference.logits(model, ids)
+    assert full.dtype == torch.float64
+    cache = KVCache()
+    cached = torch.cat([inference.logits(model, ids[:, :5], cache)] +
+                       [inference.logits(model, ids[:, i:i + 1], cache) for i in range(5, 32)], 1)
+    assert _rel_err(cached, full) <= 1e-12, _rel_err(cached, full)
+    prompt = [1, 7, 3, 5, 2]
+    last = inference.logits(model, torch.tensor([prompt]))[0, -1]
+    top = last.argmax().item()
+    twin = next(j for j in range(top + 1, 96) if j not in prompt)       # a later id, fed in no prompt position
+    sign = 1 if last[top] > 0 else -1                                   # (the twin's logit: 1e-10 larger)
+    with torch.no_grad():
+        embedding = model.layers[0].word_embeddings.weight
+        embedding[twin] = embedding[top] * (1 + sign * 1e-10)
+    ckpt = inference.Checkpoint("random", {}, TrainConfig(model=_model_config()),
+                                {name: p.detach() for name, p in model.named_global_parameters()})
+    config = {k: v for k, v in hf_config(ckpt, eos_id=0, dtype=torch.float64).items() if k != "megatron_mini"}
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).double().eval()
+    hf.load_state_dict(hf_state_dict(ckpt, torch.float64), strict=False)
+    with torch.no_grad():
+        assert hf(torch.tensor([prompt])).logits[0, -1].argmax().item() == twin
+    for kv_cache in (True, False):
+        assert inference.generate(model, prompt, 1, temperature=0, kv_cache=kv_cache) == [[twin]]
 
 
 def _greedy_by_windows(model, prompt: list, n: int, kv_cache: bool) -> list:
