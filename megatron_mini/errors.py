@@ -1,6 +1,9 @@
 """The failures a run explains in one line (train.py and launch.fail turn them into `error: ...`); no torch
 here, so that train.py refuses a bad config before it imports torch."""
+import os
 import re
+import signal
+import sys
 
 
 class ConfigError(Exception):
@@ -30,3 +33,16 @@ def first_line(e: BaseException) -> str:
     """`Type: the first line of its message`, for a one-line error that quotes an exception."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def run_tool(main) -> None:
+    """sys.exit(main()) for a command line whose output a reader may stop reading early (`tools/plan.py ... | head`):
+    it then ends as `yes | head` ends `yes`, quietly and with status 128 + SIGPIPE, not with a BrokenPipeError
+    traceback (stdout is pointed at /dev/null, so the interpreter's last flush does not raise again)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
+    sys.exit(code)

@@ -3,14 +3,17 @@ plan.py, generate.py, the benches' output options) give one line on stderr and a
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt; generate.py and
 evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
 import argparse
+import glob
 import importlib
 import json
 import os
 import re
+import signal
 
 import pytest
 import torch
 
+import commandline
 from harness import needs_glibc_2_35, needs_triton, new_block_faults, pretend_read_only, small_config, train_on_ranks
 from megatron_mini import inference, schedules
 
@@ -251,6 +254,27 @@ def test_tools_help_gives_every_options_default(tool, monkeypatch, capsys):
                                                                                             shown)
         said = re.findall(r"\bdefault\b(?!,)", shown)       # (not bench_gpu's row named default: "default,")
         assert len(said) == 1, (action.option_strings, shown)
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_tool_whose_reader_stops_early_ends_quietly(buffered):
+    """`tools/plan.py ... | head -1`, its reader gone before the plan is printed: the lines meet a closed pipe at the
+    print (PYTHONUNBUFFERED=1, or more than a buffer of output) or at the exit's flush (buffered). The tool ends as
+    `yes | head` ends `yes`: status 128 + SIGPIPE, nothing on stderr (before errors.run_tool: a BrokenPipeError
+    traceback and status 1; buffered, status 0 as if all was read). Every tool's main runs through run_tool
+    (prepare_data's through Hydra's command line, as train.py's)."""
+    environment = commandline.env(interpreter=False)
+    if buffered:
+        environment.pop("PYTHONUNBUFFERED")
+    argv = [commandline.PYTHON, "tools/plan.py", "model=gpt2-small", "gbs=8", "mbs=1"]
+    with commandline.running(argv, environment) as proc:
+        proc.stdout.close()                    # (before the tool has imported what it needs: seconds)
+        err, rc = proc.stderr.read(), proc.wait(timeout=120)
+    assert (rc, err) == (128 + signal.SIGPIPE, "")
+    for tool in glob.glob(os.path.join(commandline.REPO, "tools", "*.py")):
+        with open(tool) as f:
+            main = f.read().partition('if __name__ == "__main__":')[2]
+        assert not main or "run_tool(main)" in main or "command_line.run(main)" in main, tool
 
 
 def _failing_write(errno: int, reason: str):

@@ -34,6 +34,7 @@ from megatron_mini.hardware import set_tf32
 
 from bench.report import at_least
 from defaults_help import RawDescriptionDefaultsHelp
+from megatron_mini.errors import run_tool
 
 
 @dataclass
@@ -232,4 +233,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -65,6 +64,7 @@ from defaults_help import RawDescriptionDefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
 from bench.harness import free_port  # noqa: E402
 from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
+from megatron_mini.errors import run_tool  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -546,4 +546,4 @@ def _destroy_group() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

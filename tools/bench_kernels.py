@@ -68,13 +68,13 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
 from bench.report import (DOC, add_output_args, at_least, check_output_args, command_line, device_line, fmt,
                           markdown_table, require_triton, short_error, write_doc_section, write_text)
 from defaults_help import RawDescriptionDefaultsHelp
+from megatron_mini.errors import run_tool
 
 LN_SIZES = [(16384, n) for n in (768, 1024, 2048, 4096)]
 ATTN_SHAPES = [(16, 12, 1024, 64), (8, 16, 2048, 128)]
@@ -598,4 +598,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

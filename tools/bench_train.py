@@ -38,6 +38,7 @@ from bench.report import (DOC, GOAL_HEADERS, at_least, command_line, device_line
 from bench.workload import S2, SMOKE  # noqa: E402
 from defaults_help import RawDescriptionDefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable  # noqa: E402
+from megatron_mini.errors import run_tool  # noqa: E402
 
 SECTIONS = {1: throughput, 2: tensor_parallel, 3: pipeline, 4: precision}
 
@@ -85,4 +86,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -20,6 +20,7 @@ os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be built for a GPU
 
 from bench.report import positive_ints, require_triton, text_table  # noqa: E402
 from defaults_help import DefaultsHelp  # noqa: E402
+from megatron_mini.errors import run_tool  # noqa: E402
 
 
 def _attention_spec(spec: str) -> tuple:
@@ -71,4 +72,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

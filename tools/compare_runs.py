@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from defaults_help import DefaultsHelp
 from plotting import CREATED, refuse_unwritable, write_output
+from megatron_mini.errors import run_tool
 
 # The .wandb file: a 7-byte header, then LevelDB-log style chunks in 32 KiB blocks.
 _FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
@@ -450,4 +451,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -29,6 +29,7 @@ from checkpoint_args import add_checkpoint_arguments, chosen_device, open_chosen
 from defaults_help import DefaultsHelp
 from megatron_mini.config import ConfigError
 from megatron_mini.inference import CheckpointError, evaluation_sets, mean_losses, whole_sets
+from megatron_mini.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,4 +86,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

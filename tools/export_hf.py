@@ -19,6 +19,7 @@ from checkpoint_args import add_checkpoint_arguments, chosen_dtype
 from defaults_help import DefaultsHelp
 from megatron_mini.hf import STAGING, export
 from megatron_mini.inference import CheckpointError
+from megatron_mini.errors import run_tool
 
 
 def main(argv=None) -> int:
@@ -49,4 +50,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

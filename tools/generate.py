@@ -24,6 +24,7 @@ import torch
 from checkpoint_args import add_checkpoint_arguments, chosen_device, open_chosen
 from defaults_help import DefaultsHelp
 from megatron_mini.inference import CheckpointError, generate
+from megatron_mini.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,4 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -35,7 +35,7 @@ from defaults_help import DefaultsHelp
 from plotting import CREATED, refuse_unwritable, write_output
 from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, split_override, validate
 from megatron_mini.hardware import GPUS
-from megatron_mini.errors import first_line
+from megatron_mini.errors import first_line, run_tool
 from megatron_mini.launch import HydraCommandLine
 from megatron_mini.planner import (GiB, Estimate, Plan, PlanConfig, estimate, in_node, model_bytes, plan,
                                    register_configs)
@@ -287,4 +287,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

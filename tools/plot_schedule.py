@@ -11,7 +11,6 @@ space is the pipeline bubble. --compare stacks GPipe, 1F1B and interleaved 1F1B 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import matplotlib
 
@@ -25,6 +24,7 @@ from megatron_mini.schedules import KINDS, SimResult, check_schedule, simulate  
 from bench.report import at_least  # noqa: E402
 from defaults_help import DefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
+from megatron_mini.errors import run_tool  # noqa: E402
 
 CHUNK_GREYS = ["#202020", "#707070", "#a8a8a8", "#d8d8d8"]
 
@@ -145,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

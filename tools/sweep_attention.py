@@ -21,6 +21,7 @@ import torch
 
 from bench.report import positive_ints
 from defaults_help import RawDescriptionDefaultsHelp
+from megatron_mini.errors import run_tool
 
 
 def _shape(text: str) -> str:
@@ -150,4 +151,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)
