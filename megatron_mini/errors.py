@@ -2,6 +2,7 @@
 here, so that train.py refuses a bad config before it imports torch."""
 import os
 import re
+import select
 import signal
 import sys
 
@@ -38,11 +39,24 @@ def first_line(e: BaseException) -> str:
 def run_tool(main) -> None:
     """sys.exit(main()) for a command line whose output a reader may stop reading early (`tools/plan.py ... | head`):
     it then ends as `yes | head` ends `yes`, quietly and with status 128 + SIGPIPE, not with a BrokenPipeError
-    traceback (stdout is pointed at /dev/null, so the interpreter's last flush does not raise again)."""
+    traceback (stdout is pointed at /dev/null, so the interpreter's last flush does not raise again). Another broken
+    pipe (a worker's, a socket's) is raised as it was."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
+        if not _reader_gone(sys.stdout):
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
     sys.exit(code)
+
+
+def _reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe whose reading end is closed (poll reports an error on its writing end)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):       # (no file descriptor: a test's capture; no poll)
+        return False

@@ -277,6 +277,16 @@ def test_a_tool_whose_reader_stops_early_ends_quietly(buffered):
         assert not main or "run_tool(main)" in main or "command_line.run(main)" in main, tool
 
 
+def test_a_broken_pipe_not_of_stdout_is_raised():
+    """A BrokenPipeError of another pipe (a worker's, a socket's) while stdout's reader reads on is a failure:
+    errors.run_tool raises it (traceback, status 1), it does not end the tool quietly."""
+    code = ("from megatron_mini.errors import run_tool\n"
+            "def main():\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "run_tool(main)")
+    r = commandline.finish(commandline.start([commandline.PYTHON, "-c", code], commandline.env()))
+    assert r.rc == 1 and r.err.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe"), r
+
+
 def _failing_write(errno: int, reason: str):
     def write(*args, **kwargs):
         raise OSError(errno, reason)
