@@ -224,6 +224,32 @@ def test_compare_runs_tells_runs_of_one_name_apart(tmp_path, capsys):
         assert caught.value.code == 2 and "each run needs a label of its own" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("labels", ["bf16,fp16", "runs/tiny-bf16/wandb/offline-run-20261207_104500-abcdef12,"
+                                              "runs/tiny-fp16/wandb/offline-run-20261207_104501-3456789a"])
+def test_compare_runs_legends_do_not_overlap(tmp_path, monkeypatch, labels):
+    """The loss panel's two legends (the runs, the line styles) share no pixel and stay inside it, whatever a label's
+    length: with a wandb directory's path for a label, the styles' legend (then upper center) covered the runs'."""
+    import matplotlib.legend
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)   # plot() closes its figure: keep it to measure
+    specs = []
+    for offset in (0.0, 0.25):
+        logger = RunLogger(str(tmp_path / str(offset)), WandbConfig(mode="disabled"), {}, enabled=True)
+        fake_training(logger, offset=offset)
+        logger.finish()
+        specs.append(str(tmp_path / str(offset)))
+    assert compare_runs.main(specs + ["-o", str(tmp_path / "compare.png"), "--labels", labels]) == 0
+    (fig,) = figures
+    renderer = fig.canvas.get_renderer()
+    losses = fig.axes[0]
+    boxes = [legend.get_window_extent(renderer) for legend in losses.findobj(matplotlib.legend.Legend)]
+    assert len(boxes) == 2 and not boxes[0].overlaps(boxes[1])
+    panel = losses.get_window_extent(renderer)
+    assert all(panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
+               for box in boxes)
+
+
 def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, capsys):
     import wandb
 

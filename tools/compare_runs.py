@@ -393,8 +393,8 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
         scale_ax.set_yscale("log")
         scale_ax.set_ylabel("fp16 loss scale (dotted)")
         styles.append(Line2D([], [], color="gray", ls=":", label="loss scale"))
-    ax.add_artist(ax.legend(loc="upper right", title="run"))
-    ax.legend(handles=styles, loc="upper center")
+    runs_legend = ax.legend(loc="upper right", title="run")
+    ax.add_artist(runs_legend)
     if evals:
         eval_ax.set_ylabel("eval loss")
         eval_ax.set_title("data.eval sets (the same samples in every run)", fontsize=10)
@@ -409,6 +409,11 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
         if weight_ax is not None:
             weight_ax.set_ylabel("param norm (dashed)")
     fig.tight_layout()
+    # The line styles' legend under the runs' (side by side, a long label, say a wandb directory, ran one into the
+    # other): placed once the layout has fixed the axes, as the runs' legend's height in axes units depends on it.
+    fig.canvas.draw()
+    below = runs_legend.get_window_extent().transformed(ax.transAxes.inverted())
+    ax.legend(handles=styles, loc="upper right", bbox_to_anchor=(below.x1, below.y0))
     write_output(path, lambda path: fig.savefig(path, dpi=120))
     plt.close(fig)
 
