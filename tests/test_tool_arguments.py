@@ -287,6 +287,24 @@ def test_a_broken_pipe_not_of_stdout_is_raised():
     assert r.rc == 1 and r.err.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe"), r
 
 
+def test_a_tool_whose_socket_reader_is_gone_ends_quietly():
+    """stdout a socket (a socketpair's end, as a supervisor or a test harness may give) whose reader has closed it:
+    the tool's print meets EPIPE as at a pipe, and it ends as at a pipe, status 128 + SIGPIPE, nothing on stderr
+    (poll reports POLLHUP, not POLLERR, on such a socket: errors.run_tool read it as another pipe's, a traceback
+    and status 1)."""
+    import socket
+    import subprocess
+    code = ("from megatron_mini.errors import run_tool\n"
+            "def main():\n    print('x' * 1_000_000)\n"
+            "run_tool(main)")
+    ours, theirs = socket.socketpair()
+    ours.close()                                            # (the reader, gone before the tool writes)
+    with theirs:
+        r = subprocess.run([commandline.PYTHON, "-c", code], stdout=theirs, stderr=subprocess.PIPE, text=True,
+                           env=commandline.env(), timeout=60)
+    assert (r.returncode, r.stderr) == (128 + signal.SIGPIPE, "")
+
+
 def _failing_write(errno: int, reason: str):
     def write(*args, **kwargs):
         raise OSError(errno, reason)
