@@ -53,10 +53,11 @@ def run_tool(main) -> None:
 
 
 def _reader_gone(stream) -> bool:
-    """Whether `stream` is a pipe whose reading end is closed (poll reports an error on its writing end)."""
+    """Whether `stream`'s reader is gone: poll reports an error on a pipe's (or FIFO's) writing end whose reading end
+    is closed, a hang-up on a socket whose peer has closed it."""
     try:
         poll = select.poll()
         poll.register(stream.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
     except (AttributeError, OSError, ValueError):       # (no file descriptor: a test's capture; no poll)
         return False
