@@ -728,6 +728,21 @@ def test_a_wrong_vocab_size_names_the_keys_to_set(prepared, data_vocab, model_vo
                                      f"train on it, or: "), str(err.value)
 
 
+@pytest.mark.parametrize("data_vocab, model_vocab", [(1024, 1024), (512, 1024), (1024, 512), (1024, 2048)])
+def test_a_wrong_vocab_size_hint_followed_literally_starts_the_run(prepared, data_vocab, model_vocab):
+    """The keys a wrong vocabulary size says to set (`set K=V ... to train on it`), set as given on the command line,
+    open the directory: model.vocab_size keeps its value unless the hint names it (a model.vocab_size given, or
+    bloom-176b's preset: it follows data.vocab_size only where a preset interpolates it, which the check cannot
+    see), so data.vocab_size=1024 model.vocab_size=1024 must name both."""
+    cfg, _ = prepared
+    with pytest.raises(DataError) as err:
+        load_datasets(dataclasses.replace(cfg, vocab_size=data_vocab), SEQ, seed=1, vocab_size=model_vocab)
+    keys = dict(re.findall(r"(\S+)=(\d+)", re.search(r"; set (.*?) to train on it", str(err.value))[1]))
+    assert keys and set(keys) <= {"data.vocab_size", "model.vocab_size"}, str(err.value)
+    load_datasets(dataclasses.replace(cfg, vocab_size=int(keys.get("data.vocab_size", data_vocab))), SEQ, seed=1,
+                  vocab_size=int(keys.get("model.vocab_size", model_vocab)))
+
+
 def test_other_source_is_not_overwritten(prepared, tmp_path):
     cfg, _ = prepared
     other = tmp_path / "other.jsonl"
