@@ -932,10 +932,12 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
                new_dir_hint(cfg, f"their \"{cfg.text_key}\" field", text_key=cfg.text_key))
     wrong = {key: want for key, want in vocab_sizes.items() if want != tok.vocab_size}
     if wrong:
-        key, want = next(iter(wrong.items()))      # (both of one value: model.vocab_size follows data.vocab_size)
-        asked = " and ".join(f"{k}={v}" for k, v in wrong.items()) if len(set(wrong.values())) > 1 else f"{key}={want}"
-        refuse(tok.path, f"has {tok.vocab_size} tokens, but {asked}", _vocab_keys(wrong, tok.vocab_size),
-               new_dir_hint(cfg, f"a {want}-token vocabulary", vocab_size=want))
+        # each key that differs, as key=N: model.vocab_size follows data.vocab_size only where a preset interpolates
+        # it, not where it is given (bloom-176b's preset, model.vocab_size=...), which this check cannot tell apart
+        want = next(iter(wrong.values()))
+        refuse(tok.path, f"has {tok.vocab_size} tokens, but {' and '.join(f'{k}={v}' for k, v in wrong.items())}",
+               " ".join(f"{k}={tok.vocab_size}" for k in wrong), new_dir_hint(cfg, f"a {want}-token vocabulary",
+                                                                            vocab_size=want))
     if not cfg.tokenizer:
         return
     if given is None and not (training and _copy_stands_in(cfg, tok)):
@@ -945,17 +947,6 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
                f"({given.sha256[:12]})" + ("" if training else ", in a valid build that runs may read"),
                "data.tokenizer to it (or leave it out)",
                f"prepare this corpus with data.tokenizer={cfg.tokenizer} in another data.dir")
-
-
-def _vocab_keys(wrong: dict, size: int) -> str:
-    """What to set to train on a tokenizer of `size` tokens, of `wrong` ({key: value}: data.vocab_size,
-    model.vocab_size that differ from it): the one key that differs; data.vocab_size where both hold one value
-    (model.vocab_size is ${data.vocab_size} in the presets: it follows); both where they hold two."""
-    if len(wrong) == 1:
-        return f"{next(iter(wrong))}={size}"
-    if len(set(wrong.values())) == 1:
-        return f"data.vocab_size={size} (model.vocab_size follows it: ${{data.vocab_size}} in the model presets)"
-    return f"{' and '.join(wrong)} to {size}"
 
 
 def _copy_stands_in(cfg: DataConfig, tok: Tokenizer) -> bool:

@@ -712,15 +712,13 @@ def test_wrong_vocab_size(prepared):
 
 
 @pytest.mark.parametrize("data_vocab, model_vocab, asked, keys", [
-    (1024, 1024, "data.vocab_size=1024", "data.vocab_size=512 (model.vocab_size follows it: ${data.vocab_size} in "
-                                         "the model presets)"),          # (data.vocab_size=1024 alone, on the presets)
+    (1024, 1024, "data.vocab_size=1024 and model.vocab_size=1024", "data.vocab_size=512 model.vocab_size=512"),
     (512, 1024, "model.vocab_size=1024", "model.vocab_size=512"),     # (model.vocab_size alone, or a model preset's)
     (1024, 512, "data.vocab_size=1024", "data.vocab_size=512"),
-    (1024, 2048, "data.vocab_size=1024 and model.vocab_size=2048", "data.vocab_size and model.vocab_size to 512")])
+    (1024, 2048, "data.vocab_size=1024 and model.vocab_size=2048", "data.vocab_size=512 model.vocab_size=512")])
 def test_a_wrong_vocab_size_names_the_keys_to_set(prepared, data_vocab, model_vocab, asked, keys):
-    """A vocabulary size that is not the directory's tokenizer's: the hint sets the one key that differs from it, or
-    data.vocab_size alone where model.vocab_size holds its value (${data.vocab_size} in the presets: a user who set
-    data.vocab_size alone), both only where they differ apart."""
+    """A vocabulary size that is not the directory's tokenizer's: the hint sets each key that differs from it, as
+    key=N (a model.vocab_size of data.vocab_size's value may be given, not interpolated: the hint names it too)."""
     cfg, _ = prepared
     with pytest.raises(DataError) as err:
         load_datasets(dataclasses.replace(cfg, vocab_size=data_vocab), SEQ, seed=1, vocab_size=model_vocab)
