@@ -92,9 +92,11 @@ def test_export_matches_megatron_logits(exported, layout):
         assert rel <= 1e-12, f"fp64 logits differ by {rel:.2e} of the largest"
     labels = ids.roll(-1, dims=1)
     with torch.no_grad():
-        loss = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy (sum)
-    expected = F.cross_entropy(inference.logits(model, ids).flatten(0, 1), labels.flatten(), reduction="sum")
-    assert torch.allclose(loss, expected, rtol=1e-6), (loss.item(), expected.item())
+        losses = model(ids, labels)  # the training path: the Head's vocab-parallel cross-entropy, each sample's sum [b]
+    expected = F.cross_entropy(inference.logits(model, ids).flatten(0, 1), labels.flatten(), reduction="none")
+    expected = expected.view(ids.shape).sum(-1)
+    assert losses.shape == expected.shape == (len(ids),), losses.shape
+    assert torch.allclose(losses, expected, rtol=1e-6), (losses.tolist(), expected.tolist())
 
 
 def test_greedy_generation_matches_hf():
