@@ -3,6 +3,7 @@ plan.py, generate.py, the benches' output options) give one line on stderr and a
 an output file that cannot be written is refused before any work; generate.py notes a cut prompt; generate.py and
 evaluate.py on the CPU reuse freed memory as train.py's ranks do."""
 import argparse
+import csv
 import glob
 import importlib
 import json
@@ -257,20 +258,25 @@ def test_tools_help_gives_every_options_default(tool, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("buffered", [True, False])
-def test_a_tool_whose_reader_stops_early_ends_quietly(buffered):
+def test_a_tool_whose_reader_stops_early_ends_quietly(buffered, tmp_path):
     """`tools/plan.py ... | head -1`, its reader gone before the plan is printed: the lines meet a closed pipe at the
     print (PYTHONUNBUFFERED=1, or more than a buffer of output) or at the exit's flush (buffered). The tool ends as
     `yes | head` ends `yes`: status 128 + SIGPIPE, nothing on stderr (before errors.run_tool: a BrokenPipeError
-    traceback and status 1; buffered, status 0 as if all was read). Every tool's main runs through run_tool
-    (prepare_data's through Hydra's command line, as train.py's)."""
+    traceback and status 1; buffered, status 0 as if all was read). Its --csv and --plot files are written whole
+    (before the printing; they were not written at all). Every tool's main runs through run_tool (prepare_data's
+    through Hydra's command line, as train.py's)."""
     environment = commandline.env(interpreter=False)
     if buffered:
         environment.pop("PYTHONUNBUFFERED")
-    argv = [commandline.PYTHON, "tools/plan.py", "model=gpt2-small", "gbs=8", "mbs=1"]
+    csv_path, png = tmp_path / "plan.csv", tmp_path / "plan.png"
+    argv = [commandline.PYTHON, "tools/plan.py", "model=gpt2-small", "gbs=8", "mbs=1", "--csv", csv_path, "--plot", png]
     with commandline.running(argv, environment) as proc:
         proc.stdout.close()                    # (before the tool has imported what it needs: seconds)
         err, rc = proc.stderr.read(), proc.wait(timeout=120)
     assert (rc, err) == (128 + signal.SIGPIPE, "")
+    with open(csv_path) as f:                  # (written before the printing: whole)
+        rows = list(csv.DictReader(f))
+    assert len(rows) > 1 and all(None not in row.values() for row in rows) and png.read_bytes()[1:4] == b"PNG"
     for tool in glob.glob(os.path.join(commandline.REPO, "tools", "*.py")):
         with open(tool) as f:
             main = f.read().partition('if __name__ == "__main__":')[2]

@@ -247,6 +247,14 @@ def main(argv=None) -> int:
               f"--layout {','.join(given)} explains that one")
     p = plan(base)
     c = base.cluster
+    found = None
+    if chosen:            # (valid, but maybe not enumerated: blocks placed unevenly, a schedule, ZeRO at dp=1)
+        found = next((e for e in p.estimates if e.cfg == chosen), None) or estimate(p.planner, chosen, c)
+    if p.estimates:       # (written before anything is printed: a reader that stops early, | head, leaves them whole)
+        if args.csv:
+            write_output(args.csv, lambda path: write_csv(path, p))
+        if args.plot:
+            draw(args.plot, p, found)
     sizes = model_bytes(base, p.planner)
     n = base.model.num_params()
     print(f"{base.model.name}: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters; gbs {base.gbs} x "
@@ -265,19 +273,15 @@ def main(argv=None) -> int:
         print("\nwhy the others lost (against the best):\n" + why_others_lost(p))
         print("\nthe best, launched on every node:\n  " + torchrun(p.fitting[0], args.overrides))
     problem = why_none_fits(p)
-    found = None
-    if chosen:            # (valid, but maybe not enumerated: blocks placed unevenly, a schedule, ZeRO at dp=1)
-        found = next((e for e in p.estimates if e.cfg == chosen), None) or estimate(p.planner, chosen, c)
+    if found is not None:
         rank = 1 + sum(e.step_s < found.step_s for e in p.fitting) if found.fits else None
         print("\n--layout " + args.layout + ":\n" + explain(found, rank))
     if not p.estimates:                                   # nothing to write or draw
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.csv:
-        write_output(args.csv, lambda path: write_csv(path, p))
         print(f"\nwrote {args.csv}")
     if args.plot:
-        draw(args.plot, p, found)
         print(f"wrote {args.plot}")
     print(f"({time.time() - START:.1f} s)")
     if problem:
