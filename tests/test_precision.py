@@ -308,6 +308,91 @@ def test_skipped_fp16_steps_do_not_spend_the_warmup(small_data, tmp_path):
         applied += not skipped
 
 
+def _megatron_scaler_states(overflows, scale, growth_interval, hysteresis):
+    """Megatron's DynamicGradScaler, written out: its (scale, growth tracker, hysteresis tracker) and the steps
+    skipped so far, after each step of `overflows` (True: that step's gradients had an inf)."""
+    growth, left, skipped, states = 0, hysteresis, 0, []
+    for inf in overflows:
+        if inf:
+            growth, left, skipped = 0, left - 1, skipped + 1
+            if left <= 0:
+                scale = max(scale * 0.5, 1.0)
+        else:
+            growth += 1
+            if growth == growth_interval:
+                growth, left, scale = 0, hysteresis, scale * 2.0
+        states.append((scale, growth, left, skipped))
+    return states
+
+
+def _train_with_an_inf_on_one_rank(cfg, rank, steps):
+    """train(cfg), where global rank `rank` puts an inf into one element of the gradient it holds after the DP
+    sync (with ZeRO-1: its own shard) at each 1-based step in `steps`: (rank 0's history, whether each step of
+    this run was skipped on this rank)."""
+    import torch.distributed as dist
+    from megatron_mini import optimizer
+    from megatron_mini.training import train
+
+    finalize, step, skipped = optimizer.Optimizer.finalize_grads, optimizer.Optimizer.step, []
+
+    def poisoned(self):
+        finalize(self)
+        if dist.get_rank() == rank and self.step_count + self.scaler.skipped_steps + 1 in steps:
+            self.ranges[0].grad[5] = float("inf")
+
+    def recorded(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        skipped.append(out[1])
+        return out
+    optimizer.Optimizer.finalize_grads, optimizer.Optimizer.step = poisoned, recorded
+    return train(cfg), skipped
+
+
+def test_an_overflow_on_one_rank_skips_everywhere_and_resumes_bitwise(small_data, tmp_path):
+    """fp16 at pp=2 x dp=2 with ZeRO-1, an inf in one element of rank 3's gradient shard at steps 2 and 4 of 6
+    (growth interval 2, hysteresis 2; no other step overflows at 2^16): every rank skips those steps and no other;
+    a skipped step leaves the weights, fp32 masters, Adam's moments and step count as they were (its checkpoint
+    holds the step before's), logs grad_norm null and the lr of the update it did not apply, which the next step
+    takes; the scaler's state after each step is Megatron's (_megatron_scaler_states). Resumed from step 2 (right
+    after an overflow, mid-hysteresis: it backs off at step 4 and grows at step 6 only where both trackers were
+    kept), the run continues bitwise: losses, scaler, final weights."""
+    from megatron_mini.checkpoint import ShardReader, read_meta
+    from megatron_mini.optimizer import learning_rate
+
+    overflows = [step in (2, 4) for step in range(1, 7)]
+    kw = dict(steps=6, save_interval=1, keep_checkpoints=6, gbs=8, pp=2, zero=1, log_interval=1,
+              **{"precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 16,
+                 "precision.loss_scale_growth_interval": 2, "precision.loss_scale_hysteresis": 2})
+    cfg = small_config(small_data, tmp_path / "full", **kw)
+    runs = spawn(4, _train_with_an_inf_on_one_rank, cfg, 3, {2, 4}, init_group=False)
+    assert [skipped for _, skipped in runs] == [overflows] * 4
+    full = runs[0][0]
+    saved = [read_meta(str(tmp_path / "full" / "checkpoints" / f"step_{k:06d}")) for k in range(1, 7)]
+    expected = [(k + 1 - skipped, scale, growth, left, skipped)        # (Adam's step count first)
+                for k, (scale, growth, left, skipped) in enumerate(_megatron_scaler_states(overflows, 2.0 ** 16, 2, 2))]
+    assert [(m["optimizer"]["step_count"], *(m["optimizer"]["scaler"][k] for k in (
+        "scale", "clean_steps", "hysteresis_left", "skipped_steps"))) for m in saved] == expected
+    records = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+    applied = [sum(not o for o in overflows[:k]) for k in range(6)]        # updates applied before each step
+    assert [r["lr"] for r in records] == [learning_rate(a, cfg.optimizer, cfg.steps) for a in applied]
+    assert [r["grad_norm"] is None for r in records] == overflows
+    for k in (2, 4):                     # the skipped step's checkpoint holds the state of the step before's
+        before, after = (ShardReader(p, read_meta(p)) for p in (
+            str(tmp_path / "full" / "checkpoints" / f"step_{j:06d}") for j in (k - 1, k)))
+        for name in before.names():
+            for key in ("weight", "master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(before.full(name, key), after.full(name, key)), (k, name, key)
+    step2 = str(tmp_path / "full" / "checkpoints" / "step_000002")
+    resumed = spawn(4, _train_with_an_inf_on_one_rank, small_config(small_data, tmp_path / "resumed", resume=step2,
+                                                                     **kw), 3, {2, 4}, init_group=False)
+    assert [skipped for _, skipped in resumed] == [overflows[2:]] * 4
+    assert resumed[0][0]["loss"] == full["loss"][2:]
+    last = [str(tmp_path / run / "checkpoints" / "step_000006") for run in ("full", "resumed")]
+    assert read_meta(last[0])["optimizer"] == read_meta(last[1])["optimizer"]
+    readers = [ShardReader(p, read_meta(p)) for p in last]
+    assert all(torch.equal(readers[0].full(name), readers[1].full(name)) for name in readers[0].names())
+
+
 def _step_with_injected_value(cfg, poisoned_rank, value):
     """One clean step, then the gradients of another batch with `value` (inf, nan) in an element of the (reduced)
     gradient that `poisoned_rank` owns, and Optimizer.step on them: (its return value, or the FloatingPointError's
