@@ -337,7 +337,8 @@ def _train_with_an_inf_on_one_rank(cfg, rank, steps):
 
     def poisoned(self):
         finalize(self)
-        if dist.get_rank() == rank and self.step_count + self.scaler.skipped_steps + 1 in steps:
+        step_index = self.step_count + (self.scaler.skipped_steps if self.scaler else 0)      # (0-based)
+        if dist.get_rank() == rank and step_index + 1 in steps:
             self.ranges[0].grad[5] = float("inf")
 
     def recorded(self, *args, **kwargs):
@@ -439,6 +440,15 @@ def test_a_nan_gradient_in_bf16_stops_every_rank_before_the_update(small_data, t
     cfg = small_config(small_data, tmp_path, tp=2, pp=2, gbs=8, **{"precision.dtype": "bf16"})
     for result, unchanged, same_step_count, _, _ in spawn(4, _step_with_injected_value, cfg, 3, float("nan")):
         assert result == "the gradient norm is not finite" and unchanged and same_step_count
+
+
+def test_a_gradient_norm_that_is_not_finite_names_its_step(small_data, tmp_path):
+    """bf16 (no loss scaler) at pp=2, an inf in the last stage's gradient at step 2 of 3: every rank stops with one
+    line that names the step, as a loss that is not finite does."""
+    cfg = small_config(small_data, tmp_path, steps=3, gbs=8, pp=2, **{"precision.dtype": "bf16"})
+    with pytest.raises(RuntimeError, match=r"Training stopped \(bf16\): the gradient norm is not finite at step 2\. "
+                                           r"Nothing was saved over the last good checkpoint \(none\)"):
+        spawn(2, _train_with_an_inf_on_one_rank, cfg, 1, {2}, init_group=False)
 
 
 @pytest.fixture(scope="module")
