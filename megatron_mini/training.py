@@ -258,7 +258,10 @@ class Trainer:
         loss, parts, stop, writing = self._global_loss(sample_losses, self.train_data, self.consumed_samples, stop)
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(f"the training loss is {loss} at step {self.step + 1}")
-        grad_norm, skipped, param_norm = self.optimizer.step(lr, weight_norm=cfg.logs(self.step + 1))
+        try:
+            grad_norm, skipped, param_norm = self.optimizer.step(lr, weight_norm=cfg.logs(self.step + 1))
+        except FloatingPointError as e:          # (no loss scaler: an inf or nan gradient ends the run)
+            raise FloatingPointError(f"{e} at step {self.step + 1}") from None
         if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
             raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
                                      f"{scaler.min_scale:g} (step {self.step + 1}): "
