@@ -84,16 +84,18 @@ def rebuild_command(cfg: DataConfig, **changes) -> str:
     return "python tools/prepare_data.py " + " ".join(f"data.{k}={shlex.quote(str(v))}" for k, v in values.items())
 
 
-def new_dir_hint(cfg: DataConfig, what: str, **changes) -> str:
+def new_dir_hint(cfg: DataConfig, what: str, run_also: tuple = (), **changes) -> str:
     """For a valid directory that holds other data than the run asks for: never suggest overwriting
-    it; suggest building `what` in a directory of its own, and reading it from there."""
+    it; suggest building `what` in a directory of its own, and reading it from there (with the keys
+    `run_also` too, key=value)."""
     source, vocab = changes.get("source", cfg.source), changes.get("vocab_size", cfg.vocab_size)
     name = "stdlib" if source == "stdlib" else Path(source).stem or "corpus"
     new = os.path.join(os.path.dirname(os.path.normpath(cfg.dir)), f"{name}-v{vocab}")   # a sibling of cfg.dir
     if os.path.normpath(new) == os.path.normpath(cfg.dir):
         new += "-new"
     command = rebuild_command(dataclasses.replace(cfg, dir=new), **changes)
-    keys = " ".join([f"data.dir={new}"] + [f"data.{k}={shlex.quote(str(v))}" for k, v in changes.items()])
+    keys = " ".join([f"data.dir={new}"] + [f"data.{k}={shlex.quote(str(v))}" for k, v in changes.items()]
+                    + list(run_also))
     return (f"{cfg.dir} is left as it is; to train on {what}, build it in its own directory with: {command} "
             f"and run with {keys}")
 
@@ -934,10 +936,11 @@ def check_holds(cfg: DataConfig, tok: Tokenizer, meta: dict, vocab_sizes: dict, 
     if wrong:
         # each key that differs, as key=N: model.vocab_size follows data.vocab_size only where a preset interpolates
         # it, not where it is given (bloom-176b's preset, model.vocab_size=...), which this check cannot tell apart
-        want = next(iter(wrong.values()))
+        want = next(iter(wrong.values()))          # (a new build of data.vocab_size's, else model.vocab_size's)
+        model = tuple(f"{k}={want}" for k, v in vocab_sizes.items() if k != "data.vocab_size" and v != want)
         refuse(tok.path, f"has {tok.vocab_size} tokens, but {' and '.join(f'{k}={v}' for k, v in wrong.items())}",
-               " ".join(f"{k}={tok.vocab_size}" for k in wrong), new_dir_hint(cfg, f"a {want}-token vocabulary",
-                                                                            vocab_size=want))
+               " ".join(f"{k}={tok.vocab_size}" for k in wrong),
+               new_dir_hint(cfg, f"a {want}-token vocabulary", run_also=model, vocab_size=want))
     if not cfg.tokenizer:
         return
     if given is None and not (training and _copy_stands_in(cfg, tok)):

@@ -731,7 +731,8 @@ def test_a_wrong_vocab_size_hint_followed_literally_starts_the_run(prepared, dat
     """The keys a wrong vocabulary size says to set (`set K=V ... to train on it`), set as given on the command line,
     open the directory: model.vocab_size keeps its value unless the hint names it (a model.vocab_size given, or
     bloom-176b's preset: it follows data.vocab_size only where a preset interpolates it, which the check cannot
-    see), so data.vocab_size=1024 model.vocab_size=1024 must name both."""
+    see), so data.vocab_size=1024 model.vocab_size=1024 must name both. Likewise the keys it says to run a new
+    build of the asked-for vocabulary with (model.vocab_size where it is not that size too)."""
     cfg, _ = prepared
     with pytest.raises(DataError) as err:
         load_datasets(dataclasses.replace(cfg, vocab_size=data_vocab), SEQ, seed=1, vocab_size=model_vocab)
@@ -739,6 +740,11 @@ def test_a_wrong_vocab_size_hint_followed_literally_starts_the_run(prepared, dat
     assert keys and set(keys) <= {"data.vocab_size", "model.vocab_size"}, str(err.value)
     load_datasets(dataclasses.replace(cfg, vocab_size=int(keys.get("data.vocab_size", data_vocab))), SEQ, seed=1,
                   vocab_size=int(keys.get("model.vocab_size", model_vocab)))
+    built, run = re.search(r"build it in its own directory with: (.*?) and run with (.*)", str(err.value)).groups()
+    built = int(re.search(r"data\.vocab_size=(\d+)", built)[1])      # (the other way on: a new build, its keys)
+    keys = dict(re.findall(r"(\S+)=(\d+)", run))
+    assert int(keys.get("data.vocab_size", data_vocab)) == int(keys.get("model.vocab_size", model_vocab)) == built, \
+        str(err.value)
 
 
 def test_other_source_is_not_overwritten(prepared, tmp_path):
