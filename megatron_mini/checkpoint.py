@@ -335,13 +335,13 @@ def listing(run_dir: str) -> tuple[list, str | None]:
 
 
 def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (resume=PATH), or start a new run under "
-                                                     "another run_name.") -> Resume | None:
+                                                     "another run_name.", key: str | None = None) -> Resume | None:
     """The newest checkpoint of `run_dir` that passes `check` (verify, present or agree_verify: the job's ranks walk
     its listing, rank 0's), whatever `latest` says, with notes on what was skipped; None when the run has no
     checkpoint; CheckpointError when it has some but none is good, OlderFormatError at the first of an older format
     (not skipped: the run is intact, for the version that wrote it). Where none verified and the listing has
     changed meanwhile (a live run published a newer one and pruned those listed: keep_checkpoints), it is listed
-    again, up to VANISHED_RETRIES times."""
+    again, up to VANISHED_RETRIES times. `key`: the config key `run_dir` was given to (resume), which errors name."""
     see = getattr(check, "listing", listing)
     for attempt in range(VANISHED_RETRIES):
         candidates, named = see(run_dir)
@@ -349,8 +349,8 @@ def newest(run_dir: str, check=verify, advice: str = "Resume from one by hand (r
         if found is not None or attempt == VANISHED_RETRIES - 1 or see(run_dir)[0] == candidates:
             break
     if found is None and candidates:
-        raise CheckpointError(f"{run_dir} has checkpoints but none is complete and intact ({'; '.join(notes)}). "
-                              f"{advice}")
+        raise CheckpointError(f"{given(run_dir, key)} has checkpoints but none is complete and intact "
+                              f"({'; '.join(notes)}). {advice}")
     return found
 
 
@@ -410,7 +410,7 @@ def chosen(path: str, check=verify, key: str | None = None) -> Resume:
     value (resume, init_from; none: a tool's argument). Which of the two `path` is, is rank 0's answer where `check`
     is a job's (agree_verify)."""
     if getattr(check, "is_run_dir", is_run_dir)(path):
-        found = newest(path, check, "Give another checkpoint, or run directory.")   # (a tool's, or another run's)
+        found = newest(path, check, "Give another checkpoint, or run directory.", key)  # (a tool's, another run's)
         if found is None:
             raise CheckpointError(f"{given(path, key)} is not a checkpoint (no meta.json) nor a run directory with "
                                   f"checkpoints; give a checkpoint directory such as "

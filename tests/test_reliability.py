@@ -161,9 +161,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
                                                      f"vocabulary of 512", "rebuild it with:"]),
         ("token-files", 1, [f"data.dir={other_tokens}"], [f"{other_tokens}: its tokens.bin and tokens.idx are not the "
                                                           f"files its meta.json was written for", "rebuild it with:"]),
-        ("resume-empty-dir", 1, [f"resume={empty}"], [f"{empty} is not a checkpoint (no meta.json)"]),
+        ("resume-empty-dir", 1, [f"resume={empty}"], [f"resume={empty} is not a checkpoint (no meta.json)"]),
         ("resume-run-dir", 1, [f"resume={broken_run}"],
-         [f"{broken_run} has checkpoints but none is complete and intact (skipped {broken_run}/checkpoints/"
+         [f"resume={broken_run} has checkpoints but none is complete and intact (skipped {broken_run}/checkpoints/"
           f"step_000003: {broken_run}/checkpoints/step_000003/{optim} does not match its sha256",
           "Give another checkpoint, or run directory."]),
         ("bool-given-a-number", 1, ["sp=2"], ["sp=2: sp is true or false"]),
