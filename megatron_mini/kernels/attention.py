@@ -45,9 +45,11 @@ LOG2E = 1.4426950408889634
 # for sm_90 without spilling registers (tools/check_kernels.py). The sweep's fastest dk/dv (both head dims)
 # and d = 64 dq spill (8-424 B a thread): fwd+bwd with them 0.798 ms at (16, 12, 1024, 64), 1.635 at
 # (8, 16, 2048, 128), against 0.871 and 2.034 with the earlier table (fwd (128, 64, 4|8, 3), d = 128 dq 2 stages).
+# dk/dv at head dims 80 to 112 (masked in 128-wide tiles) has a row of its own, untimed: the d = 128 rows reach 255
+# registers there and spill 8 B a thread under Triton 3.6 (the GPU machine's; not 3.9), these do not (check_kernels)
 GPU_CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
-    "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)},
+    "dkdv": {64: (64, 128, 8, 3), 112: (16, 128, 8, 2), 128: (32, 128, 8, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},
 }
 # with dropout (the Philox draws take registers too): d = 64 as timed by the sweep with `--dropout 0.1` (the
@@ -55,7 +57,8 @@ GPU_CONFIGS = {
 # configurations that compile without spills on sm_90
 DROPOUT_CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)},
-    "dkdv": {64: (32, 128, 8, 2), 128: (16, 64, 4, 1)},   # 128: (16, 128, 8, 1) spills 24 B on Triton 3.6
+    "dkdv": {64: (32, 128, 8, 2), 112: (16, 32, 4, 1),    # 112: (16, 64, 4, 1) spills 8 B on Triton 3.6, causal
+             128: (16, 64, 4, 1)},                           # 128: (16, 128, 8, 1) spills 24 B on Triton 3.6
     "dq": {64: (64, 32, 4, 3), 128: (128, 32, 8, 2)},
 }
 # fp32 inputs (tests, fp32 runs) take IEEE fp32 dots on the CUDA cores, with tiles of twice the bytes:
@@ -84,7 +87,9 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
     dq: keys, BLOCK_N; dk/dv: queries, BLOCK_M) halved _register_bound times, to 16 at least (a dot's least).
     fp32 with dropout before Hopper takes 2 stages at least: FP32_CONFIGS has no dropout variant, its streamed block
     is at 16 there already, and with 1 stage each streamed tile goes from global memory through registers into
-    shared memory, where 2 copy it asynchronously (cp.async), leaving those registers to the Philox draws."""
+    shared memory, where 2 copy it asynchronously (cp.async), leaving those registers to the Philox draws. So does
+    the fp32 dq at a head dim not a multiple of 16: with 1 stage Triton 3.6's ptxas holds it to 128 registers (two
+    blocks an SM) and spills 8 B on sm_90; with 2, 87-128 registers and no spill on sm_80 and sm_90 (3.6 and 3.9)."""
     if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
@@ -95,7 +100,7 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
         block_m = max(16, block_m >> halve)
     else:
         block_n = max(16, block_n >> halve)
-    if dtype == torch.float32 and dropout_p > 0 and cc < HOPPER:
+    if dtype == torch.float32 and (dropout_p > 0 and cc < HOPPER or kind == "dq" and d % 16 != 0):
         stages = max(stages, 2)
     return block_m, block_n, warps, stages
 
