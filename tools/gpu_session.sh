@@ -21,7 +21,8 @@
 #
 # Run here, before the calls (this machine reaches PyPI; the GPU machine does not):
 #
-#   tools/gpu_session.sh wheels [SHARED_WHEELS]  # .gpu/wheels: hydra-core/omegaconf (default ../shared/wheels);
+#   tools/gpu_session.sh wheels [SHARED_WHEELS]  # .gpu/wheels: hydra-core/omegaconf/antlr4 (default
+#                                                # ../shared/wheels: hydra's antlr4 4.9 has no wheel on PyPI);
 #                                                # .gpu/wheelhouse: wandb, protobuf, setuptools and sentencepiece
 #                                                # at pyproject's floors (that machine's sentencepiece 0.2.2
 #                                                # aborts a test) with everything they
@@ -53,8 +54,9 @@ PY=python3
 
 if [ "$STAGE" = wheels ]; then
   SHARED_WHEELS=${2:-../shared/wheels}    # (checked before the old copies go)
-  ls "$SHARED_WHEELS"/hydra_core-*.whl "$SHARED_WHEELS"/omegaconf-*.whl >/dev/null 2>&1 || \
-    { echo "error: no hydra-core and omegaconf wheels in $SHARED_WHEELS: name their folder (wheels FOLDER)"; exit 1; }
+  ls "$SHARED_WHEELS"/hydra_core-*.whl "$SHARED_WHEELS"/omegaconf-*.whl \
+    "$SHARED_WHEELS"/antlr4_python3_runtime-4.9.*.whl >/dev/null 2>&1 || { echo "error: no hydra-core, omegaconf" \
+    "and antlr4-python3-runtime 4.9 wheels in $SHARED_WHEELS: name their folder (wheels FOLDER)"; exit 1; }
   rm -rf .gpu/wheels .gpu/wheelhouse      # (pip download keeps older versions beside newer ones)
   mkdir -p .gpu/wheels .gpu/wheelhouse
   cp "$SHARED_WHEELS"/*.whl .gpu/wheels/ || exit 1
@@ -84,10 +86,10 @@ fi
 # only the make stage reads .gpu/data)
 SP_WHEEL=$(ls .gpu/wheelhouse/sentencepiece-*.whl 2>/dev/null |
   grep -v -E 'sentencepiece-0\.(1\.|2\.[0-2][-.])' | head -1)
-ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl "${SP_WHEEL:-no-sentencepiece-0.2.3-or-newer}" \
-  $([ "$STAGE" = make ] && echo .gpu/data/stdlib-v8192/tokens.bin) >/dev/null 2>&1 || { echo "error: .gpu lacks" \
-  "hydra-core, omegaconf, sentencepiece >= 0.2.3 or data: run tools/gpu_session.sh wheels here (this machine" \
-  "reaches PyPI) and carry .gpu"; exit 2; }
+ls .gpu/wheels/hydra_core-*.whl .gpu/wheels/omegaconf-*.whl .gpu/wheels/antlr4_python3_runtime-4.9.*.whl \
+  "${SP_WHEEL:-no-sentencepiece-0.2.3-or-newer}" $([ "$STAGE" = make ] && echo .gpu/data/stdlib-v8192/tokens.bin) \
+  >/dev/null 2>&1 || { echo "error: .gpu lacks hydra-core, omegaconf, antlr4-python3-runtime, sentencepiece >=" \
+  "0.2.3 or data: run tools/gpu_session.sh wheels here (this machine reaches PyPI) and carry .gpu"; exit 2; }
 if [ "$STAGE" = make ]; then
   # pip finds on disk what it would take from PyPI; everything else it needs is installed there already
   export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.gpu/wheels $PWD/.gpu/wheelhouse"
@@ -120,7 +122,9 @@ step() {   # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-  $PY -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__,
+  # (numpy: before 3.7, Triton's interpreter cannot run the kernels with numpy >= 2.4, kernels.interpreter_unsupported)
+  $PY -c "import torch, triton, numpy, sentencepiece, sys; print(sys.version.split()[0], 'torch', torch.__version__,
+'triton', triton.__version__, 'numpy', numpy.__version__, 'sentencepiece', sentencepiece.__version__,
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
   nproc; } >"$LOGS/env.txt" 2>&1
 
