@@ -23,6 +23,7 @@ import torch
 
 from commandline import PYTHON, assert_one_error, env, finish, model_args, python_train, start, torchrun_train
 from harness import HAS_TRITON, small_config, train_on_ranks
+from megatron_mini.kernels import interpreter_unsupported
 from megatron_mini.launch import OTHER_RANKS_WAIT_S, RunLock
 from ranks import free_port
 
@@ -221,6 +222,9 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
                    if i in ("triton-on-cpu", "attention-head-dim")}
         cases = [(i, n, args, [f"{kernels[i]} needs the triton package (Linux with a GPU); use kernels=torch or "
                                "auto."] if i in kernels else facts, *rest) for i, n, args, facts, *rest in cases]
+    elif why := interpreter_unsupported():    # (triton < 3.7 with numpy >= 2.4, as a GPU machine may have) the
+        cases = [(i, n, args, [f"kernels=attention: {why}; or use kernels=torch."]   # interpreter is refused first
+                  if i == "attention-head-dim" else facts, *rest) for i, n, args, facts, *rest in cases]
     if not torch.cuda.is_available():
         cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
     return [(i, n, args, facts, (rest[0] if rest else plain)) for i, n, args, facts, *rest in cases]
