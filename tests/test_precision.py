@@ -665,3 +665,95 @@ def test_a_precision_preset_is_its_dtype_key():
             preset, key = (OmegaConf.to_object(compose(config_name="config", overrides=[o])).precision
                            for o in (f"precision={dtype}", f"precision.dtype={dtype}"))
             assert preset == key, (dtype, preset, key)
+
+
+def _clipped_step(cfg):
+    """One training step on this rank: ([(global name, tp_rank, ParamSpec, local shape, [a, b), main grad, Adam's
+    exp_avg)] of the flat pieces of each parameter's local slice in this rank's optimizer ranges (its ZeRO-1 shard),
+    the gradient as the norm saw it (after finalize_grads), exp_avg after the update; the grad_norm the step
+    logged). The output layer's copy of the tied embedding (spec.copy) and TP ranks' copies of replicated
+    parameters are left out: the gradient norm counts each global parameter once."""
+    trainer = make_trainer(cfg)
+    opt, tp_rank, grads = trainer.optimizer, trainer.mesh.tp_rank, {}
+    norms = opt.global_norms
+
+    def pieces(key):
+        return {(r.buffer.names[p], a - r.buffer.offsets[p], b - r.buffer.offsets[p]):
+                (p, getattr(r, key)[a - r.lo:b - r.lo].clone()) for r in opt.ranges
+                for p, _, a, b in r.buffer.segments(r.lo, r.hi)
+                if not p.spec.copy and (p.spec.tp_dim is not None or tp_rank == 0)}
+
+    def seen(weights=False):          # (Optimizer.step calls it once the gradients are final)
+        grads.update(pieces("grad"))
+        return norms(weights)
+    opt.global_norms = seen
+    out = trainer.train_step()
+    return [(name, tp_rank, p.spec, tuple(p.shape), a, b, g, pieces("exp_avg")[name, a, b][1])
+            for (name, a, b), (p, g) in grads.items()], out["grad_norm"]
+
+
+def _whole(ranks_pieces) -> dict:
+    """{global name: (full gradient, full exp_avg)} (fp64) from every rank's _clipped_step pieces: each TP slice
+    filled from its ZeRO-1 shards (every element exactly once per DP replica), the slices joined (unshard)."""
+    from megatron_mini.tensor_parallel import unshard
+    local = {}
+    for pieces, _ in ranks_pieces:
+        for name, tp_rank, spec, shape, a, b, g, m in pieces:
+            slices = local.setdefault(name, (spec, shape, {}))[2]
+            flat = slices.setdefault(tp_rank, torch.full((2, math.prod(shape)), math.nan, dtype=torch.float64))
+            flat[0, a:b], flat[1, a:b] = g, m
+    whole = {}
+    for name, (spec, shape, slices) in local.items():
+        assert not any(flat.isnan().any() for flat in slices.values()), name       # every element held somewhere
+        joined = [unshard([slices[r][k].view(shape) for r in sorted(slices)], spec) for k in (0, 1)]
+        whole[name] = tuple(joined)
+    return whole
+
+
+# (world size, layout) of one step, the model cut to 2 blocks: one device, TP with sp (the replicated LayerNorms
+# summed over TP), the tied embedding on two stages, ZeRO-1's shards, and all of them at once
+NORM_LAYOUTS = {"one-device": (1, {}), "tp2-sp": (2, dict(tp=2, sp=True)), "pp2": (2, dict(pp=2)),
+                "dp2-zero1": (2, dict(zero=1)), "tp2-pp2-dp2-sp-zero1": (8, dict(tp=2, pp=2, sp=True, zero=1))}
+
+
+def _norm_config(small_data, run_dir, **layout):
+    return small_config(small_data, run_dir, steps=1, gbs=8, **{"model.num_layers": 2, "optimizer.grad_clip": 0.1},
+                        **layout)
+
+
+@pytest.fixture(scope="module")
+def one_device_step(small_data, tmp_path_factory):
+    return _whole(spawn(1, _clipped_step, _norm_config(small_data, tmp_path_factory.mktemp("norm-ref"))))
+
+
+@pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
+def test_the_clipped_gradient_norm_is_the_whole_models(layout, one_device_step, small_data, tmp_path):
+    """The gradient norm each rank of a layout clips with (and rank 0 logs) is torch.nn.utils.clip_grad_norm_'s
+    in fp64 over the whole model's gradients of that step, gathered from its ranks by global name (each parameter
+    once: the tied word embedding once, TP-replicated parameters once, every ZeRO-1 shard), to two fp32 ulps (2^-22
+    relative): each rank's sum of squares is of fp32 norms of NORM_PIECE-element pieces, and is all-reduced in fp32
+    (measured: 8e-8 at most; counting the replicated parameters tp times, the tied embedding twice, or leaving out
+    the other DP rank's ZeRO-1 shard is 7% to 31% off). The step scaled every gradient by grad_clip / (norm +
+    1e-6), as clip_grad_norm_ scales the fp64 copy: Adam's first moment after the first update is (1 - beta1) times
+    it, to a few fp32 roundings (the divisor's, the kernel's scaling, Adam's (1 - beta1) product: 4e-7; measured
+    2.2e-7). The gathered
+    gradients are the one-device model's, all of it, to the rounding of other sums (measured 4.6e-7)."""
+    world, overrides = NORM_LAYOUTS[layout]
+    cfg = _norm_config(small_data, tmp_path, **overrides)
+    ranks = spawn(world, _clipped_step, cfg)
+    whole = _whole(ranks)
+    assert {n: g.shape for n, (g, _) in whole.items()} == {n: g.shape for n, (g, _) in one_device_step.items()}
+    for name, (g, _) in whole.items():
+        reference = one_device_step[name][0]
+        assert (g - reference).norm() <= 1e-5 * reference.norm() + 1e-9, name
+    params = {n: torch.nn.Parameter(torch.empty_like(g)) for n, (g, _) in whole.items()}
+    for name, p in params.items():
+        p.grad = whole[name][0].clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.optimizer.grad_clip).item()
+    assert torch_norm > 10 * cfg.optimizer.grad_clip                    # (clipped)
+    for rank, (_, norm) in enumerate(ranks):          # (each rank clips with its own; rank 0's is logged)
+        assert norm == pytest.approx(torch_norm, rel=2.0 ** -22), (rank, norm, torch_norm)
+    beta1 = cfg.optimizer.beta1
+    for name, (_, exp_avg) in whole.items():
+        clipped = (1 - beta1) * params[name].grad
+        assert torch.allclose(exp_avg, clipped, rtol=4e-7, atol=1e-12), (name, (exp_avg - clipped).abs().max())
