@@ -263,9 +263,12 @@ class Trainer:
         except FloatingPointError as e:          # (no loss scaler: an inf or nan gradient ends the run)
             raise FloatingPointError(f"{e} at step {self.step + 1}") from None
         if scaler and scaler.skips_at_min >= cfg.precision.max_skips_at_min_scale:
+            # (a loss that is not finite overflowed in the forward, which the loss scale, applied to the backward
+            # only, cannot prevent; the loss is global, so every rank says the same)
+            why = f"the training loss itself is {loss}: the forward overflows fp16, whatever the loss scale" \
+                if not math.isfinite(loss) else "the gradients are not finite at any scale"
             raise FloatingPointError(f"{scaler.skips_at_min} steps in a row overflowed at the minimum loss scale "
-                                     f"{scaler.min_scale:g} (step {self.step + 1}): "
-                                     "the gradients are not finite at any scale")
+                                     f"{scaler.min_scale:g} (step {self.step + 1}): {why}")
         self.step += 1
         self.consumed_samples += gbs
         self.loss = loss

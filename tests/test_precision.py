@@ -757,3 +757,52 @@ def test_the_clipped_gradient_norm_is_the_whole_models(layout, one_device_step, 
     for name, (_, exp_avg) in whole.items():
         clipped = (1 - beta1) * params[name].grad
         assert torch.allclose(exp_avg, clipped, rtol=4e-7, atol=1e-12), (name, (exp_avg - clipped).abs().max())
+
+
+def _stop_of_an_fp16_overflow(cfg, where):
+    """train(cfg) on this rank, with an inf in every step's `where`: "forward" (the embedding's output on the first
+    stage, so the loss is not finite), "gradient" (an element of the last rank's reduced gradient, the loss finite):
+    the RunError's message."""
+    import torch.distributed as dist
+    from megatron_mini import model, optimizer
+    from megatron_mini.config import RunError
+    from megatron_mini.training import train
+
+    if where == "forward":
+        embed = model.Embedding.forward
+
+        def overflowing(self, *args, **kwargs):
+            out = embed(self, *args, **kwargs)
+            out.view(-1)[0] = float("inf")
+            return out
+        model.Embedding.forward = overflowing
+    else:
+        finalize = optimizer.Optimizer.finalize_grads
+
+        def poisoned(self):
+            finalize(self)
+            if dist.get_rank() == dist.get_world_size() - 1:
+                self.ranges[0].grad[5] = float("inf")
+        optimizer.Optimizer.finalize_grads = poisoned
+    try:
+        train(cfg)
+    except RunError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("where, why", [
+    ("forward", "the training loss itself is nan: the forward overflows fp16, whatever the loss scale"),
+    ("gradient", "the gradients are not finite at any scale")])
+def test_an_fp16_run_that_overflows_at_every_scale_says_where(where, why, small_data, tmp_path):
+    """fp16 at pp=2 whose every step overflows (scale 4, halved at each overflow down to 1; stop after 2 overflows
+    at 1: at step 4): every rank stops with the same one line, which says whether the loss itself was not finite
+    (an inf in the forward: no loss scale can help) or the gradients only were."""
+    cfg = small_config(small_data, tmp_path, steps=6, gbs=8, pp=2, **{
+        "precision.dtype": "fp16", "precision.initial_loss_scale": 4.0, "precision.loss_scale_hysteresis": 1,
+        "precision.max_skips_at_min_scale": 2})
+    messages = spawn(2, _stop_of_an_fp16_overflow, cfg, where, init_group=False)
+    assert messages[0] == messages[1] == (
+        f"Training stopped (fp16): 2 steps in a row overflowed at the minimum loss scale 1 (step 4): {why}. Nothing "
+        f"was saved over the last good checkpoint (none); use precision=bf16 (fp32's exponent range, no loss scale) "
+        f"or lower optimizer.lr.")
