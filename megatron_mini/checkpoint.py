@@ -540,6 +540,35 @@ def evaluation_changes(meta: dict, data: dict, cfg: TrainConfig) -> list:
                       f"with before" for d, sha in now.items() if d in saved and saved[d] != sha]
 
 
+SCALER_KEYS = ("initial_loss_scale", "loss_scale_growth_factor", "loss_scale_growth_interval",
+               "loss_scale_backoff_factor", "loss_scale_hysteresis", "min_loss_scale")
+
+
+def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
+    """A note where a resume that continues the checkpoint's fp16 loss scaler (optimizer.DynamicLossScaler: its
+    scale and counters, as Megatron's does) is given other precision.* scaler settings than the run that saved it:
+    initial_loss_scale is not applied (the scale is the checkpoint's); the others act from here on, on its scale
+    and counters (a min_loss_scale above its scale: the scale stays below it until an overflow's back-off)."""
+    state, saved = (meta.get("optimizer") or {}).get("scaler"), meta["config"].get("precision") or {}
+    if cfg.precision.dtype != "fp16" or not state or saved.get("dtype") != "fp16":
+        return []
+    changed = {k: (saved[k], getattr(cfg.precision, k)) for k in SCALER_KEYS
+               if _number(saved.get(k), False) and saved[k] != getattr(cfg.precision, k)}
+    if not changed:
+        return []
+    initial = changed.pop("initial_loss_scale", None)
+    parts = [f"precision.initial_loss_scale={initial[1]:g} is not applied ({initial[0]:g} when saved)"] \
+        if initial else []
+    if changed:
+        below = "; the scale stays below the new min_loss_scale until an overflow backs it off to it" \
+            if state["scale"] < cfg.precision.min_loss_scale else ""
+        parts.append(", ".join(f"precision.{k}: {old:g} -> {new:g}" for k, (old, new) in changed.items()) +
+                     f" act{'s' * (len(changed) == 1)} from here on, on its counters (clean_steps "
+                     f"{state['clean_steps']}, hysteresis_left {state['hysteresis_left']}){below}")
+    return [f"the fp16 loss scale continues from the checkpoint's {state['scale']:g} (its scaler's state is resumed, "
+            f"as Megatron's is): {'; '.join(parts)}"]
+
+
 # ----------------------------------------------------------------------------- saving
 def gather_text(text: str, group, device, to_first: bool = False) -> list | None:
     """Every rank's `text` (UTF-8, no trailing NUL) of `group` (a comm.Group), in group order, on every rank; with

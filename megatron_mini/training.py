@@ -812,7 +812,8 @@ def _train(cfg: TrainConfig, run: Run, rank: int, world_size: int, stop: StopReq
     if run.resume:
         schedule = schedule_note(run.resume.meta["config"], cfg, trainer.optimizer.step_count,
                                  cfg.steps - trainer.step)
-        evals = checkpoint.evaluation_changes(run.resume.meta, run.data, cfg)
+        evals = checkpoint.evaluation_changes(run.resume.meta, run.data, cfg) + \
+            checkpoint.loss_scaler_changes(run.resume.meta, cfg)
         for note in run.resume.notes + moved + ([schedule] if schedule else []) + evals:
             log.info(f"resume: {note}")
         log.info(f"resumed from {run.resume.path} at step {trainer.step} ({trainer.consumed_samples} samples consumed)")

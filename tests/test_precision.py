@@ -806,3 +806,52 @@ def test_an_fp16_run_that_overflows_at_every_scale_says_where(where, why, small_
         f"Training stopped (fp16): 2 steps in a row overflowed at the minimum loss scale 1 (step 4): {why}. Nothing "
         f"was saved over the last good checkpoint (none); use precision=bf16 (fp32's exponent range, no loss scale) "
         f"or lower optimizer.lr.")
+
+
+def test_a_resume_says_its_loss_scaler_settings_meet_the_checkpoints_scale():
+    """A resumed fp16 run continues the checkpoint's loss scaler (scale and counters: Megatron's too), so a
+    precision.initial_loss_scale other than the saved run's is not applied, and other scaler settings act on the
+    saved scale and counters: one note says so, naming each setting that differs, old -> new; none where they are
+    the same, where either run is not fp16, or where the checkpoint holds no scaler state."""
+    import dataclasses
+    from megatron_mini.checkpoint import loss_scaler_changes
+
+    def changes(saved: dict, now: dict, scaler=True) -> list:
+        """The notes of a resume under PrecisionConfig(**now) of a checkpoint saved under PrecisionConfig(**saved)
+        (as meta.json holds it), its scaler's state at scale 256 (None without `scaler`)."""
+        state = {"scale": 256.0, "clean_steps": 3, "hysteresis_left": 1, "skips_at_min": 0, "skipped_steps": 4}
+        meta = {"config": {"precision": json.loads(json.dumps(dataclasses.asdict(PrecisionConfig(**saved))))},
+                "optimizer": {"step_count": 7, "scaler": state if scaler else None}}
+        return loss_scaler_changes(meta, TrainConfig(precision=PrecisionConfig(**now)))
+    fp16 = {"dtype": "fp16"}
+    note = "the fp16 loss scale continues from the checkpoint's 256 (its scaler's state is resumed, as Megatron's is): "
+    assert changes(fp16, fp16) == []
+    assert changes({**fp16, "initial_loss_scale": 2.0 ** 16}, {**fp16, "initial_loss_scale": 1024.0}) == [
+        note + "precision.initial_loss_scale=1024 is not applied (65536 when saved)"]
+    assert changes({**fp16, "loss_scale_hysteresis": 2, "min_loss_scale": 1.0},
+                   {**fp16, "loss_scale_hysteresis": 4, "min_loss_scale": 512.0, "loss_scale_growth_interval": 100}) \
+        == [note + "precision.loss_scale_growth_interval: 1000 -> 100, precision.loss_scale_hysteresis: 2 -> 4, "
+                   "precision.min_loss_scale: 1 -> 512 act from here on, on its counters (clean_steps 3, "
+                   "hysteresis_left 1); the scale stays below the new min_loss_scale until an overflow backs it off "
+                   "to it"]
+    assert changes({**fp16, "initial_loss_scale": 8.0, "loss_scale_growth_factor": 4.0}, fp16) == [
+        note + "precision.initial_loss_scale=65536 is not applied (8 when saved); "
+               "precision.loss_scale_growth_factor: 4 -> 2 acts from here on, on its counters (clean_steps 3, "
+               "hysteresis_left 1)"]
+    assert changes(fp16, {"dtype": "bf16", "initial_loss_scale": 1.0}) == []        # (no scaler now)
+    assert changes({"dtype": "bf16", "initial_loss_scale": 1.0}, fp16, scaler=False) == []   # (a new scaler)
+
+
+def test_the_resumed_fp16_run_logs_the_loss_scaler_note_once(small_data, tmp_path):
+    """The note is among the resume's start lines, once, and the scale is the checkpoint's (what the note says)."""
+    cfg = small_config(small_data, tmp_path / "run", steps=2, resume="auto", log_interval=1, **{
+        "precision.dtype": "fp16", "precision.initial_loss_scale": 2.0 ** 16})
+    train_on_ranks(1, cfg)
+    cfg.steps, cfg.precision.initial_loss_scale = 3, 1024.0
+    train_on_ranks(1, cfg)
+    log = (tmp_path / "run" / "logs" / "rank0000.log").read_text()
+    assert log.count("resume: the fp16 loss scale continues from the checkpoint's 65536 (its scaler's state is "
+                     "resumed, as Megatron's is): precision.initial_loss_scale=1024 is not applied (65536 when "
+                     "saved)\n") == 1
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 16] * 3
