@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -224,30 +225,57 @@ def test_compare_runs_tells_runs_of_one_name_apart(tmp_path, capsys):
         assert caught.value.code == 2 and "each run needs a label of its own" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("labels", ["bf16,fp16", "runs/tiny-bf16/wandb/offline-run-20261207_104500-abcdef12,"
-                                              "runs/tiny-fp16/wandb/offline-run-20261207_104501-3456789a"])
-def test_compare_runs_legends_do_not_overlap(tmp_path, monkeypatch, labels):
+def _wandb_dir(i: int, length: int) -> str:
+    """A run label of `length` characters, a wandb offline directory's path for the longer ones (run i's)."""
+    label = f"runs/exp-{i}/" + "sweep/" * 40 + f"wandb/offline-run-20261207_10450{i}-{i}bcdef1{i}"
+    return label[-length:]
+
+
+@pytest.mark.parametrize("labels", [
+    "bf16,fp16",
+    "runs/tiny-bf16/wandb/offline-run-20261207_104500-abcdef12,runs/tiny-fp16/wandb/offline-run-20261207_104501-3456789a",
+    "W" * 200,                                                                   # (the widest letters)
+    ",".join(_wandb_dir(i, 120) for i in range(2)),
+    ",".join("a" * 100 + x + "b" * 99 for x in "xy"),                # (they differ in the middle)
+    ",".join(end + "m" * 99 + x + "m" * 99 + end for end, x in ("0x", "1y", "0y")),   # (the 1st and 3rd: only there)
+    ",".join(_wandb_dir(i, length) for i, length in enumerate((1, 40, 80, 120, 160, 200))),
+    ",".join(_wandb_dir(i, 200) for i in range(6))],
+    ids=lambda labels: f"{labels.count(',') + 1} runs, {max(map(len, labels.split(',')))} characters")
+def test_compare_runs_legends_do_not_overlap(tmp_path, monkeypatch, capsys, labels):
     """The loss panel's two legends (the runs, the line styles) share no pixel and stay inside it, whatever a label's
-    length: with a wandb directory's path for a label, the styles' legend (then upper center) covered the runs'."""
+    length (1 to 200 characters) and however many runs: with a wandb directory's path for a label, the styles'
+    legend (then upper center) covered the runs'; past ~60 characters the legend was wider than the panel (1130 px
+    at 120). A long label is shortened, each unique and made of its label's own pieces, in order; the table prints
+    them whole."""
     import matplotlib.legend
     import matplotlib.pyplot as plt
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)   # plot() closes its figure: keep it to measure
+    labels = labels.split(",")
     specs = []
-    for offset in (0.0, 0.25):
+    for offset in (0.0, 0.25)[:len(labels)]:
         logger = RunLogger(str(tmp_path / str(offset)), WandbConfig(mode="disabled"), {}, enabled=True)
         fake_training(logger, offset=offset)
         logger.finish()
         specs.append(str(tmp_path / str(offset)))
-    assert compare_runs.main(specs + ["-o", str(tmp_path / "compare.png"), "--labels", labels]) == 0
+    specs = (specs * len(labels))[:len(labels)]
+    assert compare_runs.main(specs + ["-o", str(tmp_path / "compare.png"), "--labels", ",".join(labels)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table if "metrics.jsonl" in line] == labels
     (fig,) = figures
     renderer = fig.canvas.get_renderer()
     losses = fig.axes[0]
-    boxes = [legend.get_window_extent(renderer) for legend in losses.findobj(matplotlib.legend.Legend)]
+    legends = losses.findobj(matplotlib.legend.Legend)
+    boxes = [legend.get_window_extent(renderer) for legend in legends]
     assert len(boxes) == 2 and not boxes[0].overlaps(boxes[1])
     panel = losses.get_window_extent(renderer)
     assert all(panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
-               for box in boxes)
+               for box in boxes), (panel, boxes)
+    shown = [text.get_text() for text in legends[0].get_texts()]
+    assert len(set(shown)) == len(shown) == len(labels), shown
+    for label, short in zip(labels, shown):
+        pieces = [piece for piece in short.split(" #")[0].split("…") if piece]
+        assert pieces and re.search(".*".join(map(re.escape, pieces)), label), (short, label)
 
 
 def test_wandb_failure_keeps_metrics_jsonl(tmp_path, wandb_env, monkeypatch, capsys):

@@ -10,6 +10,7 @@ metrics.jsonl or when they hold every step of it and more. The table's "source" 
 The first RUN is the reference for the "gap" columns, taken at the same step: a run directory whose steps train
 other tokens than the reference's (its .hydra/config.yaml: gbs, seq_len, rampup_batch_size) gets a line saying so.
 The table is also saved as FILE.csv.
+The legend shortens a label longer than 48 characters (legend_labels): the table has it whole.
 Runs with data.eval sets (eval_loss/<dir>: the same samples whatever a run's data mixture, seed or layout)
 get a column each, their final value, and a panel of their curves below the losses.
 """
@@ -339,6 +340,34 @@ def save_csv(rows: list[dict], names: list[str], path: str) -> None:
 _MARKERS = "osD^vP*X"
 
 
+LEGEND_CHARS = 48     # the longest label the runs' legend shows: room for the loss curves beside it (1200 px wide)
+
+
+def legend_labels(labels: list[str], width: int = LEGEND_CHARS) -> list[str]:
+    """The runs' labels as the legend shows them, each at most `width` characters (a wandb directory's path ran
+    past the panel): where one is longer, the start and the end that all of them share are left out ("…"), up to a
+    separator ("/-_. "), then the middle of any still too long (its start and end kept). Labels that come out alike
+    (they differ in the middle only) end in their place in the table, "#2"; the table has them whole."""
+    if all(len(label) <= width for label in labels):
+        return labels
+    shown = labels
+    if len(labels) > 1:             # (the start and the end all share, to a separator: "…bf16/wandb/offline-run-…")
+        start = _cut(os.path.commonprefix(labels))
+        end = _cut(os.path.commonprefix([label[start:][::-1] for label in labels]))
+        middles = [label[start:len(label) - end] for label in labels]
+        if all(middles):             # (not where one label is all the others' start or end)
+            shown = [("…" if start else "") + middle + ("…" if end else "") for middle in middles]
+    shown = [label if len(label) <= width else label[:(width - 1) // 2] + "…" + label[len(label) - width // 2:]
+             for label in shown]
+    return [f"{label[:width - 3 - len(str(i + 1))]}… #{i + 1}" if shown.count(label) > 1 else label
+            for i, label in enumerate(shown)]
+
+
+def _cut(shared: str) -> int:
+    """How much of a shared start (or reversed end) to leave out: up to its last separator, or all of it."""
+    return max(shared.rfind(sep) for sep in "/-_. ") + 1 or len(shared)
+
+
 NORMS = ("grad_norm", "param_norm")    # the norms panel's: solid on a log axis, dashed on its right axis
 
 
@@ -362,11 +391,11 @@ def plot(runs: list[Run], path: str, smooth: float) -> None:
     norm_ax = below.pop(0) if norms else None
     weight_ax = norm_ax.twinx() if "param_norm" in norms else None
     scale_ax = None
-    for i, run in enumerate(runs):
+    for i, (run, label) in enumerate(zip(runs, legend_labels([run.label for run in runs]))):
         color = f"C{i % 10}"
         steps, loss = run.series("loss")
         ax.plot(steps, loss, color=color, lw=0.8, alpha=0.3)
-        ax.plot(steps, ema(loss, smooth, steps), color=color, lw=2, label=run.label)
+        ax.plot(steps, ema(loss, smooth, steps), color=color, lw=2, label=label)
         steps, val = run.series("val_loss")
         ax.plot(steps, val, color=color, ls="--", marker="o", ms=4)
         steps, scale = run.series("loss_scale")
