@@ -177,7 +177,7 @@ Keep prompt + generated tokens within {seq_len} positions.
 
 STAGING = ".export-"     # the prefix of the directory an export writes its files in, inside out_dir, before moving them
 # the files an export writes (the tokenizer's mirror where it can be made), config.json first
-FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "README.md")
+FILES = ("config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "README.md", "model.safetensors")
 
 
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
@@ -188,7 +188,8 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     are written into a staging directory inside `out_dir` (one filesystem) and then moved into place, so an
     export that fails (a full disk) leaves the files already there as they were, and no directory it created;
     its failure to write is an OSError (safetensors' own error too). An earlier export's files that this one does not
-    write (its tokenizer.json where this tokenizer has no mirror) are removed once the new files are in place."""
+    write (its tokenizer.json where this tokenizer has no mirror) are removed. A kill as the files are moved leaves
+    the earlier export whole, or no model.safetensors (nothing transformers loads), or this export whole."""
     ckpt, tok = read_with_tokenizer(checkpoint, tokenizer)
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
@@ -223,7 +224,11 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
         # safetensors creates its file 0600 whatever the umask: give it the mode the other files got
         os.chmod(os.path.join(staging, "model.safetensors"), os.stat(os.path.join(staging, "config.json")).st_mode)
         staged = os.listdir(staging)
-        for name in FILES:                 # (config.json first: a kill between leaves a model directory)
+        # the weights out first and in last: a kill in between leaves no model.safetensors, a directory transformers
+        # refuses to load (the next export completes it), never one export's weights beside the other's config
+        if os.path.lexists(os.path.join(out_dir, "model.safetensors")):
+            os.remove(os.path.join(out_dir, "model.safetensors"))
+        for name in FILES:
             if name in staged:
                 os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
             elif os.path.lexists(os.path.join(out_dir, name)):

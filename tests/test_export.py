@@ -477,6 +477,51 @@ def test_an_export_over_an_earlier_one_leaves_none_of_its_files(exported, tmp_pa
     assert (out / "notes.txt").read_text() == "the user's"
 
 
+def test_an_export_stopped_as_it_moves_its_files_is_never_a_mix(exported, tmp_path, monkeypatch):
+    """A re-export (bf16 over fp32) stopped at each of its moves and removals in the directory (a kill leaves the
+    same files): the directory holds the earlier export's config.json and weights, or this one's, or no weights,
+    which transformers refuses to load (without config.json GPT2LMHeadModel loads the weights into gpt2's default
+    shapes, with a warning); never one export's config.json beside the other's weights (config.json was moved in
+    first: a kill left the new config beside the old weights). The next export completes it."""
+    import transformers
+
+    ckpt, _, _ = exported["tp1"]
+    ref, out = tmp_path / "ref", tmp_path / "hf"
+    assert export_hf.main([ckpt.path, str(ref), "--dtype", "bf16"]) == 0
+    new = {name: (ref / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    real_replace, real_remove, k = os.replace, os.remove, 0
+    while True:
+        k += 1
+        assert export_hf.main([ckpt.path, str(out)]) == 0 and (out / "config.json").exists()
+        old = {name: (out / name).read_bytes() for name in new}
+        calls = []
+
+        def stop_at_k(real):
+            def call(*args):
+                if str(args[-1]).startswith(str(out)):          # (a move or removal in the directory)
+                    calls.append(args)
+                    if len(calls) == k:
+                        raise OSError("killed")
+                return real(*args)
+            return call
+        monkeypatch.setattr(os, "replace", stop_at_k(real_replace))
+        monkeypatch.setattr(os, "remove", stop_at_k(real_remove))
+        code = export_hf.main([ckpt.path, str(out), "--dtype", "bf16"])
+        monkeypatch.undo()
+        if len(calls) < k:                                       # (every move done: nothing left to stop)
+            assert code == 0 and k > 2
+            break
+        assert code != 0
+        if (out / "model.safetensors").exists():
+            held = {name: (out / name).read_bytes() for name in new}
+            assert held in (old, new), f"stopped at move {k}: one export's config.json beside the other's weights"
+        else:
+            with pytest.raises(OSError, match="model.safetensors"):
+                transformers.GPT2LMHeadModel.from_pretrained(out)
+        assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
+        assert {name: (out / name).read_bytes() for name in new} == new
+
+
 def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypatch):
     """export_hf writes the tokenizer bytes find_tokenizer read and checked against the checkpoint's sha256, not the
     file read again: one changed in between does not reach the export."""
