@@ -63,6 +63,7 @@ from .checkpoint_dir import CheckpointError, check_dir, checkpoints_of, given, r
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
 from .files import VANISHED_RETRIES, atomic_write, kept_build
+from .optimizer import DynamicLossScaler
 from .rank import DTYPES
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
 
@@ -559,13 +560,15 @@ def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
     initial = changed.pop("initial_loss_scale", None)
     parts = [f"precision.initial_loss_scale={initial[1]:g} is not applied ({initial[0]:g} when saved)"] \
         if initial else []
+    resumed = DynamicLossScaler(cfg.precision)        # (as the resume loads it: a lower hysteresis caps its count)
+    resumed.load_state_dict(state)
     if changed:
         below = "; the scale stays below the new min_loss_scale until an overflow backs it off to it" \
-            if state["scale"] < cfg.precision.min_loss_scale else ""
+            if resumed.scale < resumed.min_scale else ""
         parts.append(", ".join(f"precision.{k}: {old:g} -> {new:g}" for k, (old, new) in changed.items()) +
                      f" act{'s' * (len(changed) == 1)} from here on, on its counters (clean_steps "
-                     f"{state['clean_steps']}, hysteresis_left {state['hysteresis_left']}){below}")
-    return [f"the fp16 loss scale continues from the checkpoint's {state['scale']:g} (its scaler's state is resumed, "
+                     f"{resumed.clean_steps}, hysteresis_left {resumed.hysteresis_left}){below}")
+    return [f"the fp16 loss scale continues from the checkpoint's {resumed.scale:g} (its scaler's state is resumed, "
             f"as Megatron's is): {'; '.join(parts)}"]
 
 

@@ -855,3 +855,27 @@ def test_the_resumed_fp16_run_logs_the_loss_scaler_note_once(small_data, tmp_pat
                      "saved)\n") == 1
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["loss_scale"] for r in records] == [2.0 ** 16] * 3
+
+
+def _scaler_note(saved: dict, now: dict, state: dict) -> tuple[list, DynamicLossScaler]:
+    """(loss_scaler_changes' notes, the scaler a resume builds: DynamicLossScaler(now) given `state`) of a checkpoint
+    saved under PrecisionConfig(**saved) with scaler state `state`, resumed under PrecisionConfig(**now)."""
+    import dataclasses
+    from megatron_mini.checkpoint import loss_scaler_changes
+    meta = {"config": {"precision": json.loads(json.dumps(dataclasses.asdict(PrecisionConfig(**saved))))},
+            "optimizer": {"step_count": 7, "scaler": state}}
+    resumed = DynamicLossScaler(PrecisionConfig(**now))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    return loss_scaler_changes(meta, TrainConfig(precision=PrecisionConfig(**now))), resumed
+
+
+def test_the_loss_scaler_note_gives_the_counters_the_resumed_scaler_has():
+    """A lower loss_scale_hysteresis caps the saved hysteresis_left (DynamicLossScaler.load_state_dict): the note's
+    counters are the resumed scaler's, not the checkpoint's raw ones."""
+    state = {"scale": 256.0, "clean_steps": 5, "hysteresis_left": 3, "skips_at_min": 0, "skipped_steps": 1}
+    (note,), resumed = _scaler_note({"dtype": "fp16", "loss_scale_hysteresis": 4},
+                                    {"dtype": "fp16", "loss_scale_hysteresis": 2}, state)
+    assert resumed.hysteresis_left == 2
+    assert note.endswith(f"precision.loss_scale_hysteresis: 4 -> 2 acts from here on, on its counters (clean_steps "
+                         f"{resumed.clean_steps}, hysteresis_left {resumed.hysteresis_left})"), note
+
