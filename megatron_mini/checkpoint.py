@@ -545,6 +545,12 @@ SCALER_KEYS = ("initial_loss_scale", "loss_scale_growth_factor", "loss_scale_gro
                "loss_scale_backoff_factor", "loss_scale_hysteresis", "min_loss_scale")
 
 
+def _exact(value) -> str:
+    """A number exactly, as a command line gives it: 65536 for 65536.0 or 2**16 (:g's 6 digits wrote 2**20 as
+    1.04858e+06), else its shortest repr (0.5)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
 def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
     """A note where a resume that continues the checkpoint's fp16 loss scaler (optimizer.DynamicLossScaler: its
     scale and counters, as Megatron's does) is given other precision.* scaler settings than the run that saved it:
@@ -558,18 +564,19 @@ def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
     if not changed:
         return []
     initial = changed.pop("initial_loss_scale", None)
-    parts = [f"precision.initial_loss_scale={initial[1]:g} is not applied ({initial[0]:g} when saved)"] \
-        if initial else []
+    parts = [f"precision.initial_loss_scale={_exact(initial[1])} is not applied ({_exact(initial[0])} when "
+             f"saved)"] if initial else []
     resumed = DynamicLossScaler(cfg.precision)        # (as the resume loads it: a lower hysteresis caps its count)
     resumed.load_state_dict(state)
     if changed:
         below = "; the scale stays below the new min_loss_scale until an overflow backs it off to it" \
             if resumed.scale < resumed.min_scale else ""
-        parts.append(", ".join(f"precision.{k}: {old:g} -> {new:g}" for k, (old, new) in changed.items()) +
+        parts.append(", ".join(f"precision.{k}: {_exact(old)} -> {_exact(new)}"
+                               for k, (old, new) in changed.items()) +
                      f" act{'s' * (len(changed) == 1)} from here on, on its counters (clean_steps "
                      f"{resumed.clean_steps}, hysteresis_left {resumed.hysteresis_left}){below}")
-    return [f"the fp16 loss scale continues from the checkpoint's {resumed.scale:g} (its scaler's state is resumed, "
-            f"as Megatron's is): {'; '.join(parts)}"]
+    return [f"the fp16 loss scale continues from the checkpoint's {_exact(resumed.scale)} (its scaler's state is "
+            f"resumed, as Megatron's is): {'; '.join(parts)}"]
 
 
 # ----------------------------------------------------------------------------- saving

@@ -879,3 +879,16 @@ def test_the_loss_scaler_note_gives_the_counters_the_resumed_scaler_has():
     assert note.endswith(f"precision.loss_scale_hysteresis: 4 -> 2 acts from here on, on its counters (clean_steps "
                          f"{resumed.clean_steps}, hysteresis_left {resumed.hysteresis_left})"), note
 
+
+def test_the_loss_scaler_note_gives_values_as_typed():
+    """The note's numbers are exact, as a command line gives them (:g's 6 digits wrote a scale of 2^20 as 1.04858e+06,
+    and a growth_interval of 1000000 -> 1000001 as 1e+06 -> 1e+06: no change)."""
+    state = {"scale": 2.0 ** 20, "clean_steps": 5, "hysteresis_left": 2, "skips_at_min": 0, "skipped_steps": 1}
+    (note,), resumed = _scaler_note({"dtype": "fp16", "loss_scale_growth_interval": 1000000},
+                                    {"dtype": "fp16", "loss_scale_growth_interval": 1000001,
+                                     "initial_loss_scale": 2.0 ** 24}, state)
+    assert resumed.scale == 1048576
+    assert note == ("the fp16 loss scale continues from the checkpoint's 1048576 (its scaler's state is resumed, as "
+                    "Megatron's is): precision.initial_loss_scale=16777216 is not applied (65536 when saved); "
+                    "precision.loss_scale_growth_interval: 1000000 -> 1000001 acts from here on, on its counters "
+                    "(clean_steps 5, hysteresis_left 2)"), note
