@@ -555,7 +555,7 @@ def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
     """A note where a resume that continues the checkpoint's fp16 loss scaler (optimizer.DynamicLossScaler: its
     scale and counters, as Megatron's does) is given other precision.* scaler settings than the run that saved it:
     initial_loss_scale is not applied (the scale is the checkpoint's); the others act from here on, on its scale
-    and counters (a min_loss_scale above its scale: the scale stays below it until an overflow's back-off)."""
+    and counters (a min_loss_scale above its scale: the scale starts below it, and a back-off raises it to it)."""
     state, saved = (meta.get("optimizer") or {}).get("scaler"), meta["config"].get("precision") or {}
     if cfg.precision.dtype != "fp16" or not state or saved.get("dtype") != "fp16":
         return []
@@ -569,7 +569,7 @@ def loss_scaler_changes(meta: dict, cfg: TrainConfig) -> list:
     resumed = DynamicLossScaler(cfg.precision)        # (as the resume loads it: a lower hysteresis caps its count)
     resumed.load_state_dict(state)
     if changed:
-        below = "; the scale stays below the new min_loss_scale until an overflow backs it off to it" \
+        below = "; the scale starts below the new min_loss_scale (a back-off raises it to it)" \
             if resumed.scale < resumed.min_scale else ""
         parts.append(", ".join(f"precision.{k}: {_exact(old)} -> {_exact(new)}"
                                for k, (old, new) in changed.items()) +

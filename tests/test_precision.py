@@ -832,8 +832,7 @@ def test_a_resume_says_its_loss_scaler_settings_meet_the_checkpoints_scale():
                    {**fp16, "loss_scale_hysteresis": 4, "min_loss_scale": 512.0, "loss_scale_growth_interval": 100}) \
         == [note + "precision.loss_scale_growth_interval: 1000 -> 100, precision.loss_scale_hysteresis: 2 -> 4, "
                    "precision.min_loss_scale: 1 -> 512 act from here on, on its counters (clean_steps 3, "
-                   "hysteresis_left 1); the scale stays below the new min_loss_scale until an overflow backs it off "
-                   "to it"]
+                   "hysteresis_left 1); the scale starts below the new min_loss_scale (a back-off raises it to it)"]
     assert changes({**fp16, "initial_loss_scale": 8.0, "loss_scale_growth_factor": 4.0}, fp16) == [
         note + "precision.initial_loss_scale=65536 is not applied (8 when saved); "
                "precision.loss_scale_growth_factor: 4 -> 2 acts from here on, on its counters (clean_steps 3, "
