@@ -8,6 +8,12 @@ import pytest
 from harness import small_config, train_on_ranks
 from ranks import spawn
 
+# A resume into another layout sums the same fp32 gradients in another order: its losses after the resume differ
+# from the uninterrupted run's by rounding alone, at most 2.0e-8 (relative) measured over these tests; 1e-6 is 50x
+# that (about 8 fp32 ulps). A checkpoint that kept Adam's moments to bf16's 8 bits moved them by 1.4e-6, inside
+# the 1e-5 these tests allowed. In the same layout a resume repeats the same sums: its losses are equal.
+RESUME_RTOL = 1e-6
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(small_data, tmp_path_factory):
@@ -23,8 +29,10 @@ def test_resume_continues_exactly(world, layout, uninterrupted, small_data, tmp_
     step5 = os.path.join(cfg.run_dir, "checkpoints", "step_000005")
     resumed = train_on_ranks(world, small_config(small_data, tmp_path, steps=10, resume=step5, **layout))
     assert len(resumed["loss"]) == 5
-    for a, b in zip(history["loss"][5:], resumed["loss"]):
-        assert abs(a - b) <= 1e-5 * abs(a), (history["loss"][5:], resumed["loss"])
+    if (world, layout) == (2, {}):
+        assert resumed["loss"] == history["loss"][5:]
+    for a, b in zip(history["loss"][5:], resumed["loss"], strict=True):
+        assert abs(a - b) <= RESUME_RTOL * abs(a), (history["loss"][5:], resumed["loss"])
 
 
 def test_resume_from_another_runs_directory_takes_its_newest_intact_checkpoint(uninterrupted, small_data, tmp_path):
@@ -44,7 +52,7 @@ def test_resume_from_another_runs_directory_takes_its_newest_intact_checkpoint(u
                                              eval_interval=10))
     assert len(resumed["loss"]) == 5 and len(resumed["val_loss"]) == 1
     for a, b in zip(history["loss"][5:], resumed["loss"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (history["loss"][5:], resumed["loss"])
+        assert abs(a - b) <= RESUME_RTOL * abs(a), (history["loss"][5:], resumed["loss"])
     assert sorted(os.listdir(other / "checkpoints")) == listing
     log = (tmp_path / "fork" / "logs" / "rank0000.log").read_text()
     assert "skipped " + str(step10) in log
@@ -67,7 +75,7 @@ def test_resume_with_dropout_continues_exactly(small_data, tmp_path):
     assert resumed["loss"] == history["loss"][3:]
     other = train_on_ranks(2, small_config(small_data, tmp_path / "pp2", steps=6, resume=step3, pp=2, **dropout))
     for a, b in zip(history["loss"][3:], other["loss"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (history["loss"][3:], other["loss"])
+        assert abs(a - b) <= RESUME_RTOL * abs(a), (history["loss"][3:], other["loss"])
 
 
 def test_latest_pointer_and_auto_resume(uninterrupted, small_data):
@@ -1003,8 +1011,8 @@ def test_an_async_save_that_fails_on_one_rank_stops_every_rank(small_data, tmp_p
 ], ids=["from-tp2-sp-dp2-zero1", "from-pp2-vpp2-dp2-zero1"])
 def test_sharded_checkpoints_resume_in_any_layout(source, targets, small_data, tmp_path):
     """A checkpoint of TP slices and ZeRO-1 shards (and of a pipeline whose last stage holds the tied
-    embedding's copy) continues the run in other layouts: losses after the resume within 1e-5 of the
-    uninterrupted run's, as the layout tests."""
+    embedding's copy) continues the run in other layouts: losses after the resume within RESUME_RTOL of the
+    uninterrupted run's."""
     world, layout = source
     losses = train_on_ranks(world, small_config(small_data, tmp_path / "source", steps=6, save_interval=3, gbs=8,
                                                 **layout))["loss"]
@@ -1013,7 +1021,7 @@ def test_sharded_checkpoints_resume_in_any_layout(source, targets, small_data, t
         resumed = train_on_ranks(w, small_config(small_data, tmp_path / f"t{i}", steps=6, gbs=8, resume=step3,
                                                  **target))
         for a, b in zip(losses[3:], resumed["loss"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(a), (target, losses[3:], resumed["loss"])
+            assert abs(a - b) <= RESUME_RTOL * abs(a), (target, losses[3:], resumed["loss"])
 
 
 def _loaded_weights(cfg, path):
