@@ -1,7 +1,7 @@
 """Files that a crash leaves whole: the old content or the new, never part of either; where files can be
 written (a directory that exists or can be created, and is writable), and the empty directories a refused
 run made taken away again; a directory one process at a time writes into (DirectoryLock), and the temporary
-files that a process killed outright (SIGKILL, the OOM killer) left in it."""
+files and staging directories that a process killed outright (SIGKILL, the OOM killer) left in it."""
 from __future__ import annotations
 
 import errno
@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -106,18 +107,31 @@ def temporary_name(path) -> str:
     return f"{path}.tmp{os.getpid()}"
 
 
-def remove_left_temporaries(directory, names) -> list[tuple[str, int]]:
-    """Remove the temporary files (temporary_name's, any process's) of the files `names` in `directory` and return
-    [(name, bytes)] of each: what a writer killed outright (SIGKILL, the OOM killer) left, which no cleanup of its
-    own could take away. Only while holding the directory's DirectoryLock, so that none of them is a live writer's."""
+def remove_left_temporaries(directory, names, staging: str | None = None) -> list[tuple[str, int]]:
+    """Remove the temporary files (temporary_name's, any process's) of the files `names` in `directory`, and with
+    `staging` the directories tempfile.mkdtemp(prefix=staging, dir=directory) made (is_staging), and return
+    [(name, bytes)] of each (a directory's: its files'): what a writer killed outright (SIGKILL, the OOM killer) left,
+    which no cleanup of its own could take away. Only while holding the directory's DirectoryLock, so that none of
+    them is a live writer's."""
     pattern = re.compile("(" + "|".join(map(re.escape, names)) + r")\.tmp[0-9]+")
     removed = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+        if names and pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             size = entry.stat(follow_symlinks=False).st_size
             os.unlink(entry.path)
-            removed.append((entry.name, size))
+        elif staging is not None and is_staging(entry.name, staging) and entry.is_dir(follow_symlinks=False):
+            size = sum(os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(entry.path)
+                       for name in files)
+            shutil.rmtree(entry.path)
+        else:
+            continue
+        removed.append((entry.name, size))
     return removed
+
+
+def is_staging(name: str, staging: str) -> bool:
+    """Whether `name` is one that tempfile.mkdtemp(prefix=staging) gives: `staging` and 8 characters of a-z, 0-9, _."""
+    return re.fullmatch(re.escape(staging) + "[a-z0-9_]{8}", name) is not None
 
 
 # where another process removes what this one reads (DirectoryLock's directory as it is made; a live run's

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .data import Tokenizer, plain_bpe
-from .files import existing_part, remove_empty_dirs
+from .files import DirectoryLock, existing_part, remove_empty_dirs, remove_left_temporaries
 from .inference import Checkpoint, check_finite, check_tensors, read_with_tokenizer
 
 
@@ -189,7 +189,23 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     export that fails (a full disk) leaves the files already there as they were, and no directory it created;
     its failure to write is an OSError (safetensors' own error too). An earlier export's files that this one does not
     write (its tokenizer.json where this tokenizer has no mirror) are removed. A kill as the files are moved leaves
-    the earlier export whole, or no model.safetensors (nothing transformers loads), or this export whole."""
+    the earlier export whole, or no model.safetensors (nothing transformers loads), or this export whole.
+    One export at a time writes into `out_dir` (its .lock, removed at the end: another is refused, a ConfigError
+    naming it); it first removes the staging directories of exports killed outright (a note on each)."""
+    existing = existing_part(out_dir)
+    try:
+        with DirectoryLock(out_dir, "another export", "Wait for it to finish, or export into another directory."):
+            removed = remove_left_temporaries(out_dir, (), STAGING)
+            ckpt = _export(checkpoint, out_dir, tokenizer, dtype)
+    finally:
+        remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)
+    ckpt.notes[:0] = [f"removed {os.path.join(out_dir, name)} ({size:,} bytes), left by an export that was killed"
+                      for name, size in removed]
+    return ckpt
+
+
+def _export(checkpoint: str, out_dir: str, tokenizer: str | None, dtype: torch.dtype) -> Checkpoint:
+    """export()'s work in `out_dir`, which exists and whose lock it holds."""
     ckpt, tok = read_with_tokenizer(checkpoint, tokenizer)
     tensors = hf_state_dict(ckpt, dtype)
     m = ckpt.cfg.model
@@ -198,8 +214,6 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     if unmirrored:
         ckpt.notes.append(f"{tok.path}: {unmirrored}; exported as tokenizer.model alone (read it with "
                           f"sentencepiece, not AutoTokenizer)")
-    existing = existing_part(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING, dir=out_dir)
     try:
         try:
@@ -235,5 +249,4 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
                 os.remove(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)
     return ckpt

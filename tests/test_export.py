@@ -454,9 +454,6 @@ def test_a_failed_export_leaves_the_directory_as_it_was(exported, tmp_path, monk
     assert capsys.readouterr().err == (f"error: {data} holds files but no config.json, so it is no model directory "
                                        f"whose export this would replace: export into a new or empty directory\n")
     assert [p.name for p in data.iterdir()] == ["tokenizer.model"]
-    killed = tmp_path / "killed"                   # (an export killed before it moved its files: redone)
-    (killed / ".export-x1y2").mkdir(parents=True)
-    assert export_hf.main([ckpt.path, str(killed)]) == 0 and (killed / "config.json").is_file()
 
 
 def test_an_export_over_an_earlier_one_leaves_none_of_its_files(exported, tmp_path, monkeypatch):
@@ -520,6 +517,80 @@ def test_an_export_stopped_as_it_moves_its_files_is_never_a_mix(exported, tmp_pa
                 transformers.GPT2LMHeadModel.from_pretrained(out)
         assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
         assert {name: (out / name).read_bytes() for name in new} == new
+
+
+# export_hf.py in another process, which stops itself (argv[1]: SIGSTOP, or SIGKILL as the OOM killer kills) once
+# every file is staged, none moved (export's chmod of the staged weights)
+STOPPING_EXPORT = """
+import os, signal, sys
+import export_hf
+chmod = os.chmod
+def stop(path, mode):
+    if os.path.basename(os.path.dirname(path)).startswith(".export-"):
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    chmod(path, mode)
+os.chmod = stop
+sys.exit(export_hf.main(sys.argv[2:]))
+"""
+
+
+def _stopping_export(signal_name: str, argv: list) -> subprocess.Popen:
+    tools = os.path.dirname(os.path.abspath(export_hf.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tools, os.path.dirname(tools)]))
+    return subprocess.Popen([sys.executable, "-c", STOPPING_EXPORT, signal_name, *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_what_an_export_killed_outright_left_is_removed_by_the_next(exported, tmp_path, capsys):
+    """An export into a new directory killed outright (SIGKILL) with every file staged leaves its staging directory
+    (the weights and all) and its lock's file, which no cleanup of its own takes away: the next export is not refused
+    as one into a directory of other files, removes the staging directory with a note naming it and its size, and
+    leaves the export's files alone, no .lock."""
+    from megatron_mini.hf import FILES, STAGING
+    ckpt, _, _ = exported["tp1"]
+    out = tmp_path / "hf"
+    killed = _stopping_export("SIGKILL", [ckpt.path, str(out)])
+    assert killed.wait(120) == -9, killed.communicate()[1][-2000:]
+    [staging] = [p for p in out.iterdir() if p.name.startswith(STAGING)]
+    assert sorted(p.name for p in out.iterdir()) == sorted([".lock", staging.name])
+    assert sorted(p.name for p in staging.iterdir()) == sorted(FILES)
+    size = sum(p.stat().st_size for p in staging.iterdir())
+    capsys.readouterr()
+    assert export_hf.main([ckpt.path, str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err == f"note: removed {staging} ({size:,} bytes), left by an export that was killed\n", err
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+
+
+def test_an_export_into_a_directory_another_export_writes_is_refused(exported, tmp_path, capsys):
+    """While an export (bf16 over an earlier fp32 export; another process, stopped with every file staged) holds the
+    directory's lock, a second export into it is refused with one line naming the holder, and changes nothing; the
+    first, resumed, leaves its export whole and no .lock or staging directory. Refused rather than waiting: one
+    export would at once replace the other's, so one of the two asked-for exports is lost either way; the one
+    refused is told so, where a wait would end with the later one in place and the earlier one's user unaware."""
+    import socket
+    import signal
+    ckpt, _, _ = exported["tp1"]
+    out = tmp_path / "hf"
+    assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
+    new = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert export_hf.main([ckpt.path, str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    first = _stopping_export("SIGSTOP", [ckpt.path, str(out), "--dtype", "bf16"])
+    try:
+        _, status = os.waitpid(first.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        capsys.readouterr()
+        assert export_hf.main([ckpt.path, str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {out} is in use by another export (host {socket.gethostname()}, pid {first.pid}). Wait for it "
+            f"to finish, or export into another directory.\n")
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"} == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+        code = first.wait(120)
+    assert code == 0, first.communicate()[1][-2000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == new
 
 
 def test_the_export_writes_the_tokenizer_it_checked(exported, tmp_path, monkeypatch):

@@ -7,7 +7,8 @@ OUT_DIR gets config.json, model.safetensors (fp32; --dtype bf16 or fp16: half th
 (the run's sentencepiece model: not GPT-2's BPE), the same tokenizer as tokenizer.json and tokenizer_config.json
 (for AutoTokenizer: the same ids) and a README.md on loading them. A checkpoint of any
 layout (tp, pp, vpp, dp, ZeRO) exports the same way; the name map and the conversion are in
-megatron_mini/hf.py.
+megatron_mini/hf.py. One export at a time writes into OUT_DIR (another is refused, naming it); an export removes
+the staging directory (.export-XXXXXXXX, a copy of the weights) that one killed outright left there.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import sys
 
 from checkpoint_args import add_checkpoint_arguments, chosen_dtype
 from defaults_help import DefaultsHelp
+from megatron_mini.errors import ConfigError, run_tool
+from megatron_mini.files import DirectoryLock, is_staging
 from megatron_mini.hf import STAGING, export
 from megatron_mini.inference import CheckpointError
-from megatron_mini.errors import run_tool
 
 
 def main(argv=None) -> int:
@@ -30,14 +32,17 @@ def main(argv=None) -> int:
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
-    held = [n for n in os.listdir(args.out_dir) if not n.startswith(STAGING)] if os.path.isdir(args.out_dir) else []
-    if held and "config.json" not in held:       # (a data directory, say; an export killed half-way may be redone)
+    # (a data directory, say; an export killed half-way may be redone: its lock's file and staging directory are not
+    # files of the directory, the next export takes them away)
+    held = [n for n in os.listdir(args.out_dir) if n != DirectoryLock.FILE and not is_staging(n, STAGING)] \
+        if os.path.isdir(args.out_dir) else []
+    if held and "config.json" not in held:
         print(f"error: {args.out_dir} holds files but no config.json, so it is no model directory whose export "
               f"this would replace: export into a new or empty directory", file=sys.stderr)
         return 2
     try:
         ckpt = export(args.checkpoint, args.out_dir, args.tokenizer, chosen_dtype(args))
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:       # (ConfigError: another export is writing into out_dir)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
