@@ -103,35 +103,36 @@ def kept_build(directory, corpus_sha256: str) -> Path | None:
 
 
 def temporary_name(path) -> str:
-    """The temporary file that this process writes `path` into before it renames it into place."""
+    """The temporary file (or staging directory) that this process writes `path` into before it renames it (or
+    moves its files) into place."""
     return f"{path}.tmp{os.getpid()}"
 
 
-def remove_left_temporaries(directory, names, staging: str | None = None) -> list[tuple[str, int]]:
-    """Remove the temporary files (temporary_name's, any process's) of the files `names` in `directory`, and with
-    `staging` the directories tempfile.mkdtemp(prefix=staging, dir=directory) made (is_staging), and return
-    [(name, bytes)] of each (a directory's: its files'): what a writer killed outright (SIGKILL, the OOM killer) left,
-    which no cleanup of its own could take away. Only while holding the directory's DirectoryLock, so that none of
-    them is a live writer's."""
-    pattern = re.compile("(" + "|".join(map(re.escape, names)) + r")\.tmp[0-9]+")
+def is_temporary(name: str, names) -> bool:
+    """Whether `name` is temporary_name's of one of `names` (any process's)."""
+    return re.fullmatch("(" + "|".join(map(re.escape, names)) + r")\.tmp[0-9]+", name) is not None
+
+
+def remove_left_temporaries(directory, names) -> list[tuple[str, int]]:
+    """Remove the temporary files and staging directories (temporary_name's, any process's) of `names` in
+    `directory` and return [(name, bytes)] of each (a directory's: its files'): what a writer killed outright
+    (SIGKILL, the OOM killer) left, which no cleanup of its own could take away. Only while holding the directory's
+    DirectoryLock, so that none of them is a live writer's."""
     removed = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if names and pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            size = entry.stat(follow_symlinks=False).st_size
-            os.unlink(entry.path)
-        elif staging is not None and is_staging(entry.name, staging) and entry.is_dir(follow_symlinks=False):
+        if not is_temporary(entry.name, names):
+            continue
+        if entry.is_dir(follow_symlinks=False):
             size = sum(os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(entry.path)
                        for name in files)
             shutil.rmtree(entry.path)
+        elif entry.is_file(follow_symlinks=False):
+            size = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
         else:
             continue
         removed.append((entry.name, size))
     return removed
-
-
-def is_staging(name: str, staging: str) -> bool:
-    """Whether `name` is one that tempfile.mkdtemp(prefix=staging) gives: `staging` and 8 characters of a-z, 0-9, _."""
-    return re.fullmatch(re.escape(staging) + "[a-z0-9_]{8}", name) is not None
 
 
 # where another process removes what this one reads (DirectoryLock's directory as it is made; a live run's

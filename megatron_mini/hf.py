@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .data import Tokenizer, plain_bpe
-from .files import DirectoryLock, existing_part, remove_empty_dirs, remove_left_temporaries
+from .files import DirectoryLock, existing_part, remove_empty_dirs, remove_left_temporaries, temporary_name
 from .inference import Checkpoint, check_finite, check_tensors, read_with_tokenizer
 
 
@@ -175,7 +174,7 @@ Keep prompt + generated tokens within {seq_len} positions.
 """
 
 
-STAGING = ".export-"     # the prefix of the directory an export writes its files in, inside out_dir, before moving them
+STAGING = ".export"      # an export writes its files in temporary_name's of it, inside out_dir, before moving them
 # the files an export writes (the tokenizer's mirror where it can be made), config.json first
 FILES = ("config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "README.md", "model.safetensors")
 
@@ -195,7 +194,7 @@ def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,
     existing = existing_part(out_dir)
     try:
         with DirectoryLock(out_dir, "another export", "Wait for it to finish, or export into another directory."):
-            removed = remove_left_temporaries(out_dir, (), STAGING)
+            removed = remove_left_temporaries(out_dir, (STAGING,))
             ckpt = _export(checkpoint, out_dir, tokenizer, dtype)
     finally:
         remove_empty_dirs(out_dir, existing)          # (what makedirs created, when nothing was exported into it)
@@ -214,7 +213,8 @@ def _export(checkpoint: str, out_dir: str, tokenizer: str | None, dtype: torch.d
     if unmirrored:
         ckpt.notes.append(f"{tok.path}: {unmirrored}; exported as tokenizer.model alone (read it with "
                           f"sentencepiece, not AutoTokenizer)")
-    staging = tempfile.mkdtemp(prefix=STAGING, dir=out_dir)
+    staging = temporary_name(os.path.join(out_dir, STAGING))      # (none is left: the lock's holder removed them)
+    os.mkdir(staging)
     try:
         try:
             save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})

@@ -526,7 +526,7 @@ import os, signal, sys
 import export_hf
 chmod = os.chmod
 def stop(path, mode):
-    if os.path.basename(os.path.dirname(path)).startswith(".export-"):
+    if os.path.basename(os.path.dirname(path)).startswith(".export.tmp"):
         os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     chmod(path, mode)
 os.chmod = stop
