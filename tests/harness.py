@@ -143,8 +143,10 @@ def final_weights(history: dict) -> dict:
     return load_model_tensors(history["checkpoint"])
 
 
-def assert_same_training(ref: dict, other: dict, rtol: float = 1e-5, wtol: float = 1e-5) -> None:
-    """Per-step losses within rtol (relative) and final weights within wtol of the reference run."""
+def assert_same_training(ref: dict, other: dict, rtol: float = 1e-6, wtol: float = 1e-5) -> None:
+    """Per-step losses within rtol (relative), the gradient norms within 10 rtol, and final weights within wtol
+    (absolute) of the reference run. Measured over the 41 layout comparisons of the suite (fp32, a few steps; the
+    sums' orders differ by layout): losses at most 1.6e-7 (pp4 mbs4), norms 6.0e-7 and weights 5.6e-7 (tp4)."""
     a, b = torch.tensor(ref["loss"]), torch.tensor(other["loss"])
     assert a.shape == b.shape
     rel = ((a - b).abs() / a.abs()).max().item()
