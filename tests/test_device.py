@@ -312,7 +312,7 @@ def test_four_ranks_share_one_gpu_over_gloo(small_data, tmp_path, layout):
     common = {"device": "cuda", "precision.tf32": False, "steps": 6, "precision.peak_tflops": 100.0}
     ref = train_on_ranks(1, small_config(small_data, tmp_path / "one", **common))
     shared = train_on_ranks(4, dataclasses.replace(small_config(small_data, tmp_path / "four", **common), **layout))
-    assert_same_training(ref, shared)
+    assert_same_training(ref, shared, rtol=1e-5)      # (the GPU's sums: not measured at the CPU runs' 1e-6)
     k = 4 / min(4, torch.cuda.device_count())
     for run, share in ((ref, 1), (shared, k)):
         assert run["summary"]["mfu"] == pytest.approx(share * run["summary"]["tflops"] / 100.0, rel=1e-9)
