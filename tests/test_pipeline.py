@@ -32,7 +32,8 @@ def test_interleaved_with_microbatches_not_a_multiple_of_pp(small_data, tmp_path
     piped = train_on_ranks(3, small_config(small_data, tmp_path / "pp3", pp=3, vpp=2, **kw))
     assert_same_training(single, piped)
     assert [s for s, _ in piped["val_loss"]] == [0, 3, 6] == [s for s, _ in single["val_loss"]]
-    assert [v for _, v in piped["val_loss"]] == pytest.approx([v for _, v in single["val_loss"]], rel=1e-5)
+    # the per-step losses' bound (assert_same_training: 1.6e-7 the most measured over the suite); 0 measured here
+    assert [v for _, v in piped["val_loss"]] == pytest.approx([v for _, v in single["val_loss"]], rel=1e-6)
 
 
 def _tied_embedding_before_and_after(cfg, steps: int) -> tuple:

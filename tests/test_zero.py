@@ -264,7 +264,8 @@ def test_zero1_reads_no_weight_before_its_gather(small_data, tmp_path):
     late = spawn(4, _train_with_late_gathers, cfg, init_group=False)[0]
     assert_same_training(single, late)
     assert [s for s, _ in late["val_loss"]] == [0, 4, 8] == [s for s, _ in single["val_loss"]]
-    assert [v for _, v in late["val_loss"]] == pytest.approx([v for _, v in single["val_loss"]], rel=1e-5)
+    # the per-step losses' bound (assert_same_training: 1.6e-7 the most measured over the suite); 1.3e-9 measured here
+    assert [v for _, v in late["val_loss"]] == pytest.approx([v for _, v in single["val_loss"]], rel=1e-6)
     step6 = os.path.join(late["checkpoint"], "..", "step_000006")
     resumed = spawn(4, _train_with_late_gathers, small_config(small_data, tmp_path / "resumed", pp=2, zero=1,
                                                               resume=step6, **kw), init_group=False)[0]
