@@ -1,7 +1,8 @@
 """The layout planner against the real thing: on a grid of small layouts of the test model, what the
 planner predicts from meta-device models equals what one training step of the real ranks shows.
 
-- weights, fp32 main grads and optimizer state: equal to Optimizer.memory_bytes() of the real rank;
+- weights, fp32 main grads and optimizer state: equal to Optimizer.memory_bytes() of the real rank, which is
+  the analytic count of its buffers' elements (bytes per element by dtype, Adam's state / dp with ZeRO-1);
 - communication: equal to the real rank's ledger of one step, call for call and byte for byte, and so
   are the collectives run beside a GEMM, with that GEMM's FLOPs;
 - activations: within 10% of the saved-tensor meter over the real step (the same meter, run on real
@@ -59,8 +60,21 @@ def _one_real_step(cfg):
     trainer.mesh.ledger.reset()
     with meter.hooks():
         trainer.train_step()
-    return trainer.mesh.pp_rank, trainer.mesh.tp_rank, trainer.mesh.dp_rank, \
-        trainer.optimizer.memory_bytes(), trainer.mesh.ledger.summary(), trainer.mesh.ledger.overlaps(), meter.peak
+    held = dict(numel=sum(p.numel() for buf in trainer.buffers for p in buf.names),
+                padded=sum(buf.params_flat.numel() for buf in trainer.buffers),
+                buckets=sum(len(buf.buckets) for buf in trainer.buffers))
+    mesh = trainer.mesh
+    return mesh.pp_rank, mesh.tp_rank, mesh.dp_rank, trainer.optimizer.memory_bytes(), mesh.ledger.summary(), \
+        mesh.ledger.overlaps(), meter.peak, held
+
+
+def _state_bytes(cfg, dp: int, held: dict) -> dict:
+    """The analytic count of a rank's state, not Optimizer.memory_bytes (which the plan runs too): every element of
+    its buffers (its parameters, each bucket padded to a multiple of dp) a weight in the model's dtype and an fp32
+    main grad; Adam's two fp32 moments and, with 16-bit weights, an fp32 master, 1/dp of them with ZeRO-1."""
+    assert held["numel"] <= held["padded"] <= held["numel"] + (dp - 1) * held["buckets"], held
+    weight, n = DTYPES[cfg.precision.dtype].itemsize, held["padded"]
+    return {"weights": n * weight, "grads": n * 4, "optimizer": n * (8 + 4 * (weight < 4)) // (dp if cfg.zero else 1)}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +89,8 @@ def test_prediction_matches_a_real_step(name, small_data, tmp_path, planner):
     cfg = small_config(small_data, tmp_path, **layout)
     dp = world // (cfg.tp * cfg.pp)
     beside_gemms = False
-    for pp_rank, tp_rank, dp_rank, memory, ledger, overlaps, activations in spawn(world, _one_real_step, cfg):
+    for pp_rank, tp_rank, dp_rank, memory, ledger, overlaps, activations, held in spawn(world, _one_real_step, cfg):
+        assert memory == _state_bytes(cfg, dp, held), (pp_rank, tp_rank, dp_rank, memory, held)
         if tp_rank or dp_rank:
             continue                                # the planner speaks for TP rank 0, DP rank 0 of a stage
         plan = planner.measure_rank(cfg, dp, pp_rank)
