@@ -75,6 +75,13 @@ def _fused_dropout_on_meta(input, p=0.5, training=True, inplace=False):
     return _dropout(input, p, training, inplace)
 
 
+def _gemm_into_fp32_on_meta(out, a, b):
+    """A GPU's one GEMM of 16-bit a, b into fp32 `out` (tensor_parallel's "addmm" way), on meta: written into
+    `out`, it allocates nothing, as the GPU's does. mm writes the product where addmm would add it: on meta no
+    value differs. (torch 2.11's meta addmm with out_dtype raises: its decomposition takes out_dtype for beta.)"""
+    torch.mm(a, b, out_dtype=out.dtype, out=out)
+
+
 @dataclass
 class Facts:
     """One microbatch through one layer or chunk (forward + backward), on one rank; additive."""
@@ -198,6 +205,7 @@ def measure_layer(cfg: TrainConfig, layers: tuple, residual: bool) -> Facts:
             mock.patch.object(F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(F, "dropout", _fused_dropout_on_meta if bool_dropout_masks(cfg) else _dropout), \
             mock.patch.object(tensor_parallel, "gemm_into_fp32", lambda device, dtype: "addmm"), \
+            mock.patch.dict(tensor_parallel.GEMM_INTO_FP32, addmm=_gemm_into_fp32_on_meta), \
             mock.patch.object(tensor_parallel, "_ones_row", tensor_parallel._ones_row.__wrapped__):   # (uncached:
         # what a process measured before does not change what it measures)
         mesh = ParallelMesh(cfg.tp, 1, 1, ledger=Ledger(), virtual_rank=0)
