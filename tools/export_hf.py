@@ -8,7 +8,7 @@ OUT_DIR gets config.json, model.safetensors (fp32; --dtype bf16 or fp16: half th
 (for AutoTokenizer: the same ids) and a README.md on loading them. A checkpoint of any
 layout (tp, pp, vpp, dp, ZeRO) exports the same way; the name map and the conversion are in
 megatron_mini/hf.py. One export at a time writes into OUT_DIR (another is refused, naming it); an export removes
-the staging directory (.export-XXXXXXXX, a copy of the weights) that one killed outright left there.
+the staging directory (.export.tmp<pid>, a copy of the weights) that one killed outright left there.
 """
 from __future__ import annotations
 
