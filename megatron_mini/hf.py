@@ -19,7 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .data import Tokenizer, plain_bpe
-from .files import DirectoryLock, existing_part, remove_empty_dirs, remove_left_temporaries, temporary_name
+from .files import (DirectoryLock, existing_part, is_temporary, remove_empty_dirs, remove_left_temporaries,
+                    temporary_name)
 from .inference import Checkpoint, check_finite, check_tensors, read_with_tokenizer
 
 
@@ -175,8 +176,16 @@ Keep prompt + generated tokens within {seq_len} positions.
 
 
 STAGING = ".export"      # an export writes its files in temporary_name's of it, inside out_dir, before moving them
-# the files an export writes (the tokenizer's mirror where it can be made), config.json first
+# the files an export writes (the tokenizer's mirror where it can be made), in the order it moves them in: the weights
+# last (export)
 FILES = ("config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "README.md", "model.safetensors")
+
+
+def held_files(out_dir: str) -> list:
+    """The files in `out_dir` (none where it is no directory), but an export's lock file and the staging directories
+    that killed exports left (the next export takes them away)."""
+    return [n for n in os.listdir(out_dir) if n != DirectoryLock.FILE and not is_temporary(n, (STAGING,))] \
+        if os.path.isdir(out_dir) else []
 
 
 def export(checkpoint: str, out_dir: str, tokenizer: str | None = None,

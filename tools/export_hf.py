@@ -19,8 +19,7 @@ import sys
 from checkpoint_args import add_checkpoint_arguments, chosen_dtype
 from defaults_help import DefaultsHelp
 from megatron_mini.errors import ConfigError, run_tool
-from megatron_mini.files import DirectoryLock, is_temporary
-from megatron_mini.hf import STAGING, export
+from megatron_mini.hf import export, held_files
 from megatron_mini.inference import CheckpointError
 
 
@@ -32,10 +31,7 @@ def main(argv=None) -> int:
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         print(f"error: {args.out_dir} exists and is not a directory", file=sys.stderr)
         return 2
-    # (a data directory, say; an export killed half-way may be redone: its lock's file and staging directory are not
-    # files of the directory, the next export takes them away)
-    held = [n for n in os.listdir(args.out_dir) if n != DirectoryLock.FILE and not is_temporary(n, (STAGING,))] \
-        if os.path.isdir(args.out_dir) else []
+    held = held_files(args.out_dir)      # (a data directory, say; an export killed half-way may be redone)
     if held and "config.json" not in held:
         print(f"error: {args.out_dir} holds files but no config.json, so it is no model directory whose export "
               f"this would replace: export into a new or empty directory", file=sys.stderr)
