@@ -10,6 +10,8 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
 
 import pytest
 import torch
@@ -298,8 +300,6 @@ def test_a_tool_whose_socket_reader_is_gone_ends_quietly():
     the tool's print meets EPIPE as at a pipe, and it ends as at a pipe, status 128 + SIGPIPE, nothing on stderr
     (poll reports POLLHUP, not POLLERR, on such a socket: errors.run_tool read it as another pipe's, a traceback
     and status 1)."""
-    import socket
-    import subprocess
     code = ("from megatron_mini.errors import run_tool\n"
             "def main():\n    print('x' * 1_000_000)\n"
             "run_tool(main)")
