@@ -326,9 +326,9 @@ def _megatron_scaler_states(overflows, scale, growth_interval, hysteresis):
 
 
 def _train_with_an_inf_on_one_rank(cfg, rank, steps):
-    """train(cfg), where global rank `rank` puts an inf into one element of the gradient it holds after the DP
-    sync (with ZeRO-1: its own shard) at each 1-based step in `steps`: (rank 0's history, whether each step of
-    this run was skipped on this rank)."""
+    """train(cfg), where global rank `rank` (negative: from the last) puts an inf into one element of the gradient
+    it holds after the DP sync (with ZeRO-1: its own shard) at each 1-based step in `steps`: (rank 0's history,
+    whether each step of this run was skipped on this rank)."""
     import torch.distributed as dist
     from megatron_mini import optimizer
     from megatron_mini.training import train
@@ -338,7 +338,7 @@ def _train_with_an_inf_on_one_rank(cfg, rank, steps):
     def poisoned(self):
         finalize(self)
         step_index = self.step_count + (self.scaler.skipped_steps if self.scaler else 0)      # (0-based)
-        if dist.get_rank() == rank and step_index + 1 in steps:
+        if dist.get_rank() == rank % dist.get_world_size() and step_index + 1 in steps:
             self.ranges[0].grad[5] = float("inf")
 
     def recorded(self, *args, **kwargs):
@@ -763,29 +763,22 @@ def _stop_of_an_fp16_overflow(cfg, where):
     """train(cfg) on this rank, with an inf in every step's `where`: "forward" (the embedding's output on the first
     stage, so the loss is not finite), "gradient" (an element of the last rank's reduced gradient, the loss finite):
     the RunError's message."""
-    import torch.distributed as dist
-    from megatron_mini import model, optimizer
+    from megatron_mini import model
     from megatron_mini.config import RunError
     from megatron_mini.training import train
 
-    if where == "forward":
-        embed = model.Embedding.forward
+    embed = model.Embedding.forward
 
-        def overflowing(self, *args, **kwargs):
-            out = embed(self, *args, **kwargs)
-            out.view(-1)[0] = float("inf")
-            return out
-        model.Embedding.forward = overflowing
-    else:
-        finalize = optimizer.Optimizer.finalize_grads
-
-        def poisoned(self):
-            finalize(self)
-            if dist.get_rank() == dist.get_world_size() - 1:
-                self.ranges[0].grad[5] = float("inf")
-        optimizer.Optimizer.finalize_grads = poisoned
+    def overflowing(self, *args, **kwargs):
+        out = embed(self, *args, **kwargs)
+        out.view(-1)[0] = float("inf")
+        return out
     try:
-        train(cfg)
+        if where == "forward":
+            model.Embedding.forward = overflowing
+            train(cfg)
+        else:
+            _train_with_an_inf_on_one_rank(cfg, -1, range(1, cfg.steps + 1))
     except RunError as e:
         return str(e)
     return None
