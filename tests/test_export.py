@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -568,8 +570,6 @@ def test_an_export_into_a_directory_another_export_writes_is_refused(exported, t
     first, resumed, leaves its export whole and no .lock or staging directory. Refused rather than waiting: one
     export would at once replace the other's, so one of the two asked-for exports is lost either way; the one
     refused is told so, where a wait would end with the later one in place and the earlier one's user unaware."""
-    import socket
-    import signal
     ckpt, _, _ = exported["tp1"]
     out = tmp_path / "hf"
     assert export_hf.main([ckpt.path, str(out), "--dtype", "bf16"]) == 0
