@@ -52,3 +52,13 @@ def hooks(tmp_path_factory):
     d = tmp_path_factory.mktemp("hooks")
     (d / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return d
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_basetemp(tmp_path_factory):
+    """The session's subprocesses (launched runs, ranks) make their temporary files under pytest's basetemp,
+    which pytest prunes, not in /tmp: torchrun makes a log directory there on every launch (torchelastic_*,
+    its ranks' error.json files) and never removes it (47 in a suite)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+        yield
