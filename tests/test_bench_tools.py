@@ -132,7 +132,8 @@ def test_bench_train_smoke(tmp_path):
     assert tp_ledger and tp_ledger[1] == f"{m * (4 * L + 2) * s * MBS * h * 4 / 2**20:.1f}", out
     in_flight = re.findall(r"^\s*(gpipe|1f1b)\s+(\d+)\s+[\d.]+ / [\d.]+\s+(\d+ / \d+)\s+(\d+ / \d+)\s", out, re.M)
     assert len(in_flight) == 6 and all(measured == simulated for _, _, measured, simulated in in_flight), in_flight
-    assert all(measured == f"{m} / {m}" for schedule, m, measured, _ in in_flight if schedule == "gpipe")
+    gpipe = [(m, measured) for schedule, m, measured, _ in in_flight if schedule == "gpipe"]
+    assert gpipe and all(measured == f"{m} / {m}" for m, measured in gpipe), in_flight
     memory = re.findall(r"^\s*(fp32|bf16)\s+([01])\s+(\d)\s+([\d,]+)\s.*\s([\d.]+)\s*$", out, re.M)
     assert len(memory) == 10, out
     for dtype, zero, dp, params, per_param in memory:
