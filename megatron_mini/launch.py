@@ -25,10 +25,11 @@
 * `RunLock`: one run per run directory (files.DirectoryLock: an exclusive `flock`, released by the kernel when its
   process dies, so a crash leaves no stale lock).
 * `HydraCommandLine`: runs a `@hydra.main` entry point (train.py, tools/prepare_data.py) so that a command
-  line Hydra refuses ends with one `error:` line too.
+  line Hydra refuses ends with one `error:` line too; `hydra_parser_allowed()`: Hydra 1.3's parser on Python 3.14.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import io
@@ -362,6 +363,29 @@ def missing_option(text: str, argv: list) -> str | None:
     return f"{group}={name}{where}: {group} has no option {name}; its options are {', '.join(names.split())}"
 
 
+@contextlib.contextmanager
+def hydra_parser_allowed():
+    """Within it Hydra 1.3 builds its command-line parser on Python 3.14 too: 3.14's argparse checks each option's
+    help as it is added (ArgumentParser._check_help, a %-format of it), and Hydra gives --shell-completion a help
+    that is an object making its text only when shown, which that check refuses, so every Hydra command line ended
+    in `ValueError: badly formed help string` (hydra#3121; Hydra's fix after 1.3 skips the check the same way).
+    Here a help that is not a string goes unchecked; a string is checked as before. Before 3.14: nothing to do."""
+    check = getattr(argparse.ArgumentParser, "_check_help", None)
+    if check is None:
+        yield
+        return
+
+    def check_strings(parser, action):
+        if action.help is None or isinstance(action.help, str):
+            check(parser, action)
+
+    argparse.ArgumentParser._check_help = check_strings
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser._check_help = check
+
+
 class HydraCommandLine:
     """Runs a `@hydra.main` entry point so that a command line Hydra refuses (a wrong type, a value outside
     a choice, an unknown key) ends with one line, `error: ...` (exit 2), not Hydra's report on every rank:
@@ -422,7 +446,8 @@ class HydraCommandLine:
         except ImportError:
             return None
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                    hydra_parser_allowed():
                 return get_args_parser().parse_known_args(self.argv)[0]   # (overrides apart from the others: Hydra's)
         except SystemExit:                     # (a usage error, or --version)
             return None
@@ -568,7 +593,8 @@ class HydraCommandLine:
         self.real, self.held = sys.stderr, io.StringIO()
         sys.stderr = self.held
         try:
-            main()
+            with hydra_parser_allowed():       # (main() builds Hydra's parser first)
+                main()
         except SystemExit as e:                # Hydra refused the command line (its message is held)
             if e.code not in (0, None) and sys.stderr is self.held:
                 self.composed(replay=False)
