@@ -256,7 +256,9 @@ def _json_text(line: str, text_key: str) -> tuple[str | None, str]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         return None, f": not valid JSON ({e.msg.removesuffix(' at')} at character {e.pos + 1} of the line)"
-    except (ValueError, RecursionError) as e:      # (an integer of over 4300 digits; arrays nested ~1000 deep)
+    except RecursionError as e:                    # (arrays nested ~1000 deep; Python's words differ by version)
+        return None, f": not valid JSON as Python reads it (nested too deeply: {e})"
+    except ValueError as e:                        # (an integer of over 4300 digits)
         return None, f": not valid JSON as Python reads it ({str(e) or type(e).__name__})"
     if not isinstance(obj, dict):
         return None, f": the line is {_json_type(obj)}"
