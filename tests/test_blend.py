@@ -661,12 +661,21 @@ def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blen
     (copy / "meta.json").write_text(json.dumps(meta))
     cfg = blend_of(small_data, (0.7, first), (0.3, copy))
     train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
-    i = next(i for i in range(3, 20) if train.locate(i)[0] is train.datasets[1])
-    part, j = train.locate(i)
-    row, tokens = part[j], np.memmap(copy / "tokens.bin", dtype=np.uint16, mode="r+")
-    where = [k for k in np.flatnonzero(tokens[:len(tokens) - len(row)] == row[0])
-             if np.array_equal(tokens[k:k + len(row)], row)]
-    tokens[where[0] + 3] = 60000
+    tokens = np.memmap(copy / "tokens.bin", dtype=np.uint16, mode="r+")
+
+    def place(i, tokens):
+        """Where in `tokens` (the copy's tokens.bin) the blend's sample i is, if it is the second directory's and
+        no other place holds its tokens (a run of one token, a passage the corpus repeats: Python 3.13's standard
+        library has such a sample)."""
+        part, j = train.locate(i)
+        row = part[j]
+        where = [k for k in np.flatnonzero(tokens[:len(tokens) - len(row)] == row[0])
+                 if np.array_equal(tokens[k:k + len(row)], row)]
+        return where[0] if part is train.datasets[1] and len(where) == 1 else None
+
+    i = next(i for i in range(3, 20) if place(i, tokens) is not None)
+    j = train.locate(i)[1]
+    tokens[place(i, tokens) + 3] = 60000
     tokens.flush()
     del tokens
     train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
