@@ -15,6 +15,9 @@ import contextlib
 import functools
 import inspect
 import math
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +131,30 @@ def compiles(cfg: TrainConfig, device) -> bool:
     if cfg.compile is not None:
         return cfg.compile
     return torch.device(device).type == "cuda" and chunk_is_one_graph(cfg.tp, cfg.recompute, cfg.model.dropout)
+
+
+def cpu_compile_missing() -> str | None:
+    """What torch.compile lacks on this machine to compile for the CPU, where inductor builds C++ (on CUDA it
+    generates Triton): a C++ compiler, found as inductor finds it (cpp_builder.get_cpp_compiler: $CXX, else g++;
+    clang++ on macOS; `--version` must run), and on Linux Python's headers, Python.h in the include directory
+    inductor passes it (sysconfig's, whose absence inductor only warns of). None where nothing is missing. Costs
+    the compiler's `--version` (0.07 s) after importing inductor (1.1 s, which the first compile would)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:
+        get_cpp_compiler()
+    except (RuntimeError, OSError):     # (InvalidCxxCompiler, a RuntimeError: none of them runs)
+        cxx = inductor_config.cpp.cxx
+        tried = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
+        named = " or ".join(f"`{c} --version`" + (" ($CXX)" if c == os.environ.get("CXX") else "") for c in tried)
+        return (f"torch.compile builds C++ there (inductor) and finds no C++ compiler ({named} failed): install g++ "
+                f"(Debian/Ubuntu: apt install g++) or set CXX to one")
+    include = sysconfig.get_path("include")
+    if sys.platform == "linux" and not os.path.exists(os.path.join(include, "Python.h")):
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return (f"torch.compile builds C++ there (inductor) that includes Python.h, which is not in {include}: "
+                f"install Python's headers (Debian/Ubuntu: apt install python{version}-dev)")
+    return None
 
 
 @dataclass

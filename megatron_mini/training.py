@@ -42,7 +42,7 @@ from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_
 from .profiling import StepProfiler
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
-from .model import compiles, select_triton_ops
+from .model import compiles, cpu_compile_missing, select_triton_ops
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
 from .optimizer import learning_rate, schedule_note, warmup_note
@@ -52,7 +52,8 @@ from .rng import RNGTracker
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     """This rank's device and the process-group backend (mesh.choose_device), set up as hardware.configure_device
     says: on CUDA, fp32 matmuls on TF32 tensor cores unless precision.tf32=false; on the CPU, freed tensors' memory
-    reused."""
+    reused. Kernels the device cannot run, and compile=true on a CPU without the C++ compiler or the Python headers
+    that inductor builds with (model.cpu_compile_missing), are refused here, before any collective."""
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
     if cfg.kernels not in ("auto", "torch"):
@@ -71,6 +72,8 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
                               f"kernels=layer_norm or cross_entropy for the other Triton kernels).")
+    if device.type == "cpu" and compiles(cfg, device) and (why := cpu_compile_missing()):
+        raise ConfigError(f"compile=true on the CPU: {why}; or set compile=false.")
     configure_device(device, cfg.precision.tf32)
     return device, backend
 

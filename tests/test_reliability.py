@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from commandline import PYTHON, assert_one_error, env, finish, model_args, pytho
 from harness import HAS_TRITON, small_config, train_on_ranks
 from megatron_mini.kernels import interpreter_unsupported
 from megatron_mini.launch import OTHER_RANKS_WAIT_S, RunLock
+from megatron_mini.model import cpu_compile_missing
 from ranks import free_port
 
 
@@ -81,8 +83,9 @@ def _edit_file(name: str, edit):
     return damage
 
 
-def _refusal_cases(data, trained, tmp: Path) -> list:
-    """(id, nproc, extra args, facts of our line, environment) of every refusal."""
+def _refusal_cases(data, trained, tmp: Path, hooks: Path) -> list:
+    """(id, nproc, extra args, facts of our line, environment) of every refusal (`hooks`: the test hooks' directory,
+    commandline.SITECUSTOMIZE)."""
     ckpt = Path(trained.run_dir) / "checkpoints" / "step_000003"
 
     def ckpt_copy(name, damage):
@@ -216,7 +219,20 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
         ("rank-outside-the-world", 1, [], ["RANK=5 with WORLD_SIZE=2", "a rank in [0, size)"],
          env(RANK=5, WORLD_SIZE=2)),
         ("world-of-none", 1, [], ["RANK=0 with WORLD_SIZE=0"], env(RANK=0, WORLD_SIZE=0)),
+        ("compile-without-cxx", 2, ["compile=true"],
+         ["compile=true on the CPU: torch.compile builds C++ there (inductor) and finds no C++ compiler "
+          "(`/nonexistent/g++ --version` ($CXX) failed): install g++ (Debian/Ubuntu: apt install g++) or set CXX to "
+          "one; or set compile=false."], env(CXX="/nonexistent/g++")),
     ]
+    if sys.platform == "linux":     # (model.cpu_compile_missing looks for the headers on Linux only)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        headers = [f"compile=true on the CPU: torch.compile builds C++ there (inductor) that includes Python.h, which "
+                   f"is not in {hooks}: install Python's headers (Debian/Ubuntu: apt install python{version}-dev); "
+                   f"or set compile=false."]
+        if "no C++ compiler" in (cpu_compile_missing() or ""):   # (this machine's compiler is refused first)
+            headers = ["compile=true on the CPU: torch.compile builds C++ there (inductor) and finds no C++ compiler"]
+        cases.append(("compile-without-python-headers", 1, ["compile=true"], headers,
+                      env(hooks, HOOK_NO_PYTHON_HEADERS=1)))
     if not HAS_TRITON:     # (macOS, Windows) the Triton kernels are refused for that first
         kernels = {i: next(a for a in args if a.startswith("kernels=")) for i, _, args, *_ in cases
                    if i in ("triton-on-cpu", "attention-head-dim")}
@@ -231,10 +247,10 @@ def _refusal_cases(data, trained, tmp: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def refusals(small_data, trained, tmp_path_factory):
+def refusals(small_data, trained, tmp_path_factory, hooks):
     """Every refusal's result, run three at a time: {id: (Result, facts, launcher)}."""
     tmp = tmp_path_factory.mktemp("refusals")
-    cases = _refusal_cases(small_data, trained, tmp)
+    cases = _refusal_cases(small_data, trained, tmp, hooks)
 
     def run(case):
         name, nproc, extra, facts, environment = case
@@ -260,7 +276,8 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo"
                "resume-more-layers", "resume-other-heads", "resume-other-hidden", "resume-other-seed",
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge",
                "interpolation", "multirun", "profile-past-steps", "profile-rank-outside",
-               "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "cuda-without-gpu"]
+               "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "compile-without-cxx",
+               "compile-without-python-headers", "cuda-without-gpu"]
 
 
 # one-rank refusals that run under torchrun: one of each kind (the multi-rank ones always do)
@@ -270,7 +287,8 @@ UNDER_TORCHRUN = {"appended-key", "no-layers", "unwritable-run-dir", "token-ids"
 @pytest.mark.parametrize("case", REFUSAL_IDS)
 def test_refusal(refusals, case):
     if case not in refusals:
-        pytest.skip("this machine has a GPU")
+        pytest.skip("not refused on this machine (cuda-without-gpu: it has a GPU; compile-without-python-headers: "
+                    "not Linux)")
     result, facts, launcher = refusals[case]
     assert_one_error(result, facts, launcher)
 
@@ -371,10 +389,11 @@ def test_min_loss_scale_above_the_initial_scale_is_refused():
     assert validate(cfg, 1) == 1
 
 
-def test_refusal_ids_cover_every_case(small_data, trained, tmp_path):
+def test_refusal_ids_cover_every_case(small_data, trained, tmp_path, hooks):
     assert UNDER_TORCHRUN <= set(REFUSAL_IDS)
-    assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path)] == \
-        [i for i in REFUSAL_IDS if i != "cuda-without-gpu" or not torch.cuda.is_available()]
+    assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path, hooks)] == \
+        [i for i in REFUSAL_IDS if (i != "cuda-without-gpu" or not torch.cuda.is_available()) and
+         (i != "compile-without-python-headers" or sys.platform == "linux")]
 
 
 def test_a_locked_run_dir_is_refused(small_data, tmp_path):
