@@ -14,12 +14,20 @@ import torch
 
 from ranks import spawn
 from megatron_mini.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig, WandbConfig
+from megatron_mini.model import cpu_compile_missing
 
 
 # The Triton kernels' tests skip where the triton package is not installed: pyproject installs it on Linux only
 # (there are no wheels for macOS or Windows); kernels=torch, which they are compared with, runs everywhere.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (installed on Linux only)")
+
+
+def skip_without_cpu_compiler(device) -> None:
+    """Skip where torch.compile cannot build for `device`: a CPU without the C++ compiler or Python's headers that
+    inductor builds with (model.cpu_compile_missing, by which train.py refuses compile=true there)."""
+    if torch.device(device).type == "cpu" and (why := cpu_compile_missing()):
+        pytest.skip(f"torch.compile on the CPU: {why}")
 
 
 # glibc's malloc takes an M_MMAP_THRESHOLD above 32 MiB (hardware.REUSED_BLOCK_BYTES) from 2.35 on

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed on Linux only)")
 
+from harness import skip_without_cpu_compiler  # noqa: E402
 from megatron_mini import kernels  # noqa: E402
 from megatron_mini.kernels import layernorm  # noqa: E402
 from megatron_mini.kernels.layernorm import add_layer_norm, layer_norm, torch_add_layer_norm  # noqa: E402
@@ -473,6 +474,8 @@ def test_kernels_are_one_graph_under_compile(backend):
     and input gradients are eager's (the same kernels; inductor fuses the torch ops around them, which
     round like eager's in fp32)."""
     import torch._dynamo
+    if backend == "inductor":
+        skip_without_cpu_compiler(DEVICE)
     from megatron_mini.kernels.attention import flash_attention_qkv
 
     def f(x, r, w, b, w2, b2, qkv):
