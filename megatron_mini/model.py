@@ -140,9 +140,13 @@ def cpu_compile_missing() -> str | None:
     inductor passes it (sysconfig's, whose absence inductor only warns of). None where nothing is missing. Costs
     the compiler's `--version` (0.07 s) after importing inductor (1.1 s, which the first compile would)."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.cpp_builder import get_cpp_compiler
     try:
-        get_cpp_compiler()
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:             # (torch 2.4's is private, _get_cpp_compiler: a missing one is inductor's to name)
+        get_cpp_compiler = None
+    try:
+        if get_cpp_compiler:
+            get_cpp_compiler()
     except (RuntimeError, OSError):     # (InvalidCxxCompiler, a RuntimeError: none of them runs)
         cxx = inductor_config.cpp.cxx
         tried = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
