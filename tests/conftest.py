@@ -20,24 +20,19 @@ if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import glob  # noqa: E402
-import shutil  # noqa: E402
-import sysconfig  # noqa: E402
-
 import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
-    """A small prepared dataset (60 standard-library modules as .txt, vocabulary 512): its DataConfig."""
+    """A small prepared dataset (60 standard-library modules as .txt, tests/corpus.py; vocabulary 512): its
+    DataConfig."""
+    from corpus import FIRST_60, write_modules
     from megatron_mini.config import DataConfig
     from megatron_mini.data import prepare
 
     root = tmp_path_factory.mktemp("small_data")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:60]:
-        shutil.copy(path, corpus / (os.path.basename(path)[:-3] + ".txt"))
+    corpus = write_modules(root / "corpus", FIRST_60)
     cfg = DataConfig(source=str(corpus), dir=str(root / "data"), vocab_size=512, tokenizer_sample_chars=2_000_000,
                      val_fraction=0.05, num_workers=1)
     prepare(cfg)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from corpus import NEXT_25, write_modules
 from harness import assert_same_training, small_config, train_on_ranks
 from megatron_mini import checkpoint
 from megatron_mini.config import ConfigError, DataConfig, check_ranges, validate
@@ -107,14 +108,10 @@ def test_the_blends_epoch_ends_where_a_dataset_would_repeat():
 
 @pytest.fixture(scope="module")
 def blend_dirs(small_data, tmp_path_factory):
-    """small_data's directory, one of 25 other standard-library modules encoded with its tokenizer (blendable), and
-    one of those modules with a tokenizer of its own (not)."""
-    import sysconfig
+    """small_data's directory, one of 25 other standard-library modules (tests/corpus.py) encoded with its tokenizer
+    (blendable), and one of those modules with a tokenizer of its own (not)."""
     root = tmp_path_factory.mktemp("blend")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[100:125]:
-        shutil.copyfile(p, corpus / f"{p.stem}.txt")
+    corpus = write_modules(root / "corpus", NEXT_25)
     code = dataclasses.replace(small_data, source=str(corpus), dir=str(root / "code"),
                                tokenizer=str(Path(small_data.dir) / "tokenizer.model"))
     own = dataclasses.replace(code, dir=str(root / "own"), tokenizer=None)

@@ -475,20 +475,18 @@ def test_prepare_data_stopped_by_a_signal(tmp_path, small_data, signame, to):
     128 + its number, the partial tokens.bin removed, the tokenizer kept; the encoding processes end with it. SIGKILL
     cannot be answered, but leaves no encoding process behind either (they waited forever for the dead parent), and
     the next build removes the tokens.bin.tmp<pid> it left."""
-    import glob
     import json
     import os
     import signal
-    import sysconfig
     import time
 
     from commandline import PYTHON, finish, running, start
+    from corpus import write_modules
     if signame == "SIGKILL" and sys.platform != "linux":
         pytest.skip("a process dies with its parent on Linux only (PR_SET_PDEATHSIG)")
-    texts = [open(p, errors="replace").read() for p in sorted(glob.glob(os.path.join(
-        sysconfig.get_paths()["stdlib"], "*.py")))[:200]]
+    texts = [p.read_text() for p in sorted(write_modules(tmp_path / "modules", slice(None)).iterdir())]
     with open(tmp_path / "corpus.jsonl", "w") as f:
-        for _ in range(4):                                 # ~12 MB: seconds of encoding on any machine
+        for _ in range(8):                                 # ~18 MB: seconds of encoding on any machine
             f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     out = tmp_path / "data"
     signum = getattr(signal, signame)

@@ -1,6 +1,6 @@
 """Data pipeline: tokenizer, indexed dataset, validation errors, global sample order, caching.
 
-One small corpus (40 standard-library files copied as .txt, vocab 512) is prepared once per module.
+One small corpus (40 standard-library modules as .txt, tests/corpus.py; vocab 512) is prepared once per module.
 """
 import dataclasses
 import json
@@ -10,7 +10,6 @@ import random
 import re
 import shutil
 import sys
-import sysconfig
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from corpus import write_modules
 from megatron_mini import data
 from megatron_mini.config import DataConfig
 from megatron_mini.data import (DataError, IndexedDataset, Tokenizer, encode_corpus, prepare, read_corpus,
@@ -31,13 +31,8 @@ VOCAB, SEQ = 512, 32
 
 
 def make_text_corpus(out_dir: Path, num_files: int) -> Path:
-    """`num_files` top-level standard-library modules of 4-40 kB, copied as .txt (sorted, deterministic)."""
-    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    files = [p for p in stdlib if 4_000 < p.stat().st_size < 40_000]
-    out_dir.mkdir(parents=True)
-    for p in files[:num_files]:
-        shutil.copyfile(p, out_dir / f"{p.stem}.txt")
-    return out_dir
+    """The first `num_files` standard-library modules of 4-40 kB (tests/corpus.py), as .txt (sorted by name)."""
+    return write_modules(out_dir, slice(num_files), sizes=(4_000, 40_000))
 
 
 @pytest.fixture(scope="module")

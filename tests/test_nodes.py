@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from corpus import write_modules
 from harness import small_config, train_on_ranks
 from ranks import spawn
 
@@ -69,16 +70,10 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
     which differ (a stale copy on one node): the config is the same, so without comparing what each read the nodes
     would train on other documents (another tokenizer's ids) without a word. Every rank stops at start-up with one
     message naming what differs."""
-    import glob
-    import sysconfig
-
     from megatron_mini.data import prepare
-    stdlib = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for node, files in zip(nodes, (stdlib[:25], stdlib[25:50])):
-        (node / "corpus").mkdir(parents=True)
-        for path in files:
-            shutil.copy(path, node / "corpus" / (os.path.basename(path)[:-3] + ".txt"))
+    for node, modules in zip(nodes, (slice(0, 25), slice(25, 50))):
+        write_modules(node / "corpus", modules)
         monkeypatch.chdir(node)
         prepare(dataclasses.replace(small_data, source="corpus", dir="data"))
     data = dataclasses.replace(small_data, source="corpus", dir="data")
