@@ -670,9 +670,9 @@ def test_a_damaged_sample_names_its_directory_and_its_own_index(small_data, blen
                  if np.array_equal(tokens[k:k + len(row)], row)]
         return where[0] if part is train.datasets[1] and len(where) == 1 else None
 
-    i = next(i for i in range(3, 20) if place(i, tokens) is not None)
+    i, k = next((i, k) for i in range(3, 20) if (k := place(i, tokens)) is not None)
     j = train.locate(i)[1]
-    tokens[place(i, tokens) + 3] = 60000
+    tokens[k + 3] = 60000
     tokens.flush()
     del tokens
     train = load_datasets(cfg, SEQ, 5, small_data.vocab_size)[0]
