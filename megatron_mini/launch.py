@@ -1,7 +1,8 @@
 """The process around training: the launcher's environment, how a run fails, signals, the run lock.
 
 * `launch_env()`: rank, world size, local rank and local world size from torchrun or SLURM;
-  `gpu_slot()`: which of the GPUs this process sees are its own.
+  `gpu_slot()`: which of the GPUs this process sees are its own; `free_port()`: a MASTER_PORT for ranks
+  started together on this machine (the tests, the benchmarks).
 * `fail(message, code, reporter)`: the one way a rank ends on an error it can explain. The reporting
   rank (0 by default) prints `error: <message>` at once; the others wait, so that when every rank
   knows the same problem the message is printed once (torchrun stops them when the reporter exits; ranks started
@@ -35,8 +36,10 @@ import ctypes
 import io
 import json
 import os
+import random
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -134,6 +137,35 @@ def gpu_slot() -> tuple[int, int]:
     if "RANK" not in env and "SLURM_PROCID" in env and env.get("SLURM_GPUS_PER_TASK"):
         return 0, 1
     return local_rank, local_world_size
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def free_port(low: int = 20000) -> int:
+    """A TCP port nothing on this machine is bound to now, for ranks that meet at it (MASTER_PORT).
+
+    Taken at random from [low, the kernel's ephemeral range): a port from bind(0) is an ephemeral one, which
+    the kernel may give to any outgoing connection (a gloo pair's, a store client's) before rank 0 listens on it
+    (EADDRINUSE). Linux reads that range from net.ipv4.ip_local_port_range; elsewhere the ranges start at 32768
+    (BSD) or 49152 (macOS, Windows). Where the ephemeral range starts at or below `low`, bind(0)'s port is the
+    answer."""
+    try:
+        with open(EPHEMERAL_PORTS) as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    for _ in range(100 if high > low else 0):
+        port = random.SystemRandom().randrange(low, high)   # not the seeded generator a test may have set
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))      # all addresses, as the store listens: a socket on any of them is a clash
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def under_torchrun() -> bool:

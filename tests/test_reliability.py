@@ -25,9 +25,8 @@ import torch
 from commandline import PYTHON, assert_one_error, env, finish, model_args, python_train, start, torchrun_train
 from harness import HAS_TRITON, small_config, train_on_ranks
 from megatron_mini.kernels import interpreter_unsupported
-from megatron_mini.launch import OTHER_RANKS_WAIT_S, RunLock
+from megatron_mini.launch import OTHER_RANKS_WAIT_S, RunLock, free_port
 from megatron_mini.model import cpu_compile_missing
-from ranks import free_port
 
 
 # ----------------------------------------------------------------------------------------- fixtures
@@ -302,6 +301,43 @@ def test_one_process_needs_no_port(small_data, tmp_path):
         taken.listen()
         r = python_train(model_args(small_data, tmp_path / "run"), env(MASTER_PORT=taken.getsockname()[1]))
     assert r.rc == 0 and "Traceback" not in r.all, r
+
+
+def test_free_port_is_no_port_a_connection_holds(monkeypatch, tmp_path):
+    """launch.free_port, the MASTER_PORT of the tests' and benchmarks' ranks. A port from bind(0) is an ephemeral one,
+    which the kernel may give to an outgoing connection before rank 0 listens on it; then the store fails with
+    EADDRINUSE (CI: 127.0.0.1:39451, while the other worker's gloo ranks connected). free_port's lie below the
+    ephemeral range (read here from the kernel), and one that a connection's socket holds is passed over."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_mini import launch
+    try:
+        with open(launch.EPHEMERAL_PORTS) as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        ephemeral = 32768
+    ports = [free_port() for _ in range(20)]
+    assert all(20000 <= p < ephemeral for p in ports) and len(set(ports)) > 1, (ports, ephemeral)
+
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        held = ports[0]
+        client.bind(("127.0.0.1", held))      # what the kernel does for a connection given an ephemeral port
+        client.connect(server.getsockname())
+        with pytest.raises(RuntimeError, match="EADDRINUSE"):
+            dist.TCPStore("127.0.0.1", held, 1, True, timeout=timedelta(seconds=5))
+        picks = iter([held, ports[1]])
+        monkeypatch.setattr(launch.random, "SystemRandom", lambda: type("Picks", (), {
+            "randrange": staticmethod(lambda low, high: next(picks))}))
+        assert free_port() == ports[1]
+
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "EPHEMERAL_PORTS", str(tmp_path / "no such file"))   # not Linux: below 32768
+    assert all(20000 <= free_port() < 32768 for _ in range(20))
 
 
 def test_a_rank_that_never_comes_is_one_line(small_data, tmp_path):

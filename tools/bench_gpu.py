@@ -62,9 +62,9 @@ from bench.report import (DOC, add_output_args, at_least, check_output_args, com
                           write_text)
 from defaults_help import RawDescriptionDefaultsHelp  # noqa: E402
 from plotting import CREATED, refuse_unwritable, write_output  # noqa: E402
-from bench.harness import free_port  # noqa: E402
 from bench.workload import BaselineRunner, LibRunner, SyntheticTokens, lib_cfg  # noqa: E402
 from megatron_mini.errors import run_tool  # noqa: E402
+from megatron_mini.launch import free_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,6 @@ import datetime
 import gc
 import os
 import queue
-import socket
 import statistics
 import time
 import traceback
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 from bench.meters import measured_step
 from bench.workload import BaselineRunner, LibRunner, lib_cfg
 from megatron_mini.hardware import configure_device
+from megatron_mini.launch import free_port
 
 
 def handle(state: dict, op: str, args: tuple):
@@ -89,13 +89,6 @@ def _pool_rank(rank: int, world: int, port: int, commands, results):
         except BaseException:  # noqa: BLE001 - reported by the parent
             results.put((rank, False, traceback.format_exc()))
     torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pool:
