@@ -140,6 +140,7 @@ def gpu_slot() -> tuple[int, int]:
 
 
 EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+PORT_PICKS = random.SystemRandom()      # free_port's: not the seeded generator a test may have set
 
 
 def free_port(low: int = 20000) -> int:
@@ -156,7 +157,7 @@ def free_port(low: int = 20000) -> int:
     except (OSError, ValueError, IndexError):
         high = 32768
     for _ in range(100 if high > low else 0):
-        port = random.SystemRandom().randrange(low, high)   # not the seeded generator a test may have set
+        port = PORT_PICKS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("", port))      # all addresses, as the store listens: a socket on any of them is a clash

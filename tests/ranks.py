@@ -5,7 +5,7 @@
 Each rank is a fresh process forked from a fork server that imported torch and the library once
 (forkserver: nothing CUDA-initialised is ever forked, so ranks may use a GPU; importing torch in every
 rank would cost seconds of CPU each), has OMP_NUM_THREADS=1, a gloo process group on a free
-localhost port (launch.free_port) (RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the test process's sys.path
+localhost port (launch.free_port; RANK/WORLD_SIZE/MASTER_* set as torchrun would), and the test process's sys.path
 (the fork server takes it on). A failing rank's traceback is raised in the test; a hang ends at `timeout`.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 from megatron_mini.launch import free_port
+
 
 def _rank_main(rank, world_size, port, fn, args, queue, init_group, collected):
     os.environ.update(

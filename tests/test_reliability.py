@@ -310,6 +310,7 @@ def test_free_port_is_no_port_a_connection_holds(monkeypatch, tmp_path):
     ephemeral range (read here from the kernel), and one that a connection's socket holds is passed over."""
     import socket
     from datetime import timedelta
+    from types import SimpleNamespace
 
     import torch.distributed as dist
 
@@ -331,8 +332,7 @@ def test_free_port_is_no_port_a_connection_holds(monkeypatch, tmp_path):
         with pytest.raises(RuntimeError, match="EADDRINUSE"):
             dist.TCPStore("127.0.0.1", held, 1, True, timeout=timedelta(seconds=5))
         picks = iter([held, ports[1]])
-        monkeypatch.setattr(launch.random, "SystemRandom", lambda: type("Picks", (), {
-            "randrange": staticmethod(lambda low, high: next(picks))}))
+        monkeypatch.setattr(launch, "PORT_PICKS", SimpleNamespace(randrange=lambda low, high: next(picks)))
         assert free_port() == ports[1]
 
     monkeypatch.undo()
