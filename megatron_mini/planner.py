@@ -358,16 +358,27 @@ def plan(base: PlanConfig, workers: int | None = None) -> Plan:
     if workers == 1:
         found = estimates(planner, valid, base.cluster)
     else:
-        # fork is quick, but where a GPU is visible autograd's first backward starts a thread per device, and
-        # torch refuses autograd in a child forked after that: spawn there (seen on an H100 in pytest)
-        fork = sys.platform == "linux" and not torch.cuda.is_available()
-        if fork:         # autograd's first backward imports torch._dynamo (1.1 s of CPU): here once, not in each worker
+        method = start_method()
+        if method == "fork":   # autograd's first backward imports torch._dynamo (1.1 s of CPU): once, not per worker
             importlib.import_module("torch._dynamo")
-        context = multiprocessing.get_context("fork" if fork else "spawn")
+        context = multiprocessing.get_context(method)
         with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.disable) as pool:   # short-lived
             found = _in_processes(pool, planner, valid, base.cluster, workers)
     found.sort(key=lambda e: (not e.fits, e.step_s))
     return Plan(base, found, refused, planner)
+
+
+def start_method() -> str:
+    """How plan() starts its workers. fork, the quickest, only on a CPU-only Linux machine and from a process of one
+    thread (the OS's count: Python's and torch's threads, such as the OpenMP pool `import torch` starts unless
+    OMP_NUM_THREADS=1): a child forked from a process of several (a notebook's kernel, pytest-xdist's worker) may
+    wait forever on a lock that another thread held at the fork, of which Python 3.12+ warns. Where a GPU is
+    visible autograd's first backward starts a thread per device, after which torch refuses autograd in a forked
+    child (seen on an H100 in pytest). Elsewhere forkserver: children forked from a server process of one thread;
+    spawn where there is no forkserver (Windows)."""
+    if sys.platform == "linux" and not torch.cuda.is_available() and len(os.listdir("/proc/self/task")) == 1:
+        return "fork"
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _in_processes(pool: ProcessPoolExecutor, planner: Planner, cfgs: list, cluster: ClusterConfig,

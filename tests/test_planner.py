@@ -13,7 +13,12 @@ planner predicts from meta-device models equals what one training step of the re
 import csv
 import dataclasses
 import itertools
+import multiprocessing
+import os
 import random
+import sys
+import threading
+import warnings
 from unittest import mock
 
 import pytest
@@ -31,7 +36,7 @@ from megatron_mini.pipeline import partition_for
 from megatron_mini.plan_meta import META, Planner, _fused_on_meta
 from megatron_mini.rank import DTYPES
 from megatron_mini.planner import (GiB, ClusterConfig, Estimate, _link_gbps, estimate, layouts, model_bytes, plan,
-                                   step_breakdown)
+                                   start_method, step_breakdown)
 from megatron_mini.rng import RNGTracker
 from megatron_mini.schedules import simulate
 from megatron_mini.tensor_parallel import gemm_into_fp32
@@ -380,19 +385,45 @@ def one_process_plan(small_data, tmp_path_factory):
     return base, plan(base, workers=1)
 
 
-@pytest.mark.parametrize("gpu_visible", [False, True], ids=["fork", "spawn"])
-def test_workers_plan_what_one_process_plans(one_process_plan, monkeypatch, gpu_visible):
-    """Workers forked (CPU-only machines) or spawned (a GPU visible: torch refuses autograd in a child forked
-    after a backward there) plan bit for bit what one process plans (spawned workers hash strings with
-    another seed: no float sum may follow a set's order)."""
-    if not gpu_visible and torch.cuda.is_available():
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_workers_plan_what_one_process_plans(one_process_plan, monkeypatch, method):
+    """Workers forked, forked by a server or spawned plan bit for bit what one process plans (spawned workers
+    hash strings with another seed: no float sum may follow a set's order)."""
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} here")
+    if method == "fork" and torch.cuda.is_available():
         pytest.skip("plan() never forks where a GPU is visible (a backward here may have started autograd's threads)")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_visible)
+    monkeypatch.setattr("megatron_mini.planner.start_method", lambda: method)
     base, one = one_process_plan
-    two = plan(base, workers=2)
+    with warnings.catch_warnings():    # pytest-xdist's threads: Python 3.12+ warns of fork; plan() would not fork
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        two = plan(base, workers=2)
     assert len(one.estimates) >= 32                       # enough for plan() to use the two workers
     assert [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in one.estimates] == \
         [(e.layout_args(), e.dp, e.step_s, e.memory_gib) for e in two.estimates]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="plan() forks on Linux only")
+def test_plan_forks_only_a_process_of_one_thread(monkeypatch):
+    """A child forked from a process of several threads may hang on a lock another thread held: plan() forks its
+    workers only where the process has one thread (the OS's count) and no GPU is visible; else a fork server does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    alone = mock.patch("os.listdir", lambda path: ["1"] if path == "/proc/self/task" else [])
+    with alone:
+        assert start_method() == "fork"
+    threads = len(os.listdir("/proc/self/task"))
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait)
+    waiter.start()
+    try:
+        assert len(os.listdir("/proc/self/task")) == threads + 1 >= 2
+        assert start_method() == "forkserver"
+    finally:
+        release.set()
+        waiter.join()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with alone:
+        assert start_method() == "forkserver"
 
 
 # ----------------------------------------------------------------------------- BLOOM, the worked example

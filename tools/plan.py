@@ -25,6 +25,10 @@ import dataclasses
 import os
 import sys
 
+# the planner computes on the meta device, where torch's thread pool has nothing to do; without the pool the process
+# has one thread, so plan() forks its workers (planner.start_method; a process of several has them forked by a server)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
