@@ -375,10 +375,18 @@ def start_method() -> str:
     wait forever on a lock that another thread held at the fork, of which Python 3.12+ warns. Where a GPU is
     visible autograd's first backward starts a thread per device, after which torch refuses autograd in a forked
     child (seen on an H100 in pytest). Elsewhere forkserver: children forked from a server process of one thread;
-    spawn where there is no forkserver (Windows)."""
-    if sys.platform == "linux" and not torch.cuda.is_available() and len(os.listdir("/proc/self/task")) == 1:
+    spawn where there is no forkserver (Windows). A Linux without /proc (a bare chroot) cannot count: forkserver."""
+    if sys.platform == "linux" and not torch.cuda.is_available() and _os_threads() == 1:
         return "fork"
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _os_threads() -> int | None:
+    """The threads of this process as Linux counts them, None where /proc is not mounted."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _in_processes(pool: ProcessPoolExecutor, planner: Planner, cfgs: list, cluster: ClusterConfig,

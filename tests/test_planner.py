@@ -424,6 +424,12 @@ def test_plan_forks_only_a_process_of_one_thread(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with alone:
         assert start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_proc(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+    with mock.patch("os.listdir", no_proc):  # a chroot without /proc: the threads cannot be counted
+        assert start_method() == "forkserver"
 
 
 # ----------------------------------------------------------------------------- BLOOM, the worked example
