@@ -26,6 +26,10 @@ def quiet_interrupt(kind, value, tb) -> None:
 
 sys.excepthook = quiet_interrupt     # (first: the imports below take seconds too)
 
+from megatron_mini.launch import EarlyInterrupt   # (milliseconds: no torch)
+
+EarlyInterrupt.install()             # (a Ctrl-C that an import's callback swallows is raised again by train())
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 

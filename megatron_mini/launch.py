@@ -20,6 +20,9 @@
   step; then all of them save and exit. A second SIGINT interrupts at once. Its deadline (exit_after_minutes,
   a job's time limit less a margin) asks the same once it has passed. train() takes the signals once the ranks have
   met; until then SIGTERM, SIGINT and SIGHUP end a rank of a job at once (StopRequest.take).
+* `EarlyInterrupt`: SIGINT's handler from train.py's first line until train() takes the signal: Python's
+  KeyboardInterrupt, which a callback (a weakref's, a `__del__`) would swallow, remembered, and raised again by
+  train().
 * `stop_on_signals()`: outside training (tools/prepare_data.py), SIGTERM, SIGINT and SIGHUP raise `Stopped`, so
   that what the command was writing is taken away as it unwinds, not left on disk by SIGTERM's default action;
   `signals_held()` keeps them out of code that must not be cut in two.
@@ -283,10 +286,11 @@ class StopRequest:
     def take(self, signals: tuple = SIGNALS, handler=None) -> None:
         """From now on, `signals` are requests to stop, or call `handler` (SIG_DFL: end the process at once); close()
         gives each the handler it had before the first call. Only in the main thread (the only one where Python
-        takes signals)."""
+        takes signals). A Ctrl-C that came before and was lost (EarlyInterrupt) raises its KeyboardInterrupt here."""
         for signum in self.taken(signals):
             self.previous.setdefault(signum, signal.getsignal(signum))
             signal.signal(signum, self._handle if handler is None else handler)
+        EarlyInterrupt.raise_if_lost(self.previous.get(signal.SIGINT))
 
     def asked(self) -> str | None:
         """Why this rank asks the run to stop: the first signal's name, TIME_LIMIT once the deadline has passed,
@@ -311,6 +315,36 @@ class StopRequest:
         self.name = self.name or signal.Signals(signum).name
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class EarlyInterrupt:
+    """SIGINT's handler from a command's start (train.py's first lines) until train() takes the signal: it raises
+    KeyboardInterrupt, as Python's own handler does, and remembers that it came. Python cannot pass on an exception
+    raised in a callback (a weakref's, a `__del__`; the import system runs some as a module is imported): it prints
+    "Exception ignored in: ..." and goes on. So that Ctrl-C was lost: the command went on to train, and a rank of a
+    job, with torchrun forwarding the Ctrl-C to every rank, waited in the rendezvous for the ranks it had ended,
+    until torchrun's SIGKILL 30 s later. `raise_if_lost` (train(), StopRequest.take) raises it again."""
+
+    def __init__(self):
+        self.came = False
+
+    def __call__(self, signum, frame):
+        self.came = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """SIGINT's handler from now on, where it is Python's own (not where the process was started ignoring it:
+        nohup, a script's background job)."""
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, cls())
+
+    @staticmethod
+    def raise_if_lost(handler) -> None:
+        """KeyboardInterrupt where `handler` (SIGINT's, now or before) is an EarlyInterrupt that came: the process is
+        still here, so a callback swallowed it."""
+        if isinstance(handler, EarlyInterrupt) and handler.came:
+            raise KeyboardInterrupt
 
 
 STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)     # what stop_on_signals takes

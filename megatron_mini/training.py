@@ -37,7 +37,7 @@ from .config import ConfigError, RunError, TrainConfig, check_rampup_layout, val
 from .data import DataError
 from .dataset import (BlendedDataset, blend_note, check_token_ids, data_identity, first_sample, get_batch,
                       load_run_data, split_notes, trained_eval_notes)
-from .launch import STOPPING, RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
+from .launch import STOPPING, EarlyInterrupt, RunLock, StopRequest, Terminated, follow_parent, gpu_slot, launch_env
 from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_branch, step_line, strict_json
 from .profiling import StepProfiler
 from .memory_report import MemoryReport
@@ -695,15 +695,16 @@ def train(cfg: TrainConfig, datasets: tuple | None = None) -> dict:
     deadline = time.monotonic() + 60 * minutes if minutes else None
     rank, world_size, _, _ = launch_env()
     follow_parent()
+    EarlyInterrupt.raise_if_lost(signal.getsignal(signal.SIGINT))    # (a Ctrl-C that a callback swallowed: now)
     run = prepare_run(cfg, rank, world_size, datasets)
     # a stop signal is a request once the ranks have met (_train); until then it ends a rank of a job at once: a rank
     # that took it as a request waited in the rendezvous for the others it ended (a SIGINT's KeyboardInterrupt does
     # not interrupt that wait either), until torchrun's SIGKILL 30 s later (without torchrun: timeout_s)
     stop = StopRequest(deadline, take_signals=False)
     main_thread = threading.current_thread() is threading.main_thread()     # (only there can Python take signals)
-    if main_thread and world_size > 1:
-        stop.take(STOPPING, signal.SIG_DFL)
     try:
+        if main_thread and world_size > 1:
+            stop.take(STOPPING, signal.SIG_DFL)
         return _train(cfg, run, rank, world_size, stop, main_thread)
     except CommError:
         if stop.requested:              # the launcher is tearing the job down: the cause is elsewhere

@@ -17,6 +17,8 @@ read from environment variables, acting only in processes that torchrun started 
   HOOK_STOP_RANK=r                             rank r stops itself (SIGSTOP) as it starts, before it imports
                                                anything: the test decides what becomes of it
   HOOK_STOP_AT=module                          ... or as it first imports `module` (megatron_mini.training)
+  HOOK_LOSE_SIGINT_AT=module                   as it first imports `module`, a callback (a __del__) gets a
+                                               Ctrl-C, whose KeyboardInterrupt Python cannot pass on from there
   HOOK_RAISE_RANK=r, HOOK_RAISE_AT_CALL=n      rank r's F.layer_norm raises ZeroDivisionError at its n-th call:
                                                a bug that stops one rank mid-step
   HOOK_RAISE=KeyboardInterrupt                 ... or KeyboardInterrupt, as a second Ctrl-C raises it mid-step
@@ -79,6 +81,18 @@ if os.environ.get("RANK") is not None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             return _import(name, *args, **kwargs)
         builtins.__import__ = _stopping_import
+    if os.environ.get("HOOK_LOSE_SIGINT_AT"):
+        import builtins
+        _imports = builtins.__import__
+        class _Callback:
+            def __del__(self):
+                signal.raise_signal(signal.SIGINT)
+        def _losing_import(name, *args, **kwargs):
+            if name == os.environ["HOOK_LOSE_SIGINT_AT"]:
+                builtins.__import__ = _imports
+                _Callback()
+            return _imports(name, *args, **kwargs)
+        builtins.__import__ = _losing_import
     if os.environ.get("HOOK_DRIFT_RANK") == _rank:
         import torch.nn.functional as _F
         _layer_norm = _F.layer_norm

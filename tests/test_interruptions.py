@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -352,6 +353,43 @@ def test_each_stopping_signal_is_a_request_and_a_second_ctrl_c_interrupts():
             signal.signal(s, handler)
 
 
+def test_a_ctrl_c_that_a_callback_swallowed_is_raised_as_the_signals_are_taken(monkeypatch):
+    """Python passes on no exception raised in a callback (a weakref's, a __del__; the import system runs some as a
+    module is imported): it prints "Exception ignored" and goes on. A Ctrl-C whose KeyboardInterrupt Python's own
+    handler raised there was lost, and the command went on to train (a rank of a job then waited in the rendezvous
+    for the ranks that the Ctrl-C, forwarded by torchrun, had ended, until torchrun's SIGKILL 30 s later). With
+    EarlyInterrupt, SIGINT's handler from train.py's first lines, StopRequest.take raises it again."""
+    from megatron_mini.launch import STOPPING, EarlyInterrupt, StopRequest
+
+    class Callback:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    saved = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}
+    try:
+        for early in (False, True):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if early:
+                EarlyInterrupt.install()
+            Callback()                                    # (collected at once: the Ctrl-C comes in its __del__)
+            assert swallowed == [KeyboardInterrupt] * (1 + early), swallowed
+            before, stop = signal.getsignal(signal.SIGINT), StopRequest(take_signals=False)
+            try:
+                if early:
+                    with pytest.raises(KeyboardInterrupt):
+                        stop.take(STOPPING, signal.SIG_DFL)
+                else:                                     # Python's own handler: lost
+                    stop.take(STOPPING, signal.SIG_DFL)
+            finally:
+                stop.close()
+            assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def test_a_held_signal_stops_as_the_outermost_hold_ends():
     """stop_on_signals + signals_held: a signal within a hold (nested ones too) lets the held code finish and raises
     Stopped as the outermost hold ends, with this thread's signal mask as it was; an exception leaving a hold while
@@ -541,6 +579,19 @@ def test_ctrl_c_as_a_run_starts_ends_it_without_a_traceback(small_data, tmp_path
         os.kill(proc.pid, signal.SIGCONT)
         r = finish(proc, limit=20)
     assert r.rc == -signal.SIGINT and r.all == "", r
+    assert not run_dir.exists()
+
+
+def test_a_ctrl_c_lost_in_a_callback_as_a_run_starts_still_ends_it(small_data, tmp_path, hooks):
+    """Ctrl-C while a callback runs (the hook's __del__, as the command imports megatron_mini.training), where
+    Python cannot raise its KeyboardInterrupt: printed as "Exception ignored", it was lost, and the run trained to
+    its end. train() raises it again before it makes the run directory: the command ends by SIGINT, trained
+    nothing."""
+    from commandline import PYTHON
+    run_dir = tmp_path / "run"
+    r = finish(start([PYTHON, "train.py", *model_args(small_data, run_dir)],
+                     env(hooks, RANK=0, WORLD_SIZE=1, HOOK_LOSE_SIGINT_AT="megatron_mini.training")), limit=60)
+    assert r.rc == -signal.SIGINT and "Exception ignored" in r.err, r
     assert not run_dir.exists()
 
 
