@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import os
+import shutil
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -153,12 +154,36 @@ def cpu_compile_missing() -> str | None:
         named = " or ".join(f"`{c} --version`" + (" ($CXX)" if c == os.environ.get("CXX") else "") for c in tried)
         return (f"torch.compile builds C++ there (inductor) and finds no C++ compiler ({named} failed): install g++ "
                 f"(Debian/Ubuntu: apt install g++) or set CXX to one")
-    include = sysconfig.get_path("include")
-    if sys.platform == "linux" and not os.path.exists(os.path.join(include, "Python.h")):
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        return (f"torch.compile builds C++ there (inductor) that includes Python.h, which is not in {include}: "
-                f"install Python's headers (Debian/Ubuntu: apt install python{version}-dev)")
+    if sys.platform == "linux":
+        return python_headers_missing("torch.compile builds C++ there (inductor)", sysconfig.get_path("include"))
     return None
+
+
+def triton_build_missing() -> str | None:
+    """What Triton lacks on this machine to build the C it loads on CUDA (its driver's utilities, at the first
+    launch of any Triton kernel, torch.compile's included, and each kernel's launcher), found as
+    triton.runtime.build finds them: a C compiler ($CC as given, else gcc, else clang, on PATH) and Python.h (in
+    the include directory of sysconfig's default scheme; posix_prefix's for Debian's posix_local). None where
+    nothing is missing. Without them a run fails in its first step (a compiled one's after tracing it)."""
+    what = "Triton builds C there (its driver's utilities and each kernel's launcher)"
+    cc = os.environ.get("CC")
+    if cc is not None and not shutil.which(cc):
+        return f"{what} with $CC={cc}, which is not found: set CC to a C compiler, or unset it (gcc, else clang)"
+    if cc is None and not (shutil.which("gcc") or shutil.which("clang")):
+        return (f"{what} and finds no C compiler (no $CC, gcc or clang on PATH): install gcc (Debian/Ubuntu: apt "
+                f"install gcc) or set CC to one")
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme
+    return python_headers_missing(what, sysconfig.get_paths(scheme=scheme)["include"])
+
+
+def python_headers_missing(what: str, include: str) -> str | None:
+    """Why `what`, which compiles C or C++ that includes Python.h from `include`, fails where it is not there."""
+    if os.path.exists(os.path.join(include, "Python.h")):
+        return None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (f"{what} that includes Python.h, which is not in {include}: install Python's headers (Debian/Ubuntu: "
+            f"apt install python{version}-dev)")
 
 
 @dataclass

@@ -42,7 +42,7 @@ from .logger import RunLogger, Throughput, cut_metrics, format_duration, record_
 from .profiling import StepProfiler
 from .memory_report import MemoryReport
 from .mesh import ParallelMesh, choose_device, init_process_group, ranks_per_gpu
-from .model import compiles, cpu_compile_missing, select_triton_ops
+from .model import compiles, cpu_compile_missing, select_triton_ops, triton_build_missing
 from .pipeline import PipelineEngine
 from .rank import DTYPES, build_rank, reduce_loss, state_bytes_at_least
 from .optimizer import learning_rate, schedule_note, warmup_note
@@ -52,8 +52,10 @@ from .rng import RNGTracker
 def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     """This rank's device and the process-group backend (mesh.choose_device), set up as hardware.configure_device
     says: on CUDA, fp32 matmuls on TF32 tensor cores unless precision.tf32=false; on the CPU, freed tensors' memory
-    reused. Kernels the device cannot run, and compile=true on a CPU without the C++ compiler or the Python headers
-    that inductor builds with (model.cpu_compile_missing), are refused here, before any collective."""
+    reused. Kernels the device cannot run, compile=true on a CPU without the C++ compiler or the Python headers
+    that inductor builds with (model.cpu_compile_missing), and torch.compile or Triton kernels on CUDA without the C
+    compiler or the headers that Triton builds with (model.triton_build_missing) are refused here, before any
+    collective."""
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     device, backend = choose_device(cfg.device, cfg.dist_backend, *gpu_slot(), gpus)
     if cfg.kernels not in ("auto", "torch"):
@@ -67,13 +69,21 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if device.type == "cpu" and (why := interpreter_unsupported()):
             raise ConfigError(f"kernels={cfg.kernels}: {why}; or use kernels=torch.")
     m = cfg.model
-    if select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype, cfg.mbs).attention:
+    triton = select_triton_ops(cfg.kernels, m, device, cfg.tp, cfg.precision.dtype, cfg.mbs)
+    if triton.attention:
         why = attention_unsupported(m.hidden_size // m.num_heads, m.seq_len, m.dropout, cfg.mbs * m.num_heads // cfg.tp)
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
                               f"kernels=layer_norm or cross_entropy for the other Triton kernels).")
     if device.type == "cpu" and compiles(cfg, device) and (why := cpu_compile_missing()):
         raise ConfigError(f"compile=true on the CPU: {why}; or set compile=false.")
+    if device.type == "cuda":
+        ops, compiled = [op for op, on in dataclasses.asdict(triton).items() if on], compiles(cfg, device)
+        users = ["compile=true" if cfg.compile else "compile (unset: true on CUDA)"] * compiled + \
+            [f"kernels={cfg.kernels} (the Triton {', '.join(ops)})"] * bool(ops)
+        if users and (why := triton_build_missing()):
+            fixes = ["compile=false"] * compiled + ["kernels=torch"] * bool(ops)
+            raise ConfigError(f"{' and '.join(users)} on CUDA: {why}; or set {' and '.join(fixes)}.")
     configure_device(device, cfg.precision.tf32)
     return device, backend
 

@@ -5,8 +5,9 @@ Test hooks reach the rank processes through a `sitecustomize.py` (put on PYTHONP
 read from environment variables, acting only in processes that torchrun started (RANK is set), but the first:
   HOOK_UNRESOLVABLE_HOST=1                     in every process, torchrun's agent too: socket.getfqdn() is a
                                                name no resolver knows, as on a Mac whose name is in no DNS
-  HOOK_NO_PYTHON_HEADERS=1                     in every process: sysconfig's include directory is the hooks'
-                                               directory, which holds no Python.h (python3.X-dev not installed)
+  HOOK_NO_PYTHON_HEADERS=1                     in every process: sysconfig's include directory (get_path's and
+                                               get_paths') is the hooks' directory, which holds no Python.h
+                                               (python3.X-dev not installed)
   HOOK_SLOW_RANKS=rank0|others, HOOK_SLOW_S   start those ranks late (which rank fails first)
   HOOK_FSIZE_LIMIT=bytes                       no file may grow past this (RLIMIT_FSIZE): a full disk
   HOOK_CRASH_RANK=r, HOOK_CRASH_AT_FSYNC=n     rank r kills itself (SIGKILL) right after its n-th
@@ -49,8 +50,9 @@ if os.environ.get("HOOK_UNRESOLVABLE_HOST"):
     socket.getfqdn = lambda name="": "unresolvable.invalid"
 if os.environ.get("HOOK_NO_PYTHON_HEADERS"):
     import sysconfig
-    _get_path, _here = sysconfig.get_path, os.path.dirname(__file__)
+    _get_path, _get_paths, _here = sysconfig.get_path, sysconfig.get_paths, os.path.dirname(__file__)
     sysconfig.get_path = lambda name, *a, **k: _here if name == "include" else _get_path(name, *a, **k)
+    sysconfig.get_paths = lambda *a, **k: {**_get_paths(*a, **k), "include": _here}     # (Triton's build asks this)
 if os.environ.get("RANK") is not None:
     _rank = os.environ["RANK"]
     _slow = os.environ.get("HOOK_SLOW_RANKS")

@@ -4,7 +4,11 @@ peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
 import itertools
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,9 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ranks import spawn
-from harness import (assert_same_training, needs_glibc_2_35, new_block_faults, small_config,
+from harness import (assert_same_training, needs_glibc_2_35, needs_triton, new_block_faults, small_config,
                      train_on_a_fake_clock, train_on_ranks)
-from megatron_mini.config import ConfigError, ModelConfig
+from megatron_mini.config import ConfigError, ModelConfig, TrainConfig, WandbConfig
 from megatron_mini import hardware
 from megatron_mini.hardware import GPUS, gpu_key_of_name, math_dtype, peak_tflops, set_tf32
 from megatron_mini.launch import gpu_slot
@@ -381,3 +385,98 @@ def test_a_master_port_of_superscript_digits_is_refused_in_one_line(monkeypatch,
     _set_launcher_env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port})
     with pytest.raises(ConfigError, match="is not a TCP port"):
         launch_env()
+
+
+C_MODULE = """#include <Python.h>
+static struct PyModuleDef probe = {PyModuleDef_HEAD_INIT, "probe", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&probe); }
+"""
+
+
+def _triton_build(tmp_path) -> BaseException | None:
+    """What Triton's own build of a C module that includes Python.h (triton.runtime.build._build, which builds its
+    CUDA driver's utilities and each kernel's launcher; on any machine) raises; None where it builds."""
+    import inspect
+    from triton.runtime import build
+    if hasattr(build, "_find_compiler"):            # (triton >= 3.4 keeps the compiler it found)
+        build._find_compiler.cache_clear()
+    src = tmp_path / "probe.c"
+    src.write_text(C_MODULE)
+    lists = {k: [] for k in ("library_dirs", "include_dirs", "libraries", "ccflags")
+             if k in inspect.signature(build._build).parameters}
+    try:
+        build._build("probe", str(src), str(tmp_path), **lists)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        return e
+    return None
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["as-is", "no-compiler", "cc-not-found", "cc-on-path", "no-python-headers"])
+def test_what_triton_lacks_to_build_is_what_fails_its_own_build(case, tmp_path, monkeypatch):
+    """model.triton_build_missing, by which train.py refuses torch.compile and the Triton kernels on CUDA before
+    they fail at the first step, names what fails Triton's own build of a C module, and nothing where it builds:
+    no C compiler on PATH (no $CC, gcc or clang), a $CC that is not there, Python.h not in the include directory;
+    a $CC found on PATH builds."""
+    import sysconfig
+    from megatron_mini.model import triton_build_missing
+    compiler = shutil.which("gcc") or shutil.which("clang")
+    if case in ("as-is", "cc-on-path") and (compiler is None or triton_build_missing() is not None):
+        pytest.skip(f"this machine cannot build C for Triton: {triton_build_missing()}")
+    bin_dir, empty = tmp_path / "bin", tmp_path / "include"
+    bin_dir.mkdir()
+    empty.mkdir()
+    monkeypatch.delenv("CC", raising=False)
+    if case == "no-compiler":
+        monkeypatch.setenv("PATH", str(bin_dir))
+    elif case == "cc-not-found":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    elif case == "cc-on-path":
+        (bin_dir / "mycc").symlink_to(compiler)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")    # (gcc runs `as` from PATH)
+        monkeypatch.setenv("CC", "mycc")
+    elif case == "no-python-headers":
+        get_paths = sysconfig.get_paths
+        monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**get_paths(*a, **k), "include": str(empty)})
+    (tmp_path / "build").mkdir()
+    why, failed = triton_build_missing(), _triton_build(tmp_path / "build")
+    what = "Triton builds C there (its driver's utilities and each kernel's launcher)"
+    expected = {"no-compiler": (RuntimeError, f"{what} and finds no C compiler (no $CC, gcc or clang on PATH): "
+                                              "install gcc (Debian/Ubuntu: apt install gcc) or set CC to one"),
+                "cc-not-found": (FileNotFoundError, f"{what} with $CC=/nonexistent/cc, which is not found: set CC to "
+                                                    "a C compiler, or unset it (gcc, else clang)"),
+                "no-python-headers": (subprocess.CalledProcessError, f"{what} that includes Python.h, which is not "
+                                      f"in {empty}: install Python's headers (Debian/Ubuntu: apt install python"
+                                      f"{sys.version_info.major}.{sys.version_info.minor}-dev)")}
+    if case in expected:
+        assert isinstance(failed, expected[case][0]) and why == expected[case][1], (repr(failed), why)
+    else:
+        assert failed is None and why is None, (repr(failed), why)
+
+
+@pytest.mark.parametrize("compile_, kernels, refused", [
+    (True, "torch", "compile=true on CUDA: {why}; or set compile=false."),
+    (None, "torch", "compile (unset: true on CUDA) on CUDA: {why}; or set compile=false."),
+    (False, "layer_norm", "kernels=layer_norm (the Triton layer_norm) on CUDA: {why}; or set kernels=torch."),
+    (True, "triton", "compile=true and kernels=triton (the Triton layer_norm, attention, cross_entropy) on CUDA: "
+                     "{why}; or set compile=false and kernels=torch."),
+    (False, "torch", None)])
+def test_cuda_runs_that_need_triton_are_refused_where_it_cannot_build(compile_, kernels, refused, monkeypatch):
+    """training.setup_device on a CUDA device (mocked) refuses, before any collective, a run whose torch.compile or
+    Triton kernels need Triton's C build where it cannot build (model.triton_build_missing: here $CC is not there),
+    saying which of the two needs it and how to do without; an eager run of torch's ops needs no build."""
+    from megatron_mini import training
+    from megatron_mini.model import triton_build_missing
+    monkeypatch.setattr(training, "choose_device", lambda *a: (torch.device("cuda", 0), "nccl"))
+    monkeypatch.setattr(training, "configure_device", lambda *a: None)
+    monkeypatch.setattr(training, "triton_installed", lambda: True)         # (kernels=layer_norm's first check)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    why = triton_build_missing()
+    assert why and "$CC=/nonexistent/cc" in why
+    cfg = TrainConfig(device="cuda", compile=compile_, kernels=kernels, wandb=WandbConfig(mode="disabled"))
+    if refused is None:
+        assert training.setup_device(cfg) == (torch.device("cuda", 0), "nccl")
+    else:
+        with pytest.raises(ConfigError) as e:
+            training.setup_device(cfg)
+        assert str(e.value) == refused.format(why=why)

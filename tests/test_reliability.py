@@ -242,6 +242,14 @@ def _refusal_cases(data, trained, tmp: Path, hooks: Path) -> list:
                   if i == "attention-head-dim" else facts, *rest) for i, n, args, facts, *rest in cases]
     if not torch.cuda.is_available():
         cases.append(("cuda-without-gpu", 1, ["device=cuda"], ["device=cuda, but torch sees no CUDA GPU"]))
+    elif HAS_TRITON and sys.platform == "linux":    # (what Triton builds with on CUDA: model.triton_build_missing)
+        built = "Triton builds C there (its driver's utilities and each kernel's launcher)"
+        cases += [("cuda-compile-without-cc", 1, ["device=cuda", "compile=true"],
+                   [f"compile=true on CUDA: {built} with $CC=/nonexistent/cc, which is not found"],
+                   env(CC="/nonexistent/cc")),
+                  ("cuda-kernels-without-python-headers", 1, ["device=cuda", "kernels=layer_norm"],
+                   [f"kernels=layer_norm (the Triton layer_norm) on CUDA: {built} that includes Python.h, which is "
+                    f"not in {hooks}"], env(hooks, HOOK_NO_PYTHON_HEADERS=1))]
     return [(i, n, args, facts, (rest[0] if rest else plain)) for i, n, args, facts, *rest in cases]
 
 
@@ -276,7 +284,9 @@ REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo"
                "never-over-checkpoints", "resume-blank", "run-name-parent", "seed-negative", "timeout-huge",
                "interpolation", "multirun", "profile-past-steps", "profile-rank-outside",
                "rank-not-an-integer", "rank-outside-the-world", "world-of-none", "compile-without-cxx",
-               "compile-without-python-headers", "cuda-without-gpu"]
+               "compile-without-python-headers", "cuda-without-gpu", "cuda-compile-without-cc",
+               "cuda-kernels-without-python-headers"]
+ON_A_GPU = {"cuda-compile-without-cc", "cuda-kernels-without-python-headers"}    # (with triton, on Linux)
 
 
 # one-rank refusals that run under torchrun: one of each kind (the multi-rank ones always do)
@@ -287,7 +297,7 @@ UNDER_TORCHRUN = {"appended-key", "no-layers", "unwritable-run-dir", "token-ids"
 def test_refusal(refusals, case):
     if case not in refusals:
         pytest.skip("not refused on this machine (cuda-without-gpu: it has a GPU; compile-without-python-headers: "
-                    "not Linux)")
+                    "not Linux; cuda-*: no GPU, triton or Linux)")
     result, facts, launcher = refusals[case]
     assert_one_error(result, facts, launcher)
 
@@ -429,7 +439,8 @@ def test_refusal_ids_cover_every_case(small_data, trained, tmp_path, hooks):
     assert UNDER_TORCHRUN <= set(REFUSAL_IDS)
     assert [c[0] for c in _refusal_cases(small_data, trained, tmp_path, hooks)] == \
         [i for i in REFUSAL_IDS if (i != "cuda-without-gpu" or not torch.cuda.is_available()) and
-         (i != "compile-without-python-headers" or sys.platform == "linux")]
+         (i != "compile-without-python-headers" or sys.platform == "linux") and
+         (i not in ON_A_GPU or torch.cuda.is_available() and HAS_TRITON and sys.platform == "linux")]
 
 
 def test_a_locked_run_dir_is_refused(small_data, tmp_path):
