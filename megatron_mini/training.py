@@ -75,15 +75,17 @@ def setup_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         if why:
             raise ConfigError(f"kernels={cfg.kernels}: the Triton attention {why}; use kernels=torch (or "
                               f"kernels=layer_norm or cross_entropy for the other Triton kernels).")
-    if device.type == "cpu" and compiles(cfg, device) and (why := cpu_compile_missing()):
+    compiled = compiles(cfg, device)
+    if device.type == "cpu" and compiled and (why := cpu_compile_missing()):
         raise ConfigError(f"compile=true on the CPU: {why}; or set compile=false.")
     if device.type == "cuda":
-        ops, compiled = [op for op, on in dataclasses.asdict(triton).items() if on], compiles(cfg, device)
-        users = ["compile=true" if cfg.compile else "compile (unset: true on CUDA)"] * compiled + \
-            [f"kernels={cfg.kernels} (the Triton {', '.join(ops)})"] * bool(ops)
-        if users and (why := triton_build_missing()):
-            fixes = ["compile=false"] * compiled + ["kernels=torch"] * bool(ops)
-            raise ConfigError(f"{' and '.join(users)} on CUDA: {why}; or set {' and '.join(fixes)}.")
+        needs = {}          # what needs Triton's C build: the setting that does without it
+        if compiled:
+            needs["compile=true" if cfg.compile else "compile (unset: true on CUDA)"] = "compile=false"
+        if ops := [op for op, on in dataclasses.asdict(triton).items() if on]:
+            needs[f"kernels={cfg.kernels} (the Triton {', '.join(ops)})"] = "kernels=torch"
+        if needs and (why := triton_build_missing()):
+            raise ConfigError(f"{' and '.join(needs)} on CUDA: {why}; or set {' and '.join(needs.values())}.")
     configure_device(device, cfg.precision.tf32)
     return device, backend
 

@@ -2,6 +2,7 @@
 (with any number of GPUs, mocked on CPU), the model-FLOPs formula against torch's FLOP counter, the MFU
 peak table, and, on a machine with a GPU, several ranks sharing it over gloo."""
 import dataclasses
+import inspect
 import itertools
 import json
 import os
@@ -396,7 +397,6 @@ PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&probe); }
 def _triton_build(tmp_path) -> BaseException | None:
     """What Triton's own build of a C module that includes Python.h (triton.runtime.build._build, which builds its
     CUDA driver's utilities and each kernel's launcher; on any machine) raises; None where it builds."""
-    import inspect
     from triton.runtime import build
     if hasattr(build, "_find_compiler"):            # (triton >= 3.4 keeps the compiler it found)
         build._find_compiler.cache_clear()
