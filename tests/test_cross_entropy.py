@@ -122,9 +122,13 @@ def test_each_gpu_config(monkeypatch, config):
 
 @pytest.mark.parametrize("n_cols", [1, 100, 1024, 8192, 50304, 262144])
 def test_gpu_configs_fit_every_width(n_cols):
-    """Every width gets candidates within the per-thread bounds, none much wider than the row."""
+    """Every width gets candidates within the per-thread bounds, none much wider than the row, for each kernel:
+    the gradient's are all that fit, the stats' all but STATS_SPILLING."""
     fit = ce.fitting_configs(ce.CONFIGS, n_cols)
-    assert fit
-    for c in fit:
-        assert ce.PER_THREAD[0] <= c.kwargs["BLOCK_V"] // (32 * c.num_warps) <= ce.PER_THREAD[1]
-        assert c.kwargs["BLOCK_V"] <= max(1024, 2 * n_cols)
+    for kernel, spilling in (("stats", ce.STATS_SPILLING), ("grad", set())):
+        kept = ce.candidates(kernel, n_cols)
+        assert kept
+        for c in kept:
+            assert ce.PER_THREAD[0] <= c.kwargs["BLOCK_V"] // (32 * c.num_warps) <= ce.PER_THREAD[1]
+            assert c.kwargs["BLOCK_V"] <= max(1024, 2 * n_cols)
+        assert [c for c in fit if (c.kwargs["BLOCK_V"], c.num_warps) not in spilling] == kept

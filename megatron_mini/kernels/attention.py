@@ -70,15 +70,19 @@ INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 1
 DELTA_BLOCK_M = 64        # rows per program of the backward's delta pre-pass
 
 
-def _register_bound(d: int, cc: int, dropout_p: float) -> int:
+def _register_bound(kind: str, d: int, cc: int, dropout_p: float, dtype: torch.dtype) -> int:
     """How many times a table's streamed block halves: once for each register load the tables (sized on an H100
     at head dims 64 and 128) do not hold, with which their launches spill (tools/check_kernels.py, --arch sm80):
     - a head dim that is not a multiple of 16: Triton cannot prove its rows 16-byte aligned, so tiles load element
       by element into registers, with no async copy into shared memory;
     - a GPU before Hopper: mma.sync holds both operands in registers, where wgmma reads them from shared memory;
-    - there, dropout's Philox draws (DROPOUT_CONFIGS make room for them beside wgmma's operands only)."""
+    - there, dropout's Philox draws (DROPOUT_CONFIGS make room for them beside wgmma's operands only), and so in
+      fp32's dk/dv on any GPU (IEEE dots on the CUDA cores): at d = 32 with dropout it spilled 8 B on sm_90 under
+      Triton 3.7 and 3.8 (torch 2.12's and 2.14's) at 32 queries a block, not at 16 (fp32's forward, so halved,
+      spilled 16 B under 3.6 at 16 keys a block, and neither it nor dq spills at 32)."""
     before_hopper = cc < HOPPER
-    return (d % 16 != 0) + before_hopper + (before_hopper and dropout_p > 0)
+    in_registers = before_hopper or (dtype == torch.float32 and kind == "dkdv")
+    return (d % 16 != 0) + before_hopper + (dropout_p > 0 and in_registers)
 
 
 def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int) -> tuple:
@@ -95,7 +99,7 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
     else:
         table = (DROPOUT_CONFIGS if dropout_p > 0 else GPU_CONFIGS)[kind]
     block_m, block_n, warps, stages = table[min(k for k in table if k >= d)]
-    halve = _register_bound(d, cc, dropout_p)
+    halve = _register_bound(kind, d, cc, dropout_p, dtype)
     if kind == "dkdv":
         block_m = max(16, block_m >> halve)
     else:

@@ -137,15 +137,10 @@ LN_WIDTHS = (128, 256, 512, 640, 768, 1024, 1600, 2048, 2560, 4096, 5120, 8192, 
 H100_SMS = 132
 
 
-def _candidates(backward: bool, block_n: int, cc: int) -> list:
-    """The configs an autotuned LayerNorm kernel times at rows of block_n on a GPU of compute capability cc."""
-    return LN.fitting_configs(LN.CONFIGS, block_n, *LN.budget(backward, block_n, cc))
-
-
 def layernorm_launches(widths=LN_WIDTHS, dtypes=("bf16", "fp16", "fp32"),
                        rows: int = 16384, sms: int = H100_SMS, cc: int = HOPPER) -> list[Launch]:
     """LayerNorm and add+LayerNorm, forward and backward, at each row width: every autotune candidate
-    that survives `fitting_configs` (fused kernels), or the looped kernels past MAX_FUSED_N."""
+    that `LN.candidates` keeps (fused kernels), or the looped kernels past MAX_FUSED_N."""
     out = []
     f32 = _ptr(torch.float32)
     for n in widths:
@@ -159,7 +154,7 @@ def layernorm_launches(widths=LN_WIDTHS, dtypes=("bf16", "fp16", "fp32"),
                     out.append(Launch("ln fwd", case, LN._fwd_looped, fwd + (n, 1e-5),
                                       dict(HAS_RESIDUAL=res, BLOCK_N=LN.LOOP_BLOCK_N, num_warps=LN.LOOP_WARPS)))
                 else:
-                    for c in _candidates(False, block_n, cc):
+                    for c in LN.candidates(False, block_n, cc):
                         out.append(Launch("ln fwd", case, LN._fwd.fn, fwd + (rows, n, 1e-5),
                                           dict(HAS_RESIDUAL=res, BLOCK_N=block_n, **c.all_kwargs())))
                 bwd = (x, x, x, x, x, f32, f32, f32, n, n, n, n)
@@ -173,7 +168,7 @@ def layernorm_launches(widths=LN_WIDTHS, dtypes=("bf16", "fp16", "fp32"),
                                       (x, x, x, x, x, f32, f32, f32, f32, f32, n, n, n, n, rows, n,
                                        cdiv(rows, groups)), dict(HAS_DRES=res, **loop)))
                 else:
-                    for c in _candidates(True, block_n, cc):
+                    for c in LN.candidates(True, block_n, cc):
                         out.append(Launch("ln bwd", case, LN._bwd.fn, bwd + (rows, n),
                                           dict(HAS_DRES=res, BLOCK_N=block_n, **c.all_kwargs())))
     return out
@@ -221,7 +216,7 @@ def cross_entropy_launches(widths=((8192, 8192), (50304, 50257)), dtypes=("bf16"
                            smoothing=(False, True), rows: int = 16384) -> list[Launch]:
     """The cross-entropy's stats and gradient kernels at each (padded width, real classes) of logits
     [16384, V] (50257 is GPT-2's vocabulary, which Triton specialises unlike a multiple of 16): every
-    autotune candidate `fitting_configs` keeps."""
+    autotune candidate `CE.candidates` keeps."""
     out = []
     f32, i64 = _ptr(torch.float32), _ptr(torch.int64)
     for n, real in widths:
@@ -229,11 +224,13 @@ def cross_entropy_launches(widths=((8192, 8192), (50304, 50257)), dtypes=("bf16"
             x = _ptr(_DTYPES[name])
             for smooth in smoothing:
                 case = f"V={real}/{n} {name}{' smoothing' if smooth else ''}"
-                for c in CE.fitting_configs(CE.CONFIGS, n):
-                    meta = dict(SMOOTHING=smooth, **c.all_kwargs())
-                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, real), meta))
+                for c in CE.candidates("stats", n):
+                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, real),
+                                      dict(SMOOTHING=smooth, **c.all_kwargs())))
+                for c in CE.candidates("grad", n):
                     out.append(Launch("ce grad", case, CE._grad.fn,
-                                      (x, i64, f32, f32, x, n, n, rows, n, real, 0.9, 0.1 / real), meta))
+                                      (x, i64, f32, f32, x, n, n, rows, n, real, 0.9, 0.1 / real),
+                                      dict(SMOOTHING=smooth, **c.all_kwargs())))
     return out
 
 

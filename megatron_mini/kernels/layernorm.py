@@ -48,7 +48,7 @@ _INTERPRET = interpreting()
 
 
 # ----------------------------------------------------------------------------------- configs
-# autotune candidates (BLOCK_M rows per tile, num_warps), pruned per row width by fitting_configs
+# autotune candidates (BLOCK_M rows per tile, num_warps), pruned per row width by candidates
 CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
            for w in (4, 8, 16, 32)]
 FWD_TILE, BWD_TILE = (4096, 8192), (2048, 8192)     # elements per tile (BLOCK_M x BLOCK_N)
@@ -61,6 +61,10 @@ FWD_REGS, BWD_REGS = (24, 2.5), (40, 11)
 # backward of rows at most NARROW_BWD_N wide (16 spill on sm_90: 8 rows of 256 in 4 warps, with a residual), 16 in
 # the forward before Hopper (ptxas for sm_80 holds 32 in 64 registers, 4 rows in 4 or 8 warps, and spills)
 NARROW_BWD_N, NARROW_BWD_PER_THREAD, PRE_HOPPER_FWD_PER_THREAD = 256, 8, 16
+# forward candidates within that model that ptxas holds to fewer registers than the block may have (one more block
+# an SM) and spills 4 B a thread (tools/check_kernels.py, sm_90, Triton 3.8: torch 2.14's; not 3.6, 3.7 or 3.9),
+# (BLOCK_M, BLOCK_N, warps): each tile keeps its candidates in other warps
+FWD_SPILLING = {(32, 128, 8), (2, 4096, 32), (1, 8192, 16)}
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
 # the wrappers take their GPU path; otherwise _launch picks BLOCK_M there)
 INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 2}, num_warps=4)]
@@ -94,13 +98,21 @@ def budget(backward: bool, block_n: int, cc: int = HOPPER) -> tuple:
     return FWD_TILE, (FWD_PER_THREAD[0], most), FWD_REGS
 
 
+def candidates(backward: bool, block_n: int, cc: int = HOPPER, configs=CONFIGS) -> list:
+    """The configs the forward's or the backward's autotuner times at rows of block_n on a GPU of compute capability
+    cc: those of `configs` that fitting_configs keeps within the budget, less the forward's FWD_SPILLING."""
+    if not backward:
+        configs = [c for c in configs if (c.kwargs["BLOCK_M"], block_n, c.num_warps) not in FWD_SPILLING]
+    return fitting_configs(configs, block_n, *budget(backward, block_n, cc))
+
+
 def _autotune(key, backward: bool):
-    """kernels.autotune (timings cached on disk where triton can) over the CONFIGS that fit the row width, BLOCK_N,
+    """kernels.autotune (timings cached on disk where triton can) over the candidates at the row width, BLOCK_N,
     on the GPU of the rows X; under the interpreter its one config (a single config is neither pruned nor timed)."""
     def prune(configs, named_args, **kwargs):
         x = named_args["X"]
         cc = compute_capability(x.device) if x.is_cuda else HOPPER    # (tests that take the GPU path on a CPU)
-        return fitting_configs(configs, kwargs["BLOCK_N"], *budget(backward, kwargs["BLOCK_N"], cc))
+        return candidates(backward, kwargs["BLOCK_N"], cc, configs)
 
     return autotune(INTERPRET_CONFIGS if _INTERPRET else CONFIGS, key, prune)
 
