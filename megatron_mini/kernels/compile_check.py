@@ -224,13 +224,11 @@ def cross_entropy_launches(widths=((8192, 8192), (50304, 50257)), dtypes=("bf16"
             x = _ptr(_DTYPES[name])
             for smooth in smoothing:
                 case = f"V={real}/{n} {name}{' smoothing' if smooth else ''}"
-                for c in CE.candidates("stats", n):
-                    out.append(Launch("ce stats", case, CE._stats.fn, (x, i64, f32, n, rows, n, real),
-                                      dict(SMOOTHING=smooth, **c.all_kwargs())))
-                for c in CE.candidates("grad", n):
-                    out.append(Launch("ce grad", case, CE._grad.fn,
-                                      (x, i64, f32, f32, x, n, n, rows, n, real, 0.9, 0.1 / real),
-                                      dict(SMOOTHING=smooth, **c.all_kwargs())))
+                for kernel, fn, args in (("stats", CE._stats.fn, (x, i64, f32, n, rows, n, real)),
+                                         ("grad", CE._grad.fn, (x, i64, f32, f32, x, n, n, rows, n, real, 0.9,
+                                                                0.1 / real))):
+                    for c in CE.candidates(kernel, n):
+                        out.append(Launch(f"ce {kernel}", case, fn, args, dict(SMOOTHING=smooth, **c.all_kwargs())))
     return out
 
 
