@@ -327,8 +327,8 @@ def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compi
         first.setdefault(_binary(item), item)
     unique = list(first.values())
     from triton.runtime import driver
-    previous = driver._active
-    driver.set_active(_TargetDriver(arch.cc))
+    previous = dict(vars(driver))       # (its fields as they were: reading `active` can make the CUDA driver, which
+    driver.set_active(_TargetDriver(arch.cc))   # needs a GPU; their names differ between Tritons)
     try:
         if workers > 1:
             import multiprocessing
@@ -338,7 +338,7 @@ def compile_all(items: list[Launch], arch: Arch, workers: int = 1) -> list[Compi
         else:
             raw = [_compile(item) for item in unique]
     finally:
-        driver._active = previous
+        vars(driver).update(previous)
     done = {_binary(item): r for item, r in zip(unique, raw)}
     return [Compiled(item, *(done[key] if first[key] is item else (0.0,) + done[key][1:]))
             for item, key in ((item, _binary(item)) for item in items)]
