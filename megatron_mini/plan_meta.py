@@ -76,10 +76,11 @@ def _fused_dropout_on_meta(input, p=0.5, training=True, inplace=False):
 
 
 def _gemm_into_fp32_on_meta(out, a, b):
-    """A GPU's one GEMM of 16-bit a, b into fp32 `out` (tensor_parallel's "addmm" way), on meta: written into
-    `out`, it allocates nothing, as the GPU's does. mm writes the product where addmm would add it: on meta no
-    value differs. (torch 2.11's meta addmm with out_dtype raises: its decomposition takes out_dtype for beta.)"""
-    torch.mm(a, b, out_dtype=out.dtype, out=out)
+    """A GPU's one GEMM of 16-bit a, b into fp32 `out` (tensor_parallel's "addmm" way), on meta: it allocates
+    nothing, as the GPU's does, and a meta tensor has no values to write, so nothing runs. (Its FLOPs are
+    ModelConfig.layer_flops_per_token's, not counted here. No meta op stands in for it on every supported torch:
+    mm takes out_dtype on meta from 2.10, and addmm with out_dtype raises on 2.11's, its decomposition taking
+    out_dtype for beta.)"""
 
 
 @dataclass
