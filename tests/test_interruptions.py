@@ -16,11 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from commandline import assert_one_error, env, finish, model_args, running, start, torchrun_argv, torchrun_train
 from harness import make_trainer, small_config
 from megatron_mini.checkpoint import load_model_tensors
 from ranks import spawn
+
+# torchrun's report lists the ranks it stopped, with their exit codes, since pytorch#160908 (2025-09); before (torch
+# 2.8) it names the first failure only, and a stopped rank's end shows nowhere
+TORCHRUN_LISTS_STOPPED_RANKS = hasattr(SubprocessContext, "_capture_process_failures")
 
 
 def test_a_failed_save_keeps_the_last_good_checkpoint(small_data, tmp_path, hooks):
@@ -520,7 +525,8 @@ def test_a_stalled_rank_ends_the_job(small_data, tmp_path):
     assert time.monotonic() - stopped < timeout_s + 20, r
     assert_one_error(r, ["rank 0: ", "group (ranks [0, 1]) failed"], "torchrun",
                      code=1, quick=False)
-    assert re.search(r"exitcode\s*: 143 ", r.err), r           # (rank 1: Terminated, not killed)
+    if TORCHRUN_LISTS_STOPPED_RANKS:
+        assert re.search(r"exitcode\s*: 143 ", r.err), r       # (rank 1: Terminated, not killed)
 
 
 def test_a_bug_on_one_rank_is_the_root_cause_with_its_traceback(small_data, tmp_path, hooks):
@@ -536,7 +542,8 @@ def test_a_bug_on_one_rank_is_the_root_cause_with_its_traceback(small_data, tmp_
     assert r.rc == 1 and "error: " not in r.all, r
     assert re.search(r'File "[^"]*megatron_mini/model\.py", line \d+, in forward\n(.*\n)*' + re.escape(bug), own), r
     assert re.search(r"rank\s*: 1 ", report) and bug in report and "megatron_mini/model.py" in report, r
-    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: -15 ", own), r    # (rank 0: stopped by torchrun)
+    if TORCHRUN_LISTS_STOPPED_RANKS:                                                     # (rank 0: stopped by torchrun)
+        assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: -15 ", own), r
 
 
 @pytest.mark.parametrize("end", ["SIGKILL to rank 1", "SIGINT to torchrun"])
