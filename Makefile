@@ -12,7 +12,7 @@ ARGS    ?=
 TEST_WORKERS ?= 2
 # A GPU machine gets the default (CUDA) torch build; a CPU-only machine gets the CPU build
 # (pip resolves torch==2.13.0 to the local +cpu wheel where one is provided).
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.11' || echo 'torch==2.13.0')
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.9' || echo 'torch==2.13.0')
 RUN_ENV := OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 # torchrun on this machine alone: the ranks meet at 127.0.0.1, not at this machine's name (socket.getfqdn()), which
 # a Mac whose name is in no DNS cannot resolve (torchrun's agent then retried that name for minutes before starting
