@@ -23,8 +23,8 @@ from harness import make_trainer, small_config
 from megatron_mini.checkpoint import load_model_tensors
 from ranks import spawn
 
-# torchrun's report lists the ranks it stopped, with their exit codes, since pytorch#160908 (2025-09); before (torch
-# 2.8) it names the first failure only, and a stopped rank's end shows nowhere
+# torchrun's report lists the ranks it stopped, with their exit codes, from torch 2.10 (pytorch#160908); before (2.9
+# and 2.8) it names the first failure only, and a stopped rank's end shows nowhere
 TORCHRUN_LISTS_STOPPED_RANKS = hasattr(SubprocessContext, "_capture_process_failures")
 
 
