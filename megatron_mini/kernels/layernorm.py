@@ -62,7 +62,7 @@ FWD_REGS, BWD_REGS = (24, 2.5), (40, 11)
 # the forward before Hopper (ptxas for sm_80 holds 32 in 64 registers, 4 rows in 4 or 8 warps, and spills)
 NARROW_BWD_N, NARROW_BWD_PER_THREAD, PRE_HOPPER_FWD_PER_THREAD = 256, 8, 16
 # forward candidates within that model that ptxas holds to fewer registers than the block may have (one more block
-# an SM) and spills 4 B a thread (tools/check_kernels.py, sm_90, Triton 3.8: torch 2.14's; not 3.6, 3.7 or 3.9),
+# an SM) and spills 8 B a thread (tools/check_kernels.py, sm_90, Triton 3.8: torch 2.14's; not 3.6, 3.7 or 3.9),
 # (BLOCK_M, BLOCK_N, warps): each tile keeps its candidates in other warps
 FWD_SPILLING = {(32, 128, 8), (2, 4096, 32), (1, 8192, 16)}
 # the autotuners' one config under the interpreter, which cannot time several (reached only when tests make
