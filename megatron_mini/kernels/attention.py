@@ -70,6 +70,11 @@ INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 1
 DELTA_BLOCK_M = 64        # rows per program of the backward's delta pre-pass
 
 
+def _block_d(d: int) -> int:
+    """The kernels' head-dim tile: d rounded up to a power of 2, 16 at least (a dot's least); masked past d."""
+    return max(16, next_power_of_2(d))
+
+
 def _register_bound(kind: str, d: int, cc: int, dropout_p: float, dtype: torch.dtype) -> int:
     """How many times a table's streamed block halves: once for each register load the tables (sized on an H100
     at head dims 64 and 128) do not hold, with which their launches spill (tools/check_kernels.py, --arch sm80):
@@ -91,9 +96,12 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
     dq: keys, BLOCK_N; dk/dv: queries, BLOCK_M) halved _register_bound times, to 16 at least (a dot's least).
     fp32 with dropout before Hopper takes 2 stages at least: FP32_CONFIGS has no dropout variant, its streamed block
     is at 16 there already, and with 1 stage each streamed tile goes from global memory through registers into
-    shared memory, where 2 copy it asynchronously (cp.async), leaving those registers to the Philox draws. So does
-    the fp32 dq at a head dim not a multiple of 16: with 1 stage Triton 3.6's ptxas holds it to 128 registers (two
-    blocks an SM) and spills 8 B on sm_90; with 2, 87-128 registers and no spill on sm_80 and sm_90 (3.6 and 3.9)."""
+    shared memory, where 2 copy it asynchronously (cp.async), leaving those registers to the Philox draws. So do
+    fp32's forward at a head dim not a multiple of 16 and its dq at one narrower than its tile (_block_d): with 1
+    stage ptxas holds them to 128 registers (two blocks an SM) and spills 8 to 32 B on sm_90 (dq at a head dim not a
+    multiple of 16 under Triton 3.6; fwd at 40 and 56, dq at 48 under 3.5, torch 2.9's); with 2, no fp32 attention
+    launch spills on sm_80 or sm_90 under 3.6 to 3.9, nor on sm_90 under 3.5 (the forward at 80 to 112 stays at 1:
+    with 2 it spills 8 B on sm_80 under 3.9)."""
     if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
@@ -104,7 +112,8 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
         block_m = max(16, block_m >> halve)
     else:
         block_n = max(16, block_n >> halve)
-    if dtype == torch.float32 and (dropout_p > 0 and cc < HOPPER or kind == "dq" and d % 16 != 0):
+    one_stage_spills = {"fwd": d % 16 != 0, "dq": d != _block_d(d), "dkdv": False}[kind]
+    if dtype == torch.float32 and (dropout_p > 0 and cc < HOPPER or one_stage_spills):
         stages = max(stages, 2)
     return block_m, block_n, warps, stages
 
@@ -154,7 +163,7 @@ def _check(q, k, v, dropout_p):
 
 def _meta(q, causal, dropout_p):
     d = q.shape[-1]
-    return dict(CAUSAL=causal, DROPOUT=dropout_p > 0, HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)),
+    return dict(CAUSAL=causal, DROPOUT=dropout_p > 0, HEAD_DIM=d, BLOCK_D=_block_d(d),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=_INTERPRET and q.dtype != torch.float32)
 

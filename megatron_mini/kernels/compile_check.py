@@ -208,7 +208,7 @@ def attention_launches(shapes=ATTENTION_SHAPES,
                                       (t, t, t, t, t, f32, f32, seed, *qkv, *qkv, *qkv, *o, *qkv, h, s, *scales),
                                       cfg("dq")))
             out.append(Launch("attn delta", f"{b},{h},{s},{d} {name}", AK._bwd_delta, (t, t, f32, *o, *o, h, s),
-                              dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=A._delta_block_m(d))))
+                              dict(HEAD_DIM=d, BLOCK_D=A._block_d(d), BLOCK_M=A._delta_block_m(d))))
     return out
 
 
