@@ -93,7 +93,8 @@ sm90 = (attention("attn fwd", 40, "bf16", False, True) + attention("attn dkdv", 
         + attention("attn dkdv", 80, "bf16", False, False) + attention("attn dkdv", 80, "bf16", True, True)
         + attention("attn dq", 40, "fp32", False, False))
 sm80 = (attention("attn dq", 128, "bf16", True, False, cc=80) + attention("attn dq", 32, "fp32", False, True, cc=80)
-        + layernorm("ln fwd", 1024, cc=80, residual=False))
+        + layernorm("ln fwd", 1024, cc=80, residual=False) + attention("attn dkdv", 32, "bf16", True, False, cc=80)
+        + attention("attn fwd", 48, "fp16", False, False, cc=80))
 # (group, launch) per architecture: one compile_all, one pool of workers, each
 launches = {"sm90": [("probes", l) for l in (spilling, fitting, big, ragged)] + [("sm90", l) for l in sm90],
             "sm80": [("sm80", l) for l in sm80]}
@@ -152,14 +153,15 @@ def test_launches_the_tables_did_not_hold_compile_without_spills(compiled):
     NARROW_BWD_N); under Triton 3.6 (the GPU machine's; 3.9 does not spill there), dk/dv at d = 80 in the d = 128
     rows (8 B, with dropout when causal: now the 112 rows) and the fp32 dq at d = 40 with 1 stage (8 B: now 2); on
     an A100 (sm_80, mma.sync) dq at d = 128 (64-96 B at the H100's (128, 64)), the fp32 dq at d = 32 with dropout
-    (8 B at 64 registers with 1 stage: 2 with dropout before Hopper) and LayerNorm's forward at N = 1024 (8 B at 32
-    elements a thread: 16 at most before Hopper)."""
+    (8 B at 64 registers with 1 stage: 2 with dropout before Hopper), LayerNorm's forward at N = 1024 (8 B at 32
+    elements a thread: 16 at most before Hopper) and, under Triton 3.7 (torch 2.12's; not 3.9), 16-bit dk/dv at
+    d = 32, causal, and the forward at d = 48 (8 B with 3 stages: 2)."""
     out = [(arch, r) for arch in ("sm90", "sm80") for r in compiled[arch]]
     assert {(arch, r["op"]) for arch, r in out} == {("sm90", "attn fwd"), ("sm90", "attn dkdv"), ("sm90", "attn delta"),
                                                    ("sm90", "ln bwd"), ("sm90", "attn dq"), ("sm80", "attn dq"),
-                                                   ("sm80", "ln fwd")}
+                                                   ("sm80", "ln fwd"), ("sm80", "attn dkdv"), ("sm80", "attn fwd")}
     assert {"8,16,2048,80 bf16", "8,16,2048,80 bf16 causal dropout", "8,16,2048,40 fp32"} <= {r["case"] for _, r in out}
-    assert "8,16,2048,32 fp32 dropout" in {r["case"] for _, r in out}
+    assert {"8,16,2048,32 fp32 dropout", "8,16,2048,32 bf16 causal", "8,16,2048,48 fp16"} <= {r["case"] for _, r in out}
     assert all(r["spill"] == 0 and r["problems"] == [] for _, r in out), [(arch, r) for arch, r in out if r["spill"]]
 
 

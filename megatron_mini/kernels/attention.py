@@ -101,7 +101,9 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
     stage ptxas holds them to 128 registers (two blocks an SM) and spills 8 to 32 B on sm_90 (dq at a head dim not a
     multiple of 16 under Triton 3.6; fwd at 40 and 56, dq at 48 under 3.5, torch 2.9's); with 2, no fp32 attention
     launch spills on sm_80 or sm_90 under 3.6 to 3.9, nor on sm_90 under 3.5 (the forward at 80 to 112 stays at 1:
-    with 2 it spills 8 B on sm_80 under 3.9)."""
+    with 2 it spills 8 B on sm_80 under 3.9). Before Hopper the 16-bit forward at a head dim narrower than its tile
+    and dk/dv below 64 take 2 stages at most: with 3 they spilled 8 B on sm_80 under Triton 3.5 (dk/dv at 32, 40 and
+    56) and 3.7 (torch 2.12's: the forward at 48, dk/dv at 32); the forward at 32 with 2 spills under 3.8 and 3.9."""
     if dtype == torch.float32:
         table = FP32_CONFIGS
     else:
@@ -115,6 +117,8 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
     one_stage_spills = kind == "fwd" and d % 16 != 0 or kind == "dq" and d != _block_d(d)
     if dtype == torch.float32 and (dropout_p > 0 and cc < HOPPER or one_stage_spills):
         stages = max(stages, 2)
+    if cc < HOPPER and (kind == "fwd" and d != _block_d(d) or kind == "dkdv" and d < 64):
+        stages = min(stages, 2)
     return block_m, block_n, warps, stages
 
 
