@@ -114,10 +114,11 @@ def _gpu_config(kind: str, dtype: torch.dtype, d: int, dropout_p: float, cc: int
         block_m = max(16, block_m >> halve)
     else:
         block_n = max(16, block_n >> halve)
-    one_stage_spills = kind == "fwd" and d % 16 != 0 or kind == "dq" and d != _block_d(d)
+    masked = d != _block_d(d)                # the head dim fills its tile in part
+    one_stage_spills = kind == "fwd" and d % 16 != 0 or kind == "dq" and masked
     if dtype == torch.float32 and (dropout_p > 0 and cc < HOPPER or one_stage_spills):
         stages = max(stages, 2)
-    if cc < HOPPER and (kind == "fwd" and d != _block_d(d) or kind == "dkdv" and d < 64):
+    if cc < HOPPER and (kind == "fwd" and masked or kind == "dkdv" and d < 64):
         stages = min(stages, 2)
     return block_m, block_n, warps, stages
 
