@@ -347,9 +347,29 @@ def sampling_logits(last: torch.Tensor, temperature: float, top_k: int = 0, top_
         probs = last.softmax(-1)
         ranked = probs.sort(-1, descending=True).values
         before = ranked.cumsum(-1) - ranked                # the probability of the tokens ranked above each
-        needed = ranked.masked_fill(before >= top_p, float("inf")).amin(-1, keepdim=True)   # the least likely one
+        cut = before >= top_p
+        cut[:, 0] = False                 # (a top_p below fp32's least, 1.4e-45, compares as 0: the largest stays)
+        needed = ranked.masked_fill(cut, float("inf")).amin(-1, keepdim=True)   # the least likely one kept
         last = last.masked_fill(probs < needed, float("-inf"))
     return last
+
+
+def _is_int(value) -> bool:
+    """An int, or what stands for one (a numpy or 0-d tensor integer): not a float, even a whole one."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not (isinstance(value, torch.Tensor) and value.dim())
+
+
+def _token_ids(ids) -> list | None:
+    """One prompt as a list of ints; None where `ids` is not one sequence of ints (floats, or a batch of prompts:
+    operator.index alone takes a tensor's 1-element row, [[1], [2]] as [1, 2])."""
+    try:
+        return [operator.index(i) for i in ids] if all(_is_int(i) for i in ids) else None
+    except TypeError:
+        return None
 
 
 @torch.no_grad()
@@ -374,13 +394,12 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
     device = next(model.parameters()).device
     seq_len = model.layers[0].position_embeddings.shape[0]
     vocab = model.layers[-1].vocab_size
-    try:
-        ids = [operator.index(i) for i in ids]              # (0-d int tensors too; not a float, nor a batch's row)
-    except TypeError:
-        ids = None
-    bad = [f"{name}={value} must be >= {low}" for name, value, low in
-           (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
-            ("num_samples", num_samples, 1)) if not value >= low]           # (NaN is not >= anything)
+    ids = _token_ids(ids)
+    bad = [f"{name}={value} must be an int" for name, value in
+           (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("num_samples", num_samples)) if not _is_int(value)]
+    bad += [f"{name}={value} must be >= {low}" for name, value, low in
+            (("max_new_tokens", max_new_tokens, 0), ("temperature", temperature, 0), ("top_k", top_k, 0),
+             ("num_samples", num_samples, 1)) if not value >= low]          # (NaN is not >= anything)
     if not 0 < top_p <= 1:
         bad.append(f"top_p={top_p} must be in (0, 1]")
     if temperature == math.inf:
@@ -394,6 +413,7 @@ def generate(model: GPTChunk, ids: list, max_new_tokens: int, temperature: float
         bad.append(f"prompt ids must be in [0, {vocab}): got {[i for i in ids if not 0 <= i < vocab][:5]}")
     if bad:
         raise ValueError("generate(): " + "; ".join(bad))
+    max_new_tokens, top_k, num_samples = map(operator.index, (max_new_tokens, top_k, num_samples))
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # [n, t]
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     cache, feed = (KVCache() if kv_cache else None), x[:, -seq_len:]             # feed: what the model runs next

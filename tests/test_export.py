@@ -368,7 +368,7 @@ def test_a_tiny_nucleus_samples_the_greedy_tokens():
     greedy = inference.generate(model, [5], 24, temperature=0)
     assert len(set(greedy[0])) >= 5
     for seed, kv_cache in ((0, True), (1, False)):
-        for cut in ({"top_p": 1e-6}, {"top_k": 1}):
+        for cut in ({"top_p": 1e-6}, {"top_p": 1e-46}, {"top_k": 1}):   # (1e-46: 0 in fp32, the largest kept)
             assert inference.generate(model, [5], 24, temperature=1.0, kv_cache=kv_cache,
                                       generator=torch.Generator().manual_seed(seed), **cut) == greedy
 
@@ -827,9 +827,9 @@ def test_generation_stops_once_every_sample_has_ended(monkeypatch):
 
 def test_generate_refuses_bad_arguments():
     """One ValueError naming every bad argument; a prompt id in the padded rows (96..127) is refused too,
-    where it would have been embedded from an untrained row, and a prompt that is not one sequence of int ids: a
-    batch of prompts (a TypeError in a comparison, or a tensor's "ambiguous" RuntimeError) or floats (cut to ints).
-    A 1-D tensor is a prompt."""
+    where it would have been embedded from an untrained row, a prompt that is not one sequence of int ids (a batch
+    of prompts, a tensor's [n, 1] too, or floats: cut to ints) and counts given as floats. A 1-D tensor is a prompt,
+    and numpy or 0-d tensor integers are ints."""
     model = _random_model()
     for kwargs, message in (({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
                             ({"top_k": -1, "num_samples": 0}, "top_k=-1 must be >= 0; num_samples=0 must be >= 1"),
@@ -843,12 +843,18 @@ def test_generate_refuses_bad_arguments():
                             ({"ids": [[1, 2], [3]]}, "the prompt must be one sequence of int token ids \\(prompts "
                                                      "of different lengths are not batched"),
                             ({"ids": torch.tensor([[1, 2], [3, 4]])}, "the prompt must be one sequence of int"),
-                            ({"ids": [1.5, 2]}, "the prompt must be one sequence of int token ids")):
+                            ({"ids": torch.tensor([[1], [2]])}, "the prompt must be one sequence of int"),
+                            ({"ids": [1.5, 2]}, "the prompt must be one sequence of int token ids"),
+                            ({"max_new_tokens": 3.0, "top_k": 5.0, "num_samples": 2.0},
+                             "generate\\(\\): max_new_tokens=3.0 must be an int; top_k=5.0 must be an int; "
+                             "num_samples=2.0 must be an int$")):
         args = {"ids": [1, 2], "max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=message):
             inference.generate(model, **args)
     assert len(inference.generate(model, [0, 95], 0)[0]) == 0
-    assert inference.generate(model, torch.tensor([1, 2]), 3, 0) == inference.generate(model, [1, 2], 3, 0)
+    assert inference.generate(model, torch.tensor([1, 2]), 3, 0) == inference.generate(model, [1, 2], 3, 0) \
+        == inference.generate(model, np.array([1, 2]), np.int64(3), 0, top_k=torch.tensor(2), num_samples=np.int32(1))
+    assert len(inference.generate(model, [1, 2], 3, 1.0, top_k=torch.tensor(2), num_samples=np.int32(2))) == 2
 
 
 _TRUE_DIVIDE = torch.Tensor.__truediv__
