@@ -27,11 +27,12 @@ not be removed), hashing them as it writes; rank 0 writes meta.json with the has
 as text), renames the directory to `step_N/`, then rewrites `latest` (tmp + rename) and removes all but the newest
 `keep` checkpoints and the milestones. A failure on any rank (a full disk, no permission, whatever it raises) is
 agreed on by every rank: the temp directory is removed, `latest` stays on the last good checkpoint and every rank
-raises RunError. A crash never leaves a half-written checkpoint behind `latest`: its step_N.tmp is removed when the
-run starts again (remove_interrupted, with a note in the log). With async_save the files are written by a thread of
-each rank while training goes on from the host copies (`Save`), and the agreement and publication wait for the first
-step at whose end no rank is still writing (a count in the step's loss all-reduce), as Megatron's async save
-finalizes.
+raises RunError (one after the rename, in `latest` or the pruning, removes nothing: the new checkpoint is whole,
+and the RunError says so). A crash never leaves a half-written checkpoint behind `latest`: its step_N.tmp is removed
+when the run starts again (remove_interrupted, with a note in the log). With async_save the files are written by a
+thread of each rank while training goes on from the host copies (`Save`), and the agreement and publication wait for
+the first step at whose end no rank is still writing (a count in the step's loss all-reduce), as Megatron's async
+save finalizes.
 
 Loading: `find_resume` picks what a run continues from (resume=auto: the newest checkpoint that
 verifies, whatever `latest` says, skipping corrupt ones with a note), `verify` checks every file's
@@ -128,11 +129,12 @@ def set_aside(resume: Resume) -> list:
 
 # ----------------------------------------------------------------------------- files
 def _read_latest(root: str) -> str | None:
-    """The checkpoint name in `root`/latest, or None when there is no such file."""
+    """The checkpoint name in `root`/latest, or None when there is no such file or it cannot be read (it is advice
+    only: resume=auto takes the newest checkpoint that verifies; bytes that are not UTF-8 are read as U+FFFD)."""
     try:
-        with open(os.path.join(root, "latest")) as f:
+        with open(os.path.join(root, "latest"), errors="replace") as f:
             return f.read().strip()
-    except FileNotFoundError:
+    except OSError:                 # (missing; a directory; a permission)
         return None
 
 
@@ -368,7 +370,7 @@ def _first_good(candidates: list, named: str | None, check) -> tuple[Resume | No
             skipped.append(path)
             continue
         if named != os.path.basename(path):
-            notes.append(f"checkpoints/latest {'names ' + repr(named) if named else 'is missing'}; "
+            notes.append(f"checkpoints/latest {'names ' + repr(named) if named else 'is missing or unreadable'}; "
                          f"took the newest complete checkpoint, {path}")
         return Resume(path, meta, notes, tuple(skipped)), notes
     return None, notes
@@ -776,15 +778,25 @@ class Save:
         gathered = gather_text(json.dumps({"files": self.digests, "shards": self.index, "tensors": self.tensors}),
                                self.mesh.world_group, self.device, to_first=True)    # (O(ranks) bytes, not ^2)
         self._check(failure_of(self._publish, gathered) if self.mesh.rank == 0 else None, "publishing it")
+        # (past the rename the checkpoint is whole, and a resume takes it: a failure now removes nothing)
+        found = first_failure(failure_of(self._name_latest) if self.mesh.rank == 0 else None, self.mesh, self.device)
+        if found is not None:
+            raise RunError(f"Checkpoint {self.path} was saved whole (resume=auto takes it: the newest that verifies, "
+                           f"whatever checkpoints/latest says), but rank 0 then failed while naming it in "
+                           f"checkpoints/latest and removing older checkpoints: {found[1]}.", reporter=0)
         return self.path
 
     def _publish(self, gathered: list) -> None:
+        """(rank 0) meta.json, then the rename of step_N.tmp to step_N, which publishes the checkpoint whole."""
         parts = [json.loads(text) for text in gathered]
         meta = {**self.meta, **{key: dict(sorted(kv for part in parts for kv in part[key].items()))
                                 for key in ("files", "shards", "tensors")}}
         atomic_write(os.path.join(self.tmp, "meta.json"), json.dumps(meta, indent=1))
         shutil.rmtree(self.path, ignore_errors=True)
         os.replace(self.tmp, self.path)
+
+    def _name_latest(self) -> None:
+        """(rank 0) `latest` names the published checkpoint; all but the newest `keep` (and milestones) removed."""
         root = os.path.dirname(self.path)
         atomic_write(os.path.join(root, "latest"), os.path.basename(self.path))
         for old in checkpoints_of(os.path.dirname(root))[self.keep:]:
@@ -810,6 +822,8 @@ class ShardReader:
         self.weights, self.pieces = {}, {}      # {name: {tp rank: file}}, {name: {tp rank: [(lo, hi, file)]}}
         try:
             self.tp = meta["layout"]["tp"]
+            if not _count(self.tp) or self.tp < 1:       # (0: no slice of a split tensor would be checked, nor read)
+                raise ValueError(f"layout.tp={self.tp!r} is not a positive integer")
             self.dtype = DTYPES[meta["config"]["precision"]["dtype"]]    # the weights' (the optimizer's: fp32)
             self.specs = {name: (tuple(shape), ParamSpec(tp_dim=dim, tp_groups=groups))
                           for name, (shape, dim, groups) in meta["tensors"].items()}

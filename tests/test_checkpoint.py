@@ -692,7 +692,8 @@ def _raising(error):
 def _save_failing(cfg, path, where):
     """One step, then a save in which one rank fails in a way that is neither a full disk nor torch's: rank 0 cannot
     make the save's directory (PermissionError), rank 1 cannot copy its optimizer state to the host (MemoryError), or
-    rank 0 cannot write meta.json (ValueError).
+    rank 0 cannot write meta.json (ValueError), or rank 0 cannot write `latest` once the checkpoint is published
+    (naming: a full disk).
     Returns the RunError's message on this rank."""
     from harness import make_trainer
 
@@ -707,6 +708,9 @@ def _save_failing(cfg, path, where):
     if where == "publishing" and trainer.mesh.rank == 0:          # (meta.json alone: the tokenizer's file is written
         write, refuse = checkpoint.atomic_write, _raising(ValueError("not JSON"))    # with the others, before)
         checkpoint.atomic_write = lambda path, data: (refuse if path.endswith("meta.json") else write)(path, data)
+    if where == "naming" and trainer.mesh.rank == 0:
+        write, refuse = checkpoint.atomic_write, _raising(OSError(28, "No space left on device"))
+        checkpoint.atomic_write = lambda path, data: (refuse if path.endswith("latest") else write)(path, data)
     with pytest.raises(RunError) as caught:
         trainer.save(path, {})
     return str(caught.value)
@@ -727,6 +731,23 @@ def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, 
     assert f"failed on rank {rank} while {where} {why}. {removed} still names the last good checkpoint (none)." in \
         messages[0], messages
     assert not list((tmp_path / "checkpoints").glob("*")), list((tmp_path / "checkpoints").glob("*"))
+
+
+def test_a_failure_to_name_a_published_checkpoint_in_latest_says_it_is_whole(small_data, tmp_path):
+    """A failure after the rename (rank 0 cannot write `latest`: a full disk) stops every rank with one message that
+    says the checkpoint was saved whole, not that its files were removed; it is kept, and a resume takes it."""
+    from megatron_mini import checkpoint
+    cfg = small_config(small_data, tmp_path / "run", gbs=4)
+    messages = spawn(2, _save_failing, cfg, str(tmp_path), "naming")
+    saved = tmp_path / "checkpoints" / "step_000001"
+    assert messages[0] == messages[1] == (
+        f"Checkpoint {saved} was saved whole (resume=auto takes it: the newest that verifies, whatever "
+        f"checkpoints/latest says), but rank 0 then failed while naming it in checkpoints/latest and removing older "
+        f"checkpoints: OSError: [Errno 28] No space left on device."), messages
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    found = checkpoint.newest(str(tmp_path))
+    assert found.path == str(saved) and found.notes == [
+        f"checkpoints/latest is missing or unreadable; took the newest complete checkpoint, {saved}"]
 
 
 def _train_with_a_full_disk_on_rank_0(cfg):
@@ -1081,7 +1102,7 @@ def test_a_checkpoint_of_the_older_format_is_refused_by_name(uninterrupted, tmp_
 
 
 @pytest.mark.parametrize("damage", ["a shard dropped", "a range cut short", "a range that starts late", "no shapes",
-                                    "a file without checksum"])
+                                    "a file without checksum", "no tp", "tp 0"])
 def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
     """meta.json's index must place every value of every tensor in a checksummed file: a damaged one is a
     CheckpointError at verify (before any rank reads a tensor, so resume=auto skips it), not a KeyError later."""
@@ -1103,6 +1124,8 @@ def test_a_damaged_index_is_one_line(damage, uninterrupted, tmp_path):
         meta["shards"][optim]["ranges"][name] = [lo + 1, hi]
     elif damage == "no shapes":
         meta["tensors"] = {}
+    elif damage in ("no tp", "tp 0"):   # (0: a split tensor's slices were never checked; the load's cat had none)
+        meta["layout"]["tp"] = None if damage == "no tp" else 0
     else:
         meta["files"].pop(optim)
     (ckpt / "meta.json").write_text(json.dumps(meta))
@@ -1293,6 +1316,30 @@ def test_milestone_checkpoints_are_never_pruned(small_data, tmp_path):
             validate(TrainConfig(save_interval=save, keep_checkpoint_interval=3), 1)
     with pytest.raises(ConfigError, match=re.escape("keep_checkpoint_interval=-1 must be >= 0")):
         validate(TrainConfig(keep_checkpoint_interval=-1), 1)
+
+
+@pytest.mark.parametrize("latest", ["not UTF-8", "a directory"])
+def test_an_unreadable_latest_is_advice_not_a_failure(latest, uninterrupted, tmp_path):
+    """checkpoints/latest is advice (resume=auto takes the newest checkpoint that verifies): where it is damaged (not
+    UTF-8) or not a file, the newest is taken with a note, as where `latest` is missing (a UnicodeDecodeError or an
+    IsADirectoryError stopped resume and the tools)."""
+    import shutil
+
+    from megatron_mini import checkpoint, inference
+    cfg, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(cfg.run_dir, "checkpoints"), run / "checkpoints")
+    (run / "checkpoints" / "latest").unlink()
+    if latest == "a directory":
+        (run / "checkpoints" / "latest").mkdir()
+    else:
+        (run / "checkpoints" / "latest").write_bytes(b"\xffstep_000010")
+    newest = str(run / "checkpoints" / "step_000010")
+    found = checkpoint.newest(str(run))
+    said = "is missing or unreadable" if latest == "a directory" else "names '\ufffdstep_000010'"
+    assert found.path == newest and found.notes == [f"checkpoints/latest {said}; took the newest complete "
+                                                    f"checkpoint, {newest}"], found.notes
+    assert inference.read_checkpoint(str(run)).path == newest
 
 
 def _a_live_run(uninterrupted, tmp_path):

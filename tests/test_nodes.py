@@ -87,18 +87,26 @@ def test_each_nodes_own_data_directory_must_hold_the_same_build(small_data, tmp_
     assert not (tmp_path / "shared" / "metrics.jsonl").exists()
 
 
+def _train_with_an_unreadable_listing(cfg, node_dirs):
+    """_train_from, rank 0's listing of the checkpoints failing (PermissionError)."""
+    from megatron_mini import checkpoint
+    if int(os.environ["RANK"]) == 0:
+        def refused(run_dir):
+            raise PermissionError(13, "Permission denied", os.path.join(run_dir, "checkpoints"))
+        checkpoint.checkpoints_of = refused
+    return _train_from(cfg, node_dirs)
+
+
 def test_a_failure_of_rank_0_finding_the_start_is_every_ranks(small_data, tmp_path):
     """Rank 0 alone lists the run directory at start-up: where that fails otherwise than with a ConfigError (an
-    OSError: here checkpoints/latest is a directory), every rank stops with its one line, not rank 0 alone while the
-    others wait in the rendezvous until timeout_s."""
+    OSError: here the listing is refused), every rank stops with its one line, not rank 0 alone while the others wait
+    in the rendezvous until timeout_s."""
     run = tmp_path / "run"
     train_on_ranks(1, small_config(small_data, run, steps=1))
-    (run / "checkpoints" / "latest").unlink()
-    (run / "checkpoints" / "latest").mkdir()
     cfg = small_config(small_data, run, steps=2, resume="auto", timeout_s=30)
-    errors = spawn(2, _train_from, cfg, [str(tmp_path)] * 2, init_group=False, timeout=120)
+    errors = spawn(2, _train_with_an_unreadable_listing, cfg, [str(tmp_path)] * 2, init_group=False, timeout=120)
     assert [kind for kind, _ in errors] == ["ConfigError"] * 2 and errors[0] == errors[1], errors
-    assert errors[0][1].startswith("IsADirectoryError: "), errors
+    assert errors[0][1].startswith("PermissionError: [Errno 13] Permission denied: "), errors
 
 
 def _resume_with_a_stale_listing(cfg, pruned):
