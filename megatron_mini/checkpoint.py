@@ -63,7 +63,7 @@ from . import comm
 from .checkpoint_dir import CheckpointError, check_dir, checkpoints_of, given, read_step, resume_path
 from .config import MAX_LOSS_SCALE, ConfigError, RunError, TrainConfig, integer_keys
 from .errors import CommError, first_line
-from .files import VANISHED_RETRIES, atomic_write, kept_build
+from .files import VANISHED_RETRIES, atomic_write, kept_build, sync_dir
 from .optimizer import DynamicLossScaler
 from .rank import DTYPES
 from .tensor_parallel import ParamSpec, full_shape, shard, unshard
@@ -662,6 +662,9 @@ def describe(e: Exception) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+PUBLISHED = "published, then "   # (a failure of rank 0's once the rename has published the checkpoint whole)
+
+
 class Save:
     """One checkpoint `path` (step_N) of every rank's state being written; see the module doc. The constructor
     copies this rank's slices to the host (the snapshot: training may go on at once) and writes its files,
@@ -777,23 +780,34 @@ class Save:
         self._check(self.failure, "writing its files")
         gathered = gather_text(json.dumps({"files": self.digests, "shards": self.index, "tensors": self.tensors}),
                                self.mesh.world_group, self.device, to_first=True)    # (O(ranks) bytes, not ^2)
-        self._check(failure_of(self._publish, gathered) if self.mesh.rank == 0 else None, "publishing it")
-        # (past the rename the checkpoint is whole, and a resume takes it: a failure now removes nothing)
-        found = first_failure(failure_of(self._name_latest) if self.mesh.rank == 0 else None, self.mesh, self.device)
-        if found is not None:
+        found = first_failure(self._publish_all(gathered) if self.mesh.rank == 0 else None, self.mesh, self.device)
+        if found is not None and found[1].startswith(PUBLISHED):      # (whole, and a resume takes it: nothing removed)
             raise RunError(f"Checkpoint {self.path} was saved whole (resume=auto takes it: the newest that verifies, "
                            f"whatever checkpoints/latest says), but rank 0 then failed while naming it in "
-                           f"checkpoints/latest and removing older checkpoints: {found[1]}.", reporter=0)
+                           f"checkpoints/latest and removing older checkpoints: {found[1][len(PUBLISHED):]}.",
+                           reporter=0)
+        self._fail(found, "publishing it")
         return self.path
 
+    def _publish_all(self, gathered: list) -> str | None:
+        """(rank 0) _publish, then _name_latest: None, or how it failed (PUBLISHED + how, once _publish was done)."""
+        failure = failure_of(self._publish, gathered)
+        if failure is None and (failure := failure_of(self._name_latest)) is not None:
+            failure = PUBLISHED + failure
+        return failure
+
     def _publish(self, gathered: list) -> None:
-        """(rank 0) meta.json, then the rename of step_N.tmp to step_N, which publishes the checkpoint whole."""
+        """(rank 0) meta.json, then the rename of step_N.tmp to step_N, which publishes the checkpoint whole; each
+        directory synced (the files' names in step_N.tmp before the rename, the rename itself after it), so that
+        a power cut cannot leave older checkpoints pruned and this one's rename or files lost."""
         parts = [json.loads(text) for text in gathered]
         meta = {**self.meta, **{key: dict(sorted(kv for part in parts for kv in part[key].items()))
                                 for key in ("files", "shards", "tensors")}}
         atomic_write(os.path.join(self.tmp, "meta.json"), json.dumps(meta, indent=1))
+        sync_dir(self.tmp)
         shutil.rmtree(self.path, ignore_errors=True)
         os.replace(self.tmp, self.path)
+        sync_dir(os.path.dirname(self.path))
 
     def _name_latest(self) -> None:
         """(rank 0) `latest` names the published checkpoint; all but the newest `keep` (and milestones) removed."""

@@ -44,6 +44,19 @@ def atomic_write(path, data: bytes | str | list) -> None:
         raise
 
 
+def sync_dir(path) -> None:
+    """The entries of the directory `path` (files made, renamed or removed in it) flushed to disk, as fsync flushes
+    a file's data: a rename is durable only then. A file system that does not sync directories (EINVAL) is let be."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
 def existing_part(path) -> str:
     """The nearest part of `path` (made absolute) that exists: path itself, or the directory os.makedirs(path)
     would create it in (a dangling symbolic link counts as existing: makedirs cannot create over it)."""

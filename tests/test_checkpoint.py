@@ -1,4 +1,5 @@
 """Checkpoints: a resumed run continues exactly, and checkpoints load into other layouts."""
+import errno
 import math
 import os
 import re
@@ -347,13 +348,6 @@ NOT_THE_TENSORS = [(__import__("pickle").UnpicklingError("Weights only load fail
                     "RuntimeError: PytorchStreamReader failed")]
 
 
-def _raising(error):
-    """A stand-in for checkpoint._load_mapped (each checkpoint file's torch.load) that raises `error`."""
-    def load(path):
-        raise error
-    return load
-
-
 def _load_errors(cfg, path, errors) -> list:
     """The CheckpointError of a Trainer of `cfg` loading checkpoint `path` while its files' torch.load raises each of
     `errors`, in turn."""
@@ -572,19 +566,12 @@ def _load_with_bugs(cfg, path, bugs) -> list:
     trainer, said = make_trainer(cfg), []
     for owner, name, error in bugs:
         real = getattr(owner, name)
-        setattr(owner, name, _raising_any(error))
+        setattr(owner, name, _raising(error))
         with pytest.raises(Exception) as caught:
             trainer.load(path)
         setattr(owner, name, real)
         said.append((type(caught.value).__name__, str(caught.value)))
     return said
-
-
-def _raising_any(error):
-    """A stand-in for any function or method: it raises `error`."""
-    def fail(*args, **kwargs):
-        raise error
-    return fail
 
 
 def test_a_type_or_runtime_error_of_ours_while_loading_is_a_bug_not_another_model(uninterrupted, small_data,
@@ -603,7 +590,7 @@ def test_a_type_or_runtime_error_of_ours_while_loading_is_a_bug_not_another_mode
     said = spawn(1, _load_with_bugs, small_config(small_data, tmp_path), path, bugs)[0]
     assert said == [(type(error).__name__, str(error)) for _, _, error in bugs], said
     for error in (TypeError("a bug"), RuntimeError("a bug"), KeyError("a bug")):
-        monkeypatch.setattr(checkpoint.ShardReader, "_tensor", _raising_any(error))
+        monkeypatch.setattr(checkpoint.ShardReader, "_tensor", _raising(error))
         with pytest.raises(type(error)):
             inference.read_checkpoint(path)
 
@@ -683,8 +670,8 @@ def test_a_save_writes_every_value_once_and_moves_no_tensor(layout, small_data, 
 
 
 def _raising(error):
-    """A stand-in for a function that raises `error` whatever it is given."""
-    def raise_(*_):
+    """A stand-in for any function or method (checkpoint._load_mapped, os.fsync, ...): it raises `error`."""
+    def raise_(*args, **kwargs):
         raise error
     return raise_
 
@@ -731,6 +718,53 @@ def test_any_failure_of_a_rank_during_a_save_stops_every_rank(where, rank, why, 
     assert f"failed on rank {rank} while {where} {why}. {removed} still names the last good checkpoint (none)." in \
         messages[0], messages
     assert not list((tmp_path / "checkpoints").glob("*")), list((tmp_path / "checkpoints").glob("*"))
+
+
+def _saves_in_order(cfg, path):
+    """Two steps, each saved (keep_checkpoints=1: the second prunes the first); rank 0's directory syncs and removals
+    of directories that exist, in order, as (what, path relative to `path`)."""
+    from harness import make_trainer
+
+    from megatron_mini import checkpoint
+    events, sync, rmtree = [], checkpoint.sync_dir, checkpoint.shutil.rmtree
+
+    def synced(d):
+        events.append(("sync", os.path.relpath(d, path)))
+        sync(d)
+
+    def removed(d, **kwargs):
+        if os.path.isdir(d):
+            events.append(("remove", os.path.relpath(d, path)))
+        rmtree(d, **kwargs)
+    checkpoint.sync_dir, checkpoint.shutil.rmtree = synced, removed
+    trainer = make_trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+        trainer.save(path, {})
+    return events
+
+
+def test_a_save_syncs_its_directories_before_it_prunes(small_data, tmp_path):
+    """Rank 0 syncs step_N.tmp (its files' names) before the rename that publishes it, and checkpoints/ (the rename)
+    after it, before any older checkpoint is removed: a power cut after the pruning cannot take the new one too."""
+    cfg = small_config(small_data, tmp_path / "run", gbs=4, keep_checkpoints=1)
+    events = spawn(2, _saves_in_order, cfg, str(tmp_path))[0]
+    assert events == [("sync", "checkpoints/step_000001.tmp"), ("sync", "checkpoints"),
+                      ("sync", "checkpoints/step_000002.tmp"), ("sync", "checkpoints"),
+                      ("remove", "checkpoints/step_000001")], events
+
+
+def test_sync_dir_lets_a_file_system_that_does_not_sync_directories_be(tmp_path, monkeypatch):
+    """files.sync_dir: EINVAL or EOPNOTSUPP from fsync (a file system that does not sync directories) is no failure;
+    an I/O error is (the save's failure)."""
+    from megatron_mini import files
+    for code in (errno.EINVAL, errno.EOPNOTSUPP, errno.EIO):
+        monkeypatch.setattr(files.os, "fsync", _raising(OSError(code, os.strerror(code))))
+        if code == errno.EIO:
+            with pytest.raises(OSError, match="Input/output error"):
+                files.sync_dir(tmp_path)
+        else:
+            files.sync_dir(tmp_path)
 
 
 def test_a_failure_to_name_a_published_checkpoint_in_latest_says_it_is_whole(small_data, tmp_path):
