@@ -100,8 +100,8 @@ class GPTDataset:
         self.num_docs, self.num_tokens = len(ids), int(self._seg_cum[-1])
         self._len = (self.num_tokens - 1) // seq_len
         if self._len < 1:
-            raise ValueError(f"{len(ids)} documents hold {self.num_tokens} tokens, fewer than one sample of "
-                             f"seq_len + 1 = {seq_len + 1}")
+            raise ValueError(f"{len(ids)} document{'s hold' if len(ids) != 1 else ' holds'} {self.num_tokens:,} "
+                             f"tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
         self._perm_epoch, self._perm = -1, None
 
     def __len__(self) -> int:
@@ -317,7 +317,8 @@ def open_parts(cfg: DataConfig, vocab_size: int) -> list:
         part = part_config(cfg, directory)
         first = opened[0][2] if opened else None
         ds, tok, meta = open_part(part, vocab_size, first)
-        twin = next((d for _, d, _, m in opened if m.get("corpus_sha256") == meta.get("corpus_sha256")), None)
+        sha = meta.get("corpus_sha256")         # (None: a meta.json without one, which matches no other)
+        twin = next((d for _, d, _, m in opened if sha is not None and m.get("corpus_sha256") == sha), None)
         if twin is not None:
             raise DataError(f"data.blend: {directory}", f"holds the corpus of {twin.bin_path.parent} (the same "
                             f"sha256): give each corpus once, with the sum of its weights", rebuild=None)
@@ -338,8 +339,10 @@ def load_datasets(cfg: DataConfig, seq_len: int, seed: int,
             for part, into in zip(split(ds, cfg.val_fraction, seq_len, seed), (train, val)):
                 into.append(part)
         except ShortSplit as e:
-            fix = "larger" if e.which == "validation" else "smaller"
-            raise DataError(ds.bin_path, f"{e}; use a larger corpus, a {fix} data.val_fraction or a shorter sequence "
+            fix = f"a {'larger' if e.which == 'validation' else 'smaller'} data.val_fraction"
+            if ds.num_tokens <= seq_len:        # (no val_fraction helps: the whole corpus is shorter than one sample)
+                e, fix = f"{e}, as the whole corpus does ({ds.num_tokens:,} tokens)", None
+            raise DataError(ds.bin_path, f"{e}; use a larger corpus{', ' + fix if fix else ''} or a shorter sequence "
                             f"(model.seq_len)", rebuild=None) from None
     if cfg.blend is None:
         return train[0], val[0], parts[0][2]
@@ -366,7 +369,7 @@ def trained_eval_notes(cfg: DataConfig) -> list[str]:
     evals = eval_corpora(cfg)
     return [f"data.eval: {d} holds the corpus of {trained[sha]}, which this run trains on (all but its "
             f"validation part): its eval_loss is mostly a training loss, not a held-out one"
-            for d, sha in evals.items() if sha in trained]
+            for d, sha in evals.items() if sha is not None and sha in trained]
 
 
 def load_eval_sets(cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Tokenizer,

@@ -432,6 +432,11 @@ def test_an_evaluation_set_of_training_data_is_noted(small_data, blend_dirs, tmp
     assert trained_eval_notes(dataclasses.replace(plain, eval=[second])) == []
     blend = dataclasses.replace(blend_of(small_data, (1, second), (1, copy)), eval=[second, first])
     assert trained_eval_notes(blend) == [note(second, second), note(first, copy)]
+    meta = json.loads((tmp_path / "copy" / "meta.json").read_text())
+    del meta["corpus_sha256"]                # (a meta.json written by hand: no corpus is known to be another's)
+    (tmp_path / "copy" / "meta.json").write_text(json.dumps(meta))
+    shutil.copytree(copy, tmp_path / "copy2")
+    assert trained_eval_notes(dataclasses.replace(blend, eval=[str(tmp_path / "copy2")])) == []
 
 
 def test_an_evaluation_set_is_refused_as_a_blends_directory_would_be(small_data, blend_dirs, tmp_path):
@@ -471,7 +476,8 @@ def test_an_evaluation_set_shorter_than_one_sample_is_refused(small_data, tmp_pa
     with pytest.raises(DataError) as err:
         load_eval_sets(dataclasses.replace(small_data, eval=[short.dir]), SEQ, small_data.vocab_size, tok)
     text = str(err.value)
-    assert text.startswith(f"{short.dir}/") and f"hold {tokens} tokens, fewer than one sample" in text, text
+    assert text.startswith(f"{short.dir}/") and f"1 document holds {tokens:,} tokens, fewer than one sample" in text, \
+        text
     assert text.endswith("an evaluation set needs at least one sample") and "\n" not in text, text
 
 
@@ -596,6 +602,15 @@ def test_a_corpus_is_blended_once(small_data, blend_dirs, tmp_path):
     with pytest.raises(DataError, match=rf"data\.blend: {re.escape(str(tmp_path / 'copy'))}: holds the corpus of "
                                         rf"{re.escape(second)} \(the same sha256\): give each corpus once"):
         load_datasets(blend_of(small_data, (1, second), (1, tmp_path / "copy")), SEQ, 5, small_data.vocab_size)
+    unknown = []                             # two corpora whose meta.json records no sha256 (by hand): not one corpus
+    for d in (first, second):
+        shutil.copytree(d, tmp_path / f"no-sha-{len(unknown)}")
+        unknown.append(tmp_path / f"no-sha-{len(unknown)}")
+        meta = json.loads((unknown[-1] / "meta.json").read_text())
+        del meta["corpus_sha256"]
+        (unknown[-1] / "meta.json").write_text(json.dumps(meta))
+    train, _, _ = load_datasets(blend_of(small_data, (1, unknown[0]), (1, unknown[1])), SEQ, 5, small_data.vocab_size)
+    assert len(train.datasets) == 2
 
 
 def test_a_name_through_a_links_parent_is_another_directory(small_data, tmp_path):

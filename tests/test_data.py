@@ -1003,10 +1003,15 @@ def test_a_corpus_of_one_document_is_split_by_tokens(prepared, tmp_path):
                                         rf"tokens, gives it {len(tokens) - cut:,}, fewer than one sample of seq_len "
                                         rf"\+ 1 = {long + 1}; use a larger corpus, a larger data\.val_fraction"):
         load_datasets(cfg, long, seed=3, vocab_size=VOCAB)
-    with pytest.raises(DataError, match=r"the training set: 36 documents hold .* fewer than one sample of seq_len \+ 1 "
-                                        r"= 1000001; use a larger corpus, a smaller data\.val_fraction or a shorter "
-                                        r"sequence \(model\.seq_len\)$"):
-        load_datasets(prepared[0], 1_000_000, seed=3, vocab_size=VOCAB)
+    whole = IndexedDataset(Path(prepared[0].dir) / "tokens").num_tokens
+    with pytest.raises(DataError, match=rf"the training set: 36 documents hold .* fewer than one sample of seq_len "
+                                        rf"\+ 1 = {whole}; use a larger corpus, a smaller data\.val_fraction or a "
+                                        rf"shorter sequence \(model\.seq_len\)$"):
+        load_datasets(prepared[0], whole - 1, seed=3, vocab_size=VOCAB)     # (the whole corpus is one sample)
+    with pytest.raises(DataError, match=rf"the training set: 36 documents hold .* fewer than one sample of seq_len "
+                                        rf"\+ 1 = {whole + 1}, as the whole corpus does \({whole:,} tokens\); use "
+                                        rf"a larger corpus or a shorter sequence \(model\.seq_len\)$"):
+        load_datasets(prepared[0], whole, seed=3, vocab_size=VOCAB)
 
 
 def test_rebuild_command_names_the_directory_the_run_reads():

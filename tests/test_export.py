@@ -276,7 +276,7 @@ def test_evaluate_notes_repeated_samples_and_refuses_a_set_shorter_than_one_samp
                 f"(--samples 0: each once)\n" in err) == (samples > n), err
     assert evaluate.main([ckpt.path, dirs["short"], "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines()[-1].startswith(f"error: {dirs['short']}/tokens.bin: 1 documents hold ")
+    assert out == "" and err.splitlines()[-1].startswith(f"error: {dirs['short']}/tokens.bin: 1 document holds ")
     assert err.endswith("fewer than one sample of seq_len + 1 = 33; an evaluation set needs at least one sample\n"), err
 
 
