@@ -46,7 +46,8 @@ def atomic_write(path, data: bytes | str | list) -> None:
 
 def sync_dir(path) -> None:
     """The entries of the directory `path` (files made, renamed or removed in it) flushed to disk, as fsync flushes
-    a file's data: a rename is durable only then. A file system that does not sync directories (EINVAL) is let be."""
+    a file's data: a rename is durable only then. A file system that does not sync directories (EINVAL, EOPNOTSUPP)
+    is let be."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
