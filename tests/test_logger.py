@@ -365,6 +365,59 @@ def test_compare_runs_prefers_metrics_jsonl_when_wandb_has_part_of_the_run(tmp_p
     assert compare_runs.read_run(run_dir).source == "wandb"
 
 
+def test_compare_runs_leaves_the_steps_a_resume_abandoned_in_wandb(tmp_path, wandb_env):
+    """A crash after step 6 and a resume from step 3's checkpoint that first logs at step 10 (log_interval raised):
+    metrics.jsonl is cut to steps 1 to 3 (cut_metrics) and continues at 10, while the wandb run (the same id: no
+    branch) keeps 4 to 6, which no backward step sets apart. compare_runs reads the run's steps, metrics.jsonl's,
+    not wandb's superset (it took wandb, which held every metrics.jsonl step and more)."""
+    run_dir = str(tmp_path / "run")
+    first = RunLogger(run_dir, WandbConfig(mode="offline", name="tiny"), {}, enabled=True)
+    expected = fake_training(first, range(1, 7))[:3]
+    first.finish()
+    logger_module.cut_metrics(run_dir, 3)
+    resumed = RunLogger(run_dir, WandbConfig(mode="offline", name="tiny"), {}, enabled=True)
+    expected += fake_training(resumed, [10], offset=1.0)
+    resumed.finish()
+    assert [row["step"] for row in compare_runs.read_wandb_files(compare_runs.wandb_files(run_dir))[1]] == \
+        [1, 2, 3, 4, 5, 6, 10]
+    run = compare_runs.read_run(run_dir)
+    assert (run.source, run.rows) == ("metrics.jsonl", expected)
+
+
+@pytest.mark.parametrize("line, said", [('{"loss": 1.0}\n', '{"loss": 1.0}'), ("[1, 2]\n", "[1, 2]"),
+                                        ('{"step": "a"}\n', '{"step": "a"}'),
+                                        (b'{"step": 2, "lo\xffss": 1.0}\n', None)])
+def test_compare_runs_names_a_line_of_metrics_jsonl_that_is_no_metrics_line(line, said, tmp_path):
+    """A line of metrics.jsonl that is JSON but not an object with an int step is one RunError naming its file and
+    line (a KeyError, TypeError or ValueError traceback before); bytes that are not UTF-8 are read as U+FFFD."""
+    run_dir = tmp_path / "run"
+    jsonl_run(run_dir, [(1, {"loss": 2.0})])
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(line if isinstance(line, bytes) else line.encode())
+    if said is None:
+        assert [row["step"] for row in compare_runs.read_run(str(run_dir)).rows] == [1, 2]
+        return
+    with pytest.raises(compare_runs.RunError) as caught:
+        compare_runs.read_run(str(run_dir))
+    assert str(caught.value) == (f"{run_dir / 'metrics.jsonl'}: line 2 is not a metrics line (a JSON object with an "
+                                 f"int step): {said}")
+
+
+def test_compare_runs_reads_metrics_jsonl_beside_a_wandb_file_torn_in_its_header(tmp_path):
+    """A .wandb file shorter than its header (wandb killed before its first record) holds no records, as a torn
+    tail is none: the run is read from metrics.jsonl (it was refused as not a wandb record file)."""
+    run_dir = tmp_path / "run"
+    expected = [{"step": 1, "loss": 2.0}]
+    jsonl_run(run_dir, [(1, {"loss": 2.0})])
+    (run_dir / "wandb" / "offline-run-x").mkdir(parents=True)
+    (run_dir / "wandb" / "offline-run-x" / "run-x.wandb").write_bytes(b":W&B")
+    run = compare_runs.read_run(str(run_dir))
+    assert (run.source, run.rows) == ("metrics.jsonl", expected)
+    (run_dir / "wandb" / "offline-run-x" / "run-x.wandb").write_bytes(b"not a wandb file")
+    with pytest.raises(compare_runs.RunError, match="run-x.wandb: not a wandb record file"):
+        compare_runs.read_run(str(run_dir))
+
+
 def jsonl_run(run_dir, entries) -> str:
     """A run directory whose metrics.jsonl has the (step, metrics) `entries`, as RunLogger writes it."""
     logger = RunLogger(str(run_dir), WandbConfig(mode="disabled"), {}, enabled=True)

@@ -111,6 +111,12 @@ def test_compare_runs_refuses_an_unwritable_suffix(tmp_path, monkeypatch, capsys
     err = _one_error_line(capsys)
     assert "c.txt" in err and ".png" in err and ".pdf" in err and ".svg" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]          # neither c.txt nor c.csv
+    import plotting                                # .pgf: matplotlib runs a TeX system (xelatex), here none
+    monkeypatch.setattr(plotting.shutil, "which", lambda name: None)
+    assert _exit_code(compare_runs, [str(run), "-o", "c.pgf"]) == 2
+    assert "c.pgf: matplotlib writes .pgf with xelatex (rcParams['pgf.texsystem']), which is not installed here" \
+        in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 @pytest.mark.parametrize("argv, fact", [

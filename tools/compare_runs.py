@@ -90,7 +90,9 @@ def iter_wandb_records(path: str):
 
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) < _FILE_HEADER.size or _FILE_HEADER.unpack_from(data)[:2] != (b":W&B", 0xBEE1):
+    if len(data) < _FILE_HEADER.size:            # (torn in its header: wandb was killed before its first record)
+        return
+    if _FILE_HEADER.unpack_from(data)[:2] != (b":W&B", 0xBEE1):
         raise RunError(f"{path}: not a wandb record file")
     pos, parts = _FILE_HEADER.size, []
     while True:
@@ -136,15 +138,18 @@ def read_wandb_files(paths: list[str]) -> tuple[str | None, list[dict]]:
 
 def read_jsonl(path: str) -> list[dict]:
     """History from metrics.jsonl (a torn last line, from a crash, is ignored; null, a value that was not finite,
-    reads as nan)."""
+    reads as nan); RunError naming the first line that is JSON but no metrics line (an object with an int step)."""
     entries = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             try:
                 metrics = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            step = int(metrics.pop("step"))
+            step = metrics.pop("step", None) if isinstance(metrics, dict) else None
+            if type(step) is not int:
+                raise RunError(f"{path}: line {number} is not a metrics line (a JSON object with an int step): "
+                               f"{line.strip():.80}")
             entries.append((step, {k: math.nan if v is None else v for k, v in metrics.items()}))
     return merge_history(entries)
 
@@ -173,9 +178,11 @@ def read_run(spec: str) -> Run:
         rows = read_jsonl(jsonl)
         if rows:
             from_jsonl = Run(from_wandb.label if from_wandb else dir_name, rows, "metrics.jsonl")
-    run = from_wandb if from_wandb and (not from_jsonl or _steps(from_wandb) > _steps(from_jsonl)) else from_jsonl
-    # (wandb when it covers strictly more, e.g. metrics.jsonl was removed and the run resumed; else metrics.jsonl: a
-    # resume may change wandb.*, so wandb may hold only part of the run)
+    run = from_wandb if from_wandb and (not from_jsonl or _earlier_history(from_wandb, from_jsonl)) else from_jsonl
+    # (wandb where it holds metrics.jsonl's steps and earlier ones: metrics.jsonl was removed and the run resumed;
+    # else metrics.jsonl: a resume may change wandb.*, so wandb may hold only part of the run, and a resume from an
+    # older checkpoint cuts metrics.jsonl, while wandb keeps the steps it abandoned wherever the resumed run's first
+    # logged step comes after them: log_interval raised)
     if run:
         run.batch = batch_of(spec)
         return run
@@ -213,8 +220,10 @@ def distinct_labels(runs: list[Run], specs: list[str]) -> list[str]:
             for i, label in enumerate(labels)]
 
 
-def _steps(run: Run) -> set[int]:
-    return {row["step"] for row in run.rows}
+def _earlier_history(wandb: Run, jsonl: Run) -> bool:
+    """Whether `wandb` holds every step of `jsonl` and more, all of them before `jsonl`'s first."""
+    steps, kept = {row["step"] for row in wandb.rows}, {row["step"] for row in jsonl.rows}
+    return steps > kept and max(steps - kept) < min(kept)
 
 
 def _read_online(path: str) -> Run:

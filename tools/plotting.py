@@ -16,13 +16,19 @@ CREATED = "missing directories are created"       # the rule, as the tools' --he
 
 
 def image_path_error(path: str) -> str | None:
-    """None when matplotlib can write `path` (judged by its suffix), else the one-line reason."""
+    """None when matplotlib can write `path` (judged by its suffix; .pgf only with its TeX system installed: it runs
+    one), else the one-line reason."""
+    import matplotlib
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    if os.path.splitext(path)[1][1:].lower() in formats:
-        return None
-    return f"{path}: matplotlib writes only {', '.join('.' + f for f in formats)}"
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix not in formats:
+        return f"{path}: matplotlib writes only {', '.join('.' + f for f in formats)}"
+    tex = matplotlib.rcParams["pgf.texsystem"]
+    if suffix == "pgf" and shutil.which(tex) is None:
+        return f"{path}: matplotlib writes .pgf with {tex} (rcParams['pgf.texsystem']), which is not installed here"
+    return None
 
 
 def output_path_error(path: str, image: bool = False, directory: bool = False) -> str | None:
