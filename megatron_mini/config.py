@@ -368,6 +368,9 @@ class TrainConfig:
 
 
 MAX_LOSS_SCALE = 2.0 ** 64    # fp16's dynamic loss scale never grows past it (a larger one only overflows)
+LEAST_LOSS_SCALE = 2.0 ** -24  # fp16's least number: a smaller scale is 0 in fp16 (every gradient 0, every step)
+_LEAST = "2**-24: fp16's least number; a smaller scale is 0 in fp16"
+FP32_TINY = 2.0 ** -126       # fp32's least normal number (a smaller eps may be 0 to the fp32 optimizer: 0 / 0)
 # (key, test, requirement) for every numeric key; 0 means "off" where a key says so
 _GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
 _UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
@@ -380,14 +383,18 @@ RANGES = {    # (data first: model.vocab_size is ${data.vocab_size} in the prese
     "optimizer.lr": _GE0, "optimizer.min_lr": _GE0, "optimizer.warmup_steps": _GE0,
     "optimizer.decay_steps": (_GE0[0], ">= 0 (0: decay until the last step)"),
     "optimizer.cooldown_steps": (_GE0[0], ">= 0 (0: decay from the warmup's end)"),
-    "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT, "optimizer.eps": _GT0,
+    "optimizer.weight_decay": _GE0, "optimizer.beta1": _UNIT, "optimizer.beta2": _UNIT,
+    "optimizer.eps": (lambda v: v >= FP32_TINY, ">= 2**-126 (fp32's least normal number: a smaller one may be 0 to the "
+                      "fp32 optimizer, and 0 / 0 a NaN)"),
     "optimizer.grad_clip": (_GE0[0], ">= 0 (0: no clipping)"),
     "precision.peak_tflops": (_GE0[0], ">= 0 (0: from the table of known GPUs)"),
-    "precision.initial_loss_scale": (lambda v: 0 < v <= MAX_LOSS_SCALE, "in (0, 2**64]"),
+    "precision.initial_loss_scale": (lambda v: LEAST_LOSS_SCALE <= v <= MAX_LOSS_SCALE,
+                                     f"in [2**-24, 2**64] ({_LEAST})"),
     "precision.loss_scale_growth_factor": (lambda v: v >= 1, ">= 1"),
     "precision.loss_scale_growth_interval": _GE1,
     "precision.loss_scale_backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "precision.loss_scale_hysteresis": _GE1, "precision.min_loss_scale": _GT0, "precision.max_skips_at_min_scale": _GE1,
+    "precision.loss_scale_hysteresis": _GE1, "precision.max_skips_at_min_scale": _GE1,
+    "precision.min_loss_scale": (lambda v: v >= LEAST_LOSS_SCALE, f">= 2**-24 ({_LEAST})"),
     "tp": _GE1, "pp": _GE1, "vpp": _GE1, "zero": (lambda v: v in (0, 1), "0 (off) or 1 (ZeRO-1)"),
     "ddp_bucket_numel": (_GE1[0], ">= 1 (fp32 main-grad elements per DP bucket)"),
     "pipeline_first_blocks": (_GE0[0], ">= 0 (0: balanced)"), "pipeline_last_blocks": (_GE0[0], ">= 0 (0: balanced)"),
@@ -629,9 +636,14 @@ def _check_rampup(cfg: TrainConfig) -> None:
         raise ConfigError(f"rampup_batch_size={ramp} starts at {start} samples, above gbs={cfg.gbs}: the ramp grows "
                           f"the global batch up to gbs; start it at {cfg.gbs} or less.")
     if (cfg.gbs - start) % increment:
+        # (the example: the largest one up to `increment` (or mbs) that is whole microbatches too, where the start
+        # is and there is one: at dp = 1 the ramp's global batches then split into microbatches, _check_batches)
+        gap = cfg.gbs - start
+        top = max(min(increment, gap), cfg.mbs) // cfg.mbs * cfg.mbs
+        whole = [d for d in range(top, 0, -cfg.mbs) if gap % d == 0] if start % cfg.mbs == 0 else []
         raise ConfigError(f"rampup_batch_size={ramp}: from start={start} the increments of {increment} miss "
-                          f"gbs={cfg.gbs} (gbs - start = {cfg.gbs - start} is no multiple of {increment}); "
-                          f"use an increment that divides it, e.g. {math.gcd(increment, cfg.gbs - start)}.")
+                          f"gbs={cfg.gbs} (gbs - start = {gap} is no multiple of {increment}); "
+                          f"use an increment that divides it, e.g. {(whole or [math.gcd(increment, gap)])[0]}.")
 
 
 def check_rampup_layout(cfg: TrainConfig, dp: int, consumed_samples: int, steps: int) -> None:

@@ -28,6 +28,7 @@ from .data_parallel import GradBuffer
 from .mesh import ParallelMesh
 
 STATES = ("master", "exp_avg", "exp_avg_sq")   # what Adam keeps per parameter element, in fp32
+FP32_MAX = torch.finfo(torch.float32).max
 NORM_PIECE = 1 << 14    # elements per piece of the gradient norm on a CPU (Optimizer.norm_pieces)
 
 
@@ -224,6 +225,7 @@ class Optimizer:
         self.step_count += 1
         self._step.fill_(self.step_count)
         divide = scale / clip if clip < 1.0 else scale          # g <- g / (loss scale / clip factor)
+        divide = min(divide, FP32_MAX)      # (a tiny grad_clip: fp32 holds no larger divisor; the step is ~0 anyway)
         self._grad_scale.fill_(divide)
         c = self.cfg
         for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():

@@ -60,11 +60,12 @@ def test_loss_scale_grows_no_further_than_its_cap():
     assert s.scale == MAX_LOSS_SCALE == 2.0 ** 64
 
 
-@pytest.mark.parametrize("dtype,clip", [("fp16", 1.0), ("bf16", 1e3)])
+@pytest.mark.parametrize("dtype,clip", [("fp16", 1.0), ("bf16", 1e3), ("fp16", 1e-40)])
 def test_an_optimizer_step_is_adamw_of_the_unscaled_clipped_gradient(dtype, clip):
     """Optimizer.step against AdamW in fp64: the fused kernel's grad_scale divides the main grads by the fp16 loss
     scale and the clipping factor (min(1, grad_clip / (norm + 1e-6))), moments with bias correction, weight decay
-    lr * wd * w on the weights (not LayerNorm-like no_weight_decay ones), on the fp32 masters of 16-bit weights."""
+    lr * wd * w on the weights (not LayerNorm-like no_weight_decay ones), on the fp32 masters of 16-bit weights.
+    A grad_clip so small that the divisor passes fp32's largest (1e-40: the fill raised) leaves weight decay alone."""
     from megatron_mini.config import OptimizerConfig
     from megatron_mini.data_parallel import GradBuffer
     from megatron_mini.mesh import ParallelMesh

@@ -152,8 +152,11 @@ def test_a_ramp_trains_the_same_model_on_every_layout(small_data, tmp_path):
     ([8, 8, -1], 1, {}, r"start and increment must be >= 1, samples >= 0"),
     ([40, 8, 100], 1, {}, r"starts at 40 samples, above gbs=32: .* start it at 32 or less"),
     ([8, 10, 100], 1, {}, r"from start=8 the increments of 10 miss gbs=32 \(gbs - start = 24 is no multiple of 10\); "
-                          r"use an increment that divides it, e.g. 2\."),
-    ([8, 10**10, 100], 1, {}, r"the increments of 10000000000 miss gbs=32 .* e.g. 8\."),   # (at once)
+                          r"use an increment that divides it, e.g. 8\."),      # (whole microbatches of mbs 4)
+    ([8, 5, 100], 1, {}, r"the increments of 5 miss gbs=32 .* e.g. 4\."),                 # (not 1: mbs 4)
+    ([8, 5, 100], 1, {"mbs": 8}, r"the increments of 5 miss gbs=32 .* e.g. 8\."),         # (mbs, above 5)
+    ([6, 5, 100], 1, {}, r"the increments of 5 miss gbs=32 .* e.g. 1\."),       # (the start is not whole: the gcd)
+    ([8, 10**10, 100], 1, {}, r"the increments of 10000000000 miss gbs=32 .* e.g. 24\."),  # (at once)
     ([4, 4, 100], 2, {}, r"its global batch of 4 is not divisible by mbs x dp = 4 x 2 = 8, .* use a start and an "
                          r"increment that are multiples of 8\.$"),
     ([8, 4, 100], 2, {}, r"its global batch of 12 is not divisible by mbs x dp = 4 x 2 = 8"),
@@ -164,6 +167,16 @@ def test_a_ramp_that_cannot_run_is_refused(ramp, world, overrides, error):
     cfg = TrainConfig(gbs=32, rampup_batch_size=ramp, **overrides)
     with pytest.raises(ConfigError, match=error):
         validate(cfg, world)
+
+
+def test_the_increment_a_ramp_refusal_gives_runs():
+    """The increment the refusal of one that misses gbs gives as its example is accepted at dp = 1 (with mbs 4, the
+    example was the gcd of the increment and gbs - start, 1, whose global batches are no whole microbatches)."""
+    for start, increment, gbs in ((8, 5, 32), (8, 10, 32), (4, 7, 64), (12, 3, 32), (8, 10**10, 32)):
+        with pytest.raises(ConfigError) as caught:
+            validate(TrainConfig(gbs=gbs, rampup_batch_size=[start, increment, 100]), 1)
+        example = int(re.search(r"e\.g\. (\d+)\.$", str(caught.value)).group(1))
+        assert validate(TrainConfig(gbs=gbs, rampup_batch_size=[start, example, 100]), 1) == 1, (start, example)
 
 
 def test_a_ramp_that_can_run_is_accepted():

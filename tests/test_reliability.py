@@ -140,8 +140,17 @@ def _refusal_cases(data, trained, tmp: Path, hooks: Path) -> list:
         ("no-layers", 1, ["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
         ("negative-lr", 1, ["optimizer.lr=-0.001"], ["optimizer.lr=-0.001 must be >= 0"]),
         ("loss-scale-inf", 1, ["precision=fp16", "precision.initial_loss_scale=inf"],
-         ["precision.initial_loss_scale=inf must be a finite number in (0, 2**64]"]),
-        ("adam-eps-inf", 1, ["optimizer.eps=inf"], ["optimizer.eps=inf must be a finite number > 0"]),
+         ["precision.initial_loss_scale=inf must be a finite number in [2**-24, 2**64] (2**-24: fp16's least "
+          "number; a smaller scale is 0 in fp16)"]),
+        ("loss-scale-tiny", 1, ["precision=fp16", "precision.initial_loss_scale=1e-30",
+                                "precision.min_loss_scale=1e-30"],
+         ["precision.initial_loss_scale=1e-30 must be in [2**-24, 2**64]",
+          "precision.min_loss_scale=1e-30 must be >= 2**-24 (2**-24: fp16's least number; a smaller scale is 0 in "
+          "fp16)"]),
+        ("adam-eps-inf", 1, ["optimizer.eps=inf"], ["optimizer.eps=inf must be a finite number >= 2**-126"]),
+        ("adam-eps-tiny", 1, ["optimizer.eps=1e-46"],
+         ["optimizer.eps=1e-46 must be >= 2**-126 (fp32's least normal number: a smaller one may be 0 to the fp32 "
+          "optimizer, and 0 / 0 a NaN)"]),
         ("data-vocab-negative", 1, ["data.vocab_size=-5"], ["data.vocab_size=-5 must be >= 1"]),
         ("data-dir-empty", 1, ["data.dir="], ["data.dir is empty: give the directory of the prepared data"]),
         ("log-interval-0", 1, ["log_interval=0"], ["log_interval=0 must be >= 1"]),
@@ -271,7 +280,8 @@ def refusals(small_data, trained, tmp_path_factory, hooks):
 
 
 REFUSAL_IDS = ["appended-key", "appended-typo", "device-tpu", "decay-style-typo", "no-layers", "negative-lr",
-               "loss-scale-inf", "adam-eps-inf", "data-vocab-negative", "data-dir-empty", "log-interval-0",
+               "loss-scale-inf", "loss-scale-tiny", "adam-eps-inf", "adam-eps-tiny",
+               "data-vocab-negative", "data-dir-empty", "log-interval-0",
                "eval-iters-0", "heads-0", "seq-len-0", "timeout-0", "first-blocks-negative", "first-blocks-too-many",
                "pp3-uneven", "triton-on-cpu", "attention-head-dim", "unwritable-run-dir",
                "token-ids", "token-files", "resume-empty-dir", "resume-run-dir", "bool-given-a-number",
