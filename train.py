@@ -47,8 +47,9 @@ command_line = HydraCommandLine(multirun=False)     # (a sweep is refused: each 
 def main(dict_cfg: DictConfig) -> None:
     command_line.composed()
     try:
-        check_keys(OmegaConf.to_container(dict_cfg, resolve=False))
-        check_booleans(command_line.argv)
+        given = OmegaConf.to_container(dict_cfg, resolve=False)
+        check_keys(given)
+        check_booleans(command_line.argv, composed=given)
         cfg: TrainConfig = structured(dict_cfg)
         # a bad config is refused in well under a second: torch is not loaded yet (a ramp's batches: from sample 0
         # unless the run may resume, when train() checks them from its checkpoint's)

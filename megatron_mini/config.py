@@ -471,15 +471,56 @@ def split_override(arg: str) -> tuple[str, str, str]:
     return key.lstrip("+~"), equals, value
 
 
-def check_booleans(argv: list, schema=None) -> None:
+def check_booleans(argv: list, schema=None, composed: dict | None = None) -> None:
     """Refuse a command line's bool key given anything but true or false: OmegaConf takes any integer as a bool
-    (sp=2, an sp degree meant, is sp=true; async_save=0 is false), which Hydra's typed config does not refuse."""
+    (sp=2, an sp degree meant, is sp=true; async_save=0 is false), which Hydra's typed config does not refuse; in a
+    group's dict too (precision={tf32:0}). `composed`: the composed config, unresolved (nested dicts): a bool key
+    there (from a YAML of the user's own, untyped) or the value its interpolation leads to (sp=${vpp}) must be true
+    or false too."""
     keys = boolean_keys(schema)
     for arg in argv:
         key, equals, value = split_override(arg)
-        text = value.strip().strip("'\"").lower()          # (Hydra's quoted 'true' is true; ${...}: resolved later)
-        if equals and key in keys and text not in ("true", "false", "null") and not text.startswith("${"):
-            raise ConfigError(f"{arg}: {key} is true or false")
+        if not equals:
+            continue
+        if value.lstrip().startswith("{"):        # (a dict for a group: Hydra's parser reads it, as composing does)
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+            try:
+                given = OverridesParser.create().parse_override(arg).value()
+            except Exception:                      # noqa: BLE001 - not Hydra's syntax: Hydra refuses it, with its words
+                continue
+            bad = next((k for k, v in _flat(given, key) if k in keys and not _boolean(v)), None)
+        else:
+            bad = key if key in keys and not _boolean(value.strip().strip("'\"")) else None
+        if bad is not None:
+            raise ConfigError(f"{arg}: {bad} is true or false")
+    for key, value in _flat(composed or {}, ""):
+        target = value
+        if key in keys and isinstance(value, str) and value.startswith("${"):
+            from omegaconf import OmegaConf
+            try:
+                target = OmegaConf.select(OmegaConf.create(composed), key, throw_on_resolution_failure=True)
+            except Exception:                      # noqa: BLE001 - refused when it is resolved, with OmegaConf's words
+                continue
+        if key in keys and not _boolean(target):   # (a YAML of the user's own composes untyped: sp: 2 stays 2)
+            said = f"{value} is {target!r}" if target is not value else f"{value!r}"
+            raise ConfigError(f"{key}={said}: {key} is true or false")
+
+
+def _boolean(value) -> bool:
+    """What a bool key may be given: true, false or null (a bool, None, or such text in any case; ${...}: an
+    interpolation, checked where it is composed)."""
+    if isinstance(value, str):
+        return value.lower() in ("true", "false", "null") or value.startswith("${")
+    return value is None or isinstance(value, bool)
+
+
+def _flat(given, prefix: str):
+    """(dotted key, value) of every leaf of the nested dicts `given`, under `prefix`."""
+    if not isinstance(given, dict):
+        yield prefix, given
+        return
+    for k, v in given.items():
+        yield from _flat(v, f"{prefix}.{k}" if prefix else str(k))
 
 
 def unknown_key(key: str, schema=None) -> ConfigError:
@@ -615,7 +656,7 @@ def check_layout_free(cfg: TrainConfig) -> None:
 def check_heads(m: ModelConfig) -> None:
     """The heads split the hidden size evenly (head dim = hidden_size / num_heads)."""
     if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by num_heads={m.num_heads}.")
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.")
 
 
 def _check_rampup(cfg: TrainConfig) -> None:

@@ -654,13 +654,23 @@ def test_ranks_that_resolve_the_config_differently_stop(small_data, tmp_path):
 def test_a_bool_key_takes_true_or_false_alone():
     """OmegaConf takes any integer as a bool (sp=2, an sp degree meant, was sp=true; compile=2 too, an
     Optional[bool]); the forms Hydra means as true or false pass: any case, quoted, null where None is allowed, an
-    interpolation (resolved later); prefixes are read past."""
+    interpolation that leads to one of them; prefixes are read past. In a group's dict too (precision={tf32:0}
+    was tf32=false), and in the composed config: an interpolation's target (sp=${vpp} was sp=true) and a YAML's own
+    value (a config of the user's own composes untyped)."""
     from megatron_mini.config import ConfigError, check_booleans
     from megatron_mini.planner import PlanConfig
     for schema in (None, PlanConfig):
         check_booleans(["sp=True", "++sp=false", "~sp", "async_save='true'", "compile=null", "sp=${oc.env:X,false}",
-                        "tp=2", "model=tiny"], schema)
-        for bad in ("sp=2", "+async_save=-1", "compile=2", "precision.tf32=yes", "sp="):
-            with pytest.raises(ConfigError, match=rf"^{re.escape(bad)}: {bad.lstrip('+').split('=')[0]} is true or "
-                                                  r"false$"):
+                        "tp=2", "model=tiny", "precision={tf32:True,dtype:bf16}", "model={num_layers:2}"], schema)
+        for bad, key in (("sp=2", "sp"), ("+async_save=-1", "async_save"), ("compile=2", "compile"),
+                         ("precision.tf32=yes", "precision.tf32"), ("sp=", "sp"),
+                         ("precision={tf32:0}", "precision.tf32"), ("+precision={dtype:bf16,tf32:yes}",
+                                                                    "precision.tf32")):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(bad)}: {re.escape(key)} is true or false$"):
                 check_booleans([bad], schema)
+        for composed in ({"sp": True, "tp": 2}, {"sp": "${flag}", "flag": False}, {"sp": "${oc.env:X,false}"}):
+            check_booleans([], schema, composed)
+        for composed, said in (({"sp": "${tp}", "tp": 2}, "sp=${tp} is 2"), ({"sp": 2}, "sp=2"),
+                               ({"precision": {"tf32": "yes"}}, "precision.tf32='yes'")):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(said)}: .* is true or false$"):
+                check_booleans([], schema, composed)

@@ -149,7 +149,7 @@ def test_plan_refuses_an_unwritable_plot_before_planning(tmp_path, monkeypatch, 
     (["gbs=-1"], "gbs=-1 must be >= 1"),                                   # wrong for every layout: said once
     (["optimizer.min_lr=1"], "optimizer.min_lr=1.0 is above optimizer.lr"),
     (["--csv", "."], "--csv . is a directory"),
-    (["model.num_heads=7"], "model.hidden_size=128 is not divisible by num_heads=7"),
+    (["model.num_heads=7"], "model.hidden_size=128 is not divisible by model.num_heads=7"),
     (["cluster.gpus=8", "cluster.gpus_per_node=2", "--layout", "tp=4"], "TP groups would span nodes"),
     (["cluster.reserve_gib=nan"], "cluster.reserve_gib=nan must be a finite number"),     # (nan < 0 is False)
     (["cluster.memory_gib=inf"], "cluster.memory_gib=inf must be a finite number"),       # (everything fit)
@@ -639,7 +639,8 @@ def test_a_doc_section_whose_markers_are_not_a_pair_is_refused(doc, tmp_path, ca
     ({"model": {"num_layers": 1}}, ": tensors do not match the config's {model} (missing [], unexpected "
                                    "['blocks.1.attn.proj.bias', "),
     ({"model": {"ffn_mult": 2}}, ": blocks.0.mlp.fc1.weight has shape (256, 64), the config's {model} needs (128, 64)"),
-    ({"model": {"num_heads": 3}}, "/meta.json: its config's model.hidden_size=64 is not divisible by num_heads=3."),
+    ({"model": {"num_heads": 3}}, "/meta.json: its config's model.hidden_size=64 is not divisible by "
+                                  "model.num_heads=3."),
     ({"model": {"seq_len": "32"}}, "/meta.json has no config.model.seq_len (an integer) (not a megatron_mini "
                                    "checkpoint, or a damaged one)."),
     ({"model": {"init_std": "0.02"}}, "/meta.json: its config's model.init_std='0.02' must be a number > 0."),

@@ -65,8 +65,9 @@ def load_config(overrides: list) -> PlanConfig:
         raise ConfigError(command_line.explain(text)) from None
     except Exception as e:                                    # noqa: BLE001 - Hydra failed inside itself
         raise ConfigError(command_line.explain(f"{type(e).__name__}: {first_line(e)}", crashed=True)) from None
-    check_keys(OmegaConf.to_container(composed, resolve=False), PlanConfig)
-    check_booleans(overrides, PlanConfig)
+    given = OmegaConf.to_container(composed, resolve=False)
+    check_keys(given, PlanConfig)
+    check_booleans(overrides, PlanConfig, given)
     cfg = OmegaConf.to_object(composed)
     cfg.cluster.check()
     check_layout_free(cfg)             # a value no layout can fix is one error, not a refusal of every layout

@@ -30,8 +30,9 @@ def main(dict_cfg) -> None:
     command_line.composed()
     stop_on_signals()                      # (SIGTERM: the tokens.bin being written is removed, not left behind)
     try:
-        check_keys(OmegaConf.to_container(dict_cfg, resolve=False))   # (train.py's checks of the data.* keys)
-        check_booleans(command_line.argv)
+        given = OmegaConf.to_container(dict_cfg, resolve=False)      # (train.py's checks of the data.* keys)
+        check_keys(given)
+        check_booleans(command_line.argv, composed=given)
         cfg = structured(dict_cfg)
         check_ranges(cfg, "data.")
         cfg.data.check_dirs_on_disk()
