@@ -623,21 +623,7 @@ def check_layout_free(cfg: TrainConfig) -> None:
         saved = f"the multiples of save_interval={save}" if save else "the last only (save_interval=0)"
         raise ConfigError(f"keep_checkpoint_interval={keep} keeps the checkpoints of its multiples, but the steps "
                           f"saved are {saved}: make it a multiple of save_interval (> 0).")
-    o = cfg.optimizer
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "
-                          f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
-    peak = max(o.warmup_steps, 1)        # (the step at which the lr peaks: the warmup's last, or the first)
-    if 0 < o.decay_steps <= peak:
-        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay no later than the lr peaks (step "
-                          f"{peak}, optimizer.warmup_steps={o.warmup_steps}): set it above {peak}, or to 0 (the "
-                          f"decay ends at the last step).")
-    end = o.decay_steps or cfg.steps
-    if o.cooldown_steps > max(end - peak, 0):
-        where = f"optimizer.decay_steps={end}" if o.decay_steps else f"the last, steps={end}"
-        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} is longer than the decay can be: from the "
-                          f"lr's peak (step {peak}) to the decay's end (step {end}, {where}) is {max(end - peak, 0)} "
-                          f"steps; lower it, or raise {'optimizer.decay_steps' if o.decay_steps else 'steps'}.")
+    _check_schedule(cfg)
     p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} is above precision.initial_loss_scale="
@@ -657,6 +643,34 @@ def check_heads(m: ModelConfig) -> None:
     """The heads split the hidden size evenly (head dim = hidden_size / num_heads)."""
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.")
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The lr schedule's keys (learning_rate) make one: a decay from lr down to min_lr that ends after the peak, with
+    room for its cooldown; under decay_style=constant (lr throughout) none of them applies but cooldown_steps, which
+    would decay nothing there."""
+    o = cfg.optimizer
+    if o.decay_style == "constant":
+        if o.cooldown_steps:
+            raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} decays nothing under optimizer.decay_style="
+                              f"constant (lr throughout): for warmup-stable-decay, give it with the decay's shape "
+                              f"(optimizer.decay_style=sqrt, WSD's 1 - sqrt, or linear), which holds lr until then; "
+                              f"else set it to 0.")
+        return
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule decays "
+                          f"from lr to min_lr; set optimizer.min_lr <= {o.lr} (e.g. optimizer.min_lr={o.lr / 10:g}).")
+    peak = max(o.warmup_steps, 1)        # (the step at which the lr peaks: the warmup's last, or the first)
+    if 0 < o.decay_steps <= peak:
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} ends the decay no later than the lr peaks (step "
+                          f"{peak}, optimizer.warmup_steps={o.warmup_steps}): set it above {peak}, or to 0 (the "
+                          f"decay ends at the last step).")
+    end = o.decay_steps or cfg.steps
+    if o.cooldown_steps > max(end - peak, 0):
+        where = f"optimizer.decay_steps={end}" if o.decay_steps else f"the last, steps={end}"
+        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} is longer than the decay can be: from the "
+                          f"lr's peak (step {peak}) to the decay's end (step {end}, {where}) is {max(end - peak, 0)} "
+                          f"steps; lower it, or raise {'optimizer.decay_steps' if o.decay_steps else 'steps'}.")
 
 
 def _check_rampup(cfg: TrainConfig) -> None:

@@ -405,6 +405,23 @@ def test_min_lr_above_lr_is_refused():
     assert validate(cfg, 1) == 1
 
 
+def test_a_constant_schedule_takes_no_decay_setting_but_refuses_a_cooldown():
+    """decay_style=constant holds lr throughout: min_lr and decay_steps do not apply (lr=1e-4 under the default
+    min_lr 3e-4 was refused: "the schedule decays from lr to min_lr"), and cooldown_steps, which would decay nothing
+    there, is refused with the way to warmup-stable-decay."""
+    from megatron_mini.config import ConfigError, Decay, TrainConfig, validate
+    from megatron_mini.optimizer import learning_rate
+    cfg = TrainConfig()
+    cfg.optimizer.decay_style, cfg.optimizer.lr, cfg.optimizer.decay_steps = Decay.constant, 1e-4, 1
+    assert validate(cfg, 1) == 1
+    assert {learning_rate(u, cfg.optimizer, cfg.steps) for u in range(19, cfg.steps)} == {1e-4}
+    cfg.optimizer.cooldown_steps = 5
+    with pytest.raises(ConfigError, match=r"^optimizer\.cooldown_steps=5 decays nothing under optimizer\.decay_style="
+                                          r"constant \(lr throughout\): for warmup-stable-decay, .*"
+                                          r"optimizer\.decay_style=sqrt"):
+        validate(cfg, 1)
+
+
 def test_a_decay_that_ends_within_the_warmup_is_refused():
     """optimizer.decay_steps at or before the step where the lr peaks (the warmup's last, or the first without
     one) would put min_lr at the peak: refused."""
