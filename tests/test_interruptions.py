@@ -113,15 +113,15 @@ def _same_weights(a: Path, b: Path) -> None:
 
 def _stopped_mid_run(small_data, tmp_path, hooks, send):
     """A 10-step torchrun run of 2 ranks, `send(launcher, rank0, rank1)` signalling it once rank 0 has stopped
-    itself in the step-4 save (its 8th fsync), so the signal lands mid-run however late it is sent: every rank
+    itself in the step-4 save (its 10th fsync), so the signal lands mid-run however late it is sent: every rank
     has cast step 4's stop vote, and step 5's is the first to count it. Returns (its Result, run_dir, args)."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
-    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=8,
+    with running(torchrun_argv(2, args), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=10,
                                              HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
         _wait_for(proc, run_dir / "logs" / "rank0000.log", "step     3/")
         rank0, rank1 = _workers(proc)
-        _wait_stopped(rank0, "rank 0 (at its 8th fsync)")
+        _wait_stopped(rank0, "rank 0 (at its 10th fsync)")
         send(proc.pid, rank0, rank1)
         os.kill(rank0, signal.SIGCONT)
         return finish(proc), run_dir, args
@@ -623,15 +623,16 @@ def test_a_second_ctrl_c_mid_step_ends_it_without_a_traceback_with_wandb_on(smal
 def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path, hooks, uninterrupted):
     """torchrun --max-restarts=1 and resume=auto: kill -9 of a rank mid-run; the restarted job resumes from the
     last checkpoint and ends with bitwise the weights of an uninterrupted run. "Mid-run" is made certain, not
-    raced: rank 0 stops itself (SIGSTOP) after its 13th fsync (the first file of the step-6 save; step 4 is
-    saved and named by `latest`), so the job cannot reach its end before the kill, however late the kill is."""
+    raced: rank 0 stops itself (SIGSTOP) after its 17th fsync (the first file of the step-6 save, after the lock,
+    the config and 7 a save: 3 files, meta.json, 2 directories and `latest`; step 4 is saved and named by
+    `latest`), so the job cannot reach its end before the kill, however late the kill is."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=10"]
     with running(torchrun_argv(2, args, "--max-restarts=1"),
-                 env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=13, HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
+                 env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=17, HOOK_CRASH_SIGNAL="SIGSTOP")) as proc:
         _wait_for(proc, run_dir / "checkpoints" / "latest", "step_000004")
         rank0, rank1 = _workers(proc)
-        _wait_stopped(rank0, "rank 0 (at its 13th fsync)")
+        _wait_stopped(rank0, "rank 0 (at its 17th fsync)")
         os.kill(rank1, signal.SIGKILL)
         os.kill(rank0, signal.SIGCONT)
         r = finish(proc)
@@ -641,13 +642,14 @@ def test_torchrun_restarts_after_a_kill_and_resumes_exactly(small_data, tmp_path
 
 
 def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(small_data, tmp_path, hooks, uninterrupted):
-    """Rank 0, the writer, dies (SIGKILL) in the middle of the second save, after writing one file (its 8th
+    """Rank 0, the writer, dies (SIGKILL) in the middle of the second save, after writing one file (its 10th
     fsync: the run directory's lock, the run's config, the first save's 3 files (weights, optimizer, tokenizer),
-    meta.json and `latest`, then the second save's weights): the half-written step_000004.tmp is never taken; the
+    meta.json, its directory and checkpoints/ (Save._publish's syncs) and `latest`, then the second save's
+    weights): the half-written step_000004.tmp is never taken; the
     restarted job removes it, saying so, resumes from step 2 and ends as the uninterrupted run."""
     run_dir = tmp_path / "run"
     args = [*model_args(small_data, run_dir), *RESUMABLE, "steps=6"]
-    r = finish(start(torchrun_argv(2, args, "--max-restarts=1"), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=8)))
+    r = finish(start(torchrun_argv(2, args, "--max-restarts=1"), env(hooks, HOOK_CRASH_RANK=0, HOOK_CRASH_AT_FSYNC=10)))
     assert r.rc == 0, r
     assert f"resumed from {run_dir}/checkpoints/step_000002" in r.out, r
     assert f"resume: removed {run_dir}/checkpoints/step_000004.tmp, the partial files of a save that a crash " \
