@@ -31,10 +31,10 @@ from megatron_mini.launch import EarlyInterrupt   # (milliseconds: no torch)
 EarlyInterrupt.install()             # (a Ctrl-C that an import's callback swallows is raised again by train())
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from megatron_mini.checkpoint_dir import check_start_dirs
-from megatron_mini.config import TrainConfig, check_booleans, check_keys, register_configs, structured, validate
+from megatron_mini.config import TrainConfig, check_given, register_configs, structured, validate
 from megatron_mini.dataset import load_run_data
 from megatron_mini.errors import CommError, ConfigError, RunError, first_line, peer_closed
 from megatron_mini.launch import HydraCommandLine, Terminated, fail, follow_parent, launch_env, write_error_file
@@ -47,9 +47,7 @@ command_line = HydraCommandLine(multirun=False)     # (a sweep is refused: each 
 def main(dict_cfg: DictConfig) -> None:
     command_line.composed()
     try:
-        given = OmegaConf.to_container(dict_cfg, resolve=False)
-        check_keys(given)
-        check_booleans(command_line.argv, composed=given)
+        check_given(dict_cfg, command_line.argv)
         cfg: TrainConfig = structured(dict_cfg)
         # a bad config is refused in well under a second: torch is not loaded yet (a ramp's batches: from sample 0
         # unless the run may resume, when train() checks them from its checkpoint's)

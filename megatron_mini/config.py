@@ -471,6 +471,15 @@ def split_override(arg: str) -> tuple[str, str, str]:
     return key.lstrip("+~"), equals, value
 
 
+def check_given(composed, argv: list, schema=None) -> None:
+    """check_keys and check_booleans of a composed config (an OmegaConf DictConfig, unresolved) and the command line
+    `argv` that made it (train.py, prepare_data.py, plan.py)."""
+    from omegaconf import OmegaConf
+    given = OmegaConf.to_container(composed, resolve=False)
+    check_keys(given, schema)
+    check_booleans(argv, schema, given)
+
+
 def check_booleans(argv: list, schema=None, composed: dict | None = None) -> None:
     """Refuse a command line's bool key given anything but true or false: OmegaConf takes any integer as a bool
     (sp=2, an sp degree meant, is sp=true; async_save=0 is false), which Hydra's typed config does not refuse; in a
@@ -494,14 +503,16 @@ def check_booleans(argv: list, schema=None, composed: dict | None = None) -> Non
         if bad is not None:
             raise ConfigError(f"{arg}: {bad} is true or false")
     for key, value in _flat(composed or {}, ""):
+        if key not in keys:
+            continue
         target = value
-        if key in keys and isinstance(value, str) and value.startswith("${"):
+        if isinstance(value, str) and value.startswith("${"):
             from omegaconf import OmegaConf
             try:
                 target = OmegaConf.select(OmegaConf.create(composed), key, throw_on_resolution_failure=True)
             except Exception:                      # noqa: BLE001 - refused when it is resolved, with OmegaConf's words
                 continue
-        if key in keys and not _boolean(target):   # (a YAML of the user's own composes untyped: sp: 2 stays 2)
+        if not _boolean(target):                   # (a YAML of the user's own composes untyped: sp: 2 stays 2)
             said = f"{value} is {target!r}" if target is not value else f"{value!r}"
             raise ConfigError(f"{key}={said}: {key} is true or false")
 

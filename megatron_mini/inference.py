@@ -367,9 +367,10 @@ def _token_ids(ids) -> list | None:
     """One prompt as a list of ints; None where `ids` is not one sequence of ints (floats, or a batch of prompts:
     operator.index alone takes a tensor's 1-element row, [[1], [2]] as [1, 2])."""
     try:
-        return [operator.index(i) for i in ids] if all(_is_int(i) for i in ids) else None
+        ids = list(ids)                     # (once: an iterator is read by the check and the conversion alike)
     except TypeError:
         return None
+    return [operator.index(i) for i in ids] if all(_is_int(i) for i in ids) else None
 
 
 @torch.no_grad()

@@ -224,8 +224,8 @@ class Optimizer:
         clip = self.cfg.grad_clip / (norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
         self.step_count += 1
         self._step.fill_(self.step_count)
-        divide = scale / clip if clip < 1.0 else scale          # g <- g / (loss scale / clip factor)
-        divide = min(divide, FP32_MAX)      # (a tiny grad_clip: fp32 holds no larger divisor; the step is ~0 anyway)
+        # g <- g / (loss scale / clip factor), at most fp32's largest (a tiny grad_clip: the step is ~0 anyway)
+        divide = min(scale / clip if clip < 1.0 else scale, FP32_MAX)
         self._grad_scale.fill_(divide)
         c = self.cfg
         for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():

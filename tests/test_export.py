@@ -855,6 +855,7 @@ def test_generate_refuses_bad_arguments():
     assert inference.generate(model, torch.tensor([1, 2]), 3, 0) == inference.generate(model, [1, 2], 3, 0) \
         == inference.generate(model, np.array([1, 2]), np.int64(3), 0, top_k=torch.tensor(2), num_samples=np.int32(1))
     assert len(inference.generate(model, [1, 2], 3, 1.0, top_k=torch.tensor(2), num_samples=np.int32(2))) == 2
+    assert inference.generate(model, iter([1, 2]), 3, 0) == inference.generate(model, [1, 2], 3, 0)   # (read once)
 
 
 _TRUE_DIVIDE = torch.Tensor.__truediv__

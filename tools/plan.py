@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from bench.report import at_least, text_table
 from defaults_help import DefaultsHelp
 from plotting import CREATED, refuse_unwritable, write_output
-from megatron_mini.config import ConfigError, check_booleans, check_keys, check_layout_free, split_override, validate
+from megatron_mini.config import ConfigError, check_given, check_layout_free, split_override, validate
 from megatron_mini.hardware import GPUS
 from megatron_mini.errors import first_line, run_tool
 from megatron_mini.launch import HydraCommandLine
@@ -65,9 +65,7 @@ def load_config(overrides: list) -> PlanConfig:
         raise ConfigError(command_line.explain(text)) from None
     except Exception as e:                                    # noqa: BLE001 - Hydra failed inside itself
         raise ConfigError(command_line.explain(f"{type(e).__name__}: {first_line(e)}", crashed=True)) from None
-    given = OmegaConf.to_container(composed, resolve=False)
-    check_keys(given, PlanConfig)
-    check_booleans(overrides, PlanConfig, given)
+    check_given(composed, overrides, PlanConfig)
     cfg = OmegaConf.to_object(composed)
     cfg.cluster.check()
     check_layout_free(cfg)             # a value no layout can fix is one error, not a refusal of every layout

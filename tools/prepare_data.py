@@ -14,9 +14,8 @@ first's>/tokenizer.model), and the mixture is printed;
 data.source, data.text_key and data.tokenizer beside it are refused (check_ranges), as train.py refuses them.
 """
 import hydra
-from omegaconf import OmegaConf
 
-from megatron_mini.config import ConfigError, check_booleans, check_keys, check_ranges, register_configs, structured
+from megatron_mini.config import ConfigError, check_given, check_ranges, register_configs, structured
 from megatron_mini.data import DataError, prepare
 from megatron_mini.dataset import blend_note, load_datasets
 from megatron_mini.launch import HydraCommandLine, Stopped, fail, stop_on_signals
@@ -30,9 +29,7 @@ def main(dict_cfg) -> None:
     command_line.composed()
     stop_on_signals()                      # (SIGTERM: the tokens.bin being written is removed, not left behind)
     try:
-        given = OmegaConf.to_container(dict_cfg, resolve=False)      # (train.py's checks of the data.* keys)
-        check_keys(given)
-        check_booleans(command_line.argv, composed=given)
+        check_given(dict_cfg, command_line.argv)                     # (train.py's checks of the data.* keys)
         cfg = structured(dict_cfg)
         check_ranges(cfg, "data.")
         cfg.data.check_dirs_on_disk()
